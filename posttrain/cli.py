@@ -1,0 +1,63 @@
+"""`posttrain <command>`: the command line.
+
+Each command lives in its own module under `posttrain/commands/` and exposes
+`register(subparsers)`, which adds its parser and sets `func` (a callable taking the parsed
+arguments and returning an exit code). Modules are found automatically, so adding a command never
+edits this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+
+from posttrain import __version__, commands
+from posttrain.errors import UserError
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are a single line and exit code 2 (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog="posttrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=OneLineErrorParser
+    )
+    for module_info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{commands.__name__}.{module_info.name}")
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as error:
+        print(f"posttrain: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print("posttrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

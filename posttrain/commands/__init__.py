@@ -1,0 +1,1 @@
+"""CLI commands: one module each, with `register(subparsers)`; `posttrain.cli` finds them all."""
