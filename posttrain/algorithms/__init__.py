@@ -1,1 +1,51 @@
-"""algorithms."""
+"""The algorithm catalogue: pure tensor functions (no models, configs, I/O or `.item()`).
+
+Each function states its equation, its paper and its shapes; `docs/algorithms.md` maps each
+algorithm, step by step, onto these functions.
+"""
+
+from posttrain.algorithms.advantages import (
+    gae,
+    group_statistics,
+    grpo_advantages,
+    masked_mean,
+    rloo_advantages,
+    whiten,
+)
+from posttrain.algorithms.kl import ESTIMATORS, exact_kl, kl_estimate, kl_penalized_rewards
+from posttrain.algorithms.logprobs import response_logprobs, sequence_logprobs, token_logprobs
+from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss
+from posttrain.algorithms.preference import (
+    PREFERENCE_LOSSES,
+    dpo_loss,
+    hinge_loss,
+    ipo_loss,
+    length_normalized_dpo_loss,
+    robust_dpo_loss,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "ESTIMATORS",
+    "PREFERENCE_LOSSES",
+    "aggregate",
+    "clipped_surrogate",
+    "clipped_value_loss",
+    "dpo_loss",
+    "exact_kl",
+    "gae",
+    "group_statistics",
+    "grpo_advantages",
+    "hinge_loss",
+    "ipo_loss",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "length_normalized_dpo_loss",
+    "masked_mean",
+    "response_logprobs",
+    "rloo_advantages",
+    "robust_dpo_loss",
+    "sequence_logprobs",
+    "token_logprobs",
+    "whiten",
+]

@@ -1,0 +1,161 @@
+"""Policy and value losses, and how per-token losses become one number.
+
+Three independent choices, each an argument: the clip range (symmetric PPO, or DAPO's clip-higher
+with a larger upper bound), the optional dual clip for negative advantages, and the aggregation mode.
+Losses are to be minimised (the negative of the clipped objective).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+AGGREGATIONS: tuple[str, ...] = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
+
+# exp() of a log-ratio beyond this overflows float32 long before it means anything; clamping the
+# log-ratio (not the ratio) keeps the loss finite and leaves every clipped region unchanged.
+MAX_LOG_RATIO = 20.0
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO clipped surrogate loss (Schulman et al., arXiv:1707.06347 eq. 7).
+
+        ratio = exp(logprobs - old_logprobs)
+        loss  = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+
+    `clip_high > clip_low` is DAPO's clip-higher (arXiv:2503.14476 eq. 10). With `dual_clip = c > 1`
+    the loss of a negative-advantage token is also capped at -c * A (Ye et al., arXiv:1912.09729
+    eq. 5), so a huge ratio on a bad token cannot dominate the batch.
+
+    Args:
+        logprobs: (N, T) log-probs of the sampled tokens under the current policy (with grad).
+        old_logprobs: (N, T) the same under the behaviour policy that sampled them (no grad).
+        advantages: (N, T), or (N,) broadcast over tokens.
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+        dual_clip: None, or c > 1.
+
+    Returns:
+        loss (N, T) per token (not yet masked or aggregated), and detached per-token stats:
+        `ratio`, `clipped_low` (the lower clip is active: ratio < 1 - clip_low with A < 0),
+        `clipped_high` (ratio > 1 + clip_high with A > 0), `dual_clipped` (bool tensors).
+
+    Example (the seed): old prob 0.20, new 0.26, A = sqrt(3), clip 0.2/0.2 -> ratio 1.3,
+    objective min(1.3 A, 1.2 A) = 1.2 * sqrt(3) ~ 2.078, loss ~ -2.078, clipped_high True.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if advantages.dim() == logprobs.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.expand_as(logprobs)
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped_loss, clipped_loss)
+    dual_clipped = torch.zeros_like(loss, dtype=torch.bool)
+    if dual_clip is not None:
+        dual_bound = -advantages * dual_clip
+        dual_clipped = (advantages < 0) & (loss > dual_bound)
+        loss = torch.where(advantages < 0, torch.minimum(loss, dual_bound), loss)
+    stats = {
+        "ratio": ratio.detach(),
+        "clipped_low": ((ratio < 1.0 - clip_low) & (advantages < 0)).detach(),
+        "clipped_high": ((ratio > 1.0 + clip_high) & (advantages > 0)).detach(),
+        "dual_clipped": dual_clipped.detach(),
+    }
+    return loss, stats
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    clip_range: float | None = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token critic loss with PPO's value clipping.
+
+        loss = 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
+
+    With `clip_range=None` it is the plain 0.5 * (V - R)^2.
+
+    Args:
+        values: (N, T) current critic values (with grad).
+        old_values: (N, T) the critic's values at rollout time.
+        returns: (N, T) GAE returns (targets).
+        clip_range: c, or None.
+
+    Returns:
+        loss (N, T) per token, and `clipped` (N, T) bool: the clipped branch was the larger one.
+    """
+    unclipped = (values - returns) ** 2
+    if clip_range is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    clipped = (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).detach()
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: Aggregation = "token_mean",
+    global_tokens: float | torch.Tensor | None = None,
+    global_sequences: float | torch.Tensor | None = None,
+    max_length: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss (N, T) to a scalar.
+
+    Modes (their names follow verl's `loss_agg_mode`):
+      * "token_mean": sum over all tokens / global_tokens (DAPO, arXiv:2503.14476 eq. 8). Every
+        token weighs the same, whatever its sequence's length.
+      * "seq_mean_token_mean": mean over sequences of each sequence's token mean (original GRPO,
+        arXiv:2402.03300 eq. 3); short sequences' tokens weigh more.
+      * "seq_mean_token_sum": mean over sequences of each sequence's token sum.
+      * "seq_mean_token_sum_norm": sum over all tokens / (global_sequences * max_length): Dr. GRPO's
+        constant normaliser (arXiv:2503.20783 section 3.1), no length bias.
+
+    The normalisers are passed in so that a batch split into micro-batches (or across ranks) gives
+    the same total: give every micro-batch the *global* counts and sum the micro-batch results.
+    Left as None they default to this call's own counts.
+
+    Args:
+        per_token: (N, T) loss per token.
+        mask: (N, T) bool, True = counts.
+        mode: one of `AGGREGATIONS`.
+        global_tokens: total number of True mask entries in the whole batch ("token_mean").
+        global_sequences: total number of sequences in the whole batch (the "seq_*" modes).
+        max_length: the constant L of "seq_mean_token_sum_norm" (e.g. max_new_tokens); required.
+
+    Returns:
+        scalar tensor.
+    """
+    mask_float = mask.to(per_token.dtype)
+    masked = per_token * mask_float
+    if mode == "token_mean":
+        normaliser = mask_float.sum() if global_tokens is None else torch.as_tensor(global_tokens)
+        return masked.sum() / normaliser.to(per_token.dtype).clamp(min=1)
+    sequences = per_token.shape[0] if global_sequences is None else global_sequences
+    if mode == "seq_mean_token_mean":
+        per_sequence = masked.sum(dim=-1) / mask_float.sum(dim=-1).clamp(min=1)
+        return per_sequence.sum() / sequences
+    if mode == "seq_mean_token_sum":
+        return masked.sum() / sequences
+    if mode == "seq_mean_token_sum_norm":
+        if max_length is None:
+            raise ValueError("seq_mean_token_sum_norm needs max_length (the constant normaliser)")
+        return masked.sum() / (sequences * max_length)
+    raise ValueError(f"unknown aggregation mode {mode!r}; choose from {', '.join(AGGREGATIONS)}")

@@ -1,0 +1,166 @@
+"""Preference losses (DPO family) over sequence log-probs of chosen and rejected responses.
+
+Every loss takes the summed response log-probs of the policy and of the frozen reference and
+returns `(losses, chosen_rewards, rejected_rewards)`, all (P,) for P pairs. The implicit rewards
+are beta * (log pi - log pi_ref) per response (DPO, arXiv:2305.18290 section 5), detached, for
+metrics. With
+
+    h = (chosen - ref_chosen) - (rejected - ref_rejected)
+
+the losses differ only in what they do with beta * h. A sequence log-prob is the *sum* of the
+response tokens' log-probs; the length-normalised objective (token mean) is a different objective
+and has its own name, `length_normalized_dpo_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+PreferenceOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _log_ratios(chosen, rejected, ref_chosen, ref_rejected):
+    return chosen - ref_chosen, rejected - ref_rejected
+
+
+def dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> PreferenceOutput:
+    """DPO's sigmoid loss (arXiv:2305.18290 eq. 7): -log sigmoid(beta * h).
+
+    With `label_smoothing = e > 0` this is conservative DPO (cDPO; Mitchell 2023, "A note on DPO
+    with noisy preferences"): -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h), the expected
+    loss when each label is flipped with probability e. Computed with logsigmoid, so stable for
+    any |beta h|.
+
+    Args:
+        chosen_logps, rejected_logps: (P,) policy sequence log-probs (summed over response tokens).
+        ref_chosen_logps, ref_rejected_logps: (P,) the reference's.
+        beta: inverse temperature of the implicit reward.
+        label_smoothing: e in [0, 0.5).
+
+    Returns:
+        losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+
+    Example (the seed): chosen -2, rejected -4, references -3, -3, beta 0.2:
+    h = 1 - (-1) = 2, beta h = 0.4, loss = log(1 + e^-0.4) ~ 0.5130; chosen reward 0.2,
+    rejected reward -0.2. If the policy equals the reference, h = 0 and loss = ln 2 ~ 0.6931.
+    """
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen_ratio, rejected_ratio = _log_ratios(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    logits = beta * (chosen_ratio - rejected_ratio)
+    losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def robust_dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.1,
+) -> PreferenceOutput:
+    """Robust DPO (Chowdhury et al., arXiv:2403.00409 eq. 8), unbiased under label noise rate e:
+
+        loss = (-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) / (1 - 2 e)
+
+    Args: as `dpo_loss`; `label_smoothing` is the assumed flip rate e in [0, 0.5).
+    Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+    """
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen_ratio, rejected_ratio = _log_ratios(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    logits = beta * (chosen_ratio - rejected_ratio)
+    e = label_smoothing
+    losses = (-(1 - e) * F.logsigmoid(logits) + e * F.logsigmoid(-logits)) / (1 - 2 * e)
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def ipo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+) -> PreferenceOutput:
+    """IPO (Azar et al., arXiv:2310.12036 eq. 17): (h - 1 / (2 beta))^2, beta playing tau.
+
+    It regresses the log-ratio gap to a finite target instead of pushing it to infinity.
+
+    Args: as `dpo_loss`. Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+    Example: h = 2, beta = 0.2 -> (2 - 2.5)^2 = 0.25.
+    """
+    chosen_ratio, rejected_ratio = _log_ratios(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    losses = (chosen_ratio - rejected_ratio - 1.0 / (2.0 * beta)) ** 2
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def hinge_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+) -> PreferenceOutput:
+    """Hinge loss on the implicit-reward margin (SLiC, Zhao et al., arXiv:2305.10425 eq. 3;
+    RSO, arXiv:2309.06657): max(0, 1 - beta h).
+
+    Args: as `dpo_loss`. Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+    Example: h = 2, beta = 0.2 -> max(0, 1 - 0.4) = 0.6.
+    """
+    chosen_ratio, rejected_ratio = _log_ratios(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    losses = torch.relu(1.0 - beta * (chosen_ratio - rejected_ratio))
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def length_normalized_dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    beta: float = 0.1,
+) -> PreferenceOutput:
+    """Length-normalised DPO: the sigmoid loss on per-token *mean* log-probs (Tulu 3's `dpo_norm`,
+    arXiv:2411.15124 section 5.1; SimPO's length normalisation, arXiv:2405.14734 eq. 4).
+
+    This is not DPO with a different reduction: it is a different objective (it prefers the
+    response with the better average token, not the likelier sequence), so it has its own name.
+
+    Args:
+        chosen_logps ... ref_rejected_logps: (P,) summed sequence log-probs, as in `dpo_loss`.
+        chosen_lengths, rejected_lengths: (P,) number of response tokens (mask sums), >= 1.
+        beta: usually much larger than for DPO, since the log-ratios are per token.
+
+    Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,) (per-token implicit rewards).
+    """
+    chosen_lengths = chosen_lengths.to(chosen_logps.dtype).clamp(min=1)
+    rejected_lengths = rejected_lengths.to(rejected_logps.dtype).clamp(min=1)
+    return dpo_loss(
+        chosen_logps / chosen_lengths,
+        rejected_logps / rejected_lengths,
+        ref_chosen_logps / chosen_lengths,
+        ref_rejected_logps / rejected_lengths,
+        beta=beta,
+    )
+
+
+# Losses that take the four sequence log-probs and beta (plus their own keyword arguments).
+PREFERENCE_LOSSES: dict[str, Callable[..., PreferenceOutput]] = {
+    "sigmoid": dpo_loss,
+    "conservative": dpo_loss,  # with label_smoothing > 0
+    "robust": robust_dpo_loss,
+    "ipo": ipo_loss,
+    "hinge": hinge_loss,
+}

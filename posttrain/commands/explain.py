@@ -1,0 +1,211 @@
+"""`posttrain explain`: the seed's worked examples, computed by the library's own functions.
+
+Every number printed here comes out of `posttrain.algorithms` (float64 tensors), not out of
+separate arithmetic, so `explain` doubles as a check that the library matches the specification.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from posttrain.algorithms import (
+    PREFERENCE_LOSSES,
+    ESTIMATORS,
+    clipped_surrogate,
+    exact_kl,
+    group_statistics,
+    grpo_advantages,
+    kl_estimate,
+)
+from posttrain.errors import UserError
+
+
+def _tensor(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _reward(text: str) -> float:
+    """A reward on the command line: a number, or `nan`/`none` for an unscorable sample."""
+    if text.lower() in ("nan", "none", "null"):
+        return math.nan
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _probability(name: str, value: float) -> float:
+    if not (0.0 < value <= 1.0) or math.isnan(value):
+        raise UserError(f"{name} must be a probability in (0, 1], got {value}")
+    return value
+
+
+def _library_errors_are_user_errors(handler):
+    """The library rejects impossible settings (dual_clip <= 1, label_smoothing >= 0.5) with
+    ValueError; on the command line those are the user's arguments, so say so in one line."""
+
+    def wrapped(args) -> int:
+        try:
+            return handler(args)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+
+    return wrapped
+
+
+def _emit(args, result: dict, lines: list[str]) -> int:
+    print(json.dumps(result) if args.json else "\n".join(lines))
+    return 0
+
+
+def _round(values, digits: int = 4) -> list[float]:
+    return [round(v, digits) for v in values]
+
+
+def explain_advantages(args) -> int:
+    rewards = args.rewards
+    group_size = args.group_size or len(rewards)
+    if group_size < 2:
+        raise UserError("a group of one has no relative signal: give at least 2 rewards (--rewards)")
+    if len(rewards) % group_size:
+        raise UserError(f"--rewards has {len(rewards)} values, not a whole number of groups of {group_size}")
+    if args.eps < 0:
+        raise UserError(f"--eps must be >= 0, got {args.eps}")
+    tensor = _tensor(rewards)
+    mean, std, _ = group_statistics(tensor, group_size, unbiased_std=args.unbiased_std)
+    advantages = grpo_advantages(tensor, group_size, scale=args.scale, eps=args.eps, unbiased_std=args.unbiased_std)
+    one_group = mean.numel() == 1
+    result = {
+        "mean": mean.item() if one_group else mean.tolist(),
+        "std": std.item() if one_group else std.tolist(),
+        "advantages": advantages.tolist(),
+    }
+    std_kind = "sample std (denominator n-1)" if args.unbiased_std else "population std (denominator G)"
+    divisor = {"group": "(std + eps)", "batch": "(batch std + eps)", "none": "1 (Dr. GRPO: no std scaling)"}[args.scale]
+    lines = [
+        f"GRPO group-relative advantages, G = {group_size}, scale = {args.scale}, eps = {args.eps}",
+        f"  rewards     {rewards}",
+        f"  mean        {_round(mean.tolist())}",
+        f"  std         {_round(std.tolist())}   ({std_kind})",
+        f"  advantages  {_round(advantages.tolist())}   = (reward - mean) / {divisor}",
+        "  Unscorable rewards (nan) are left out of the statistics and get advantage 0.",
+        "  An all-equal group gives all-zero advantages: no policy-gradient signal from it.",
+    ]
+    return _emit(args, result, lines)
+
+
+def explain_clip(args) -> int:
+    old_prob = _probability("--old-prob", args.old_prob)
+    new_prob = _probability("--new-prob", args.new_prob)
+    logprobs = _tensor([[math.log(new_prob)]])
+    old_logprobs = _tensor([[math.log(old_prob)]])
+    loss, stats = clipped_surrogate(
+        logprobs, old_logprobs, _tensor([args.advantage]), args.clip_low, args.clip_high, args.dual_clip
+    )
+    clipped = bool(stats["clipped_low"].any() or stats["clipped_high"].any() or stats["dual_clipped"].any())
+    ratio, loss_value = stats["ratio"].item(), loss.item()
+    result = {"ratio": ratio, "objective": -loss_value, "loss": loss_value, "clipped": clipped}
+    lines = [
+        "PPO/GRPO clipped surrogate for one token (no KL, not a batch loss)",
+        f"  ratio      = exp(log {new_prob} - log {old_prob}) = {ratio:.4f}",
+        f"  clip range = [{1 - args.clip_low:.4g}, {1 + args.clip_high:.4g}], advantage {args.advantage:.4f}",
+        f"  objective  = min(ratio * A, clip(ratio) * A) = {-loss_value:.4f}   (to maximise)",
+        f"  loss       = -objective = {loss_value:.4f}",
+        f"  clipped    = {clipped}" + ("   (this token gives no gradient)" if clipped else ""),
+    ]
+    return _emit(args, result, lines)
+
+
+def explain_dpo(args) -> int:
+    if args.beta <= 0:
+        raise UserError(f"--beta must be > 0, got {args.beta}")
+    loss_fn = PREFERENCE_LOSSES[args.loss]
+    extra = {"label_smoothing": args.label_smoothing} if args.loss in ("sigmoid", "conservative", "robust") else {}
+    losses, chosen_reward, rejected_reward = loss_fn(
+        _tensor([args.chosen]), _tensor([args.rejected]), _tensor([args.ref_chosen]), _tensor([args.ref_rejected]),
+        beta=args.beta, **extra,
+    )
+    logit = (chosen_reward - rejected_reward).item()
+    result = {
+        "logit": logit,
+        "loss": losses.item(),
+        "chosen_reward": chosen_reward.item(),
+        "rejected_reward": rejected_reward.item(),
+    }
+    gap = (args.chosen - args.ref_chosen) - (args.rejected - args.ref_rejected)
+    lines = [
+        f"DPO-family loss '{args.loss}' for one preference pair, beta = {args.beta}",
+        f"  relative gap h = ({args.chosen} - {args.ref_chosen}) - ({args.rejected} - {args.ref_rejected}) = {gap:g}",
+        f"  logit  beta*h  = {logit:.4f}",
+        f"  loss           = {losses.item():.4f}" + ("   = log(1 + exp(-beta*h))" if args.loss == "sigmoid" and not args.label_smoothing else ""),
+        f"  implicit rewards: chosen {chosen_reward.item():.4f}, rejected {rejected_reward.item():.4f}",
+        "  If the policy equals the reference, h = 0 and the sigmoid loss is ln 2 ~ 0.6931.",
+    ]
+    return _emit(args, result, lines)
+
+
+def explain_kl(args) -> int:
+    policy, reference = args.policy, args.reference
+    if len(policy) != len(reference):
+        raise UserError(f"--policy has {len(policy)} probabilities but --reference has {len(reference)}")
+    for name, dist in (("--policy", policy), ("--reference", reference)):
+        for value in dist:
+            _probability(name, value)
+        if abs(sum(dist) - 1.0) > 1e-6:
+            raise UserError(f"{name} must sum to 1 (a distribution over candidate tokens), sums to {sum(dist):.6g}")
+    log_p, log_q = _tensor(policy).log(), _tensor(reference).log()
+    exact = exact_kl(log_p, log_q).item()
+    per_token = {name: kl_estimate(log_p, log_q, name).tolist() for name in ESTIMATORS}
+    probabilities = _tensor(policy)
+    expected = {name: (probabilities * _tensor(values)).sum().item() for name, values in per_token.items()}
+    result = {"exact": exact, "per_token": per_token, "expected": expected}
+    lines = [
+        f"KL(policy || reference) at one prefix: policy {policy}, reference {reference}",
+        f"  exact  sum_v p(v) ln(p(v)/q(v)) = {exact:.4f}",
+        "  sampled estimators, value if token v were sampled (r = q/p):",
+    ]
+    lines += [f"    {name}  {_round(values)}   expectation under the policy {expected[name]:.4f}" for name, values in per_token.items()]
+    lines.append("  k1 and k3 are unbiased (their expectation is the exact KL); k3 is never negative; k2 is biased.")
+    return _emit(args, result, lines)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("explain", help="the seed's worked examples, computed by the library")
+    commands = parser.add_subparsers(dest="example", metavar="EXAMPLE", required=True, parser_class=type(parser))
+
+    advantages = commands.add_parser("advantages", help="GRPO group-relative advantages")
+    advantages.add_argument("--rewards", type=_reward, nargs="+", required=True, help="rewards; nan = unscorable")
+    advantages.add_argument("--group-size", type=int, default=None, help="G (default: all rewards are one group)")
+    advantages.add_argument("--scale", choices=["group", "batch", "none"], default="group")
+    advantages.add_argument("--eps", type=float, default=0.0, help="added to the std (the seed omits it: 0)")
+    advantages.add_argument("--unbiased-std", action="store_true", help="divide the variance by n-1, not G")
+    advantages.set_defaults(func=_library_errors_are_user_errors(explain_advantages))
+
+    clip = commands.add_parser("clip", help="clipped ratio objective for one token")
+    clip.add_argument("--old-prob", type=float, required=True)
+    clip.add_argument("--new-prob", type=float, required=True)
+    clip.add_argument("--advantage", type=float, required=True)
+    clip.add_argument("--clip-low", type=float, default=0.2)
+    clip.add_argument("--clip-high", type=float, default=0.2)
+    clip.add_argument("--dual-clip", type=float, default=None, help="c > 1 bounds negative-advantage losses")
+    clip.set_defaults(func=_library_errors_are_user_errors(explain_clip))
+
+    dpo = commands.add_parser("dpo", help="DPO-family loss for one preference pair")
+    for flag in ("--chosen", "--rejected", "--ref-chosen", "--ref-rejected"):
+        dpo.add_argument(flag, type=float, required=True, help="sequence log-prob (sum over response tokens)")
+    dpo.add_argument("--beta", type=float, default=0.1)
+    dpo.add_argument("--loss", choices=sorted(PREFERENCE_LOSSES), default="sigmoid")
+    dpo.add_argument("--label-smoothing", type=float, default=0.0)
+    dpo.set_defaults(func=_library_errors_are_user_errors(explain_dpo))
+
+    kl = commands.add_parser("kl", help="exact KL vs the k1/k2/k3 estimators at one prefix")
+    kl.add_argument("--policy", type=float, nargs="+", required=True, help="policy probabilities of the candidates")
+    kl.add_argument("--reference", type=float, nargs="+", required=True, help="reference probabilities")
+    kl.set_defaults(func=_library_errors_are_user_errors(explain_kl))
+
+    for sub in (advantages, clip, dpo, kl):
+        sub.add_argument("--json", action="store_true", help="print one JSON object")
