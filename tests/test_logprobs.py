@@ -1,0 +1,65 @@
+"""Chunked log-probs against the naive full log-softmax, with temperature, shift and masks."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.algorithms import response_logprobs, sequence_logprobs, token_logprobs
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 64, 4096])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_chunked_equals_naive_log_softmax(chunk_size, temperature):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 37, generator=generator) * 4
+    targets = torch.randint(0, 37, (3, 9), generator=generator)
+    naive = torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    chunked = token_logprobs(logits, targets, temperature=temperature, chunk_size=chunk_size)
+    assert chunked.shape == (3, 9) and chunked.dtype == torch.float32
+    assert torch.allclose(chunked, naive, atol=1e-5)
+
+
+def test_gradient_equals_naive_gradient():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 6, 13, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 13, (4, 6), generator=generator)
+    weights = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    (chunked_grad,) = torch.autograd.grad((token_logprobs(logits, targets, 0.8, chunk_size=5) * weights).sum(), logits)
+    naive = torch.log_softmax(logits / 0.8, -1).gather(-1, targets[..., None]).squeeze(-1)
+    (naive_grad,) = torch.autograd.grad((naive * weights).sum(), logits)
+    assert torch.allclose(chunked_grad, naive_grad, atol=1e-12)
+
+
+def test_hand_computed_two_token_vocabulary():
+    """logits [ln 0.8, ln 0.2] -> log p(token 1) = ln 0.2; at temperature 2 the distribution is
+    proportional to [sqrt(0.8), sqrt(0.2)] = [2/3, 1/3] after normalising, so log p(1) = ln(1/3)."""
+    logits = torch.tensor([[math.log(0.8), math.log(0.2)]], dtype=torch.float64)
+    assert token_logprobs(logits, torch.tensor([1])).item() == pytest.approx(math.log(0.2))
+    assert token_logprobs(logits, torch.tensor([1]), temperature=2.0).item() == pytest.approx(math.log(1 / 3))
+
+
+def test_bfloat16_logits_are_upcast_and_bad_arguments_rejected():
+    logits = torch.randn(2, 3, 7).to(torch.bfloat16)
+    targets = torch.zeros(2, 3, dtype=torch.long)
+    assert token_logprobs(logits, targets).dtype == torch.float32
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, targets, temperature=0.0)
+    with pytest.raises(ValueError, match="align"):
+        token_logprobs(logits, targets[:, :2])
+
+
+def test_response_logprobs_shift_and_mask_and_sequence_sum():
+    """Sequence [p0 p1 r0 r1 EOS pad]: the mask is True on r0 r1 EOS. After the shift, position t
+    scores input_ids[t + 1], so positions 1, 2, 3 (predicting r0, r1, EOS) count and the sequence
+    log-prob is the sum of exactly those three log-probs."""
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, 6, 10, generator=generator, dtype=torch.float64)
+    input_ids = torch.tensor([[4, 5, 6, 7, 2, 0]])
+    mask = torch.tensor([[False, False, True, True, True, False]])
+    logprobs, shifted_mask = response_logprobs(logits, input_ids, mask)
+    assert shifted_mask.tolist() == [[False, True, True, True, False]]
+    full = torch.log_softmax(logits, -1)
+    expected = full[0, 1, 6] + full[0, 2, 7] + full[0, 3, 2]
+    assert logprobs[0, 0].item() == 0.0 and logprobs[0, 4].item() == 0.0
+    assert sequence_logprobs(logprobs, shifted_mask).item() == pytest.approx(expected.item())
