@@ -30,7 +30,7 @@ demo: install
 	$(VENV)/bin/posttrain explain dpo --chosen -2 --rejected -4 --ref-chosen -3 --ref-rejected -3 --beta 0.2
 
 bench: install
-	@set -e; for script in bench/*.py; do echo "== $$script"; $(PY) $$script; done
+	@set -e; for script in $(wildcard bench/*.py); do echo "== $$script"; $(PY) $$script; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
