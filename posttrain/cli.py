@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", metavar="COMMAND", parser_class=OneLineErrorParser
     )
     for module_info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if module_info.name.startswith("_"):
+            continue
         module = importlib.import_module(f"{commands.__name__}.{module_info.name}")
         module.register(subparsers)
     return parser

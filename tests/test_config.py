@@ -1,0 +1,88 @@
+"""Config: defaults < YAML < command line; one-line errors for unknown keys and wrong types."""
+
+import dataclasses
+from typing import Literal
+
+import pytest
+
+from posttrain.config import build_config, describe_fields, field_docs, parse_overrides
+from posttrain.errors import UserError
+
+
+@dataclasses.dataclass
+class Sampling:
+    temperature: float = 1.0
+    """Softmax temperature."""
+    top_p: float = 1.0
+    """Nucleus mass."""
+
+
+@dataclasses.dataclass
+class Example:
+    model: str = "tiny"
+    """Model spec."""
+    lr: float = 1e-4
+    """Learning rate."""
+    group_size: int = 4
+    """G: samples per prompt."""
+    scale: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling."""
+    stop: list[str] = dataclasses.field(default_factory=list)
+    """Stop strings."""
+    eval_every: int | None = None
+    """Evaluate every N steps (None: only at the end)."""
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    """Sampling settings."""
+
+    def validate(self):
+        if self.group_size < 2:
+            raise UserError(f"group_size must be at least 2, got {self.group_size}")
+
+
+def test_precedence_and_types(tmp_path):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("lr: 1e-5\ngroup_size: 8\nsampling:\n  temperature: 0.7\n")
+    config = build_config(Example, preset, parse_overrides(["--group-size", "16", "--sampling.top_p=0.9", "--stop", "[a, b]"]))
+    assert config.lr == 1e-5 and isinstance(config.lr, float)
+    assert config.group_size == 16
+    assert config.sampling.temperature == 0.7 and config.sampling.top_p == 0.9
+    assert config.stop == ["a", "b"]
+    assert build_config(Example, None, parse_overrides(["--eval-every", "null"])).eval_every is None
+    assert build_config(Example, None, parse_overrides(["--eval-every", "5"])).eval_every == 5
+
+
+@pytest.mark.parametrize(
+    "yaml_text, overrides, message",
+    [
+        ("lrr: 1\n", [], "preset.yaml: unknown key 'lrr'"),
+        ("", ["--sampling.tempreature", "1"], "unknown key 'sampling.tempreature'"),
+        ("group_size: 2.5\n", [], "group_size: expected an integer, got 2.5"),
+        ("", ["--scale", "rank"], "scale: must be one of 'group', 'batch', 'none'"),
+        ("", ["--lr", "fast"], "lr: expected a number"),
+        ("sampling: 3\n", [], "'sampling' is a section"),
+        ("", ["--group-size", "1"], "group_size must be at least 2"),
+        ("- a\n- b\n", [], "must be a mapping"),
+        ("lr: [1\n", [], "invalid YAML"),
+        ("", ["--lr"], "--lr: missing value"),
+        ("", ["lr", "3"], "unexpected argument 'lr'"),
+    ],
+)
+def test_errors_name_the_source_and_key(tmp_path, yaml_text, overrides, message):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml_text)
+    with pytest.raises(UserError) as error:
+        build_config(Example, preset, parse_overrides(overrides))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_missing_file():
+    with pytest.raises(UserError, match="nope.yaml: config file not found"):
+        build_config(Example, "nope.yaml")
+
+
+def test_field_docs_and_help_rows():
+    assert field_docs(Example)["lr"] == "Learning rate."
+    rows = {key: (default, doc) for key, default, doc in describe_fields(Example)}
+    assert rows["sampling.temperature"] == ("1.0", "Softmax temperature.")
+    assert rows["group_size"] == ("4", "G: samples per prompt.")
