@@ -1,0 +1,83 @@
+"""Statistics of acceptance: confidence intervals, pass@k, paired gains, the divergence alarm."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (Wilson 1927); well behaved at 0 and 1.
+
+    Example: 50 of 100 -> about (0.404, 0.596); 0 of 10 -> (0.0, 0.278).
+    """
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c passed (Chen et al., arXiv:2107.03374 eq. 1):
+    1 - C(n - c, k) / C(n, k). Example: n = 4, c = 1, k = 2 -> 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def paired_difference_ci(before: Sequence[float], after: Sequence[float], z: float = Z95) -> tuple[float, float, float]:
+    """Mean gain `after - before` over the same problems and its normal-approximation interval,
+    using the paired differences' sample variance (problems shared by both evaluations make the
+    gain far less noisy than two independent proportions would be).
+
+    Returns: (gain, low, high).
+    """
+    if len(before) != len(after) or not before:
+        raise ValueError("before and after must be non-empty and score the same problems")
+    differences = [a - b for a, b in zip(after, before)]
+    n = len(differences)
+    gain = sum(differences) / n
+    variance = sum((d - gain) ** 2 for d in differences) / max(1, n - 1)
+    half = z * math.sqrt(variance / n)
+    return gain, gain - half, gain + half
+
+
+@dataclass
+class DivergenceAlarm:
+    """The seed's "reward and real goal can come apart": rings when the training reward rose by at
+    least `reward_rise` over the last `window` evaluations while held-out accuracy rose by less than
+    `heldout_rise` (it may have fallen).
+
+    Feed it with `observe(step, train_reward, heldout_accuracy)` at each evaluation; it returns a
+    message when it rings, else None. `rings` keeps every message for the run card.
+    """
+
+    window: int = 3
+    reward_rise: float = 0.1
+    heldout_rise: float = 0.0
+    history: list[tuple[int, float, float]] = field(default_factory=list)
+    rings: list[str] = field(default_factory=list)
+
+    def observe(self, step: int, train_reward: float, heldout_accuracy: float) -> str | None:
+        self.history.append((step, train_reward, heldout_accuracy))
+        if len(self.history) < self.window:
+            return None
+        first_step, first_reward, first_heldout = self.history[-self.window]
+        reward_change = train_reward - first_reward
+        heldout_change = heldout_accuracy - first_heldout
+        if reward_change >= self.reward_rise and heldout_change <= self.heldout_rise:
+            message = (
+                f"divergence: from step {first_step} to {step} the training reward rose by {reward_change:+.3f} "
+                f"but held-out accuracy changed by {heldout_change:+.3f} - the verifier may be gamed"
+            )
+            self.rings.append(message)
+            return message
+        return None

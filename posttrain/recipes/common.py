@@ -1,0 +1,167 @@
+"""What every recipe shares: the common flags, optimizer and LR schedule, seeding, resume.
+
+Every recipe command takes `--config FILE`, `--output-dir DIR`, `--max-steps N`, `--seed N`,
+`--resume DIR` and any config field as `--key value` (dotted for sections). Every recipe config
+has the fields `output_dir`, `max_steps` and `seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from posttrain.config import build_config, describe_fields, load_yaml, parse_overrides
+from posttrain.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+RESUMABLE_OVERRIDES = {"max_steps"}
+
+
+@dataclasses.dataclass
+class Optimization:
+    """AdamW with linear warm-up then a constant or cosine schedule, and gradient clipping."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to lr over this many optimizer steps."""
+    schedule: str = "constant"
+    """After warm-up: constant | cosine (to 10% of lr at max_steps) | linear (to 0 at max_steps)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this (None: no clipping)."""
+
+    def validate(self, where: str = "optim") -> None:
+        if self.lr <= 0:
+            raise UserError(f"{where}.lr must be > 0, got {self.lr}")
+        if self.schedule not in ("constant", "cosine", "linear"):
+            raise UserError(f"{where}.schedule must be constant, cosine or linear, got {self.schedule!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UserError(f"{where}.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0:
+            raise UserError(f"{where}.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """The LR factor at optimizer step `step` (0-based): warm-up, then the schedule's decay."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(parameters, optim: Optimization, total_steps: int):
+    """AdamW over the trainable `parameters` and its LambdaLR scheduler."""
+    trainable = [p for p in parameters if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, optim.warmup_steps, total_steps, optim.schedule)
+    )
+    return optimizer, scheduler
+
+
+def clip_and_step(parameters, optimizer, scheduler, max_grad_norm: float | None) -> float:
+    """Clip gradients (if configured), step optimizer and scheduler, zero grads; returns the
+    pre-clipping global gradient norm."""
+    trainable = [p for p in parameters if p.requires_grad and p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm if max_grad_norm is not None else float("inf"))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Timer:
+    """Accumulates wall seconds per phase: `with timer("generation"): ...`; `timer.seconds`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, phase: str):
+        timer = self
+
+        class _Phase:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[phase] = timer.seconds.get(phase, 0.0) + time.perf_counter() - self.start
+
+        return _Phase()
+
+
+def resolve_config(config_cls, args: argparse.Namespace):
+    """Build a recipe config from `--config`, the common flags and `--key value` overrides.
+
+    With `--resume DIR` the config is the run's own `config.yaml`; only `--max-steps` may change.
+    """
+    overrides = parse_overrides(list(getattr(args, "overrides", []) or []))
+    for flag in ("output_dir", "max_steps", "seed"):
+        if getattr(args, flag, None) is not None:
+            overrides[flag] = getattr(args, flag)
+    if args.resume:
+        changed = set(overrides) - RESUMABLE_OVERRIDES - {"output_dir"}
+        if args.config or changed:
+            raise UserError(
+                f"--resume continues a run with its own config.yaml; only --max-steps may change "
+                f"(got {', '.join(sorted(changed)) or '--config'})"
+            )
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise UserError(f"{run_dir}: not a run directory (no config.yaml) - nothing to resume")
+        saved = load_yaml(run_dir / "config.yaml")
+        return build_config(config_cls, None, {**saved, **overrides, "output_dir": str(run_dir)})
+    return build_config(config_cls, args.config, overrides)
+
+
+def register_recipe(subparsers, name: str, config_cls, run: Callable[..., Any], help_text: str) -> None:
+    """Add `posttrain NAME` with the common flags; other `--key value` pairs override config fields."""
+    fields = describe_fields(config_cls)
+    width = max(len(key) for key, _, _ in fields)
+    epilog = "config fields (as --key value, or in the YAML file):\n" + "\n".join(
+        f"  {key:<{width}}  {doc} [default {default}]" for key, default, doc in fields
+    )
+    parser = subparsers.add_parser(
+        name, help=help_text, description=help_text, epilog=epilog, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML preset; its keys override the defaults")
+    parser.add_argument("--output-dir", help="run directory (default: runs/<recipe>-<time>)")
+    parser.add_argument("--max-steps", type=int, help="training steps")
+    parser.add_argument("--seed", type=int, help="random seed")
+    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
+
+    def handler(args) -> int:
+        config = resolve_config(config_cls, args)
+        run_dir = run(config, resume=bool(args.resume))
+        print(f"results: {run_dir}")
+        return 0
+
+    parser.set_defaults(func=handler, accepts_overrides=True)
+
+
+def default_output_dir(recipe: str) -> str:
+    return str(Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
