@@ -1,0 +1,81 @@
+"""The uniform verifier call: `verifier(completion, example) -> Verdict` and `verifier.batch(...)`.
+
+A verifier is a small object with a `score(completion, example)` method. Cheap string checks
+(exact, numeric, format) score in the caller's process; anything that can hang or needs a main
+thread or a sandbox slot (`in_worker = True`) is sent to the worker pool with a hard deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from posttrain.rewards.pool import WorkerGone, get_pool
+from posttrain.rewards.verdict import Verdict
+
+logger = logging.getLogger(__name__)
+
+
+class Verifier:
+    """Base class. Subclasses set `name`, implement `score`, and may set `in_worker`."""
+
+    name = "verifier"
+    in_worker = False
+    timeout_s = 10.0
+    """hard deadline for one `score` call in a worker (the pool kills the worker past it)"""
+    retry_timeouts = False
+    """retry once after a missed deadline (code judges: their own deadline should come first)"""
+
+    def score(self, completion: str, example: Mapping[str, Any]) -> Verdict:
+        """Score one completion. Runs in a worker process when `in_worker`."""
+        raise NotImplementedError
+
+    def on_worker_failure(self, error: Exception) -> Verdict:
+        """What a dead/late worker or a raising scorer means for this verifier."""
+        if isinstance(error, WorkerGone) and error.timed_out:
+            return Verdict.infra_error(f"{self.name}: worker missed its {self.timeout_s:g} s deadline")
+        return Verdict.infra_error(f"{self.name}: {error}")
+
+    def prepare(self) -> None:
+        """Checks run once in the caller before a batch (e.g. refuse to run without a sandbox)."""
+
+    def __call__(self, completion: str, example: Mapping[str, Any]) -> Verdict:
+        """Score one completion (see `batch`)."""
+        return self.batch([completion], [example])[0]
+
+    def batch(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]],
+              workers: int | None = None) -> list[Verdict]:
+        """Score completions[i] against examples[i]; returns verdicts in input order.
+
+        `workers` sizes the process pool for `in_worker` verifiers (default: CPU count).
+        """
+        if len(completions) != len(examples):
+            raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
+        self.prepare()
+        if not self.in_worker:
+            return [_score_guarded(self, c, e) for c, e in zip(completions, examples)]
+        pool = get_pool(workers)
+        tasks = [(self, c, e) for c, e in zip(completions, examples)]
+        return pool.map("posttrain.rewards.base:_score_guarded", tasks, timeout_s=self.timeout_s,
+                        retry_timeouts=self.retry_timeouts, on_failure=self.on_worker_failure)
+
+    def describe(self) -> dict[str, Any]:
+        """Settings for the run card."""
+        return {"verifier": self.name}
+
+
+def _score_guarded(verifier: Verifier, completion: Any, example: Any) -> Verdict:
+    """Type checks shared by every verifier, then `score`; a scorer bug is infra_error."""
+    if not isinstance(completion, str):
+        return Verdict.data_error(f"completion must be a string, got {type(completion).__name__}")
+    if not isinstance(example, Mapping):
+        return Verdict.data_error(f"example must be a mapping, got {type(example).__name__}")
+    try:
+        verdict = verifier.score(completion, example)
+    except Exception as error:  # noqa: BLE001 - our bug, not the candidate's: never a silent 0
+        logger.exception("%s failed", verifier.name)
+        return Verdict.infra_error(f"{verifier.name} raised {type(error).__name__}: {error}")
+    if not isinstance(verdict, Verdict):
+        return Verdict.infra_error(f"{verifier.name} returned {type(verdict).__name__}, not a Verdict")
+    return verdict
