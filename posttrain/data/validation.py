@@ -1,0 +1,224 @@
+"""Validation of data files: every bad row reported as `FILE:LINE: field: reason`.
+
+A loader reads the whole file, collects every problem in a `ValidationReport`, and only then decides:
+strict (the default) stops with the full report; `strict=False` drops the bad rows, logs how many,
+and keeps their count for the run card. Nothing here trains or tokenises on behalf of the caller
+except the optional prompt-length check, which needs the model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from posttrain.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+MAX_REPORTED_ROWS = 200  # a UserError lists at most this many problems; `data check` lists them all
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """One problem in one row."""
+
+    source: str
+    line: int
+    field: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line}: {self.field}: {self.reason}"
+
+
+@dataclass
+class ValidationReport:
+    """Rows read from one source and every problem found in them."""
+
+    source: str
+    rows_read: int = 0
+    problems: list[BadRow] = field(default_factory=list)
+
+    def add(self, line: int, field_name: str, reason: str) -> None:
+        self.problems.append(BadRow(self.source, line, field_name, reason))
+
+    @property
+    def bad_lines(self) -> set[int]:
+        return {problem.line for problem in self.problems}
+
+    @property
+    def rows_bad(self) -> int:
+        return len(self.bad_lines)
+
+    def lines(self) -> list[str]:
+        """`FILE:LINE: field: reason`, one per problem, in file order."""
+        return [str(p) for p in sorted(self.problems, key=lambda p: p.line)]
+
+    def summary(self) -> str:
+        return f"{self.source}: {self.rows_read} rows read, {self.rows_bad} bad"
+
+    def enforce(self, strict: bool) -> None:
+        """strict: UserError listing every problem if any row is bad. Not strict: log and go on
+        (the caller drops `bad_lines`)."""
+        if not self.problems:
+            return
+        if strict:
+            listed = self.lines()
+            more = len(listed) - MAX_REPORTED_ROWS
+            listed = listed[:MAX_REPORTED_ROWS] + ([f"... and {more} more"] if more > 0 else [])
+            raise UserError(
+                f"{self.summary()} (fix them, or set strict: false to drop bad rows):\n" + "\n".join(listed)
+            )
+        logger.warning("%s; dropping the bad rows (strict: false)", self.summary())
+        for line in self.lines():
+            logger.debug("%s", line)
+
+
+def read_jsonl(path: str | Path, report: ValidationReport) -> Iterator[tuple[int, dict]]:
+    """Yield `(line_number, row)` for each JSON object in a JSONL file; blank lines are skipped,
+    undecodable or non-object lines go to `report`. A missing file is a UserError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        report.rows_read += 1
+        try:
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            report.add(number, "row", f"non-UTF-8 bytes (byte 0x{raw[error.start]:02x} at column {error.start + 1})")
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as error:
+            report.add(number, "row", f"invalid JSON: {error.msg} (column {error.colno})")
+            continue
+        if not isinstance(row, dict):
+            report.add(number, "row", f"expected a JSON object, got {type_name(row)}")
+            continue
+        yield number, row
+
+
+def type_name(value) -> str:
+    """JSON's name for a Python value's type (`string`, `number`, `list`, ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def check_text(report: ValidationReport, line: int, name: str, value) -> bool:
+    """A required non-empty string field; reports and returns False otherwise."""
+    if not isinstance(value, str):
+        report.add(line, name, f"wrong type: expected a string, got {type_name(value)}")
+        return False
+    if not value.strip():
+        report.add(line, name, "empty or whitespace-only")
+        return False
+    return True
+
+
+def check_messages(report: ValidationReport, line: int, name: str, value, *, roles=CHAT_ROLES) -> bool:
+    """A non-empty list of `{"role", "content"}` objects with known roles and non-empty content."""
+    if not isinstance(value, list):
+        report.add(line, name, f"wrong type: expected a list of {{role, content}} messages, got {type_name(value)}")
+        return False
+    if not value:
+        report.add(line, name, "empty message list")
+        return False
+    ok = True
+    for index, message in enumerate(value):
+        where = f"{name}[{index}]"
+        if not isinstance(message, dict):
+            report.add(line, where, f"wrong type: expected an object, got {type_name(message)}")
+            ok = False
+            continue
+        if message.get("role") not in roles:
+            report.add(line, f"{where}.role", f"expected one of {', '.join(roles)}, got {message.get('role')!r}")
+            ok = False
+        ok = check_text(report, line, f"{where}.content", message.get("content")) and ok
+    return ok
+
+
+def check_answer(report: ValidationReport, line: int, value, answer_format: str) -> str | None:
+    """The gold answer as a string, or None after reporting why it cannot be used.
+
+    answer_format: `math` (math-verify must parse it, as the math verifier will), `number` (a
+    decimal number, commas allowed), `text` (any non-empty string).
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        report.add(line, "answer", f"wrong type: expected a string or number, got {type_name(value)}")
+        return None
+    answer = str(value)
+    if not answer.strip():
+        report.add(line, "answer", "empty or whitespace-only")
+        return None
+    if answer_format == "number" and not _is_number(answer):
+        report.add(line, "answer", f"unparseable gold answer {answer!r}: not a number")
+        return None
+    if answer_format == "math" and not isinstance(value, (int, float)) and not _math_parses(answer):
+        report.add(line, "answer", f"unparseable gold answer {answer!r}: math-verify finds no expression")
+        return None
+    return answer
+
+
+def check_tests(report: ValidationReport, line: int, value) -> list[str] | None:
+    """A non-empty list of non-empty test source strings (a single string counts as one test)."""
+    tests = [value] if isinstance(value, str) else value
+    if not isinstance(tests, list):
+        report.add(line, "tests", f"wrong type: expected a list of strings, got {type_name(value)}")
+        return None
+    if not tests:
+        report.add(line, "tests", "empty test list")
+        return None
+    ok = all([check_text(report, line, f"tests[{i}]", test) for i, test in enumerate(tests)])
+    return tests if ok else None
+
+
+def check_entry_point(report: ValidationReport, line: int, value) -> bool:
+    if not isinstance(value, str):
+        report.add(line, "entry_point", f"wrong type: expected a string, got {type_name(value)}")
+        return False
+    if not value.isidentifier() or keyword.iskeyword(value):
+        report.add(line, "entry_point", f"{value!r} is not a Python identifier")
+        return False
+    return True
+
+
+def check_prompt_length(report: ValidationReport, line: int, prompt, tokenizer, max_prompt_tokens, **render) -> bool:
+    """Prompt tokens (after the chat template) must not exceed `max_prompt_tokens` (None: no limit)."""
+    if tokenizer is None or max_prompt_tokens is None:
+        return True
+    from posttrain.data.tokenize import encode_prompt
+
+    length = len(encode_prompt(tokenizer, prompt, **render))
+    if length > max_prompt_tokens:
+        report.add(line, "prompt", f"{length} tokens, longer than max_prompt_tokens={max_prompt_tokens}")
+        return False
+    return True
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.replace(",", "").strip())
+        return True
+    except ValueError:
+        return False
+
+
+def _math_parses(text: str) -> bool:
+    from math_verify import parse
+
+    # math-verify's timeout uses SIGALRM, which only works in the main thread.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    return bool(parse(text, parsing_timeout=timeout))
