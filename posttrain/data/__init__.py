@@ -2,6 +2,7 @@
 
 Public API (signatures are the contract other modules rely on):
 
+Tokenisation (posttrain.data.tokenize)
     tokenize_prompt_response(tokenizer, prompts: Sequence[str | list[dict]], responses: Sequence[str], *,
         truncation: TruncationPolicy | None = None, padding_side: "right" | "left" = "right",
         add_eos: bool = True, system_prompt: str | None = None, use_chat_template: bool | None = None)
@@ -16,12 +17,56 @@ Public API (signatures are the contract other modules rely on):
     collate_token_ids(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], *,
         pad_token_id: int, padding_side="right") -> TokenizedBatch   # for ids a sampler produced
     render_prompt(tokenizer, prompt, *, system_prompt=None, use_chat_template=None) -> str
+        chat template when the tokenizer has one (a string prompt becomes one user message), else plain.
     encode_prompt(tokenizer, prompt, *, system_prompt=None, use_chat_template=None) -> list[int]
     TruncationPolicy(max_prompt_tokens=None, max_response_tokens=None,
         prompt: "error" | "left" | "drop" = "error", response: "right" | "drop" | "error" = "right")
     position_ids_from_attention_mask(attention_mask (N, L)) -> (N, L) long
+
+Prompt tasks (posttrain.data.tasks, .examples, .prompts)
+    Example(id, prompt=None, messages=None, answer=None, tests=None, entry_point=None, metadata={})
+        .prompt_input -> str | list[dict] (what render_prompt takes). reasoning-gym rows carry
+        metadata["rg_dataset"], ["rg_options"], ["rg_entry"]; HumanEval rows carry tests=[check source],
+        entry_point and metadata["canonical_solution"].
+    Task(name, split, examples, reward_kind: "number" | "math" | "reasoning_gym" | "code",
+        rows_bad, duplicates_removed, options)
+    load_task(spec, *, size=None, seed=0, split="all", options=None, strict=True, tokenizer=None,
+        max_prompt_tokens=None, system_prompt=None) -> Task
+        spec: "arithmetic" (options digits=2, operation="add"|"sub"|"mul") | "rg:<dataset>" (options:
+        the dataset's config) | "humaneval" | path to a JSONL prompt file (options answer_format).
+    load_splits(spec, *, train_size=None, eval_size, seed=0, **load_task_options) -> (train, held_out)
+        disjoint by construction and checked; the held-out split depends only on (spec, seed, eval_size).
+    score_reasoning_gym(example, answer: str | None) -> float    # the dataset's own scorer, 0..1
+    load_prompt_file(path, *, strict=True, answer_format="math", tokenizer=None, max_prompt_tokens=None,
+        system_prompt=None, use_chat_template=None) -> Task
+    remove_overlap(train, held_out) -> int;  require_examples(task, batch_size=1) -> None
+
+Preference pairs (posttrain.data.preference)
+    PreferencePair(id, prompt: str | list[dict], chosen: str, rejected: str, metadata={})
+    load_preference_file(path, *, strict=True, system_prompt=None, tokenizer=None,
+        max_prompt_tokens=None, use_chat_template=None) -> PreferenceData(source, pairs, rows_bad, system_prompt)
+    tokenize_preference_pairs(tokenizer, pairs, *, truncation=None, padding_side="right",
+        system_prompt=None, use_chat_template=None) -> PreferenceBatch(chosen, rejected, kept, counts)
+        chosen and rejected are TokenizedBatches padded to the same L.
+
+Validation (posttrain.data.validation)
+    ValidationReport(source, rows_read, problems: list[BadRow]); .lines() -> ["FILE:LINE: field: reason"];
+    .rows_bad; .enforce(strict) raises UserError listing every problem when strict.
+    validate_prompt_file(path, **checks) / validate_preference_file(path, **checks)
+        -> (list[(line, item)], ValidationReport)       # what `posttrain data check` runs
 """
 
+from posttrain.data.examples import Example, Task, check_disjoint, derived_seed, remove_overlap, require_examples
+from posttrain.data.preference import (
+    PreferenceBatch,
+    PreferenceData,
+    PreferencePair,
+    load_preference_file,
+    tokenize_preference_pairs,
+    validate_preference_file,
+)
+from posttrain.data.prompts import load_prompt_file, validate_prompt_file
+from posttrain.data.tasks import humaneval_examples, load_splits, load_task, score_reasoning_gym
 from posttrain.data.tokenize import (
     Prompt,
     TokenizedBatch,
@@ -36,18 +81,39 @@ from posttrain.data.tokenize import (
     tokenize_prompt_response,
     tokenize_prompts,
 )
+from posttrain.data.validation import BadRow, ValidationReport
 
 __all__ = [
+    "BadRow",
+    "Example",
+    "PreferenceBatch",
+    "PreferenceData",
+    "PreferencePair",
     "Prompt",
+    "Task",
     "TokenizedBatch",
     "TruncationCounts",
     "TruncationPolicy",
+    "ValidationReport",
     "apply_truncation",
+    "check_disjoint",
     "collate_token_ids",
+    "derived_seed",
     "encode_prompt",
     "has_chat_template",
+    "humaneval_examples",
+    "load_preference_file",
+    "load_prompt_file",
+    "load_splits",
+    "load_task",
     "position_ids_from_attention_mask",
+    "remove_overlap",
     "render_prompt",
+    "require_examples",
+    "score_reasoning_gym",
+    "tokenize_preference_pairs",
     "tokenize_prompt_response",
     "tokenize_prompts",
+    "validate_preference_file",
+    "validate_prompt_file",
 ]
