@@ -141,3 +141,21 @@ def test_whiten_masked():
     mask = torch.tensor([[True, True, False]])
     assert whiten(values, mask, eps=0.0).tolist()[0] == pytest.approx([-1.0, 1.0, 0.0])
     assert whiten(values, mask, shift_mean=False, eps=0.0).tolist()[0] == pytest.approx([1.0, 3.0, 0.0])
+    # [0, 4]: mean 2, std 2 -> whitened [-1, 1]; shift_mean=False adds the mean back: [1, 3].
+    spread = t([[0.0, 4.0]])
+    assert whiten(spread, torch.ones(1, 2, dtype=torch.bool), shift_mean=False, eps=0.0).tolist()[0] == pytest.approx([1.0, 3.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("value, size", [(0.1, 3), (0.3, 6), (0.7, 5)])
+def test_identical_non_binary_rewards_give_exactly_zero(dtype, value, size):
+    """A float mean of [0.1, 0.1, 0.1] is one rounding step off 0.1; without the unanimity check the
+    residue (~1e-17) divided by a ~1e-17 std gave advantages of -1 with eps = 0."""
+    rewards = torch.full((size,), value, dtype=dtype)
+    for scale in ("group", "batch", "none"):
+        for eps in (0.0, 1e-6):
+            assert torch.equal(grpo_advantages(rewards, size, scale=scale, eps=eps), torch.zeros(size, dtype=dtype))
+    mixed = torch.tensor([value] * size + [0.0, 1.0] * (size // 2) + [0.5] * (size % 2), dtype=dtype)
+    advantages = grpo_advantages(mixed, size, eps=0.0)
+    assert torch.equal(advantages[:size], torch.zeros(size, dtype=dtype))
+    assert advantages[size:].abs().sum() > 0

@@ -65,6 +65,14 @@ def test_conservative_dpo_by_hand():
         dpo_loss(*SEED, beta=0.2, label_smoothing=0.5)
 
 
+def test_conservative_registry_entry_smooths_by_default():
+    """The "conservative" loss is never silently plain DPO: default e = 0.1, and e = 0 is refused."""
+    losses, _, _ = PREFERENCE_LOSSES["conservative"](*SEED, beta=0.2)
+    assert losses.item() == pytest.approx(0.9 * math.log1p(math.exp(-0.4)) + 0.1 * math.log1p(math.exp(0.4)))
+    with pytest.raises(ValueError):
+        PREFERENCE_LOSSES["conservative"](*SEED, beta=0.2, label_smoothing=0.0)
+
+
 def test_robust_dpo_by_hand():
     """e = 0.1: (0.9 * softplus(-0.4) - 0.1 * softplus(0.4)) / 0.8; with e = 0 it is DPO."""
     losses, _, _ = robust_dpo_loss(*SEED, beta=0.2, label_smoothing=0.1)

@@ -17,6 +17,7 @@ from posttrain.algorithms.logprobs import response_logprobs, sequence_logprobs, 
 from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss
 from posttrain.algorithms.preference import (
     PREFERENCE_LOSSES,
+    conservative_dpo_loss,
     dpo_loss,
     hinge_loss,
     ipo_loss,
@@ -31,6 +32,7 @@ __all__ = [
     "aggregate",
     "clipped_surrogate",
     "clipped_value_loss",
+    "conservative_dpo_loss",
     "dpo_loss",
     "exact_kl",
     "gae",

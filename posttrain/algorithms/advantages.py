@@ -15,6 +15,14 @@ import torch
 Scale = Literal["group", "batch", "none"]
 
 
+def _unanimous(grouped: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B,) True where a group's valid rewards are all equal. Their advantages must be exactly 0,
+    but a float mean of e.g. [0.1, 0.1, 0.1] is one rounding step off 0.1, leaving residues of
+    ~1e-17 that a ~1e-17 std would blow up to +-1."""
+    infinity = torch.full_like(grouped, float("inf"))
+    return torch.where(valid, grouped, -infinity).amax(1) <= torch.where(valid, grouped, infinity).amin(1)
+
+
 def group_statistics(
     rewards: torch.Tensor, group_size: int, unbiased_std: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -23,8 +31,9 @@ def group_statistics(
     Args:
         rewards: (N,) with N = B * G, group-contiguous; NaN marks an unscorable sample.
         group_size: G.
-        unbiased_std: False (default, as in the seed and DeepSeekMath's worked example) divides the
-            variance by the number of valid rewards n (population std); True divides by n - 1.
+        unbiased_std: False (default, as in the seed's worked example; DeepSeekMath writes std(r)
+            without naming the denominator) divides the variance by the number of valid rewards n
+            (population std); True divides by n - 1 (torch.std's default, used by TRL).
 
     Returns:
         mean (B,), std (B,), count (B,) (a float tensor). A group with no valid reward has mean 0
@@ -43,6 +52,7 @@ def group_statistics(
     squared = torch.where(valid, (grouped - mean[:, None]) ** 2, torch.zeros_like(grouped))
     denominator = (count - 1) if unbiased_std else count
     std = (squared.sum(dim=1) / denominator.clamp(min=1)).sqrt()
+    std = torch.where(_unanimous(grouped, valid), torch.zeros_like(std), std)
     return mean, std, count
 
 
@@ -83,16 +93,17 @@ def grpo_advantages(
     mean, group_std, _ = group_statistics(rewards, group_size, unbiased_std)
     grouped = rewards.view(-1, group_size)
     valid = ~torch.isnan(grouped)
-    centered = torch.where(valid, grouped - mean[:, None], torch.zeros_like(grouped))
+    unanimous = _unanimous(grouped, valid)
+    centered = torch.where(valid & ~unanimous[:, None], grouped - mean[:, None], torch.zeros_like(grouped))
     if scale == "none":
         return centered.reshape(-1)
     if scale == "group":
         std = group_std[:, None]
     else:
         batch = rewards[~torch.isnan(rewards)]
-        if batch.numel() == 0:
-            return centered.reshape(-1)
-        std = batch.std(correction=1 if unbiased_std else 0) if batch.numel() > 1 else batch.new_zeros(())
+        if batch.numel() < 2 or bool(batch.amax() == batch.amin()):
+            return centered.reshape(-1)  # every group is unanimous, so centered is all 0
+        std = batch.std(correction=1 if unbiased_std else 0)
     denominator = std + eps
     # A zero denominator only happens with eps = 0 and identical rewards, where centered is 0 too.
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
@@ -152,6 +163,7 @@ def gae(
     Returns:
         advantages (N, T), returns (N, T), both 0 where mask is False.
     """
+    token_rewards, values = token_rewards.detach(), values.detach()
     mask_float = mask.to(values.dtype)
     next_value = values.new_zeros(values.shape[0])
     next_advantage = values.new_zeros(values.shape[0])
@@ -183,8 +195,8 @@ def whiten(
     Args:
         values: any shape, e.g. (N, T) advantages.
         mask: same shape, bool, True = counts.
-        shift_mean: False keeps the mean (only divides by the std), as PPO implementations do
-            when whitening rewards.
+        shift_mean: False adds the mean back after scaling, (v - mean) / std + mean, as PPO
+            implementations do when whitening rewards (the spread is normalised, the mean kept).
         eps: added to the variance before the square root.
 
     Returns:

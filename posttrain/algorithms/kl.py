@@ -108,13 +108,14 @@ def kl_penalized_rewards(
 
     Args:
         rewards: (N,) sequence rewards (from the verifier or reward model).
-        kl: (N, T) per-token KL estimates (detached).
+        kl: (N, T) per-token KL estimates (detached here: the penalty is a reward, not a loss).
         mask: (N, T) bool, True = response token.
         beta: KL coefficient.
 
     Returns:
         (N, T) token rewards, 0 where mask is False. A row with no response token keeps only 0s.
     """
+    kl = kl.detach()
     mask_float = mask.to(kl.dtype)
     token_rewards = -beta * kl * mask_float
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)

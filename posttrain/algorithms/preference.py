@@ -62,6 +62,25 @@ def dpo_loss(
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
+def conservative_dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.1,
+) -> PreferenceOutput:
+    """Conservative DPO (cDPO): `dpo_loss` with label smoothing e > 0 (default 0.1), the expected
+    DPO loss when each preference label is wrong with probability e.
+
+    Args: as `dpo_loss`; `label_smoothing` in (0, 0.5).
+    Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+    """
+    if not 0.0 < label_smoothing < 0.5:
+        raise ValueError(f"conservative DPO needs label_smoothing in (0, 0.5), got {label_smoothing}")
+    return dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, label_smoothing)
+
+
 def robust_dpo_loss(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,
@@ -159,7 +178,7 @@ def length_normalized_dpo_loss(
 # Losses that take the four sequence log-probs and beta (plus their own keyword arguments).
 PREFERENCE_LOSSES: dict[str, Callable[..., PreferenceOutput]] = {
     "sigmoid": dpo_loss,
-    "conservative": dpo_loss,  # with label_smoothing > 0
+    "conservative": conservative_dpo_loss,
     "robust": robust_dpo_loss,
     "ipo": ipo_loss,
     "hinge": hinge_loss,

@@ -85,7 +85,13 @@ def explain_advantages(args) -> int:
         "advantages": advantages.tolist(),
     }
     std_kind = "sample std (denominator n-1)" if args.unbiased_std else "population std (denominator G)"
-    divisor = {"group": "(std + eps)", "batch": "(batch std + eps)", "none": "1 (Dr. GRPO: no std scaling)"}[args.scale]
+    valid = tensor[~torch.isnan(tensor)]
+    batch_std = valid.std(correction=1 if args.unbiased_std else 0).item() if valid.numel() > 1 else 0.0
+    divisor = {
+        "group": "(group std + eps)",
+        "batch": f"(batch std {batch_std:.4f} + eps)",
+        "none": "1 (Dr. GRPO: no std scaling)",
+    }[args.scale]
     lines = [
         f"GRPO group-relative advantages, G = {group_size}, scale = {args.scale}, eps = {args.eps}",
         f"  rewards     {rewards}",
@@ -113,7 +119,9 @@ def explain_clip(args) -> int:
         "PPO/GRPO clipped surrogate for one token (no KL, not a batch loss)",
         f"  ratio      = exp(log {new_prob} - log {old_prob}) = {ratio:.4f}",
         f"  clip range = [{1 - args.clip_low:.4g}, {1 + args.clip_high:.4g}], advantage {args.advantage:.4f}",
-        f"  objective  = min(ratio * A, clip(ratio) * A) = {-loss_value:.4f}   (to maximise)",
+        f"  objective  = min(ratio * A, clip(ratio) * A)"
+        + (f", at least {args.dual_clip:g} * A for A < 0 (dual clip)" if args.dual_clip else "")
+        + f" = {-loss_value:.4f}   (to maximise)",
         f"  loss       = -objective = {loss_value:.4f}",
         f"  clipped    = {clipped}" + ("   (this token gives no gradient)" if clipped else ""),
     ]
@@ -124,7 +132,11 @@ def explain_dpo(args) -> int:
     if args.beta <= 0:
         raise UserError(f"--beta must be > 0, got {args.beta}")
     loss_fn = PREFERENCE_LOSSES[args.loss]
-    extra = {"label_smoothing": args.label_smoothing} if args.loss in ("sigmoid", "conservative", "robust") else {}
+    takes_smoothing = args.loss in ("sigmoid", "conservative", "robust")
+    if args.label_smoothing is not None and not takes_smoothing:
+        raise UserError(f"--label-smoothing does not apply to --loss {args.loss}")
+    # None keeps each loss's own default (0 for sigmoid, 0.1 for conservative and robust).
+    extra = {"label_smoothing": args.label_smoothing} if args.label_smoothing is not None else {}
     losses, chosen_reward, rejected_reward = loss_fn(
         _tensor([args.chosen]), _tensor([args.rejected]), _tensor([args.ref_chosen]), _tensor([args.ref_rejected]),
         beta=args.beta, **extra,
@@ -199,7 +211,7 @@ def register(subparsers) -> None:
         dpo.add_argument(flag, type=float, required=True, help="sequence log-prob (sum over response tokens)")
     dpo.add_argument("--beta", type=float, default=0.1)
     dpo.add_argument("--loss", choices=sorted(PREFERENCE_LOSSES), default="sigmoid")
-    dpo.add_argument("--label-smoothing", type=float, default=0.0)
+    dpo.add_argument("--label-smoothing", type=float, default=None, help="label noise rate (default: the loss's own)")
     dpo.set_defaults(func=_library_errors_are_user_errors(explain_dpo))
 
     kl = commands.add_parser("kl", help="exact KL vs the k1/k2/k3 estimators at one prefix")
