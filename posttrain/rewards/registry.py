@@ -1,0 +1,97 @@
+"""Verifiers by name, and weighted composition.
+
+Names: `math`, `exact`, `numeric`, `format`, `rg`, `humaneval`, `io`, `stdio`,
+`callable:<dotted.path>`, and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from posttrain.rewards.answers import ExactVerifier, MathVerifier, NumericVerifier
+from posttrain.rewards.base import Verifier
+from posttrain.rewards.code import HumanEvalVerifier, IOVerifier, StdioVerifier
+from posttrain.rewards.custom import CallableVerifier
+from posttrain.rewards.format import FormatVerifier
+from posttrain.rewards.gym import ReasoningGymVerifier
+from posttrain.rewards.sandbox import SandboxConfig
+from posttrain.rewards.verdict import Verdict
+
+CODE_VERIFIERS = {"humaneval": HumanEvalVerifier, "io": IOVerifier, "stdio": StdioVerifier}
+ANSWER_VERIFIERS = {"math": MathVerifier, "exact": ExactVerifier, "numeric": NumericVerifier,
+                    "rg": ReasoningGymVerifier}
+NAMES = (*ANSWER_VERIFIERS, "format", *CODE_VERIFIERS)
+
+
+class WeightedSum(Verifier):
+    """reward = sum of weight * component reward; each component's value is kept in details.
+
+    Any component's infra_error or data_error makes the whole verdict that status (a sum with a
+    missing term is not the same reward).
+    """
+
+    def __init__(self, components: Sequence[tuple[float, Verifier]]):
+        if not components:
+            raise ValueError("a weighted sum needs at least one component")
+        self.components = list(components)
+        self.name = "+".join(f"{weight:g}*{verifier.name}" for weight, verifier in self.components)
+
+    def batch(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]],
+              workers: int | None = None) -> list[Verdict]:
+        """Score with every component, then combine per row."""
+        columns = [verifier.batch(completions, examples, workers) for _, verifier in self.components]
+        verdicts = []
+        for row in zip(*columns):
+            parts = {verifier.name: verdict.reward for (_, verifier), verdict in zip(self.components, row)}
+            broken = [(verifier.name, verdict) for (_, verifier), verdict in zip(self.components, row)
+                      if verdict.status != "ok"]
+            if broken:
+                name, verdict = broken[0]
+                verdicts.append(Verdict(None, verdict.status, f"{name}: {verdict.reason}", {"components": parts}))
+                continue
+            total = sum(weight * verdict.reward for (weight, _), verdict in zip(self.components, row))
+            reasons = "; ".join(f"{v.name}: {verdict.reason}" for (_, v), verdict in zip(self.components, row))
+            verdicts.append(Verdict.ok(total, reasons, components=parts))
+        return verdicts
+
+    def score(self, completion: str, example: Mapping) -> Verdict:
+        """One row (see `batch`)."""
+        return self.batch([completion], [example])[0]
+
+    def describe(self) -> dict[str, Any]:
+        """Settings for the run card."""
+        return {"verifier": self.name,
+                "components": [{"weight": w, **v.describe()} for w, v in self.components]}
+
+
+def get_verifier(name: str, *, sandbox: SandboxConfig | None = None, fraction: bool = False,
+                 extraction: str | None = None) -> Verifier:
+    """Build a verifier from its name (see the module docstring).
+
+    `sandbox` sets the limits of code verifiers (and `unsafe_no_sandbox`); `fraction` makes
+    code rewards passed/total instead of all-or-nothing; `extraction` overrides the answer
+    extraction policy of math/exact/numeric/rg.
+    """
+    name = name.strip()
+    if "+" in name or "*" in name:
+        components = []
+        for term in name.split("+"):
+            match = re.fullmatch(r"\s*(?:([0-9.eE-]+)\s*\*)?\s*(\S+?)\s*", term)
+            if not match:
+                raise ValueError(f"cannot read verifier term {term!r} in {name!r}")
+            weight = float(match.group(1)) if match.group(1) else 1.0
+            components.append((weight, get_verifier(match.group(2), sandbox=sandbox, fraction=fraction,
+                                                    extraction=extraction)))
+        return WeightedSum(components)
+    if name.startswith("callable:"):
+        return CallableVerifier(name.partition(":")[2])
+    if name in CODE_VERIFIERS:
+        return CODE_VERIFIERS[name](sandbox=sandbox, fraction=fraction)
+    if name in ANSWER_VERIFIERS:
+        return ANSWER_VERIFIERS[name](**({"extraction": extraction} if extraction else {}))
+    if name == "format":
+        return FormatVerifier()
+    raise ValueError(f"unknown verifier {name!r}; choose from {', '.join(NAMES)}, "
+                     "callable:<dotted.path> or a weighted sum like 0.9*math+0.1*format")
