@@ -1,0 +1,207 @@
+"""``generate``: G sampled completions per prompt, with the log-probs of what was sampled.
+
+The loop, per chunk of prompts:
+1. left-pad the chunk's B prompts and prefill them in one batched forward (each prompt once);
+2. copy each prompt's KV cache to its G rows (``decoder.select``);
+3. per step: sample a token for every active row (``sampling.sample_step``), record it and its
+   log-probs, end rows on EOS / stop token / stop string, drop ended rows from the cache (so they
+   cost nothing more), and run one decode step for the rest.
+
+Randomness: one uniform number per (row, step) from a table drawn with the seed for all N rows up
+front, so a row's sample does not depend on chunking, compaction or which rows share its batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from posttrain.errors import UserError
+from posttrain.rollout.batch import Rollout
+from posttrain.rollout.hf_decoder import HFDecoder
+from posttrain.rollout.llama_decoder import LlamaDecoder, unsupported_reason
+from posttrain.rollout.sampling import SamplingConfig, sample_step
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "fast", "hf")
+
+
+def _as_id_lists(tokenizer, prompts, add_special_tokens: bool) -> list[list[int]]:
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise UserError("prompts must be a non-empty list of strings or of token-id lists")
+    id_lists = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.tolist()
+        else:
+            ids = [int(t) for t in prompt]
+        if len(ids) == 0:
+            raise UserError(f"prompt {index} is empty after tokenisation")
+        id_lists.append(ids)
+    return id_lists
+
+
+def stop_token_ids(model, tokenizer, sampling: SamplingConfig) -> list[int]:
+    """Ids that end a completion: the tokenizer's EOS, the model's generation-config EOS, and extras."""
+    ids = set(sampling.stop_token_ids)
+    for source in (getattr(tokenizer, "eos_token_id", None),
+                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(t) for t in source)
+    return sorted(ids)
+
+
+def _left_pad(id_lists: list[list[int]], pad_id: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, width) long ids and (B, width) bool mask, real tokens right-aligned."""
+    ids = torch.full((len(id_lists), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(id_lists), width), dtype=torch.bool)
+    for row, prompt in enumerate(id_lists):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt):] = True
+    return ids, mask
+
+
+def _make_decoder(model, backend: str, capacity: int, batch_hint: int):
+    if backend == "hf":
+        return HFDecoder(model)
+    reason = unsupported_reason(model, capacity)
+    if reason is None:
+        return LlamaDecoder(model, batch_hint=batch_hint)
+    if backend == "fast":
+        raise UserError(f"backend 'fast' cannot run this model: {reason}")
+    logger.info("rollout: generic decoder (%s)", reason)
+    return HFDecoder(model)
+
+
+class _StopStrings:
+    """Checks, after each step, whether a row's newest token completed one of the stop strings."""
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        # A token decodes to at least one character except for partial UTF-8 bytes: 4 tokens per
+        # character bounds the window that can contain a freshly completed stop string.
+        self.window = 4 * max(len(s) for s in stop_strings) + 4
+
+    def hits(self, completions: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+        """(len(rows),) bool. completions: (n, T) long; rows: (k,) long; length: tokens so far."""
+        tails = completions[rows, max(0, length - self.window):length].tolist()
+        texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
+        return torch.tensor([any(s in text for s in self.stop_strings) for text in texts], dtype=torch.bool)
+
+    def cut(self, text: str) -> str:
+        """The text up to and including the earliest-ending stop string."""
+        ends = [text.find(s) + len(s) for s in self.stop_strings if s in text]
+        return text[:min(ends)] if ends else text
+
+
+def _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, uniforms, eos_ids, stops, pad_id):
+    """Sample G completions for each of the chunk's B prompts. Returns per-row tensors (n = B * G)."""
+    B, P = prompt_ids.shape
+    n, T = B * group_size, sampling.max_new_tokens
+    completions = torch.full((n, T), pad_id, dtype=torch.long)
+    sampler_logprobs = torch.zeros(n, T)
+    logprobs = torch.zeros(n, T)
+    lengths = torch.zeros(n, dtype=torch.long)
+    finished = torch.zeros(n, dtype=torch.bool)
+    logits = decoder.prefill(prompt_ids, prompt_mask, P + T)  # (B, V)
+    expand = torch.arange(B).repeat_interleave(group_size)  # prompt b -> rows b*G .. b*G+G-1
+    decoder.select(expand)
+    logits = logits.index_select(0, expand)  # (n, V)
+    active = torch.arange(n)  # chunk rows still generating, in cache order
+    for step in range(T):
+        banned = eos_ids if step < sampling.min_new_tokens else None
+        tokens, step_sampler, step_logprobs = sample_step(logits, sampling, uniforms[active, step], banned)
+        completions[active, step] = tokens
+        sampler_logprobs[active, step] = step_sampler
+        logprobs[active, step] = step_logprobs
+        lengths[active] = step + 1
+        done = torch.isin(tokens, eos_ids)
+        if stops is not None:
+            done |= stops.hits(completions, active, step + 1)
+        finished[active[done]] = True
+        if step == T - 1 or bool(done.all()):
+            break
+        if bool(done.any()):  # compact: ended rows leave the cache and stop costing compute
+            keep = (~done).nonzero().squeeze(1)
+            active, tokens = active[keep], tokens[keep]
+            decoder.select(keep)
+        logits = decoder.decode(tokens)
+    return completions, sampler_logprobs, logprobs, lengths, finished
+
+
+def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
+             seed: int = 0, max_batch_size: int = 64, backend: str = "auto",
+             add_special_tokens: bool = False) -> Rollout:
+    """Sample ``group_size`` completions for every prompt with a KV cache; return them as a ``Rollout``.
+
+    Args:
+        model: a Hugging Face causal LM (eval mode is the caller's business; no gradients are taken).
+            Llama / Mistral / Qwen2 / Qwen3 with plain ``nn.Linear`` layers use the fast decoder;
+            anything else (or PEFT-wrapped layers) the model's own forward.
+        tokenizer: its tokenizer; used to tokenise string prompts, find EOS/pad ids, decode texts.
+        prompts: B prompts, each a string or a list of token ids. Chat templates are the caller's job:
+            pass ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` text or ids.
+            Strings are tokenised exactly as written (``add_special_tokens`` below).
+        group_size: G samples per prompt. Rows are group-contiguous: row b*G + g.
+        sampling: temperature / top-k / top-p / lengths / stop strings / greedy.
+        seed: the same seed, prompts and settings give the same tokens whatever ``max_batch_size``.
+        max_batch_size: at most this many rows (whole groups, so at least G) are decoded together;
+            bounds the KV cache and activation memory.
+        backend: "auto" (fast decoder when supported, else the generic one), "fast", or "hf".
+        add_special_tokens: passed to the tokenizer for string prompts (False: no BOS added).
+
+    Returns:
+        a ``Rollout`` with N = B * G rows; see its field docs for shapes and meanings.
+    """
+    sampling = sampling or SamplingConfig()
+    if backend not in BACKENDS:
+        raise UserError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if group_size < 1:
+        raise UserError(f"group_size must be >= 1, got {group_size}")
+    id_lists = _as_id_lists(tokenizer, prompts, add_special_tokens)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = 0 if pad_id is None else int(pad_id)
+    eos_ids = torch.tensor(stop_token_ids(model, tokenizer, sampling), dtype=torch.long)
+    stops = _StopStrings(tokenizer, sampling.stop_strings) if sampling.stop_strings else None
+    B, G, T = len(id_lists), group_size, sampling.max_new_tokens
+    generator = torch.Generator().manual_seed(seed)
+    uniforms = torch.rand(B * G, T, generator=generator, dtype=torch.float64)  # (N, T), row-owned
+    prompts_per_chunk = max(1, max_batch_size // G)
+    started = time.perf_counter()
+    pieces = []
+    with torch.inference_mode():
+        for first in range(0, B, prompts_per_chunk):
+            chunk = id_lists[first:first + prompts_per_chunk]
+            width = max(len(ids) for ids in chunk)
+            decoder = _make_decoder(model, backend, width + T, batch_hint=len(chunk) * G)
+            prompt_ids, prompt_mask = _left_pad(chunk, pad_id, width)
+            rows = slice(first * G, (first + len(chunk)) * G)
+            pieces.append(_generate_chunk(decoder, prompt_ids, prompt_mask, G, sampling, uniforms[rows],
+                                          eos_ids, stops, pad_id))
+    completions, sampler_logprobs, logprobs, lengths, finished = (torch.cat(parts) for parts in zip(*pieces))
+    width = int(lengths.max())
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # (N, T)
+    completions = completions[:, :width]
+    prompt_width = max(len(ids) for ids in id_lists)
+    prompt_ids, prompt_mask = _left_pad([ids for ids in id_lists for _ in range(G)], pad_id, prompt_width)
+    texts = tokenizer.batch_decode([row[:length] for row, length in zip(completions.tolist(), lengths.tolist())],
+                                   skip_special_tokens=True)
+    if stops is not None:
+        texts = [stops.cut(text) if done else text for text, done in zip(texts, finished.tolist())]
+    elapsed = time.perf_counter() - started
+    logger.info("rollout: %d rows, %d tokens in %.2fs (%.1f tokens/s)", B * G, int(lengths.sum()), elapsed,
+                int(lengths.sum()) / max(elapsed, 1e-9))
+    return Rollout(
+        prompt_ids=prompt_ids, prompt_attention_mask=prompt_mask, completion_ids=completions, mask=mask,
+        sampler_logprobs=sampler_logprobs[:, :width] * mask, logprobs=logprobs[:, :width] * mask,
+        finished=finished, truncated=~finished, texts=texts,
+        prompt_index=torch.arange(B).repeat_interleave(G), group_size=G, sampling=sampling, pad_token_id=pad_id)

@@ -1,0 +1,277 @@
+"""The fast decoder: Llama-family models (Llama, Mistral, Qwen2, Qwen3) decoded by our own loop.
+
+Why not ``model.forward``: one decode step of a 135M model on 2 CPU cores is ~40 ms of matmuls, and
+the Hugging Face forward adds masks, cache bookkeeping and ~30 small ops per layer around them. This
+decoder reads the model's own weights and keeps only what a decode step needs:
+
+* one preallocated KV cache ``(L, 2, n, K, S, D)``; all rows are left-padded to a common prompt
+  length, so every row writes its new key/value into the same column, and left padding is a
+  ``-inf`` additive key bias plus per-row position ids;
+* fused projections (q|k|v in one matmul, gate|up in two matmuls with the SiLU and the product
+  fused into them, residual adds fused into o_proj and down_proj);
+* on CPU, weights prepacked for oneDNN once per set of weights (repacked when a parameter changes,
+  e.g. after an optimizer step); elsewhere, plain ``F.linear`` on the fused weights.
+
+It is checked against the model's own forward (logits) and against ``model.generate`` (greedy
+tokens) in tests/test_rollout_decoders.py. Anything it does not recognise (other architectures,
+PEFT-wrapped layers, sliding-window attention shorter than the sequence) goes to ``HFDecoder``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_PACK_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
+    """Why the fast decoder cannot run ``model`` for sequences of ``capacity`` tokens (None if it can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    body = getattr(model, "model", None)
+    if body is None or not hasattr(body, "layers") or not hasattr(body, "rotary_emb"):
+        return "no model.model.layers / rotary_emb"
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
+    if model_type == "mistral" and window is not None:
+        sliding = True
+    if sliding and window is not None and window < capacity:
+        return f"sliding window {window} < sequence length {capacity}"
+    for layer in body.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if type(linear) is not torch.nn.Linear:  # e.g. a PEFT LoRA layer: its adapter would be skipped
+                return f"projection of type {type(linear).__name__} is not a plain nn.Linear"
+    if type(model.get_output_embeddings()) is not torch.nn.Linear:
+        return "output embedding is not a plain nn.Linear"
+    return None
+
+
+class _Linear:
+    """``y = x @ weight.T + bias``, with the activation or binary op fused where oneDNN allows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, batch_hint: int):
+        self.packed = packed
+        self.bias = bias
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "swish", [], "")
+        return F.silu(F.linear(x, self.weight, self.bias))
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "mul")
+        return F.linear(x, self.weight, self.bias).mul_(other)
+
+    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
+        return F.linear(x, self.weight, self.bias).add_(other)
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: _Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: _Linear
+    post_norm: torch.Tensor
+    gate: _Linear
+    up: _Linear
+    down: _Linear
+
+
+def _cat_bias(*linears) -> torch.Tensor | None:
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        probe = torch.ops.mkldnn._reorder_linear_weight(weight[:8, :8].contiguous(), 2)
+        torch.ops.mkldnn._linear_pointwise(weight.new_ones(2, 8), probe, None, "none", [], "")
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _weights_key(model: torch.nn.Module) -> tuple:
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def _build_layers(model: torch.nn.Module, batch_hint: int) -> tuple[list[_Layer], _Linear]:
+    """Fuse and (on CPU) prepack the weights; cached per model until a parameter changes."""
+    key = _weights_key(model)
+    cached = _PACK_CACHE.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    packed = _can_pack(model.get_output_embeddings().weight)
+    layers = []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            q_norm = getattr(attn, "q_norm", None)
+            k_norm = getattr(attn, "k_norm", None)
+            layers.append(_Layer(
+                input_norm=layer.input_layernorm.weight.detach(),
+                qkv=_Linear(qkv_weight, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), packed, batch_hint),
+                q_norm=None if q_norm is None else q_norm.weight.detach(),
+                k_norm=None if k_norm is None else k_norm.weight.detach(),
+                o=_Linear(attn.o_proj.weight.detach(), attn.o_proj.bias, packed, batch_hint),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                gate=_Linear(mlp.gate_proj.weight.detach(), mlp.gate_proj.bias, packed, batch_hint),
+                up=_Linear(mlp.up_proj.weight.detach(), mlp.up_proj.bias, packed, batch_hint),
+                down=_Linear(mlp.down_proj.weight.detach(), mlp.down_proj.bias, packed, batch_hint),
+            ))
+        head = model.get_output_embeddings()
+        lm_head = _Linear(head.weight.detach(), head.bias, packed, batch_hint)
+    logger.debug("fast decoder: %d layers prepared (oneDNN packed: %s)", len(layers), packed)
+    _PACK_CACHE[model] = (key, layers, lm_head)
+    return layers, lm_head
+
+
+class LlamaDecoder:
+    """Decoding Llama-family models with a static KV cache; same interface as ``HFDecoder``."""
+
+    def __init__(self, model: torch.nn.Module, batch_hint: int = 16):
+        config = model.config
+        self.model = model
+        self.layers, self.lm_head = _build_layers(model, batch_hint)
+        self.embed = model.get_input_embeddings().weight
+        self.rotary = model.model.rotary_emb
+        self.final_norm = model.model.norm.weight
+        self.eps = model.model.norm.variance_epsilon
+        self.hidden = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = model.model.layers[0].self_attn.scaling
+        self.kv = None  # (L, 2, n, K, S, D)
+        self.key_bias = None  # (n, S) float: 0 = attend, -inf = left padding
+        self.positions = None  # (n,) long: position id of the next token
+        self.column = 0  # cache column the next token is written to (same for every row)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] = flip(halves) * [-1, 1]."""
+        half = x.shape[-1] // 2
+        swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+        return torch.addcmul(x * cos, swapped, sin_signed)
+
+    def _cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (..., D) for position ids (...); sin signed for the flip form of rotate_half."""
+        probe = self.embed[:1]
+        cos, sin = self.rotary(probe, position_ids.reshape(1, -1))
+        cos, sin = cos.reshape(*position_ids.shape, -1), sin.reshape(*position_ids.shape, -1)
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos, sin_signed
+
+    def _qkv(self, layer: _Layer, h: torch.Tensor, cos, sin_signed):
+        """(..., d) hidden -> q (..., H, D), k (..., K, D) with rope, v (..., K, D)."""
+        H, K = self.heads, self.kv_heads
+        qkv = layer.qkv(h).unflatten(-1, (H + 2 * K, self.head_dim))
+        cos, sin_signed = cos.unsqueeze(-2), sin_signed.unsqueeze(-2)
+        if layer.q_norm is not None:  # Qwen3: RMSNorm over each head before rope
+            q = self._rope(self._norm(qkv[..., :H, :], layer.q_norm), cos, sin_signed)
+            k = self._rope(self._norm(qkv[..., H:H + K, :], layer.k_norm), cos, sin_signed)
+            return q, k, qkv[..., H + K:, :]
+        qk = self._rope(qkv[..., :H + K, :], cos, sin_signed)  # one rope for the q and k heads together
+        return qk[..., :H, :], qk[..., H:, :], qkv[..., H + K:, :]
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Run the left-padded prompts, fill the cache; see ``HFDecoder.prefill``.
+
+        Args:
+            prompt_ids: (B, P) long. prompt_mask: (B, P) bool. capacity: S >= P + new tokens.
+
+        Returns:
+            (B, V) float32 next-token logits.
+        """
+        B, P = prompt_ids.shape
+        L, K, D = len(self.layers), self.kv_heads, self.head_dim
+        self.kv = torch.zeros(L, 2, B, K, capacity, D, dtype=self.embed.dtype, device=self.embed.device)
+        self.key_bias = torch.zeros(B, capacity, dtype=self.embed.dtype, device=self.embed.device)
+        self.key_bias[:, :P].masked_fill_(~prompt_mask, float("-inf"))
+        position_ids = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        self.positions = position_ids[:, -1] + 1
+        self.column = P
+        cos, sin_signed = self._cos_sin(position_ids)  # (B, P, D)
+        causal = torch.ones(P, P, dtype=torch.bool, device=prompt_ids.device).tril()
+        allowed = (causal & prompt_mask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=prompt_ids.device)
+        allowed = allowed.unsqueeze(1)  # (B, 1, P, P); the diagonal keeps padding rows finite
+        x = F.embedding(prompt_ids, self.embed)  # (B, P, d)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._norm(x, layer.input_norm), cos, sin_signed)  # (B, P, *, D)
+            self.kv[index, 0, :, :, :P] = k.transpose(1, 2)
+            self.kv[index, 1, :, :, :P] = v.transpose(1, 2)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
+                scale=self.scaling, enable_gqa=self.heads != K)  # (B, H, P, D)
+            x = layer.o.plus(attn.transpose(1, 2).reshape(B * P, -1), x.reshape(B * P, -1)).view(B, P, -1)
+            x = self._mlp(layer, x.view(B * P, -1)).view(B, P, -1)
+        return self.lm_head(self._norm(x[:, -1], self.final_norm)).float()
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """x + down(silu(gate(h)) * up(h)), h = norm(x). x: (n, d)."""
+        h = self._norm(x, layer.post_norm)
+        return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep (and reorder, or repeat) cache rows: new row i is old row ``rows[i]``. rows: (n,) long."""
+        self.kv = self.kv.index_select(2, rows)
+        self.key_bias = self.key_bias.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per row; return the next-token logits. tokens: (n,) long -> (n, V) float32."""
+        n, column = tokens.shape[0], self.column
+        H, K, D = self.heads, self.kv_heads, self.head_dim
+        cos, sin_signed = self._cos_sin(self.positions)  # (n, D)
+        rep = H // K
+        # Grouped-query attention without repeating the cache: query heads g*rep .. g*rep+rep-1 share
+        # kv head g, so the (n, H) query heads are batched as (n*K, rep) against (n*K, c) keys.
+        key_bias = self.key_bias[:, None, None, :column + 1].expand(n, K, 1, column + 1).reshape(n * K, 1, -1)
+        x = F.embedding(tokens, self.embed)  # (n, d)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._norm(x, layer.input_norm), cos, sin_signed)  # (n, *, D)
+            keys, values = self.kv[index, 0], self.kv[index, 1]  # (n, K, S, D)
+            keys[:, :, column] = k
+            values[:, :, column] = v
+            keys = keys.view(n * K, -1, D)[:, :column + 1]  # (n*K, c, D)
+            values = values.view(n * K, -1, D)[:, :column + 1]
+            scores = torch.baddbmm(key_bias, q.reshape(n * K, rep, D), keys.transpose(1, 2), alpha=self.scaling)
+            attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # (n*K, rep, D)
+            x = layer.o.plus(attn.view(n, H * D), x)
+            x = self._mlp(layer, x)
+        self.positions = self.positions + 1
+        self.column = column + 1
+        return self.lm_head(self._norm(x, self.final_norm)).float()
