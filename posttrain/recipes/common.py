@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import math
 import random
@@ -137,17 +138,31 @@ def resolve_config(config_cls, args: argparse.Namespace):
     return build_config(config_cls, args.config, overrides)
 
 
-def register_recipe(subparsers, name: str, config_cls, run: Callable[..., Any], help_text: str) -> None:
-    """Add `posttrain NAME` with the common flags; other `--key value` pairs override config fields."""
-    fields = describe_fields(config_cls)
-    width = max(len(key) for key, _, _ in fields)
-    epilog = "config fields (as --key value, or in the YAML file):\n" + "\n".join(
-        f"  {key:<{width}}  {doc} [default {default}]" for key, default, doc in fields
-    )
+def register_recipe(subparsers, name: str, module: str, help_text: str) -> None:
+    """Add `posttrain NAME` with the common flags; other `--key value` pairs override config fields.
+
+    `module` (e.g. "posttrain.recipes.sft") must define `Config` and `run(config, resume=False)`.
+    It is imported only when the command runs or its --help is shown, so that every other command
+    starts without importing torch, transformers and peft.
+    """
+
+    def recipe():
+        return importlib.import_module(module)
+
+    class RecipeParser(subparsers._parser_class):  # the CLI's one-line-error parser, plus a lazy epilog
+        def format_help(self) -> str:
+            fields = describe_fields(recipe().Config)
+            width = max(len(key) for key, _, _ in fields)
+            self.epilog = "config fields (as --key value, or in the YAML file):\n" + "\n".join(
+                f"  {key:<{width}}  {doc} [default {default}]" for key, default, doc in fields
+            )
+            return super().format_help()
+
     parser = subparsers.add_parser(
-        name, help=help_text, description=help_text, epilog=epilog, allow_abbrev=False,
+        name, help=help_text, description=help_text, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.__class__ = RecipeParser
     parser.add_argument("--config", help="YAML preset; its keys override the defaults")
     parser.add_argument("--output-dir", help="run directory (default: runs/<recipe>-<time>)")
     parser.add_argument("--max-steps", type=int, help="training steps")
@@ -155,8 +170,9 @@ def register_recipe(subparsers, name: str, config_cls, run: Callable[..., Any], 
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
 
     def handler(args) -> int:
-        config = resolve_config(config_cls, args)
-        run_dir = run(config, resume=bool(args.resume))
+        loaded = recipe()
+        config = resolve_config(loaded.Config, args)
+        run_dir = loaded.run(config, resume=bool(args.resume))
         print(f"results: {run_dir}")
         return 0
 
@@ -165,3 +181,65 @@ def register_recipe(subparsers, name: str, config_cls, run: Callable[..., Any], 
 
 def default_output_dir(recipe: str) -> str:
     return str(Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def save_training(
+    run_dir, step: int, model, tokenizer, optimizer, scheduler,
+    extra_models: dict[str, Any] | None = None, extra_state: dict[str, Any] | None = None, keep: int = 2,
+) -> Path:
+    """Checkpoint everything a resume needs: the model (a Hugging Face directory, or a LoRA
+    adapter), other models (e.g. `critic`), optimizer, scheduler, RNG states and `extra_state`
+    (data position...)."""
+    from posttrain.runs import rng_state, save_checkpoint
+
+    def write_models(directory: Path) -> None:
+        model.save_pretrained(directory / "model", safe_serialization=True)
+        tokenizer.save_pretrained(directory / "model")
+        for name, extra in (extra_models or {}).items():
+            torch.save(extra.state_dict(), directory / f"{name}.pt")
+
+    state = {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_state(),
+        **(extra_state or {}),
+    }
+    return save_checkpoint(run_dir.checkpoints, step, write_models, state, keep=keep)
+
+
+def _load_weights(model, directory: Path) -> None:
+    """Copy the weights saved in `directory` into `model` in place (full model or LoRA adapter)."""
+    from safetensors.torch import load_file
+
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"))
+        return
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=next(model.parameters()).dtype)
+    model.load_state_dict(saved.state_dict())
+
+
+def restore_training(run_dir, model, optimizer, scheduler, extra_models: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load the newest complete checkpoint of `run_dir` into the given objects (in place), restore
+    the RNG states, drop log lines written after it, and return its trainer state (`step`, data
+    position...). With no complete checkpoint the run starts over from step 0."""
+    from posttrain.runs import latest_checkpoint, load_trainer_state, set_rng_state
+
+    checkpoint = latest_checkpoint(run_dir.checkpoints)
+    if checkpoint is None:
+        logger.warning("%s: no complete checkpoint; starting from step 0", run_dir.path)
+        run_dir.truncate_logs(0)
+        return {"step": 0}
+    state = load_trainer_state(checkpoint)
+    _load_weights(model, checkpoint / "model")
+    for name, extra in (extra_models or {}).items():
+        extra.load_state_dict(torch.load(checkpoint / f"{name}.pt", weights_only=True))
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    run_dir.truncate_logs(state["step"])
+    logger.info("resuming from %s (step %d)", checkpoint, state["step"])
+    return state

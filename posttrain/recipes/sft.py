@@ -1,0 +1,204 @@
+"""`posttrain sft`: supervised fine-tuning, masked NLL on response tokens.
+
+The four links of an SFT run: data = a task's prompts with their gold answers written as responses
+(`response_template`); reward = none (imitation); loss = token-mean NLL of the response tokens
+(prompt and padding masked out, the ending EOS included); acceptance = held-out accuracy with the
+task's checker, plus held-out NLL.
+
+    posttrain sft --config presets/tiny-sft.yaml --max-steps 200
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from posttrain.algorithms import aggregate, response_logprobs
+from posttrain.config import save_yaml, to_dict
+from posttrain.data import tokenize_prompt_response
+from posttrain.data.examples import Example
+from posttrain.data.tasks import load_splits
+from posttrain.errors import UserError
+from posttrain.evaluation.acceptance import evaluate_task
+from posttrain.models import load_model
+from posttrain.recipes.common import (
+    Optimization,
+    Timer,
+    clip_and_step,
+    default_output_dir,
+    make_optimizer,
+    restore_training,
+    save_training,
+    seed_everything,
+)
+from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Config:
+    model: str = "tiny"
+    """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
+    task: str = "arithmetic"
+    """Task spec: arithmetic | rg:<dataset> | a JSONL prompt file with answers."""
+    task_options: dict = dataclasses.field(default_factory=dict)
+    """Task options, e.g. {digits: 2} for arithmetic."""
+    response_template: str = "{answer}"
+    """How a gold answer becomes the training response."""
+    train_size: int = 20000
+    """Training examples (procedural tasks generate this many)."""
+    eval_size: int = 200
+    """Held-out examples, disjoint from training."""
+    batch_size: int = 32
+    """Examples per optimizer step."""
+    micro_batch_size: int = 32
+    """Examples per forward/backward (gradient accumulation when smaller; same gradient)."""
+    optim: Optimization = dataclasses.field(default_factory=lambda: Optimization(lr=1e-3, warmup_steps=20))
+    """Optimizer and schedule."""
+    max_steps: int = 200
+    """Optimizer steps."""
+    eval_every: int = 0
+    """Evaluate held-out accuracy every N steps (0: only at the end)."""
+    checkpoint_every: int = 100
+    """Save a checkpoint every N steps (and always at the end)."""
+    max_new_tokens: int = 16
+    """Generation budget of the held-out evaluation."""
+    checker: str | None = None
+    """Held-out checker (a verifier name); None: the task's strict default."""
+    system_prompt: str | None = None
+    """Optional system prompt for chat models."""
+    seed: int = 0
+    """Seeds data order, initialisation and sampling."""
+    output_dir: str | None = None
+    """Run directory (default runs/sft-<time>)."""
+
+    def validate(self) -> None:
+        self.optim.validate()
+        for name in ("train_size", "eval_size", "batch_size", "micro_batch_size", "max_steps", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batch_size:
+            raise UserError(f"batch_size {self.batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
+        if "{answer}" not in self.response_template:
+            raise UserError("response_template must contain {answer}")
+
+
+def data_order(num_examples: int, seed: int, position: int, count: int) -> list[int]:
+    """Indices `position .. position + count` of an endless stream of seeded epoch permutations."""
+    indices = []
+    while len(indices) < count:
+        epoch, offset = divmod(position + len(indices), num_examples)
+        permutation = list(range(num_examples))
+        random.Random(seed * 1_000_003 + epoch).shuffle(permutation)
+        indices.extend(permutation[offset : offset + count - len(indices)])
+    return indices
+
+
+def sft_loss(model, batch, rows: slice, global_tokens: torch.Tensor) -> torch.Tensor:
+    """Token-mean NLL of the response tokens of `rows`, normalised by the whole batch's token count."""
+    input_ids, attention_mask = batch.input_ids[rows], batch.attention_mask[rows]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (n, L, V)
+    logprobs, mask = response_logprobs(logits, input_ids, batch.mask[rows])
+    return aggregate(-logprobs, mask, "token_mean", global_tokens=global_tokens)
+
+
+def run(config: Config, resume: bool = False) -> Path:
+    """Train; returns the run directory."""
+    # 0. Everything that can fail on bad input fails here, before the run directory exists.
+    seed_everything(config.seed)
+    model, tokenizer = load_model(config.model)
+    train, held_out = load_splits(
+        config.task, train_size=config.train_size, eval_size=config.eval_size, seed=config.seed,
+        options=config.task_options,
+    )
+    missing = [e.id for e in train.examples if e.answer is None]
+    if missing:
+        raise UserError(f"task {config.task}: example {missing[0]} has no answer to train on")
+    output_dir = config.output_dir or default_output_dir("sft")
+    run_dir = RunDirectory(output_dir, resume=resume)
+    config.output_dir = str(run_dir.path)
+    save_yaml(config, run_dir.path / "config.yaml")
+
+    optimizer, scheduler = make_optimizer(model.parameters(), config.optim, config.max_steps)
+    start_step = restore_training(run_dir, model, optimizer, scheduler)["step"] if resume else 0
+    card = new_card("sft", config.seed, config=to_dict(config))
+    card["links"]["data"] = {
+        "task": config.task, "options": config.task_options, "train_examples": len(train),
+        "heldout_examples": len(held_out), "duplicates_removed": train.duplicates_removed,
+        "response_template": config.response_template,
+    }
+    card["links"]["reward"] = {"kind": "none (imitation of gold answers)"}
+    card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True}
+    card["links"]["acceptance"] = {"heldout": f"{config.task} eval split", "checker": config.checker or "task default (strict)"}
+    write_run_card(run_dir.path, card)
+
+    model.train()
+    timer = Timer()
+    progress = tqdm(range(start_step, config.max_steps), desc="sft", initial=start_step, total=config.max_steps)
+    for step in progress:
+        started = time.perf_counter()
+        # 1. The next batch of the seeded data stream.
+        examples: list[Example] = [train.examples[i] for i in data_order(len(train), config.seed, step * config.batch_size, config.batch_size)]
+        batch = tokenize_prompt_response(
+            tokenizer, [e.prompt_input for e in examples],
+            [config.response_template.format(answer=e.answer) for e in examples],
+            system_prompt=config.system_prompt,
+        )
+        # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens.
+        global_tokens = batch.mask[:, 1:].sum()
+        total_loss = 0.0
+        with timer("train"):
+            for start in range(0, len(examples), config.micro_batch_size):
+                loss = sft_loss(model, batch, slice(start, start + config.micro_batch_size), global_tokens)
+                loss.backward()
+                total_loss += loss.item()
+            grad_norm = clip_and_step(model.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+        # 3. Log; evaluate and checkpoint on schedule.
+        done = step + 1
+        metrics = {
+            "loss": total_loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+            "tokens_per_second": int(batch.attention_mask.sum()) / (time.perf_counter() - started),
+        }
+        if (config.eval_every and done % config.eval_every == 0) or done == config.max_steps:
+            metrics.update(evaluate_and_plot(model, tokenizer, held_out, config, run_dir, done))
+            model.train()
+        run_dir.log_metrics(done, metrics)
+        progress.set_postfix(loss=f"{total_loss:.3f}")
+        if done % config.checkpoint_every == 0 or done == config.max_steps:
+            save_training(run_dir, done, model, tokenizer, optimizer, scheduler)
+    write_run_card(run_dir.path, card)
+    return run_dir.path
+
+
+def evaluate_and_plot(model, tokenizer, held_out, config: Config, run_dir: RunDirectory, step: int) -> dict:
+    """Held-out accuracy (greedy, the task's checker) written to eval/, and refreshed plots."""
+    model.eval()
+    result = evaluate_task(
+        model, tokenizer, held_out, checker=config.checker, k=1, max_new_tokens=config.max_new_tokens,
+        seed=config.seed, system_prompt=config.system_prompt, output_path=run_dir.eval_dir / f"step-{step:06d}.json",
+    )
+    metrics = {"heldout/accuracy": result["pass@1"], "heldout/nll": heldout_nll(model, tokenizer, held_out, config)}
+    plot_metrics(run_dir.read_metrics() + [{"step": step, **metrics}], ["loss", "heldout/accuracy", "heldout/nll"], run_dir.plots)
+    return metrics
+
+
+@torch.no_grad()
+def heldout_nll(model, tokenizer, held_out, config: Config) -> float:
+    """Token-mean NLL of the gold responses on the held-out split."""
+    examples = held_out.examples
+    batch = tokenize_prompt_response(
+        tokenizer, [e.prompt_input for e in examples],
+        [config.response_template.format(answer=e.answer) for e in examples], system_prompt=config.system_prompt,
+    )
+    global_tokens = batch.mask[:, 1:].sum()
+    return sum(
+        sft_loss(model, batch, slice(start, start + config.micro_batch_size), global_tokens).item()
+        for start in range(0, len(examples), config.micro_batch_size)
+    )
