@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from posttrain.rewards.base import Verifier
-from posttrain.rewards.extract import DEFAULT_POLICY, POLICIES, extract_answer
+from posttrain.rewards.extract import DEFAULT_POLICY, POLICIES, extract_answer, hedge
 from posttrain.rewards.verdict import Verdict
 
 
@@ -52,6 +52,9 @@ class ReasoningGymVerifier(Verifier):
         details = {"extraction": self.extraction, "extracted": found.answer, "task": task}
         if found.answer is None:
             return Verdict.ok(0.0, found.reason, **details)
+        hedged = hedge(found.answer, str(entry["answer"]))
+        if hedged:
+            return Verdict.ok(0.0, f"hedged answer: {hedged}", **details)
         reward = float(scorer(found.answer, dict(entry)))
         if not math.isfinite(reward):
             return Verdict.infra_error(f"reasoning-gym scorer for {task} returned {reward}", **details)
