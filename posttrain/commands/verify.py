@@ -1,0 +1,112 @@
+"""`posttrain verify --verifier NAME --input rows.jsonl`: one verdict per row, in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from posttrain.errors import UserError
+
+
+def register(subparsers) -> None:
+    """Add the `verify` command."""
+    parser = subparsers.add_parser(
+        "verify", help="score completions with a verifier; writes one JSON verdict per input row")
+    parser.add_argument("--verifier", required=True,
+                        help="math, exact, numeric, format, rg, humaneval, io, stdio, "
+                             "callable:<dotted.path>, or a sum like 0.9*math+0.1*format")
+    parser.add_argument("--input", required=True, type=Path, help="JSONL rows with a 'completion' field")
+    parser.add_argument("--output", type=Path, default=None, help="JSONL verdicts (default: stdout)")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPUs)")
+    parser.add_argument("--fraction", action="store_true",
+                        help="code rewards are tests passed / total instead of all-or-nothing")
+    parser.add_argument("--extraction", default=None,
+                        help="answer extraction policy: boxed_or_tags (default), boxed, tags, last_number")
+    parser.add_argument("--timeout", type=float, default=10.0, help="code: seconds per sample (default 10)")
+    parser.add_argument("--details", action="store_true", help="also write each verdict's details")
+    parser.add_argument("--unsafe-no-sandbox", action="store_true",
+                        help="run untrusted code WITHOUT bubblewrap isolation (explicit opt-in)")
+    parser.set_defaults(func=handle)
+
+
+def read_rows(path: Path) -> tuple[list[str], list[dict]]:
+    """Completions and examples from a JSONL file; UserError names the line and field."""
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    completions, examples = [], []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UserError(f"{path} line {number}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path} line {number}: a row must be a JSON object")
+            if not isinstance(row.get("completion"), str):
+                raise UserError(f"{path} line {number}: field 'completion' must be a string")
+            completions.append(row["completion"])
+            examples.append(row)
+    if not examples:
+        raise UserError(f"{path}: no rows")
+    return completions, examples
+
+
+def handle(args) -> int:
+    """Score every row; write verdicts atomically; print a one-line summary to stderr."""
+    from posttrain.rewards import SandboxConfig, SandboxUnavailable, get_verifier
+
+    if args.workers is not None and args.workers < 1:
+        raise UserError("--workers must be at least 1")
+    if args.timeout <= 0:
+        raise UserError("--timeout must be positive")
+    try:
+        verifier = get_verifier(args.verifier, fraction=args.fraction, extraction=args.extraction,
+                                sandbox=SandboxConfig(timeout_s=args.timeout,
+                                                      unsafe_no_sandbox=args.unsafe_no_sandbox))
+    except ValueError as error:
+        raise UserError(f"--verifier/--extraction: {error}") from None
+    completions, examples = read_rows(args.input)
+    try:
+        verdicts = verifier.batch(completions, examples, workers=args.workers)
+    except SandboxUnavailable as error:
+        raise UserError(str(error), exit_code=3) from None
+    except ValueError as error:  # e.g. a callable path that does not import
+        raise UserError(f"--verifier: {error}") from None
+    lines = []
+    for verdict in verdicts:
+        row = verdict.to_json()
+        if not args.details:
+            row.pop("details", None)
+        lines.append(json.dumps(row) + "\n")
+    if args.output is None:
+        sys.stdout.writelines(lines)
+    else:
+        _write_atomically(args.output, "".join(lines))
+    statuses = Counter(v.status for v in verdicts)
+    rewards = [v.reward for v in verdicts if v.status == "ok"]
+    mean = sum(rewards) / len(rewards) if rewards else float("nan")
+    unsafe = " [UNSAFE: no sandbox]" if args.unsafe_no_sandbox else ""
+    print(f"verify {verifier.name}: {len(verdicts)} rows, " +
+          ", ".join(f"{k}={statuses[k]}" for k in ("ok", "infra_error", "data_error")) +
+          f", mean reward (ok rows) {mean:.4f}{unsafe}", file=sys.stderr)
+    return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
