@@ -50,7 +50,7 @@ class Config:
     """Task spec: arithmetic | rg:<dataset> | a JSONL prompt file with answers."""
     task_options: dict = dataclasses.field(default_factory=dict)
     """Task options, e.g. {digits: 2} for arithmetic."""
-    response_template: str = "{answer}"
+    response_template: str = "<answer>{answer}</answer>"
     """How a gold answer becomes the training response."""
     train_size: int = 20000
     """Training examples (procedural tasks generate this many)."""

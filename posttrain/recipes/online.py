@@ -1,0 +1,306 @@
+"""Pieces shared by the online recipes (GRPO, PPO): config sections, the prompt stream, scoring,
+the training forward pass, held-out acceptance with the divergence alarm, and sample logging.
+
+The recipes themselves (`grpo.py`, `ppo.py`) read top to bottom as numbered steps and call these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from posttrain.algorithms import exact_kl, token_logprobs
+from posttrain.data.examples import Example, Task, derived_seed
+from posttrain.errors import UserError
+from posttrain.evaluation.acceptance import evaluate_task, verifier_input
+from posttrain.evaluation.stats import DivergenceAlarm
+from posttrain.rewards import Verdict, Verifier, get_verifier
+from posttrain.rollout import Rollout, SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Data:
+    """Link 1, data: which prompts, how many per step, and the held-out split kept apart."""
+
+    task: str = "arithmetic"
+    """Task spec: arithmetic | rg:<dataset> | humaneval | a JSONL prompt file."""
+    task_options: dict = field(default_factory=dict)
+    """Task options, e.g. {digits: 2} for arithmetic or a reasoning-gym dataset's config."""
+    train_size: int = 20000
+    """Training prompts (procedural tasks generate this many)."""
+    eval_size: int = 200
+    """Held-out prompts, disjoint from training (checked)."""
+    prompts_per_step: int = 8
+    """B: prompts sampled per step."""
+    group_size: int = 8
+    """G: completions per prompt (>= 2)."""
+    system_prompt: str | None = None
+    """Optional system prompt for chat models."""
+
+    def validate(self) -> None:
+        if self.group_size < 2:
+            raise UserError(f"data.group_size must be at least 2 (a group of one has no relative signal), got {self.group_size}")
+        for name in ("train_size", "eval_size", "prompts_per_step"):
+            if getattr(self, name) < 1:
+                raise UserError(f"data.{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Sampling:
+    """How completions are drawn (the rollout engine's settings)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; the training log-probs use the same one."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0: off)."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    max_new_tokens: int = 32
+    """Completion budget; longer completions are truncated (and flagged)."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Strings that end a completion."""
+
+    def engine_config(self) -> SamplingConfig:
+        return SamplingConfig(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens, stop_strings=tuple(self.stop_strings),
+        )
+
+
+@dataclass
+class Acceptance:
+    """Link 4, acceptance: held-out problems scored by a checker chosen apart from the reward."""
+
+    checker: str | None = None
+    """Held-out checker (a verifier name); None: the task's strict default."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only at the start and the end)."""
+    k: int = 1
+    """Also report pass@k from k samples per problem (1: greedy pass@1 only)."""
+    alarm_window: int = 3
+    """Divergence alarm: evaluations to look back over."""
+    alarm_reward_rise: float = 0.1
+    """Divergence alarm: training-reward rise over the window that, without held-out gain, rings it."""
+
+
+class ObjectVerifier(Verifier):
+    """A Python callable object as the reward, scored in this process: `fn(completion, example)`
+    returns a number or a `Verdict`; an exception is an infra_error with its last line."""
+
+    def __init__(self, function: Callable[[str, dict], Any]):
+        self.function = function
+        self.name = f"python:{getattr(function, '__qualname__', type(function).__name__)}"
+
+    def score(self, completion: str, example) -> Verdict:
+        try:
+            result = self.function(completion, dict(example))
+        except Exception as error:  # noqa: BLE001 - the user's bug, reported, never a silent 0
+            return Verdict.infra_error(f"{type(error).__name__}: {error}")
+        if isinstance(result, Verdict):
+            return result
+        if isinstance(result, (bool, int, float)) and math.isfinite(float(result)):
+            return Verdict.ok(float(result), "user function")
+        return Verdict.infra_error(f"{self.name} returned {result!r}, not a finite number or Verdict")
+
+
+def make_verifier(reward: str | Verifier | Callable | None, name: str) -> Verifier:
+    """The training verifier: a Verifier, a plain callable, or (None) the configured name."""
+    if isinstance(reward, Verifier):
+        return reward
+    if callable(reward):
+        return ObjectVerifier(reward)
+    try:
+        return get_verifier(name)
+    except ValueError as error:
+        raise UserError(f"reward: {error}") from None
+
+
+class PromptStream:
+    """An endless, seeded stream of training examples: epoch after epoch, each a fresh permutation.
+    `position` (saved in checkpoints) is how many examples have been taken."""
+
+    def __init__(self, task: Task, seed: int, position: int = 0):
+        self.task, self.seed, self.position = task, seed, position
+
+    def take(self, count: int) -> list[Example]:
+        size = len(self.task.examples)
+        taken = []
+        while len(taken) < count:
+            epoch, offset = divmod(self.position, size)
+            order = list(range(size))
+            random.Random(derived_seed(self.seed, "epoch", str(epoch))).shuffle(order)
+            step = min(count - len(taken), size - offset)
+            taken += [self.task.examples[i] for i in order[offset : offset + step]]
+            self.position += step
+        return taken
+
+
+@dataclass
+class Scores:
+    """Verdicts of N rows as tensors: NaN rewards for rows that could not be scored."""
+
+    rewards: torch.Tensor
+    """(N,) float32, NaN where status != ok."""
+    verdicts: list[Verdict]
+    infra_errors: int
+    data_errors: int
+    components: dict[str, float]
+    """Mean of each weighted-sum component over the scored rows (for metrics)."""
+
+
+def score_rollout(verifier: Verifier, rollout: Rollout, examples: Sequence[Example]) -> Scores:
+    """Score every completion against its prompt's example (row b*G+g -> examples[b])."""
+    rows = [verifier_input(examples[b]) for b in rollout.prompt_index.tolist()]
+    return scores_from_verdicts(verifier.batch(rollout.texts, rows))
+
+
+def scores_from_verdicts(verdicts: Sequence[Verdict]) -> Scores:
+    """Rewards (NaN unless ok), error counts and component means of a list of verdicts."""
+    rewards = torch.tensor([v.reward if v.status == "ok" else math.nan for v in verdicts], dtype=torch.float32)
+    components: dict[str, list[float]] = {}
+    for verdict in verdicts:
+        for name, value in (verdict.details.get("components") or {}).items():
+            if isinstance(value, (int, float)):
+                components.setdefault(name, []).append(float(value))
+    return Scores(
+        rewards=rewards,
+        verdicts=list(verdicts),
+        infra_errors=sum(v.status == "infra_error" for v in verdicts),
+        data_errors=sum(v.status == "data_error" for v in verdicts),
+        components={name: sum(values) / len(values) for name, values in components.items()},
+    )
+
+
+def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, **extra):
+    """Forward prompt + completion rows; returns the model output and the logits (n, T, V) whose
+    position t scores completion token t (see `Rollout.forward_inputs`)."""
+    output = model(
+        input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
+        position_ids=inputs["position_ids"][rows], **extra,
+    )
+    return output, output.logits[:, prompt_width - 1 : prompt_width - 1 + T]
+
+
+@torch.no_grad()
+def logprobs_of(model, rollout: Rollout, inputs, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """(N, T) log-probs of the sampled tokens under `model` at `temperature`, no grad, micro-batched."""
+    prompt_width, T = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    pieces = []
+    for start in range(0, rollout.completion_ids.shape[0], micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        _, logits = completion_logits(model, inputs, rows, prompt_width, T)
+        pieces.append(token_logprobs(logits, rollout.completion_ids[rows], temperature))
+    return torch.cat(pieces).masked_fill(~rollout.mask, 0.0)
+
+
+def exact_kl_subset(logits, ref_logits, mask, temperature: float, max_tokens: int) -> tuple[float, int]:
+    """Exact full-vocabulary KL(policy || reference) summed over the first `max_tokens` valid tokens
+    of a micro-batch (cheap enough to log every step); returns (sum, count)."""
+    positions = mask.nonzero()[:max_tokens]
+    if positions.numel() == 0:
+        return 0.0, 0
+    rows, columns = positions[:, 0], positions[:, 1]
+    kl = exact_kl(logits[rows, columns].detach(), ref_logits[rows, columns], temperature=temperature)
+    return float(kl.sum()), int(kl.numel())
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(n, T) entropy of softmax(logits / temperature) at each position (detached, for metrics)."""
+    with torch.no_grad():
+        log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+        return -(log_p.exp() * log_p).sum(-1)
+
+
+def evaluate_held_out(policy, tokenizer, held_out: Task, config, run_dir, step: int, alarm: DivergenceAlarm, train_reward: float | None) -> dict[str, Any]:
+    """Held-out acceptance (written to eval/step-N.json) and the divergence alarm."""
+    was_training = policy.training
+    policy.eval()
+    result = evaluate_task(
+        policy, tokenizer, held_out, checker=config.acceptance.checker, k=config.acceptance.k,
+        temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens,
+        seed=derived_seed(config.seed, "eval", str(step)), system_prompt=config.data.system_prompt,
+        output_path=run_dir.eval_dir / f"step-{step:06d}.json",
+    )
+    policy.train(was_training)
+    metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": result["pass@1_ci95"][0], "heldout/pass@1_high": result["pass@1_ci95"][1]}
+    if config.acceptance.k > 1:
+        metrics[f"heldout/pass@{config.acceptance.k}"] = result[f"pass@{config.acceptance.k}"]
+    if train_reward is not None:
+        message = alarm.observe(step, train_reward, result["pass@1"])
+        if message:
+            logger.warning(message)
+    return metrics
+
+
+def sample_rows(rollout: Rollout, examples: Sequence[Example], scores: Scores, rendered: Sequence[str], limit: int) -> list[dict]:
+    """The first `limit` rows of a step for samples.jsonl: prompt, completion, verdict, reason."""
+    rows = []
+    for row in range(min(limit, len(rollout.texts))):
+        b = int(rollout.prompt_index[row])
+        verdict = scores.verdicts[row]
+        rows.append({
+            "example": examples[b].id, "prompt": rendered[b], "completion": rollout.texts[row],
+            "reward": verdict.reward, "status": verdict.status, "reason": verdict.reason,
+            "truncated": bool(rollout.truncated[row]),
+        })
+    return rows
+
+
+def section_dict(section) -> dict[str, Any]:
+    return dataclasses.asdict(section)
+
+
+def _pad(tensors: list[torch.Tensor], width: int, value, left: bool) -> torch.Tensor:
+    padded = []
+    for tensor in tensors:
+        fill = tensor.new_full((tensor.shape[0], width - tensor.shape[1]), value)
+        padded.append(torch.cat([fill, tensor] if left else [tensor, fill], dim=1))
+    return torch.cat(padded)
+
+
+def merge_groups(parts: Sequence[tuple[Rollout, Sequence[int]]]) -> Rollout:
+    """One Rollout from chosen whole groups of several rollouts (DAPO dynamic sampling refills),
+    re-padded to common widths (prompts on the left, completions on the right) and renumbered so
+    group j of the result is row block j."""
+    first = parts[0][0]
+    G = first.group_size
+    rows = [[g * G + i for g in groups for i in range(G)] for _, groups in parts]
+    pick = [(rollout, torch.tensor(r, dtype=torch.long)) for (rollout, _), r in zip(parts, rows) if r]
+    P = max(r.prompt_ids.shape[1] for r, _ in pick)
+    T = max(r.completion_ids.shape[1] for r, _ in pick)
+    total_groups = sum(len(groups) for _, groups in parts)
+    return Rollout(
+        prompt_ids=_pad([r.prompt_ids[i] for r, i in pick], P, first.pad_token_id, left=True),
+        prompt_attention_mask=_pad([r.prompt_attention_mask[i] for r, i in pick], P, False, left=True),
+        completion_ids=_pad([r.completion_ids[i] for r, i in pick], T, first.pad_token_id, left=False),
+        mask=_pad([r.mask[i] for r, i in pick], T, False, left=False),
+        sampler_logprobs=_pad([r.sampler_logprobs[i] for r, i in pick], T, 0.0, left=False),
+        logprobs=_pad([r.logprobs[i] for r, i in pick], T, 0.0, left=False),
+        finished=torch.cat([r.finished[i] for r, i in pick]),
+        truncated=torch.cat([r.truncated[i] for r, i in pick]),
+        texts=[r.texts[j] for r, i in pick for j in i.tolist()],
+        prompt_index=torch.arange(total_groups).repeat_interleave(G),
+        group_size=G,
+        sampling=first.sampling,
+        pad_token_id=first.pad_token_id,
+    )
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
+    """Groups whose valid raw rewards are not all equal (at least two valid and some spread): the
+    only ones with a policy-gradient signal (DAPO dynamic sampling, arXiv:2503.14476 eq. 11)."""
+    grouped = rewards.view(-1, group_size)
+    keep = []
+    for index, group in enumerate(grouped):
+        valid = group[~torch.isnan(group)]
+        if valid.numel() >= 2 and bool(valid.max() > valid.min()):
+            keep.append(index)
+    return keep
