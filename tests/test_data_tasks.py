@@ -68,8 +68,8 @@ def test_reasoning_gym_rows_carry_their_scorer():
     example = train.examples[0]
     assert example.metadata["rg_dataset"] == "basic_arithmetic"
     assert example.metadata["rg_options"] == {"max_terms": 2, "max_digits": 2}
-    assert example.metadata["rg_entry"]["answer"] == example.answer
-    assert example.prompt == example.metadata["rg_entry"]["question"]
+    assert example.metadata["entry"]["answer"] == example.answer
+    assert example.prompt == example.metadata["entry"]["question"]
     assert score_reasoning_gym(example, example.answer) == 1.0
     assert score_reasoning_gym(example, str(int(example.answer) + 1)) == 0.0
     assert train.reward_kind == "reasoning_gym"

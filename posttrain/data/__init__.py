@@ -26,7 +26,7 @@ Tokenisation (posttrain.data.tokenize)
 Prompt tasks (posttrain.data.tasks, .examples, .prompts)
     Example(id, prompt=None, messages=None, answer=None, tests=None, entry_point=None, metadata={})
         .prompt_input -> str | list[dict] (what render_prompt takes). reasoning-gym rows carry
-        metadata["rg_dataset"], ["rg_options"], ["rg_entry"]; HumanEval rows carry tests=[check source],
+        metadata["rg_dataset"], ["rg_options"], ["entry"]; HumanEval rows carry tests=[check source],
         entry_point and metadata["canonical_solution"].
     Task(name, split, examples, reward_kind: "number" | "math" | "reasoning_gym" | "code",
         rows_bad, duplicates_removed, options)

@@ -17,7 +17,7 @@ class Example:
 
     Exactly one of `prompt` / `messages` is set. `answer` is the gold answer (math, arithmetic,
     reasoning-gym), `tests` + `entry_point` are for code. reasoning-gym rows keep their dataset name,
-    options and original entry in `metadata` (`rg_dataset`, `rg_options`, `rg_entry`) for its scorer.
+    options and original entry in `metadata` (`rg_dataset`, `rg_options`, `entry`) for its scorer.
     """
 
     id: str

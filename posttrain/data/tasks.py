@@ -141,7 +141,7 @@ def arithmetic_examples(spec: str, options: dict, size: int, seed: int, split: s
 
 def reasoning_gym_examples(spec: str, options: dict, size: int, seed: int, split: str) -> list[Example]:
     """`size` entries of a reasoning-gym dataset. Each Example keeps what rg's own scorer needs:
-    metadata `rg_dataset`, `rg_options` and `rg_entry` (see `score_reasoning_gym`)."""
+    metadata `rg_dataset`, `rg_options` and `entry` (see `score_reasoning_gym`)."""
     name = spec.removeprefix("rg:")
     dataset = _reasoning_gym_dataset(name, json.dumps(options, sort_keys=True), size, seed)
     return [
@@ -149,7 +149,7 @@ def reasoning_gym_examples(spec: str, options: dict, size: int, seed: int, split
             id=f"{spec}-{split}-{index}",
             prompt=entry["question"],
             answer=None if entry.get("answer") is None else str(entry["answer"]),
-            metadata={"source": spec, "rg_dataset": name, "rg_options": dict(options), "rg_entry": entry},
+            metadata={"source": spec, "rg_dataset": name, "rg_options": dict(options), "entry": entry},
         )
         for index, entry in enumerate(dataset)
     ]
@@ -159,7 +159,7 @@ def score_reasoning_gym(example: Example, answer: str | None) -> float:
     """The dataset's own score (0..1) for an extracted answer, with the options it was made with."""
     metadata = example.metadata
     dataset = _reasoning_gym_dataset(metadata["rg_dataset"], json.dumps(metadata["rg_options"], sort_keys=True), 1, 0)
-    return float(dataset.score_answer(answer=answer, entry=metadata["rg_entry"]))
+    return float(dataset.score_answer(answer=answer, entry=metadata["entry"]))
 
 
 @functools.lru_cache(maxsize=32)

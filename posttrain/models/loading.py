@@ -131,12 +131,20 @@ def _load_adapter_directory(path: Path, dtype: torch.dtype):
 
 
 def _load_hub(spec: str, dtype: torch.dtype):
-    """A hub id: first the local Hugging Face cache, then the network if a quick probe reaches it."""
+    """A hub id: the local Hugging Face cache if it holds the model, else the network if a quick
+    probe reaches the hub. (transformers' `local_files_only` still asks the hub for an adapter
+    config, retrying for ~30 s, so a cached model is loaded from its snapshot directory instead.)"""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=True)
-        return model, AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    except OSError:
-        pass
+        cached_config = try_to_load_from_cache(spec, "config.json")
+    except HFValidationError:
+        raise UserError(
+            f"model {spec!r}: not a built-in spec ({', '.join(BUILTIN_SPECS)}), a local directory or a hub id"
+        ) from None
+    if isinstance(cached_config, str):
+        return _load_directory(Path(cached_config).parent, dtype)
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     host = urlparse(endpoint).hostname or "huggingface.co"
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not _reachable(host):
