@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from posttrain.data import tokenize_prompt_response
 from posttrain.errors import UserError
 from posttrain.models import LoraSettings, apply_lora, build_tiny_model, load_model, save_checkpoint
 from posttrain.models import smollm2_cache_path
@@ -83,6 +84,14 @@ def test_smollm2_converts_and_chats(smollm2):
     output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer
+    # pad == EOS == <|im_end|> here: the mask still ends exactly at the response's EOS.
+    batch = tokenize_prompt_response(tokenizer, [messages[0]["content"], "Hi"], [answer, "Hello!"])
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    for row in range(2):
+        response = batch.input_ids[row][batch.mask[row]].tolist()
+        assert response[-1] == tokenizer.eos_token_id
+        assert tokenizer.decode(response[:-1]) == [answer, "Hello!"][row]
+    assert batch.mask.sum().item() == batch.response_lengths.sum().item()
 
 
 @needs_smollm2

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from posttrain.data.examples import Example, Task
+from posttrain.data.examples import Example, Task, require_examples
 from posttrain.data.validation import (
     ValidationReport,
     check_answer,
@@ -40,8 +40,8 @@ def validate_prompt_file(
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
 ) -> tuple[list[tuple[int, Example]], ValidationReport]:
-    """Read and check the whole file; returns `(line, Example)` for every row that parsed (bad ones
-    included as None-free entries only when valid) and the report of every problem.
+    """Read and check the whole file; returns `(line, Example)` for every valid row and the report
+    of every problem in the others.
 
     answer_format: how `answer` must parse (`math`, `number` or `text`; see `check_answer`).
     tokenizer + max_prompt_tokens: also report prompts longer than the limit after the chat template.
@@ -70,8 +70,6 @@ def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all
     strict: any bad row stops with a UserError listing every problem; strict=False drops bad rows
     and records their number in `Task.rows_bad`. An empty result is a UserError either way.
     """
-    from posttrain.data.examples import require_examples
-
     parsed, report = validate_prompt_file(path, **checks)
     report.enforce(strict)
     examples = [example for _, example in parsed]
