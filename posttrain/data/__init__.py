@@ -19,6 +19,7 @@ Tokenisation (posttrain.data.tokenize)
     render_prompt(tokenizer, prompt, *, system_prompt=None, use_chat_template=None) -> str
         chat template when the tokenizer has one (a string prompt becomes one user message), else plain.
     encode_prompt(tokenizer, prompt, *, system_prompt=None, use_chat_template=None) -> list[int]
+    encode_response(tokenizer, response: str, *, add_eos=True) -> list[int]
     TruncationPolicy(max_prompt_tokens=None, max_response_tokens=None,
         prompt: "error" | "left" | "drop" = "error", response: "right" | "drop" | "error" = "right")
     position_ids_from_attention_mask(attention_mask (N, L)) -> (N, L) long
@@ -75,6 +76,7 @@ from posttrain.data.tokenize import (
     apply_truncation,
     collate_token_ids,
     encode_prompt,
+    encode_response,
     has_chat_template,
     position_ids_from_attention_mask,
     render_prompt,
@@ -100,6 +102,7 @@ __all__ = [
     "collate_token_ids",
     "derived_seed",
     "encode_prompt",
+    "encode_response",
     "has_chat_template",
     "humaneval_examples",
     "load_preference_file",

@@ -20,6 +20,7 @@ from posttrain.data.tokenize import (
     apply_truncation,
     collate_token_ids,
     encode_prompt,
+    encode_response,
 )
 from posttrain.data.validation import (
     ValidationReport,
@@ -181,15 +182,9 @@ def tokenize_preference_pairs(
         encode_prompt(tokenizer, p.prompt, system_prompt=system_prompt, use_chat_template=use_chat_template)
         for p in pairs
     ]
-    eos = tokenizer.eos_token_id
-
-    def encode_response(text: str) -> list[int]:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids if ids and ids[-1] == eos else ids + [eos]
-
     sides = {}
     for name in ("chosen", "rejected"):
-        responses = [encode_response(getattr(p, name)) for p in pairs]
+        responses = [encode_response(tokenizer, getattr(p, name)) for p in pairs]
         prompts, responses, kept, counts = apply_truncation(prompt_ids, responses, truncation)
         sides[name] = (dict(zip(kept, zip(prompts, responses))), counts)
     kept = [i for i in range(len(pairs)) if i in sides["chosen"][0] and i in sides["rejected"][0]]

@@ -129,12 +129,7 @@ def tokenize_prompt_response(
         encode_prompt(tokenizer, p, system_prompt=system_prompt, use_chat_template=use_chat_template)
         for p in prompts
     ]
-    response_ids = []
-    for response in responses:
-        ids = tokenizer(response, add_special_tokens=False)["input_ids"] if response else []
-        if add_eos and (not ids or ids[-1] != tokenizer.eos_token_id):
-            ids = ids + [tokenizer.eos_token_id]
-        response_ids.append(ids)
+    response_ids = [encode_response(tokenizer, response, add_eos=add_eos) for response in responses]
     prompt_ids, response_ids, kept, counts = apply_truncation(prompt_ids, response_ids, truncation)
     if not kept:
         raise UserError(f"all {len(prompts)} examples were dropped by the truncation policy {truncation}")
@@ -174,6 +169,15 @@ def encode_prompt(
         use_chat_template = has_chat_template(tokenizer)
     text = render_prompt(tokenizer, prompt, system_prompt=system_prompt, use_chat_template=use_chat_template)
     return tokenizer(text, add_special_tokens=not use_chat_template)["input_ids"]
+
+
+def encode_response(tokenizer: PreTrainedTokenizerBase, response: str, *, add_eos: bool = True) -> list[int]:
+    """Token ids of a response (no automatic special tokens), ending with the EOS when `add_eos`
+    (not doubled when the text already ends with it)."""
+    ids = tokenizer(response, add_special_tokens=False)["input_ids"] if response else []
+    if add_eos and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids = ids + [tokenizer.eos_token_id]
+    return ids
 
 
 def apply_truncation(
