@@ -180,22 +180,44 @@ def _child(config, request, fds):
     os._exit(0)
 
 
-def _kill_uid_processes(config):
-    """Kill every process of the sample's uid (daemons, forks), from a helper running as that uid."""
-    import signal
+def _uid_pids(uid, zombies):
+    """Pids of `uid` in this PID namespace (with or without zombies)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as status:
+                    fields = dict(line.split(":", 1) for line in status if ":" in line)
+            except OSError:
+                continue
+            if int(fields["Uid"].split()[0]) == uid and (zombies or not fields["State"].strip().startswith("Z")):
+                pids.append(int(name))
+    return pids
 
+
+def _kill_uid_processes(config):
+    """Kill every process of the sample's uid (daemons, forks) from a helper running as that uid,
+    and wait until they are all gone (reaped zombies included) before the next sample."""
+    import signal
+    import time
+
+    if config.get("uid") is None:
+        return  # unprivileged mode: the judge tears the whole container down instead
     helper = os.fork()
     if helper == 0:
         try:
-            if config.get("uid") is not None:
-                os.setgroups([])
-                os.setgid(config["gid"])
-                os.setuid(config["uid"])
-            for _ in range(100):  # kill(-1) misses children forked during the sweep: repeat
+            os.setgroups([])
+            os.setgid(config["gid"])
+            os.setuid(config["uid"])
+            me = os.getpid()
+            for _ in range(2000):  # kill(-1) misses children forked during the sweep: repeat
                 try:
                     os.kill(-1, signal.SIGKILL)
                 except ProcessLookupError:
+                    pass
+                if not [pid for pid in _uid_pids(config["uid"], zombies=False) if pid != me]:
                     break
+                time.sleep(0.001)
         finally:
             os._exit(0)
     os.waitpid(helper, 0)
@@ -225,27 +247,43 @@ def _serve(config):
         except ImportError:
             pass
     control.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
-    child = None
+    import select
+    import time
+
+    child, child_fd, status = None, None, None
     while True:
+        readable = select.select([control] + ([child_fd] if child_fd is not None else []), [], [])[0]
+        if child_fd is not None and child_fd in readable:  # the sample's main process ended
+            status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+            os.close(child_fd)
+            child, child_fd = None, None
+            control.send(json.dumps({"op": "exited", "status": status}).encode())
+            continue
         message, fds, _, _ = socket.recv_fds(control, 1 << 16, CHILD_FDS)
         if not message:
             return
         request = json.loads(message)
         if request["op"] == "run":
+            status = None
             child = os.fork()
             if child == 0:
                 control.close()
                 _child(config, request, fds)
+            child_fd = os.pidfd_open(child)
             for fd in fds:
                 os.close(fd)
             control.send(json.dumps({"op": "started", "pid": child}).encode())
         elif request["op"] == "finish":
             _kill_uid_processes(config)
-            status = None
             if child is not None:
-                _, raw = os.waitpid(child, 0)
-                status = os.waitstatus_to_exitcode(raw)
-                child = None
+                status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+                os.close(child_fd)
+                child, child_fd = None, None
+            if config.get("uid") is not None:
+                for _ in range(1000):  # orphans' zombies are reaped by bwrap's pid 1: wait for it
+                    if not _uid_pids(config["uid"], zombies=True):
+                        break
+                    time.sleep(0.001)
             for directory in config["wipe"]:
                 _wipe(directory)
             control.send(json.dumps({"op": "done", "status": status}).encode())

@@ -299,6 +299,14 @@ def _rewrite_test(test: str) -> tuple[ast.Module, int]:
     return tree, rewriter.asserts
 
 
+def _compile_prompt(prompt: str):
+    """The prompt as a module; a prompt that ends at a bare `def` line gets a placeholder body."""
+    try:
+        return compile(prompt, "<prompt>", "exec")
+    except SyntaxError:
+        return compile(prompt.rstrip() + "\n    pass\n", "<prompt>", "exec")
+
+
 class HumanEvalVerifier(_CodeVerifier):
     """HumanEval format: code = prompt + completion; `check(candidate)` must pass all asserts.
 
@@ -321,7 +329,7 @@ class HumanEvalVerifier(_CodeVerifier):
             return Verdict.data_error("field 'test' has no assert: an empty test proves nothing")
         judge: dict[str, Any] = {"__name__": "__judge__"}
         try:  # the prompt's helpers (e.g. `poly`, `encode_cyclic`) are used by some tests
-            exec(compile(fields["prompt"], "<prompt>", "exec"), judge)
+            exec(_compile_prompt(fields["prompt"]), judge)
             exec(compile(tree, "<test>", "exec"), judge)
         except Exception as error:  # noqa: BLE001 - dataset text that does not run
             return Verdict.data_error(f"prompt/test does not run: {type(error).__name__}: {error}")

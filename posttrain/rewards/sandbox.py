@@ -295,17 +295,20 @@ class SandboxSlot:
         return self._stderr.read()[-300:].decode(errors="replace").strip()
 
     def _expect(self, op: str, timeout_s: float) -> dict:
+        """The next control message named `op` ("exited" notices on the way are skipped)."""
         self.control.settimeout(timeout_s)
-        try:
-            message = self.control.recv(1 << 16)
-        except (OSError, socket.timeout) as error:
-            raise SlotBroken(f"sandbox did not answer {op!r}: {error} {self._stderr_tail()}") from None
-        if not message:
-            raise SlotBroken(f"sandbox exited before {op!r}: {self._stderr_tail()}")
-        reply = json.loads(message)
-        if reply.get("op") != op:
-            raise SlotBroken(f"sandbox answered {reply.get('op')!r}, expected {op!r}")
-        return reply
+        while True:
+            try:
+                message = self.control.recv(1 << 16)
+            except (OSError, socket.timeout) as error:
+                raise SlotBroken(f"sandbox did not answer {op!r}: {error} {self._stderr_tail()}") from None
+            if not message:
+                raise SlotBroken(f"sandbox exited before {op!r}: {self._stderr_tail()}")
+            reply = json.loads(message)
+            if reply.get("op") == op:
+                return reply
+            if reply.get("op") != "exited":
+                raise SlotBroken(f"sandbox answered {reply.get('op')!r}, expected {op!r}")
 
     # -- one sample ---------------------------------------------------------------------------
     def _launch(self, mode: str) -> "_Pipes":
@@ -354,7 +357,7 @@ class SandboxSlot:
         try:
             header = (json.dumps({"code": code}) + "\n").encode()
             pipes.pump(self.config, deadline, writes={pipes.request: header, pipes.stdin: stdin},
-                       until="eof")
+                       until="exit", control=self.control)
         except CandidateGone as gone:
             reason = str(gone)
         status = self._finish(pipes)
@@ -452,14 +455,19 @@ class _Pipes:
             os.close(fd)
         self.open_reads, self.open_writes = set(), set()
 
-    def pump(self, config: SandboxConfig, deadline: float, writes: dict[int, bytes], until: str) -> bytes:
-        """Write `writes`, read everything, until a reply line (`until="line"`) or EOF on
-        stdout and stderr (`"eof"`, closing stdin once written). Raises CandidateGone."""
+    def pump(self, config: SandboxConfig, deadline: float, writes: dict[int, bytes], until: str,
+             control: socket.socket | None = None) -> bytes:
+        """Write `writes`, read everything, until a reply line (`until="line"`) or until the
+        child process exits (`"exit"`: the zygote says so on `control`; stdin is closed once
+        written, and a daemon still holding stdout does not keep us waiting). Raises
+        CandidateGone on deadline, output flood or an oversized reply."""
         pending = {fd: memoryview(data) for fd, data in writes.items() if fd in self.open_writes}
-        close_after = {self.stdin} if until == "eof" else set()
+        close_after = {self.stdin} if until == "exit" else set()
         with selectors.DefaultSelector() as selector:
             for fd in self.open_reads:
                 selector.register(fd, selectors.EVENT_READ)
+            if control is not None:
+                selector.register(control, selectors.EVENT_READ)
             for fd in pending:
                 selector.register(fd, selectors.EVENT_WRITE)
             for fd in close_after - set(pending):
@@ -469,13 +477,17 @@ class _Pipes:
                     line, _, rest = bytes(self.reply).partition(b"\n")
                     self.reply = bytearray(rest)
                     return line
-                if until == "eof" and not ({self.out_fd, self.err_fd} & self.open_reads):
-                    return b""
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CandidateGone(f"timed out after {config.timeout_s:g} s")
                 for key, _ in selector.select(remaining):
                     fd = key.fd
+                    if control is not None and fd == control.fileno():
+                        message = control.recv(1 << 16)
+                        if not message or json.loads(message).get("op") != "exited":
+                            raise SlotBroken(f"unexpected control message {message[:80]!r}")
+                        self._drain(config)
+                        return b""
                     if fd in pending:
                         try:
                             written = os.write(fd, pending[fd])
@@ -504,6 +516,20 @@ class _Pipes:
                         (self.out if fd == self.out_fd else self.err).extend(data)
                         if len(self.out) + len(self.err) > config.output_bytes:
                             raise CandidateGone(f"output flood (over {config.output_bytes} bytes)")
+
+    def _drain(self, config: SandboxConfig) -> None:
+        """Read what the exited child left in stdout/stderr (non-blocking; daemons are ignored)."""
+        for fd, buffer in ((self.out_fd, self.out), (self.err_fd, self.err)):
+            while fd in self.open_reads and len(self.out) + len(self.err) <= config.output_bytes:
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                if not data:
+                    break
+                buffer.extend(data)
+        if len(self.out) + len(self.err) > config.output_bytes:
+            raise CandidateGone(f"output flood (over {config.output_bytes} bytes)")
 
     def _close_write(self, fd: int) -> None:
         if fd in self.open_writes:
