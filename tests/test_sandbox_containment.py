@@ -74,8 +74,9 @@ def assert_no_survivors(slot: SandboxSlot) -> None:
 def test_honest_program_runs_and_sees_a_minimal_world(slot):
     report = probe(slot, "report['uid'] = os.getuid(); report['root'] = sorted(os.listdir('/'))\n"
                          "report['env'] = dict(os.environ); report['cwd'] = os.getcwd()")
-    assert report["root"] == sorted(["dev", "lib", "lib64", "proc", "root", "tmp", "usr"]) or \
-        set(report["root"]) <= {"dev", "lib", "lib64", "lib32", "libx32", "proc", "root", "tmp", "usr", "opt"}
+    # the interpreter's prefix and library folders, /proc, /dev, /tmp: nothing else at the top
+    assert {"dev", "proc", "tmp"} <= set(report["root"])
+    assert set(report["root"]) <= {"dev", "proc", "tmp", "lib", "lib64", "lib32", "libx32", "usr", "root", "opt"}
     assert report["cwd"] == "/tmp"
     assert CANARY not in json.dumps(report["env"])
     if slot.uid is not None:
@@ -86,7 +87,7 @@ def test_busy_loop_and_sleep_are_killed_at_the_deadline(slot):
     for code in ("while True:\n    pass\n", "import time\ntime.sleep(600)\n"):
         result, elapsed = run(slot, code, timeout_s=1.5)
         assert result.reason.startswith("timed out")
-        assert elapsed < 1.5 + 2.0
+        assert elapsed < 1.5 + 5.0  # deadline + cleanup, with slack for a loaded CI box
         assert_no_survivors(slot)
 
 
@@ -117,7 +118,7 @@ def test_thread_bomb_is_capped(slot):
             "print(json.dumps({'threads': threads}), flush=True)\nos._exit(0)\n")
     result, elapsed = run(slot, code, timeout_s=2.0)
     if result.reason:
-        assert result.reason.startswith("timed out") and elapsed < 4.0
+        assert result.reason.startswith("timed out") and elapsed < 2.0 + 5.0
     else:
         assert json.loads(result.stdout)["threads"] < slot.config.processes
     assert_no_survivors(slot)
