@@ -1,0 +1,10 @@
+"""Reward functions with signal on an untrained tiny model (importable by worker processes)."""
+
+
+def digits(completion: str, example: dict) -> float:
+    """1 if the completion contains a digit: random char-level samples split about evenly."""
+    return float(any(character.isdigit() for character in completion))
+
+
+def broken(completion: str, example: dict) -> float:
+    raise RuntimeError("the reward service is down")

@@ -1,0 +1,193 @@
+"""GRPO recipe: smoke runs over every KL placement and aggregation mode, accumulation invariance,
+on-policy ratio of 1, errors and zero-signal groups, bad configs, and resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config import build_config, parse_overrides
+from posttrain.errors import UserError
+from posttrain.recipes import grpo
+from posttrain.recipes.common import make_optimizer
+from posttrain.rollout import generate
+from posttrain.models import load_model
+from tests.rewards_for_tests import broken, digits
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = [
+    "--data.eval_size", "8", "--data.train_size", "200", "--data.prompts_per_step", "2", "--data.group_size", "4",
+    "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", "1e-3",
+]
+
+
+def small_config(tmp_path, *extra) -> grpo.Config:
+    config = build_config(grpo.Config, None, parse_overrides(SMALL + list(extra)))
+    config.output_dir = str(tmp_path / "run")
+    return config
+
+
+def weights(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "aggregation, placement, beta",
+    [
+        ("token_mean", "loss", 0.05),
+        ("seq_mean_token_mean", "reward", 0.05),
+        ("seq_mean_token_sum", "loss", 0.0),
+        ("seq_mean_token_sum_norm", "reward", 0.1),
+    ],
+)
+def test_smoke_every_aggregation_and_kl_placement(tmp_path, aggregation, placement, beta):
+    config = small_config(
+        tmp_path, "--max-steps", "2", "--loss.aggregation", aggregation, "--loss.kl_placement", placement,
+        "--loss.kl_beta", str(beta),
+    )
+    initial = weights(load_model("tiny")[0])
+    run_dir = grpo.run(config, reward=digits)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if row["step"] > 0 and "loss" in row]
+    assert len(steps) == 2
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in steps)
+    # mu = 1 with one mini-batch: the first pass is on-policy, the ratio is exactly 1.
+    assert steps[0]["ratio/min"] == steps[0]["ratio/max"] == 1.0
+    if beta:
+        assert steps[0]["kl/exact"] is not None and "kl/estimate" in steps[0]
+    final = load_model(str(sorted((run_dir / "checkpoints").iterdir())[-1] / "model"))[0]
+    assert any(not torch.equal(initial[n], p) for n, p in final.named_parameters()), "parameters did not change"
+    card = json.loads((run_dir / "run_card.json").read_text())
+    assert set(card["links"]) == {"data", "reward", "loss", "acceptance"}
+    loss = card["links"]["loss"]
+    assert loss["aggregation"] == aggregation and loss["kl_placement"] == placement and loss["std"] == "population (n)"
+    assert card["links"]["reward"]["verifier"].startswith("python:")
+    assert (run_dir / "plots" / "reward_mean.png").is_file() and (run_dir / "samples.jsonl").is_file()
+    assert list((run_dir / "eval").glob("step-*.json"))
+
+
+def test_micro_batch_split_gives_the_same_update(tmp_path):
+    """4 micro-batches of 2 vs 1 of 8 (and 8 of 1): with SGD at lr 1 the parameter change is
+    the gradient itself, which the global normaliser makes identical."""
+    config = small_config(tmp_path, "--loss.kl_beta", "0.1", "--loss.aggregation", "token_mean")
+    policy, tokenizer = load_model("tiny")
+    rollout = generate(policy, tokenizer, ["12+34=", "5+6="], group_size=4,
+                       sampling=config.sampling.engine_config(), seed=3)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    advantages = grpo.grpo_advantages(rewards, 4)
+    reference = grpo.make_reference(policy)
+    inputs = rollout.forward_inputs()
+    ref_logprobs = grpo.logprobs_of(reference, rollout, inputs, 1.0, 8)
+    results = []
+    for micro in (8, 2, 1):
+        model = load_model("tiny")[0].train()
+        config.update.micro_batch_size = micro
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        config.optim.max_grad_norm = None
+        metrics = grpo.update_policy(model, reference, optimizer, scheduler, rollout, inputs, rollout.mask,
+                                     advantages, None, ref_logprobs, config, step=0)
+        results.append((weights(model), metrics["loss"]))
+    for other, loss in results[1:]:
+        assert loss == pytest.approx(results[0][1], abs=1e-6)
+        for name, value in results[0][0].items():
+            assert torch.allclose(other[name], value, atol=1e-5), name
+
+
+def test_infra_errors_everywhere_give_zero_advantage_and_no_nan(tmp_path):
+    config = small_config(tmp_path, "--max-steps", "1", "--loss.kl_beta", "0.0")
+    initial = weights(load_model("tiny")[0])
+    run_dir = grpo.run(config, reward=broken)
+    step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1]
+    assert step["errors/infra"] == 8 and step["reward/mean"] is None
+    assert step["loss"] == 0.0 and step["grad_norm"] == 0.0
+    final = load_model(str(next((run_dir / "checkpoints").iterdir()) / "model"))[0]
+    assert all(torch.equal(initial[n], p) for n, p in final.named_parameters())
+    sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["status"] == "infra_error" and "the reward service is down" in sample["reason"]
+
+
+def test_dynamic_sampling_refills_and_counts(tmp_path):
+    """Groups whose rewards are all equal are dropped and refilled with fresh prompts: every trained
+    group has signal, and the counts add up (kept in the first round + refilled = trained)."""
+    config = small_config(tmp_path, "--max-steps", "1", "--loss.dynamic_sampling", "true", "--loss.max_refill_rounds", "3")
+    run_dir = grpo.run(config, reward=digits)
+    step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1]
+    # Either the batch was refilled to B = 2 groups, or the 1 + 3 rounds ran out first.
+    assert step["groups/trained"] == 2 or step["sampling_rounds"] == 4
+    assert step["groups/zero_variance_fraction"] == 0.0
+    assert step["groups/refilled"] <= step["groups/trained"]
+    # Every drawn prompt was either kept or dropped; a second round happens only after a drop.
+    assert step["groups/dropped"] + step["groups/trained"] >= 2
+    assert step["sampling_rounds"] == 1 or step["groups/dropped"] > 0
+    card = json.loads((run_dir / "run_card.json").read_text())
+    assert card["links"]["loss"]["dynamic_sampling"] is True
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--data.group_size", "1"], "group_size must be at least 2"),
+        (["--update.mini_batches", "3"], "do not split into 3 mini-batches"),
+        (["--loss.aggregation", "mean"], "loss.aggregation must be one of"),
+        (["--loss.kl_placement", "both"], "kl_placement: must be one of"),
+        (["--loss.reference_refresh_every", "5"], "needs a reference"),
+        (["--sampling.temperature", "0"], "temperature must be > 0"),
+        (["--data.prompts_per_step", "two"], "expected an integer"),
+        (["--lossy.kl_beta", "1"], "unknown key 'lossy'"),
+    ],
+)
+def test_bad_config_one_line(tmp_path, overrides, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", "grpo", "--output-dir", str(tmp_path / "run"), *overrides],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists(), "nothing may be written for a bad config"
+
+
+def cli(tmp_path, run_dir, *extra):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    return [sys.executable, "-m", "posttrain", "grpo", *SMALL, "--reward", "callable:rewards_for_tests.digits",
+            "--checkpoint-every", "1", "--seed", "5", *extra], env
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
+    """Kill -9 after the second checkpoint, tear the newest checkpoint as a crash mid-write would,
+    resume: per-step metrics (except timings) and final weights equal an uninterrupted run."""
+    straight, env = cli(tmp_path, None, "--output-dir", str(tmp_path / "straight"), "--max-steps", "4")
+    subprocess.run(straight, env=env, check=True, capture_output=True, cwd=ROOT)
+
+    interrupted = tmp_path / "interrupted"
+    command, env = cli(tmp_path, None, "--output-dir", str(interrupted), "--max-steps", "4")
+    process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (interrupted / "checkpoints" / "step-000003").exists():
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    newest = sorted((interrupted / "checkpoints").glob("step-*"))[-1]
+    torn = newest / "model" / "model.safetensors"
+    if torn.exists():
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    resume, env = [sys.executable, "-m", "posttrain", "grpo", "--resume", str(interrupted)], cli(tmp_path, None)[1]
+    result = subprocess.run(resume, env=env, capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "skipping checkpoint" in result.stderr or not torn.exists()
+
+    def comparable(path):
+        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if not k.startswith("seconds/") and k != "tokens_per_second"} for row in rows]
+
+    assert comparable(interrupted) == comparable(tmp_path / "straight")
+    final_a = load_model(str(tmp_path / "straight" / "checkpoints" / "step-000004" / "model"))[0]
+    final_b = load_model(str(interrupted / "checkpoints" / "step-000004" / "model"))[0]
+    for (name, a), (_, b) in zip(final_a.named_parameters(), final_b.named_parameters()):
+        assert torch.equal(a, b), name
