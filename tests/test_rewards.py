@@ -170,6 +170,7 @@ def test_reasoning_gym_uses_the_task_scorer():
     verdicts = verifier.batch([right, wrong, entry["answer"]], [entry] * 3)
     assert [(v.reward, v.status) for v in verdicts] == [(1.0, "ok"), (0.0, "ok"), (0.0, "ok")]
     assert verifier(right, {"entry": entry}).reward == 1.0
+    assert verifier(right, {"answer": entry["answer"], "metadata": {"entry": entry}}).reward == 1.0
     assert verifier(right, {"answer": "1"}).status == "data_error"
 
 

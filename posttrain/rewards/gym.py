@@ -1,7 +1,7 @@
 """`rg`: reasoning-gym's own scorer for `rg:<task>` examples.
 
 The example is a reasoning-gym entry (`question`, `answer`, `metadata.source_dataset`) or holds
-one under `entry`. The answer is extracted with the same explicit policy as `math` (default: the
+one under `entry` or `metadata.entry` (as posttrain.data's `rg:` tasks do). The answer is extracted with the same explicit policy as `math` (default: the
 final `\\boxed{}` or `<answer>` tag, several different answers score 0), then scored by
 `reasoning_gym.get_score_answer_fn(<task>)` in a pool worker (some scorers use sympy).
 """
@@ -39,7 +39,8 @@ class ReasoningGymVerifier(Verifier):
 
     def score(self, completion: str, example: Mapping) -> Verdict:
         """Extract, then call the task's scorer; a raising scorer is infra_error."""
-        entry = example.get("entry", example)
+        metadata = example.get("metadata")
+        entry = example.get("entry") or (metadata.get("entry") if isinstance(metadata, Mapping) else None) or example
         metadata = entry.get("metadata") if isinstance(entry, Mapping) else None
         task = metadata.get("source_dataset") if isinstance(metadata, Mapping) else None
         if not isinstance(task, str) or "answer" not in entry:
