@@ -280,3 +280,16 @@ def test_lora_model_uses_the_generic_decoder(tiny):
     assert unsupported_reason(model.base_model.model, 64) is not None
     rollout = generate(model, tokenizer, PROMPTS, group_size=2, sampling=SamplingConfig(max_new_tokens=10))
     check_logprobs_against_forward(model, rollout)
+
+
+def test_vllm_backend_refuses_without_vllm_and_gpu(tiny):
+    from posttrain.errors import UserError
+    from posttrain.rollout.vllm_backend import vllm_available
+
+    model, tokenizer = tiny
+    if vllm_available():
+        pytest.skip("vllm and a GPU are present")
+    with pytest.raises(UserError, match="vllm"):
+        generate(model, tokenizer, PROMPTS, backend="vllm")
+    with pytest.raises(UserError, match="backend"):
+        generate(model, tokenizer, PROMPTS, backend="nope")
