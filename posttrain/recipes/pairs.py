@@ -1,0 +1,202 @@
+"""Preference pairs from verified samples: `posttrain pairs`.
+
+Sample G answers per training prompt with the rollout engine, score them with a verifier, and pair
+a correct answer (chosen) with an incorrect one (rejected). Prompts whose G answers are all correct
+or all incorrect give no pair and are counted. The output is a standard-format preference JSONL
+(`{"id", "prompt", "chosen", "rejected", "metadata"}`) plus a sidecar `<name>.meta.json` recording
+where the labels came from (model, verifier, task, seed, sampling, file hash); the DPO run card
+reads it ("labels came from verifier V on samples of model M").
+
+The prompts come from the *training* split of `load_splits(task, eval_size=E, seed=S)`, so a DPO run
+that evaluates on the held-out split with the same (task, E, S) never trained on its problems.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from posttrain.data import load_splits, render_prompt
+from posttrain.data.examples import derived_seed
+from posttrain.errors import UserError
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, verifier_input
+from posttrain.rewards import Verdict, get_verifier
+from posttrain.rollout import SamplingConfig, generate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PairSettings:
+    """Everything that decides which pairs `build_pairs` writes (recorded in the sidecar)."""
+
+    model: str
+    task: str
+    out: str
+    group_size: int = 8
+    task_options: dict = field(default_factory=dict)
+    max_prompts: int = 256
+    """Training prompts to sample (the first of the seeded training split)."""
+    eval_size: int = 200
+    """Held-out problems reserved (never sampled), as in the DPO/GRPO runs that evaluate on them."""
+    verifier: str | None = None
+    """None: the task's default checker (arithmetic: exact)."""
+    pairs_per_prompt: int = 1
+    """At most this many (correct, incorrect) pairs per prompt, from distinct answers."""
+    correct_threshold: float = 1.0
+    """A verdict is correct when its reward is >= this, incorrect below."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    stop_strings: list[str] = field(default_factory=list)
+    system_prompt: str | None = None
+    batch_size: int = 16
+    """Prompts per generation call."""
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.group_size < 2:
+            raise UserError(f"--group-size must be at least 2 (a pair needs two answers), got {self.group_size}")
+        for name in ("max_prompts", "eval_size", "pairs_per_prompt", "max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        if not self.out.endswith(".jsonl"):
+            raise UserError(f"--out {self.out}: the pairs file must end in .jsonl")
+
+
+def provenance_path(pairs_path: str | Path) -> Path:
+    """`pairs.jsonl` -> `pairs.meta.json`, next to it."""
+    path = Path(pairs_path)
+    return path.with_name(path.name.removesuffix(".jsonl") + ".meta.json")
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def pair_up(texts: list[str], verdicts: list[Verdict], threshold: float, limit: int) -> tuple[list[tuple[int, int]], str]:
+    """(chosen index, rejected index) pairs among one prompt's G answers, and the group's outcome:
+    `paired`, `all_correct`, `all_incorrect` or `unscored` (no ok verdict).
+
+    Distinct texts only; pairs are taken in the order (0,0), (0,1), (1,0), (1,1), (0,2)... over the
+    correct and incorrect answers, so each answer is reused as little as possible.
+    """
+    correct, incorrect, seen = [], [], set()
+    for index, (text, verdict) in enumerate(zip(texts, verdicts)):
+        if verdict.status != "ok" or verdict.reward is None or text in seen:
+            continue
+        seen.add(text)
+        (correct if verdict.reward >= threshold else incorrect).append(index)
+    if not correct and not incorrect:
+        return [], "unscored"
+    if not incorrect:
+        return [], "all_correct"
+    if not correct:
+        return [], "all_incorrect"
+    order = sorted(((i, j) for i in range(len(correct)) for j in range(len(incorrect))), key=lambda ij: (max(ij), ij))
+    return [(correct[i], incorrect[j]) for i, j in order[:limit]], "paired"
+
+
+def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str, Any]:
+    """Sample, score, pair, and write `settings.out` and its sidecar atomically; returns the
+    provenance dict (with counts). Raises UserError before writing anything when no pair results."""
+    from posttrain.models import load_model
+
+    settings.validate()
+    if model is None:
+        model, tokenizer = load_model(settings.model)
+    model.eval()
+    train, _ = load_splits(settings.task, train_size=settings.max_prompts, eval_size=settings.eval_size,
+                           seed=settings.seed, options=settings.task_options)
+    examples = train.examples[: settings.max_prompts]
+    name = settings.verifier or DEFAULT_CHECKERS.get(train.reward_kind)
+    if name is None:
+        raise UserError(f"task {settings.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")
+    try:
+        verifier = get_verifier(name)
+    except ValueError as error:
+        raise UserError(f"--verifier: {error}") from None
+    verifier.prepare()
+    sampling = SamplingConfig(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                              max_new_tokens=settings.max_new_tokens, stop_strings=tuple(settings.stop_strings))
+    G = settings.group_size
+    rows, outcomes = [], {"paired": 0, "all_correct": 0, "all_incorrect": 0, "unscored": 0}
+    errors = {"infra_error": 0, "data_error": 0}
+    for start in range(0, len(examples), settings.batch_size):
+        chunk = examples[start : start + settings.batch_size]
+        prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=settings.system_prompt) for e in chunk]
+        rollout = generate(model, tokenizer, prompts, group_size=G, sampling=sampling,
+                           seed=derived_seed(settings.seed, "pairs", str(start)))
+        verdicts = verifier.batch(rollout.texts, [verifier_input(chunk[b]) for b in rollout.prompt_index.tolist()])
+        for verdict in verdicts:
+            if verdict.status in errors:
+                errors[verdict.status] += 1
+        for b, example in enumerate(chunk):
+            texts, group = rollout.texts[b * G : (b + 1) * G], verdicts[b * G : (b + 1) * G]
+            pairs, outcome = pair_up(texts, group, settings.correct_threshold, settings.pairs_per_prompt)
+            outcomes[outcome] += 1
+            for number, (chosen, rejected) in enumerate(pairs):
+                rows.append({
+                    "id": f"{example.id}/{number}", "prompt": example.prompt_input,
+                    "chosen": texts[chosen], "rejected": texts[rejected],
+                    "metadata": {
+                        "example": example.id, "chosen_reward": group[chosen].reward, "rejected_reward": group[rejected].reward,
+                        "rejected_reason": group[rejected].reason, "labelled_by": verifier.name, "sampled_from": settings.model,
+                    },
+                })
+    if not rows:
+        raise UserError(
+            f"no pairs: of {len(examples)} prompts, {outcomes['all_correct']} had only correct answers, "
+            f"{outcomes['all_incorrect']} only incorrect, {outcomes['unscored']} could not be scored (G={G}); nothing written"
+        )
+    provenance = {
+        "kind": "pairs from verified samples", "model": settings.model, "verifier": verifier.name,
+        "verifier_settings": verifier.describe(), "task": settings.task, "task_options": settings.task_options,
+        "eval_size": settings.eval_size, "seed": settings.seed, "group_size": G, "prompts": len(examples),
+        "pairs": len(rows), "prompts_paired": outcomes["paired"], "prompts_skipped_all_correct": outcomes["all_correct"],
+        "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
+        "verdict_errors": errors, "correct_threshold": settings.correct_threshold,
+        "pairs_per_prompt": settings.pairs_per_prompt, "system_prompt": settings.system_prompt,
+        "sampling": {key: value for key, value in asdict(settings).items()
+                     if key in ("temperature", "top_p", "top_k", "max_new_tokens", "stop_strings")},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "posttrain": _version(),
+    }
+    write_atomically(settings.out, rows, provenance)
+    return provenance
+
+
+def write_atomically(out: str | Path, rows: list[dict], provenance: dict[str, Any]) -> None:
+    """Pairs file, then its sidecar (holding the file's SHA-256), each temp + fsync + rename."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    provenance["sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    for path, content in ((out, text), (provenance_path(out), json.dumps(provenance, indent=1, default=str) + "\n")):
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as stream:
+                stream.write(content)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+
+def _version() -> str:
+    try:
+        return metadata.version("posttrain")
+    except metadata.PackageNotFoundError:
+        return "unknown"
