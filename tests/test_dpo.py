@@ -1,0 +1,342 @@
+"""DPO recipe: the seed's pair through the recipe's code, ln 2 at the start, masked sums with left
+and right padding, precomputed = live reference, LoRA reference = base model, every loss type by
+hand, micro-batch invariance, the displacement alarm, smoke runs, bad configs, SIGKILL resume."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config import build_config, parse_overrides
+from posttrain.data import PreferencePair, collate_token_ids, encode_prompt, encode_response, tokenize_preference_pairs
+from posttrain.data.preference import PreferenceBatch
+from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
+from posttrain.recipes import dpo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def arithmetic_pairs(count: int = 12) -> list[dict]:
+    rows = []
+    for index in range(count):
+        a, b = 10 + 7 * index, 21 + 5 * index
+        rows.append({"id": f"p{index}", "prompt": f"{a}+{b}=", "chosen": f"<answer>{a + b}</answer>",
+                     "rejected": f"<answer>{a + b + 1 + index % 3}</answer>" if index % 2 else "I do not know"})
+    return rows
+
+
+def write_pairs(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def pairs_file(tmp_path) -> Path:
+    return write_pairs(tmp_path / "pairs.jsonl", arithmetic_pairs())
+
+
+def small_config(tmp_path, pairs_file, *extra) -> dpo.Config:
+    overrides = ["--data.pairs", str(pairs_file), "--data.heldout_pairs", "2", "--batch_size", "4",
+                 "--micro_batch_size", "2", "--optim.lr", "1e-3", "--max-steps", "2", *extra]
+    config = build_config(dpo.Config, None, parse_overrides(overrides))
+    config.output_dir = str(tmp_path / "run")
+    return config
+
+
+def pairs_of(rows) -> list[PreferencePair]:
+    return [PreferencePair(r["id"], r["prompt"], r["chosen"], r["rejected"]) for r in rows]
+
+
+def sums(chosen, rejected, chosen_lengths=(1,), rejected_lengths=(1,)) -> dpo.PairLogprobs:
+    return dpo.PairLogprobs(torch.tensor(chosen), torch.tensor(rejected), torch.tensor(chosen_lengths), torch.tensor(rejected_lengths))
+
+
+def test_seed_pair_through_the_recipe_loss():
+    """The seed: policy chosen -2, rejected -4; reference -3, -3; beta 0.2.
+    h = (-2 - -3) - (-4 - -3) = 2, logit 0.4, loss = log(1 + e^-0.4) = 0.51302; rewards +0.2 / -0.2."""
+    losses, chosen_rewards, rejected_rewards = dpo.preference_losses(
+        dpo.Loss(type="sigmoid", beta=0.2), sums([-2.0], [-4.0]), torch.tensor([-3.0]), torch.tensor([-3.0]))
+    assert losses.item() == pytest.approx(math.log(1 + math.exp(-0.4)), abs=1e-6)
+    assert losses.item() == pytest.approx(0.5130, abs=5e-5)
+    assert chosen_rewards.item() == pytest.approx(0.2) and rejected_rewards.item() == pytest.approx(-0.2)
+
+
+@pytest.mark.parametrize(
+    "loss, expected",
+    [
+        # h = 2, beta = 0.2, beta h = 0.4; softplus(-0.4) = 0.513015, softplus(0.4) = 0.913015.
+        (dpo.Loss(type="sigmoid", beta=0.2), 0.513015),
+        # cDPO, e = 0.1: 0.9 * 0.513015 + 0.1 * 0.913015 = 0.553015
+        (dpo.Loss(type="conservative", beta=0.2, label_smoothing=0.1), 0.553015),
+        # robust, e = 0.1: (0.9 * 0.513015 - 0.1 * 0.913015) / 0.8 = 0.463015
+        (dpo.Loss(type="robust", beta=0.2, label_smoothing=0.1), 0.463015),
+        # IPO: (h - 1 / (2 beta))^2 = (2 - 2.5)^2 = 0.25
+        (dpo.Loss(type="ipo", beta=0.2), 0.25),
+        # hinge: max(0, 1 - beta h) = 0.6
+        (dpo.Loss(type="hinge", beta=0.2), 0.6),
+        # length-normalised, lengths 2 (chosen) and 4 (rejected): chosen -2/2 - -3/2 = 0.5,
+        # rejected -4/4 - -3/4 = -0.25, h = 0.75, beta h = 0.15, softplus(-0.15) = 0.620957
+        (dpo.Loss(type="length_normalized", beta=0.2), 0.620957),
+    ],
+)
+def test_each_loss_type_by_hand(loss, expected):
+    losses, _, _ = dpo.preference_losses(loss, sums([-2.0], [-4.0], [2], [4]), torch.tensor([-3.0]), torch.tensor([-3.0]))
+    assert losses.item() == pytest.approx(expected, abs=1e-5)
+
+
+def naive_response_sum(model, prompt_ids, response_ids) -> float:
+    """One unpadded sequence, full log-softmax, sum of the response tokens' log-probs."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
+    return sum(float(logprobs[t - 1, ids[0, t]]) for t in range(len(prompt_ids), ids.shape[1]))
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_masked_sums_equal_unpadded_sums_with_left_and_right_padding(padding_side):
+    """Hand-built batch: prompts and responses of different lengths padded on either side. Each
+    sum must equal the unpadded sequence's response log-probs (prompt and padding excluded, the
+    ending EOS included)."""
+    model, tokenizer = load_model("tiny")
+    prompts, chosen, rejected = ["1+2=", "12+345="], ["<answer>3</answer>", "357"], ["4", "<answer>356</answer>"]
+    prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
+    chosen_ids = [encode_response(tokenizer, r) for r in chosen]
+    rejected_ids = [encode_response(tokenizer, r) for r in rejected]
+    assert all(ids[-1] == tokenizer.eos_token_id for ids in chosen_ids + rejected_ids)
+    both = collate_token_ids(prompt_ids * 2, chosen_ids + rejected_ids, pad_token_id=tokenizer.pad_token_id, padding_side=padding_side)
+    halves = [type(both)(both.input_ids[s], both.attention_mask[s], both.mask[s], both.prompt_lengths[s], both.response_lengths[s])
+              for s in (slice(0, 2), slice(2, 4))]
+    batch = PreferenceBatch(chosen=halves[0], rejected=halves[1], kept=[0, 1], counts=None)
+    assert (both.attention_mask == 0).any(), "the batch must contain padding"
+    with torch.no_grad():
+        result = dpo.pair_logprobs(model, batch)
+    for i in range(2):
+        assert result.chosen[i].item() == pytest.approx(naive_response_sum(model, prompt_ids[i], chosen_ids[i]), abs=1e-4)
+        assert result.rejected[i].item() == pytest.approx(naive_response_sum(model, prompt_ids[i], rejected_ids[i]), abs=1e-4)
+    assert result.chosen_lengths.tolist() == [len(ids) for ids in chosen_ids]
+    assert result.rejected_lengths.tolist() == [len(ids) for ids in rejected_ids]
+
+
+def test_policy_equal_to_reference_gives_ln2_and_precomputed_equals_live(tmp_path, pairs_file):
+    """At step 0 the policy is the reference: every h is 0 and the loss is ln 2 whatever the
+    log-probs. Cached reference log-probs give the same loss and the same gradient as a live
+    reference, and the live reference does not move when the policy does."""
+    config = small_config(tmp_path, pairs_file)
+    policy, tokenizer = load_model("tiny")
+    pairs = pairs_of(arithmetic_pairs(4))
+    batch = tokenize_preference_pairs(tokenizer, pairs)
+    reference = make_reference(policy)
+    live = dpo.train_step(policy, reference, None, batch, config)
+    live_grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+    cached = dpo.reference_logprobs(policy, tokenizer, pairs, config.data, micro_batch_size=3)
+    assert cached.shape == (4, 2)
+    precomputed = dpo.train_step(policy, None, cached, batch, config)
+    assert live["loss"] == pytest.approx(math.log(2), abs=1e-6) and precomputed["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert live["logps/chosen"] < -5 and live["rewards/accuracy"] == 0.0 and live["logratio/chosen"] == 0.0
+    for name, param in policy.named_parameters():
+        assert torch.allclose(param.grad, live_grads[name], atol=1e-6), name
+    # After an optimizer step the live reference still gives the cached values.
+    torch.optim.SGD(policy.parameters(), lr=0.1).step()
+    again = dpo.pair_logprobs(reference, batch)
+    assert torch.allclose(torch.stack([again.chosen, again.rejected], 1), cached, atol=1e-4)
+
+
+def test_lora_reference_is_the_base_model():
+    """A LoRA policy's reference is the policy with adapters disabled: after the adapters are
+    changed (so the policy differs), its log-probs equal a fresh base model's."""
+    base, tokenizer = load_model("tiny")
+    policy = apply_lora(load_model("tiny")[0], LoraSettings(rank=4))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    batch = tokenize_preference_pairs(tokenizer, pairs_of(arithmetic_pairs(3)))
+    reference = make_reference(policy)
+    assert reference.adapter_disabled
+    with torch.no_grad():
+        ours, expected, adapted = dpo.pair_logprobs(reference, batch), dpo.pair_logprobs(base, batch), dpo.pair_logprobs(policy, batch)
+    assert torch.allclose(ours.chosen, expected.chosen, atol=1e-5) and torch.allclose(ours.rejected, expected.rejected, atol=1e-5)
+    assert not torch.allclose(adapted.chosen, expected.chosen, atol=1e-2), "the adapters should change the policy"
+
+
+def test_micro_batch_split_gives_the_same_gradient(tmp_path, pairs_file):
+    """1 micro-batch of 4 pairs vs 4 of 1, with the RPO term on: the per-pair mean and the
+    batch-wide chosen-token normaliser make the gradient identical."""
+    policy, tokenizer = load_model("tiny")
+    torch.manual_seed(0)
+    with torch.no_grad():  # move the policy off the reference so h != 0
+        for param in policy.parameters():
+            param.add_(0.02 * torch.randn_like(param))
+    reference = make_reference(load_model("tiny")[0])
+    batch = tokenize_preference_pairs(tokenizer, pairs_of(arithmetic_pairs(4)))
+    results = []
+    for micro in (4, 1):
+        config = small_config(tmp_path, pairs_file, "--loss.nll_weight", "0.5", "--micro_batch_size", str(micro))
+        policy.zero_grad()
+        metrics = dpo.train_step(policy, reference, None, batch, config)
+        results.append((metrics, {n: p.grad.clone() for n, p in policy.named_parameters()}))
+    (first, grads), (second, other) = results
+    assert first["loss"] != pytest.approx(math.log(2), abs=1e-3)
+    for key in ("loss", "loss/nll", "rewards/margins", "rewards/accuracy"):
+        assert second[key] == pytest.approx(first[key], abs=1e-5), key
+    for name, grad in grads.items():
+        assert torch.allclose(other[name], grad, atol=1e-6), name
+
+
+def test_displacement_alarm_rings_once_when_chosen_falls_while_accuracy_rises():
+    alarm = dpo.DisplacementAlarm(threshold=1.0, window=2)
+    assert alarm.observe(1, 0.0, 0.0) is None
+    assert alarm.observe(2, -0.5, 0.5) is None  # mean over the last 2 steps -0.25: above -1
+    # steps 2-3: mean chosen log-ratio -1.75 < -1, accuracy 0.5 > 0.25 (steps 1-2): rings
+    message = alarm.observe(3, -3.0, 0.5)
+    assert message is not None and "step 3" in message and alarm.rings == [message]
+    assert alarm.observe(4, -9.0, 1.0) is None, "rings once"
+    calm = dpo.DisplacementAlarm(threshold=1.0, window=2)
+    for step, (ratio, accuracy) in enumerate([(0.0, 0.5), (-4.0, 0.5), (-5.0, 0.25)], start=1):
+        assert calm.observe(step, ratio, accuracy) is None, "accuracy did not rise: no alarm"
+
+
+LOSS_VARIANTS = [
+    ["--loss.type", "sigmoid", "--loss.reference_refresh_every", "2"],
+    ["--loss.type", "conservative", "--loss.label_smoothing", "0.1", "--loss.reference", "precomputed"],
+    ["--loss.type", "robust", "--loss.label_smoothing", "0.2", "--lora_rank", "4", "--optim.lr", "1e-2"],
+    ["--loss.type", "ipo", "--loss.nll_weight", "0.2"],
+    ["--loss.type", "hinge", "--lora_rank", "4", "--loss.reference", "precomputed", "--optim.lr", "1e-2"],
+    ["--loss.type", "length_normalized", "--loss.beta", "1.0", "--acceptance.displacement_threshold", "-1e9", "--acceptance.alarm_window", "1"],
+]
+
+
+@pytest.mark.parametrize("variant", LOSS_VARIANTS, ids=lambda v: v[1])
+def test_smoke_each_loss(tmp_path, pairs_file, variant):
+    config = small_config(tmp_path, pairs_file, *variant)
+    run_dir = dpo.run(config)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert rows[0]["heldout/preference_accuracy"] == 0.0 and rows[0]["heldout/margins"] == 0.0
+    assert rows[1]["logratio/chosen"] == pytest.approx(0.0, abs=1e-5), "step 1: policy == reference"
+    assert all(math.isfinite(row["loss"]) for row in rows[1:])
+    assert rows[2]["logratio/chosen"] != 0.0, "the policy moved"
+    assert "heldout/preference_accuracy" in rows[2] and "heldout/pass@1" not in rows[2]
+    card = json.loads((run_dir / "run_card.json").read_text())
+    loss = card["links"]["loss"]
+    assert loss["type"] == config.loss.type and loss["forward"].startswith("chosen and rejected concatenated")
+    assert "not recorded" in card["links"]["reward"]["labels"]
+    if config.loss.reference == "precomputed":
+        assert "no reference model in memory" in loss["reference"] and (run_dir / dpo.REFERENCE_CACHE).is_file()
+    elif config.lora_rank:
+        assert loss["reference"].startswith("LoRA base")
+    if config.loss.reference_refresh_every:
+        assert card["run"]["reference_refreshed_at"] == [2]
+    if config.acceptance.displacement_threshold < 0:  # any drop counts: rings once accuracy rises
+        assert card["alarms"] and "likelihood displacement" in card["alarms"][0]
+    assert (run_dir / "plots" / "loss.png").is_file() and (run_dir / "checkpoints" / "step-000002").is_dir()
+
+
+def test_cli_smoke_and_provenance_in_the_card(tmp_path, pairs_file):
+    """Through the CLI, on a file with a `posttrain pairs` sidecar: the card says who labelled the
+    pairs, the held-out task accuracy is measured, and the pairs' prompts in the held-out split are
+    removed from training."""
+    from posttrain.recipes.pairs import write_atomically
+
+    rows = arithmetic_pairs()
+    provenance = {"model": "tiny", "verifier": "exact", "task": "arithmetic", "task_options": {}, "eval_size": 4, "seed": 0,
+                  "group_size": 4, "sampling": {"temperature": 1.0}}
+    write_atomically(tmp_path / "verified.jsonl", rows, provenance)
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", "dpo", "--data.pairs", str(tmp_path / "verified.jsonl"), "--max-steps", "1",
+         "--batch_size", "2", "--data.heldout_pairs", "0", "--acceptance.max_new_tokens", "4", "--output-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"results: {tmp_path / 'run'}" in result.stdout
+    card = json.loads((tmp_path / "run" / "run_card.json").read_text())
+    assert card["links"]["reward"]["labels"] == "labels came from verifier exact on samples of model tiny"
+    assert card["links"]["reward"]["provenance_file_matches"] is True
+    assert card["links"]["acceptance"]["checker"] == "exact" and card["links"]["acceptance"]["checker_is_labeller"] is True
+    assert any("not independent" in note for note in card["notes"])
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "heldout/pass@1" in metrics[0] and "heldout/pass@1" in metrics[-1]
+    assert list((tmp_path / "run" / "eval").glob("task-step-*.json"))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([], "data.pairs: give the preference JSONL"),
+        (["--data.pairs", "missing.jsonl"], "missing.jsonl"),
+        (["--loss.type", "kto"], "loss.type: must be one of"),
+        (["--loss.type", "ipo", "--loss.label_smoothing", "0.1"], "label_smoothing applies to"),
+        (["--loss.type", "conservative"], "label_smoothing must be in (0, 0.5)"),
+        (["--loss.reference", "precomputed", "--loss.reference_refresh_every", "5"], "needs a live reference"),
+        (["--loss.beta", "0"], "loss.beta must be > 0"),
+        (["--los.beta", "1"], "unknown key 'los'"),
+    ],
+)
+def test_bad_config_one_line(tmp_path, pairs_file, overrides, message):
+    pairs = [] if overrides and overrides[0] == "--data.pairs" or not overrides else ["--data.pairs", str(pairs_file)]
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", "dpo", "--output-dir", str(tmp_path / "run"), *pairs, *overrides],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run").exists(), "nothing may be written for a bad config"
+
+
+def test_bad_pair_row_names_file_line_and_field(tmp_path):
+    rows = arithmetic_pairs(4)
+    rows[2]["chosen"] = 7
+    path = write_pairs(tmp_path / "bad.jsonl", rows)
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", "dpo", "--data.pairs", str(path), "--output-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert result.returncode != 0 and "bad.jsonl:3" in result.stderr and "chosen" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, pairs_file):
+    """Kill -9 after the second checkpoint, tear the newest checkpoint as a crash mid-write would,
+    resume: per-step metrics (except timings) and final weights equal an uninterrupted run. The
+    reference is refreshed every 3 steps, so it is part of the state that must survive."""
+
+    def command(output):
+        return [sys.executable, "-m", "posttrain", "dpo", "--data.pairs", str(pairs_file), "--data.heldout_pairs", "2",
+                "--batch_size", "4", "--micro_batch_size", "2", "--optim.lr", "1e-3", "--checkpoint-every", "1",
+                "--loss.reference_refresh_every", "3", "--seed", "5", "--max-steps", "5", "--output-dir", str(output)]
+
+    subprocess.run(command(tmp_path / "straight"), check=True, capture_output=True, cwd=ROOT)
+    interrupted = tmp_path / "interrupted"
+    process = subprocess.Popen(command(interrupted), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (interrupted / "checkpoints" / "step-000004").exists():
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    newest = sorted((interrupted / "checkpoints").glob("step-*"))[-1]
+    torn = newest / "model" / "model.safetensors"
+    if torn.exists():
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    result = subprocess.run([sys.executable, "-m", "posttrain", "dpo", "--resume", str(interrupted)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+    def comparable(path):
+        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if not k.startswith("seconds/") and k != "tokens_per_second"} for row in rows]
+
+    assert comparable(interrupted) == comparable(tmp_path / "straight")
+    card = json.loads((interrupted / "run_card.json").read_text())
+    assert card["run"]["reference_refreshed_at"] == [3]
+    final_a = load_model(str(tmp_path / "straight" / "checkpoints" / "step-000005" / "model"))[0]
+    final_b = load_model(str(interrupted / "checkpoints" / "step-000005" / "model"))[0]
+    for (name, a), (_, b) in zip(final_a.named_parameters(), final_b.named_parameters()):
+        assert torch.equal(a, b), name
