@@ -218,7 +218,7 @@ def _load_weights(model, directory: Path) -> None:
         return
     from transformers import AutoModelForCausalLM
 
-    saved = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=next(model.parameters()).dtype)
+    saved = AutoModelForCausalLM.from_pretrained(directory, dtype=next(model.parameters()).dtype)
     model.load_state_dict(saved.state_dict())
 
 

@@ -25,7 +25,6 @@ from tqdm import tqdm
 
 from posttrain.algorithms import AGGREGATIONS, aggregate, clipped_surrogate, grpo_advantages, kl_estimate, masked_mean, token_logprobs
 from posttrain.config import save_yaml, to_dict
-from posttrain.data import render_prompt
 from posttrain.data.examples import derived_seed
 from posttrain.data.tasks import load_splits
 from posttrain.errors import UserError
@@ -35,11 +34,9 @@ from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
-    Acceptance, Data, PromptStream, Sampling, completion_logits, evaluate_held_out, exact_kl_subset,
-    informative_groups, logprobs_of, make_verifier, merge_groups, sample_rows, score_rollout, scores_from_verdicts,
-    section_dict, token_entropy,
+    Acceptance, Data, PromptStream, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, logprobs_of,
+    make_verifier, sample_and_score, sample_rows, section_dict, token_entropy,
 )
-from posttrain.rollout import generate
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
 logger = logging.getLogger(__name__)
@@ -191,7 +188,10 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     for step in progress:
         done, timer, metrics = step + 1, Timer(), {}
         # 1-3. Sample B prompts x G completions, score them, keep groups with signal (refilling if asked).
-        rollout, examples, scores, rendered, group_stats = sample_and_score(policy, tokenizer, stream, verifier, config, sampling, step, timer)
+        refill_rounds = config.loss.max_refill_rounds if config.loss.dynamic_sampling else None
+        rollout, examples, scores, rendered, group_stats = sample_and_score(
+            policy, tokenizer, stream, verifier, config.data, config.seed, sampling, step, timer, refill_rounds
+        )
         metrics.update(group_stats)
         inputs = rollout.forward_inputs()
         # Rows that reach the loss: scored (not infra/data errors) and, optionally, not truncated.
@@ -247,47 +247,6 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
             })
     write_run_card(run_dir.path, card)
     return run_dir.path
-
-
-def sample_and_score(policy, tokenizer, stream, verifier, config: Config, sampling, step: int, timer: Timer):
-    """Steps 1-3a: sample and score B prompts x G; with dynamic sampling, replace groups without
-    signal by fresh prompts for up to `max_refill_rounds` extra rounds (the batch may stay short)."""
-    B, G = config.data.prompts_per_step, config.data.group_size
-    parts, kept_examples, kept_rendered, verdict_parts = [], [], [], []
-    dropped = refilled = 0
-    wanted, rounds = B, 0
-    policy.eval()
-    while wanted > 0:
-        examples = stream.take(wanted)
-        rendered = [render_prompt(tokenizer, e.prompt_input, system_prompt=config.data.system_prompt) for e in examples]
-        with timer("generation"):
-            rollout = generate(policy, tokenizer, rendered, group_size=G, sampling=sampling, seed=derived_seed(config.seed, "rollout", str(step), str(rounds)))
-        with timer("scoring"):
-            scores = score_rollout(verifier, rollout, examples)
-        groups = informative_groups(scores.rewards, G) if config.loss.dynamic_sampling else list(range(len(examples)))
-        dropped += len(examples) - len(groups)
-        refilled += len(groups) if rounds else 0
-        parts.append((rollout, groups))
-        kept_examples += [examples[g] for g in groups]
-        kept_rendered += [rendered[g] for g in groups]
-        verdict_parts += [scores.verdicts[g * G + i] for g in groups for i in range(G)]
-        wanted, rounds = B - len(kept_examples), rounds + 1
-        if not config.loss.dynamic_sampling or rounds > config.loss.max_refill_rounds:
-            break
-    policy.train()
-    if not kept_examples:  # every group lacked signal even after refills: train on the last batch (zero advantages)
-        parts, kept_examples, kept_rendered = [(rollout, list(range(len(examples))))], examples, rendered
-        verdict_parts = scores.verdicts
-    merged = merge_groups(parts) if len(parts) > 1 or config.loss.dynamic_sampling else rollout
-    merged_scores = scores_from_verdicts(verdict_parts)
-    groups = len(kept_examples)
-    with_signal = len(informative_groups(merged_scores.rewards, G))
-    stats = {
-        "groups/zero_variance_fraction": 1 - with_signal / groups,
-        "groups/dropped": dropped, "groups/refilled": refilled, "groups/trained": groups,
-        "sampling_rounds": rounds,
-    }
-    return merged, kept_examples, merged_scores, kept_rendered, stats
 
 
 def update_policy(policy, reference, optimizer, scheduler, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, config: Config, step: int) -> dict[str, Any]:

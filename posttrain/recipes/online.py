@@ -16,12 +16,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from posttrain.algorithms import exact_kl, token_logprobs
+from posttrain.data import render_prompt
 from posttrain.data.examples import Example, Task, derived_seed
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task, verifier_input
 from posttrain.evaluation.stats import DivergenceAlarm
 from posttrain.rewards import Verdict, Verifier, get_verifier
-from posttrain.rollout import Rollout, SamplingConfig
+from posttrain.rollout import Rollout, SamplingConfig, generate
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,10 @@ class Data:
     system_prompt: str | None = None
     """Optional system prompt for chat models."""
 
-    def validate(self) -> None:
-        if self.group_size < 2:
-            raise UserError(f"data.group_size must be at least 2 (a group of one has no relative signal), got {self.group_size}")
+    def validate(self, min_group_size: int = 2) -> None:
+        if self.group_size < min_group_size:
+            why = " (a group of one has no relative signal)" if min_group_size == 2 else ""
+            raise UserError(f"data.group_size must be at least {min_group_size}{why}, got {self.group_size}")
         for name in ("train_size", "eval_size", "prompts_per_step"):
             if getattr(self, name) < 1:
                 raise UserError(f"data.{name} must be at least 1, got {getattr(self, name)}")
@@ -304,3 +306,44 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
         if valid.numel() >= 2 and bool(valid.max() > valid.min()):
             keep.append(index)
     return keep
+
+
+def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier, data: Data, seed: int,
+                     sampling: SamplingConfig, step: int, timer, refill_rounds: int | None = None):
+    """Sample and score B prompts x G. With `refill_rounds` (DAPO dynamic sampling), groups without
+    signal are dropped and replaced by fresh prompts for up to that many extra rounds (the batch may
+    stay short). Returns (rollout, examples, scores, rendered prompts, group statistics)."""
+    B, G = data.prompts_per_step, data.group_size
+    dynamic = refill_rounds is not None
+    parts, kept_examples, kept_rendered, verdict_parts = [], [], [], []
+    dropped = refilled = 0
+    wanted, rounds = B, 0
+    policy.eval()
+    while wanted > 0:
+        examples = stream.take(wanted)
+        rendered = [render_prompt(tokenizer, e.prompt_input, system_prompt=data.system_prompt) for e in examples]
+        with timer("generation"):
+            rollout = generate(policy, tokenizer, rendered, group_size=G, sampling=sampling, seed=derived_seed(seed, "rollout", str(step), str(rounds)))
+        with timer("scoring"):
+            scores = score_rollout(verifier, rollout, examples)
+        groups = informative_groups(scores.rewards, G) if dynamic else list(range(len(examples)))
+        dropped += len(examples) - len(groups)
+        refilled += len(groups) if rounds else 0
+        parts.append((rollout, groups))
+        kept_examples += [examples[g] for g in groups]
+        kept_rendered += [rendered[g] for g in groups]
+        verdict_parts += [scores.verdicts[g * G + i] for g in groups for i in range(G)]
+        wanted, rounds = B - len(kept_examples), rounds + 1
+        if not dynamic or rounds > refill_rounds:
+            break
+    policy.train()
+    if not kept_examples:  # every group lacked signal even after refills: train on the last batch (zero advantages)
+        parts, kept_examples, kept_rendered = [(rollout, list(range(len(examples))))], examples, rendered
+        verdict_parts = scores.verdicts
+    merged = merge_groups(parts) if len(parts) > 1 or dynamic else rollout
+    merged_scores = scores_from_verdicts(verdict_parts)
+    groups = len(kept_examples)
+    stats = {"groups/dropped": dropped, "groups/refilled": refilled, "groups/trained": groups, "sampling_rounds": rounds}
+    if G > 1:
+        stats["groups/zero_variance_fraction"] = 1 - len(informative_groups(merged_scores.rewards, G)) / groups
+    return merged, kept_examples, merged_scores, kept_rendered, stats

@@ -68,8 +68,8 @@ class Config:
     """Evaluate held-out accuracy every N steps (0: only at the end)."""
     checkpoint_every: int = 100
     """Save a checkpoint every N steps (and always at the end)."""
-    max_new_tokens: int = 16
-    """Generation budget of the held-out evaluation."""
+    max_new_tokens: int = 24
+    """Generation budget of the held-out evaluation (the tiny model writes one character a token)."""
     checker: str | None = None
     """Held-out checker (a verifier name); None: the task's strict default."""
     system_prompt: str | None = None
