@@ -143,13 +143,13 @@ def test_dynamic_sampling_refills_and_counts(tmp_path):
         (["--lossy.kl_beta", "1"], "unknown key 'lossy'"),
     ],
 )
-def test_bad_config_one_line(tmp_path, overrides, message):
-    result = subprocess.run(
-        [sys.executable, "-m", "posttrain", "grpo", "--output-dir", str(tmp_path / "run"), *overrides],
-        capture_output=True, text=True, cwd=ROOT,
-    )
-    assert result.returncode == 2
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+def test_bad_config_one_line(tmp_path, capsys, overrides, message):
+    """In-process through the CLI entry point (a subprocess per case would re-import torch each time)."""
+    from posttrain.cli import main
+
+    assert main(["grpo", "--output-dir", str(tmp_path / "run"), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists(), "nothing may be written for a bad config"
 
 

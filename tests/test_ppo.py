@@ -2,8 +2,6 @@
 micro-batch invariance, resume, bad configs."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -93,8 +91,10 @@ def test_resume_continues_exactly(tmp_path):
         (["--critic.share", "true"], "unknown key 'critic.share'"),
     ],
 )
-def test_bad_config_one_line(tmp_path, overrides, message):
-    result = subprocess.run([sys.executable, "-m", "posttrain", "ppo", "--output-dir", str(tmp_path / "run"), *overrides],
-                            capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+def test_bad_config_one_line(tmp_path, capsys, overrides, message):
+    from posttrain.cli import main
+
+    assert main(["ppo", "--output-dir", str(tmp_path / "run"), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
