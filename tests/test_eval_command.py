@@ -1,0 +1,30 @@
+"""`posttrain eval`: the held-out split of a training run, scored by a checker, written to a dir."""
+
+import json
+
+from posttrain.cli import main
+
+
+def test_eval_writes_summary_and_rows(tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "6", "--k", "2",
+                 "--max-new-tokens", "4", "--output-dir", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 6 and summary["pass@1"] == 0.0  # an untrained model writes no <answer> tags
+    assert summary["pass@1_ci95"][0] == 0.0 and 0 < summary["pass@1_ci95"][1] < 1
+    assert "pass@2" in summary and summary["checker"]["verifier"] == "exact"
+    rows = json.loads((out / "eval.json").read_text())["rows"]
+    assert len(rows) == 6 and {"id", "prompt", "completion", "reward", "status", "reason"} <= set(rows[0])
+    assert "pass@1" in capsys.readouterr().out
+
+
+def test_eval_bad_input_writes_nothing(tmp_path, capsys):
+    for argv, message in (
+        (["--checker", "nope"], "--checker: unknown verifier"),
+        (["--task-options", "{digits: 2"], "--task-options: not JSON"),
+        (["--k", "0"], "must be at least 1"),
+    ):
+        out = tmp_path / "eval"
+        code = main(["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4", "--output-dir", str(out), *argv])
+        assert code == 2 and message in capsys.readouterr().err
+        assert not out.exists()
