@@ -171,6 +171,7 @@ class LlamaDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = model.model.layers[0].self_attn.scaling
         self.kv = None  # (L, 2, n, K, S, D)
+        self.views = []  # per layer: keys, values (n, K, S, D) and the same as (n*K, S, D)
         self.key_bias = None  # (n, S) float: 0 = attend, -inf = left padding
         self.positions = None  # (n,) long: position id of the next token
         self.column = 0  # cache column the next token is written to (same for every row)
@@ -179,16 +180,15 @@ class LlamaDecoder:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] = flip(halves) * [-1, 1]."""
-        half = x.shape[-1] // 2
-        swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-        return torch.addcmul(x * cos, swapped, sin_signed)
+        """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1, 1]."""
+        return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), sin_signed)
 
     def _cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (..., D) for position ids (...); sin signed for the flip form of rotate_half."""
+        """cos, sin (..., 1, D) for position ids (...), from the model's own rotary module (any rope
+        type); sin is signed for the roll form of rotate_half; the 1 broadcasts over heads."""
         probe = self.embed[:1]
         cos, sin = self.rotary(probe, position_ids.reshape(1, -1))
-        cos, sin = cos.reshape(*position_ids.shape, -1), sin.reshape(*position_ids.shape, -1)
+        cos, sin = cos.reshape(*position_ids.shape, 1, -1), sin.reshape(*position_ids.shape, 1, -1)
         half = sin.shape[-1] // 2
         sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         return cos, sin_signed
@@ -197,7 +197,6 @@ class LlamaDecoder:
         """(..., d) hidden -> q (..., H, D), k (..., K, D) with rope, v (..., K, D)."""
         H, K = self.heads, self.kv_heads
         qkv = layer.qkv(h).unflatten(-1, (H + 2 * K, self.head_dim))
-        cos, sin_signed = cos.unsqueeze(-2), sin_signed.unsqueeze(-2)
         if layer.q_norm is not None:  # Qwen3: RMSNorm over each head before rope
             q = self._rope(self._norm(qkv[..., :H, :], layer.q_norm), cos, sin_signed)
             k = self._rope(self._norm(qkv[..., H:H + K, :], layer.k_norm), cos, sin_signed)
@@ -223,7 +222,7 @@ class LlamaDecoder:
         position_ids = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
         self.positions = position_ids[:, -1] + 1
         self.column = P
-        cos, sin_signed = self._cos_sin(position_ids)  # (B, P, D)
+        cos, sin_signed = self._cos_sin(position_ids)  # (B, P, 1, D)
         causal = torch.ones(P, P, dtype=torch.bool, device=prompt_ids.device).tril()
         allowed = (causal & prompt_mask[:, None, :]) | torch.eye(P, dtype=torch.bool, device=prompt_ids.device)
         allowed = allowed.unsqueeze(1)  # (B, 1, P, P); the diagonal keeps padding rows finite
@@ -237,7 +236,14 @@ class LlamaDecoder:
                 scale=self.scaling, enable_gqa=self.heads != K)  # (B, H, P, D)
             x = layer.o.plus(attn.transpose(1, 2).reshape(B * P, -1), x.reshape(B * P, -1)).view(B, P, -1)
             x = self._mlp(layer, x.view(B * P, -1)).view(B, P, -1)
+        self._make_views()
         return self.lm_head(self._norm(x[:, -1], self.final_norm)).float()
+
+    def _make_views(self) -> None:
+        """Per-layer views of the cache, made once per batch change instead of once per step."""
+        n, K, S, D = self.kv.shape[2:]
+        self.views = [(keys, values, keys.view(n * K, S, D), values.view(n * K, S, D))
+                      for keys, values in (layer.unbind(0) for layer in self.kv.unbind(0))]
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """x + down(silu(gate(h)) * up(h)), h = norm(x). x: (n, d)."""
@@ -247,6 +253,7 @@ class LlamaDecoder:
     def select(self, rows: torch.Tensor) -> None:
         """Keep (and reorder, or repeat) cache rows: new row i is old row ``rows[i]``. rows: (n,) long."""
         self.kv = self.kv.index_select(2, rows)
+        self._make_views()
         self.key_bias = self.key_bias.index_select(0, rows)
         self.positions = self.positions.index_select(0, rows)
 
@@ -255,21 +262,19 @@ class LlamaDecoder:
         """Append one token per row; return the next-token logits. tokens: (n,) long -> (n, V) float32."""
         n, column = tokens.shape[0], self.column
         H, K, D = self.heads, self.kv_heads, self.head_dim
-        cos, sin_signed = self._cos_sin(self.positions)  # (n, D)
+        cos, sin_signed = self._cos_sin(self.positions)  # (n, 1, D)
         rep = H // K
         # Grouped-query attention without repeating the cache: query heads g*rep .. g*rep+rep-1 share
         # kv head g, so the (n, H) query heads are batched as (n*K, rep) against (n*K, c) keys.
         key_bias = self.key_bias[:, None, None, :column + 1].expand(n, K, 1, column + 1).reshape(n * K, 1, -1)
         x = F.embedding(tokens, self.embed)  # (n, d)
-        for index, layer in enumerate(self.layers):
+        for layer, (keys, values, flat_keys, flat_values) in zip(self.layers, self.views):
             q, k, v = self._qkv(layer, self._norm(x, layer.input_norm), cos, sin_signed)  # (n, *, D)
-            keys, values = self.kv[index, 0], self.kv[index, 1]  # (n, K, S, D)
-            keys[:, :, column] = k
+            keys[:, :, column] = k  # cache (n, K, S, D)
             values[:, :, column] = v
-            keys = keys.view(n * K, -1, D)[:, :column + 1]  # (n*K, c, D)
-            values = values.view(n * K, -1, D)[:, :column + 1]
-            scores = torch.baddbmm(key_bias, q.reshape(n * K, rep, D), keys.transpose(1, 2), alpha=self.scaling)
-            attn = torch.bmm(torch.softmax(scores, dim=-1), values)  # (n*K, rep, D)
+            scores = torch.baddbmm(key_bias, q.reshape(n * K, rep, D), flat_keys[:, :column + 1].transpose(1, 2),
+                                   alpha=self.scaling)  # (n*K, rep, c)
+            attn = torch.bmm(torch.softmax(scores, dim=-1), flat_values[:, :column + 1])  # (n*K, rep, D)
             x = layer.o.plus(attn.view(n, H * D), x)
             x = self._mlp(layer, x)
         self.positions = self.positions + 1
