@@ -1,0 +1,125 @@
+"""`posttrain pairs`: pairing rules, the written file and its provenance, skipped prompts, errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.data import load_preference_file
+from posttrain.recipes.pairs import file_sha256, pair_up, provenance_path
+from posttrain.rewards import Verdict
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+
+
+def ok(reward):
+    return Verdict.ok(reward, "test")
+
+
+@pytest.mark.parametrize(
+    "texts, verdicts, limit, expected, outcome",
+    [
+        (["a", "b", "c", "d"], [ok(0), ok(1), ok(0), ok(0)], 1, [(1, 0)], "paired"),
+        # duplicates of an answer count once; pairs spread over distinct answers: (0,0), (0,1), (1,0), (1,1)
+        (["a", "a", "b", "c", "d"], [ok(1), ok(1), ok(1), ok(0), ok(0)], 4, [(0, 3), (0, 4), (2, 3), (2, 4)], "paired"),
+        (["a", "b", "c"], [ok(1), ok(0), ok(0)], 5, [(0, 1), (0, 2)], "paired"),
+        (["a", "b"], [ok(1), ok(1)], 1, [], "all_correct"),
+        (["a", "b"], [ok(0), ok(0.5)], 1, [], "all_incorrect"),  # 0.5 < threshold 1: incorrect
+        # an infra error is neither correct nor incorrect
+        (["a", "b"], [Verdict.infra_error("down"), ok(0)], 1, [], "all_incorrect"),
+        (["a", "b"], [Verdict.infra_error("down"), Verdict.data_error("bad gold")], 1, [], "unscored"),
+    ],
+)
+def test_pair_up(texts, verdicts, limit, expected, outcome):
+    assert pair_up(texts, verdicts, threshold=1.0, limit=limit) == (expected, outcome)
+
+
+def pairs_command(out, *extra):
+    return [sys.executable, "-m", "posttrain", "pairs", "--model", "tiny", "--task", "arithmetic", "--group-size", "4",
+            "--max-prompts", "12", "--eval-size", "8", "--max-new-tokens", "6", "--seed", "3", "--out", str(out), *extra]
+
+
+def test_pairs_from_verified_samples(tmp_path):
+    """Random tiny-model samples scored by a digit detector: prompts split into paired and
+    skipped; every written pair is (reward 1, reward 0), loads as a preference file, and the sidecar
+    records model, verifier, task, seed, sampling and the file's hash."""
+    out = tmp_path / "data" / "pairs.jsonl"
+    result = subprocess.run(pairs_command(out, "--verifier", "callable:rewards_for_tests.digits", "--pairs-per-prompt", "2",
+                                          "--temperature", "0.9"), capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads(provenance_path(out).read_text())
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert f"{meta['pairs']} pairs from {meta['prompts_paired']} of 12 prompts" in result.stdout
+    assert "labels: verifier callable:rewards_for_tests.digits on samples of model tiny" in result.stdout
+    assert meta["pairs"] == len(rows) > 0
+    assert meta["prompts_paired"] + meta["prompts_skipped_all_correct"] + meta["prompts_skipped_all_incorrect"] + meta["prompts_skipped_unscored"] == 12
+    assert meta["prompts_paired"] <= len(rows) <= 2 * meta["prompts_paired"]
+    assert (meta["model"], meta["verifier"], meta["task"], meta["seed"], meta["group_size"]) == ("tiny", "callable:rewards_for_tests.digits", "arithmetic", 3, 4)
+    assert meta["sampling"]["temperature"] == 0.9 and meta["sampling"]["max_new_tokens"] == 6
+    assert meta["sha256"] == file_sha256(out)
+    for row in rows:
+        assert any(c.isdigit() for c in row["chosen"]) and not any(c.isdigit() for c in row["rejected"])
+        assert row["metadata"]["chosen_reward"] == 1.0 and row["metadata"]["rejected_reward"] == 0.0
+    assert len(load_preference_file(out).pairs) == len(rows)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["pairs.jsonl", "pairs.meta.json"], "no temp files left"
+    # Prompts come from the training split only: none is a held-out problem of (arithmetic, 8, seed 3).
+    from posttrain.data import load_splits
+
+    _, held_out = load_splits("arithmetic", train_size=1, eval_size=8, seed=3)
+    assert not {r["prompt"] for r in rows} & {e.prompt for e in held_out.examples}
+
+
+def test_no_pairs_is_an_error_and_writes_nothing(tmp_path):
+    out = tmp_path / "pairs.jsonl"
+    result = subprocess.run(pairs_command(out, "--verifier", "callable:rewards_for_tests.broken"),
+                            capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]  # other lines: INFO logs
+    assert len(errors) == 1 and "no pairs: of 12 prompts" in errors[0] and "12 could not be scored" in errors[0], result.stderr
+    assert not out.exists() and not provenance_path(out).exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--group-size", "1"], "--group-size must be at least 2"),
+        (["--task-options", "[1]"], "--task-options: must be a JSON object"),
+        (["--verifier", "nonsense"], "--verifier"),
+    ],
+)
+def test_bad_arguments_one_line(tmp_path, extra, message):
+    out = tmp_path / "pairs.jsonl"
+    result = subprocess.run(pairs_command(out, *extra), capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_sft_then_verified_pairs_then_dpo(tmp_path):
+    """The seed's comparison in miniature: SFT the tiny model on arithmetic until it writes
+    <answer>N</answer>, label its samples with `exact`, train DPO on the pairs, and read the run card:
+    labels from verifier exact on samples of that model; held-out task accuracy measured."""
+    sft = subprocess.run([sys.executable, "-m", "posttrain", "sft", "--max-steps", "150", "--eval_size", "16",
+                          "--output-dir", str(tmp_path / "sft")], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert sft.returncode == 0, sft.stderr
+    model = str(sorted((tmp_path / "sft" / "checkpoints").glob("step-*"))[-1] / "model")
+    out = tmp_path / "pairs.jsonl"
+    pairs = subprocess.run([sys.executable, "-m", "posttrain", "pairs", "--model", model, "--task", "arithmetic",
+                            "--group-size", "8", "--max-prompts", "64", "--eval-size", "32", "--max-new-tokens", "16",
+                            "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert pairs.returncode == 0, pairs.stderr
+    meta = json.loads(provenance_path(out).read_text())
+    assert meta["verifier"] == "exact" and meta["pairs"] > 0
+    run = subprocess.run([sys.executable, "-m", "posttrain", "dpo", "--model", model, "--data.pairs", str(out),
+                          "--data.heldout_pairs", "4", "--max-steps", "10", "--optim.lr", "1e-4", "--acceptance.max_new_tokens", "16",
+                          "--output-dir", str(tmp_path / "dpo")], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert run.returncode == 0, run.stderr
+    card = json.loads((tmp_path / "dpo" / "run_card.json").read_text())
+    assert card["links"]["reward"]["labels"] == f"labels came from verifier exact on samples of model {model}"
+    metrics = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["heldout/pass@1"] is not None and metrics[-1]["heldout/pass@1"] is not None
