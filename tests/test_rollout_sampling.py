@@ -10,6 +10,7 @@ from posttrain.rollout.sampling import (
     SamplingConfig,
     gather_logprobs,
     sample_from_logits,
+    sample_from_probs,
     sample_step,
     sampler_logits,
 )
@@ -65,6 +66,22 @@ def test_inverse_cdf_never_draws_a_removed_token():
     logits = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]])
     for u in (1 - 2 ** -53, 1 - 2 ** -30, 0.9999999):
         assert sample_from_logits(logits, torch.tensor([u], dtype=torch.float64)).item() == 1
+
+
+def test_two_level_inverse_cdf_equals_the_full_cumsum():
+    """Optimised vs naive: block sums then one block's cumsum give the same token as one float64
+    cumsum over the whole vocabulary (V = 1000 is not a multiple of the block; a third of the
+    probabilities are exactly 0 and must never be drawn)."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(300, 1000, generator=generator)
+    probs[torch.rand(300, 1000, generator=generator) < 0.33] = 0.0
+    uniforms = torch.rand(300, generator=generator, dtype=torch.float64)
+    tokens, total = sample_from_probs(probs, uniforms)
+    cdf = probs.double().cumsum(-1)
+    naive = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    assert torch.equal(tokens, naive)
+    assert (probs.gather(-1, tokens.unsqueeze(-1)) > 0).all()
+    assert torch.allclose(total, probs.double().sum(-1))
 
 
 def test_frequencies_match_temperature_and_top_p():

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from posttrain.errors import UserError
 
@@ -96,25 +97,52 @@ def sampler_logits(scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> 
     return masked
 
 
-def sample_from_logits(masked: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row by inverting the CDF of ``softmax(masked)`` in vocabulary order.
+CDF_BLOCK = 128  # tokens per block of the two-level inverse CDF
+
+
+def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+    """(n,) index of the last entry > 0 in each row of (n, m) weights."""
+    return weights.shape[-1] - 1 - (weights.flip(-1) > 0).to(torch.int8).argmax(-1)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row by inverting the CDF of ``probs`` in vocabulary order.
+
+    Token v is drawn iff cdf[v - 1] <= u * total < cdf[v]. Two levels, so that only block sums
+    and one block per row are accumulated (in float64): the block whose cumulative mass passes
+    ``u * total``, then the token inside it. Same tokens as a full float64 cumsum up to rounding
+    at block edges (tested against it).
 
     Args:
-        masked: (n, V) logits; -inf marks tokens that cannot be drawn. At least one finite per row.
+        probs: (n, V) float, non-negative, at least one positive per row (need not sum to 1).
         uniforms: (n,) float in [0, 1), one per row.
 
     Returns:
-        (n,) long token ids; token v is drawn with probability softmax(masked)[v].
+        tokens (n,) long, token v drawn with probability probs[v] / probs.sum(); and that sum
+        (n,) float64 (for renormalising).
     """
-    weights = torch.softmax(masked, dim=-1).to(torch.float64)  # (n, V)
-    cdf = torch.cumsum(weights, dim=-1)  # float64: exact enough even for 1e-9 probabilities
-    target = uniforms.to(torch.float64).unsqueeze(-1) * cdf[:, -1:]  # (n, 1)
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first v with cdf[v] > target
-    overflow = tokens >= masked.shape[-1]
-    if overflow.any():  # target rounded up to the total: take the last token that can be drawn
-        last = masked.shape[-1] - 1 - torch.isfinite(masked).flip(-1).to(torch.int8).argmax(-1)
-        tokens = torch.where(overflow, last, tokens)
-    return tokens
+    n, vocab = probs.shape
+    pad = (-vocab) % CDF_BLOCK
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(n, -1, CDF_BLOCK)  # (n, nb, 128)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (n, nb)
+    target = uniforms.to(torch.float64) * block_cdf[:, -1]  # (n,)
+    block = torch.searchsorted(block_cdf, target.unsqueeze(-1), right=True).squeeze(-1)  # first cdf > target
+    overflow = block >= block_cdf.shape[-1]
+    if overflow.any():  # target rounded up to the total: the last block with mass
+        block = torch.where(overflow, _last_positive(blocks.sum(-1)), block)
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    inside = blocks[torch.arange(n), block]  # (n, 128)
+    offset = torch.searchsorted(inside.to(torch.float64).cumsum(-1), (target - before).unsqueeze(-1),
+                                right=True).squeeze(-1)
+    overflow = offset >= CDF_BLOCK
+    if overflow.any():  # rounding between the two levels: the block's last token with mass
+        offset = torch.where(overflow, _last_positive(inside), offset)
+    return block * CDF_BLOCK + offset, block_cdf[:, -1]
+
+
+def sample_from_logits(masked: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Tokens drawn from ``softmax(masked)``; -inf logits are never drawn. (n, V) -> (n,) long."""
+    return sample_from_probs(torch.softmax(masked, dim=-1), uniforms)[0]
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -146,14 +174,21 @@ def sample_step(logits: torch.Tensor, config: SamplingConfig, uniforms: torch.Te
         (0 for greedy); logprobs (n,) float32, log-prob under softmax(logits / temperature).
     """
     scaled = logits.float() / config.temperature if config.temperature != 1.0 else logits.float()
-    masked = scaled
-    if banned_ids is not None and banned_ids.numel() > 0:
-        masked = scaled.index_fill(-1, banned_ids, float("-inf"))
+    banned = banned_ids is not None and banned_ids.numel() > 0
     if config.greedy:
-        tokens = masked.argmax(-1)
+        tokens = (scaled.index_fill(-1, banned_ids, float("-inf")) if banned else scaled).argmax(-1)
         return tokens, torch.zeros(tokens.shape), gather_logprobs(scaled, tokens)
-    masked = sampler_logits(masked, config.top_k, config.top_p)
-    tokens = sample_from_logits(masked, uniforms)
-    logprobs = gather_logprobs(scaled, tokens)
-    sampler = logprobs if masked is scaled else gather_logprobs(masked, tokens)
+    if config.truncates:
+        masked = scaled.index_fill(-1, banned_ids, float("-inf")) if banned else scaled
+        weights = torch.softmax(sampler_logits(masked, config.top_k, config.top_p), dim=-1)
+        tokens, _ = sample_from_probs(weights, uniforms)
+        sampler = weights.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
+        return tokens, sampler, gather_logprobs(scaled, tokens)
+    # No truncation: one softmax serves both distributions (the sampler's is the same, or the same
+    # with the banned ids zeroed and renormalised by the kept mass, summed in float64).
+    probs = torch.softmax(scaled, dim=-1)  # (n, V)
+    weights = probs.index_fill(-1, banned_ids, 0.0) if banned else probs
+    tokens, kept = sample_from_probs(weights, uniforms)
+    logprobs = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()  # > 0: it was drawn
+    sampler = (logprobs - kept.log()).float() if banned else logprobs
     return tokens, sampler, logprobs
