@@ -81,7 +81,8 @@ def evaluate_task(
         output_path: write the summary and per-problem rows as JSON there.
 
     Returns:
-        a summary dict: `pass@1`, `pass@1_ci95`, `n`, `correct` (per problem, 0/1), `infra_errors`,
+        a summary dict: `pass@1`, `pass@1_ci95`, `n` (problems scored), `problems`, `correct` (per
+        problem: 1, 0, or None when the checker could not score it: left out of n), `infra_errors`,
         `mean_length`, and `pass@k`, `pass@k_ci95` when k > 1.
     """
     started = time.perf_counter()
@@ -95,15 +96,18 @@ def evaluate_task(
         texts += rollout.texts
         lengths += rollout.mask.sum(dim=1).tolist()
     verdicts = score_completions(verifier, texts, examples)
-    correct = [1 if v.status == "ok" and v.reward is not None and v.reward >= 1.0 else 0 for v in verdicts]
-    n = len(examples)
+    # A problem the checker could not score (infra or data error) is left out of n, never a silent 0.
+    correct = [None if v.status != "ok" else int(v.reward is not None and v.reward >= 1.0) for v in verdicts]
+    scored = [c for c in correct if c is not None]
+    n = len(scored)
     summary: dict[str, Any] = {
         "task": task.name,
         "split": task.split,
         "checker": verifier.describe(),
         "n": n,
-        "pass@1": sum(correct) / n,
-        "pass@1_ci95": list(wilson_interval(sum(correct), n)),
+        "problems": len(examples),
+        "pass@1": sum(scored) / n if n else None,
+        "pass@1_ci95": list(wilson_interval(sum(scored), n)),
         "infra_errors": sum(v.status == "infra_error" for v in verdicts),
         "data_errors": sum(v.status == "data_error" for v in verdicts),
         "mean_length": sum(lengths) / max(1, n),
@@ -118,10 +122,13 @@ def evaluate_task(
             sample_verdicts = score_completions(verifier, rollout.texts, [e for e in chunk for _ in range(k)])
             for index in range(len(chunk)):
                 group = sample_verdicts[index * k : (index + 1) * k]
-                per_problem.append(sum(v.status == "ok" and (v.reward or 0) >= 1.0 for v in group))
+                if any(v.status != "ok" for v in group):
+                    continue  # unscorable samples: the problem is left out of pass@k
+                per_problem.append(sum((v.reward or 0) >= 1.0 for v in group))
         estimates = [pass_at_k(k, c, k) for c in per_problem]
-        summary[f"pass@{k}"] = sum(estimates) / n
-        summary[f"pass@{k}_ci95"] = list(wilson_interval(sum(estimates), n))
+        summary[f"pass@{k}"] = sum(estimates) / len(estimates) if estimates else None
+        summary[f"pass@{k}_ci95"] = list(wilson_interval(sum(estimates), len(estimates)))
+        summary[f"pass@{k}_n"] = len(estimates)
         summary["sample_temperature"] = temperature
     summary["seconds"] = time.perf_counter() - started
     if output_path is not None:
@@ -130,5 +137,5 @@ def evaluate_task(
             for e, p, t, v in zip(examples, prompts, texts, verdicts)
         ]
         Path(output_path).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
-    logger.info("held-out %s: pass@1 %.3f (n=%d)", task.name, summary["pass@1"], n)
+    logger.info("held-out %s: pass@1 %s (n=%d)", task.name, summary["pass@1"], n)
     return summary

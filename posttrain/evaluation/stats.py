@@ -35,16 +35,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
-def paired_difference_ci(before: Sequence[float], after: Sequence[float], z: float = Z95) -> tuple[float, float, float]:
+def paired_difference_ci(before: Sequence[float | None], after: Sequence[float | None], z: float = Z95) -> tuple[float, float, float]:
     """Mean gain `after - before` over the same problems and its normal-approximation interval,
     using the paired differences' sample variance (problems shared by both evaluations make the
     gain far less noisy than two independent proportions would be).
 
     Returns: (gain, low, high).
     """
-    if len(before) != len(after) or not before:
-        raise ValueError("before and after must be non-empty and score the same problems")
-    differences = [a - b for a, b in zip(after, before)]
+    if len(before) != len(after):
+        raise ValueError("before and after must score the same problems")
+    # Problems either evaluation could not score (None) are left out of both.
+    differences = [a - b for a, b in zip(after, before) if a is not None and b is not None]
+    if not differences:
+        raise ValueError("no problem was scored by both evaluations")
     n = len(differences)
     gain = sum(differences) / n
     variance = sum((d - gain) ** 2 for d in differences) / max(1, n - 1)

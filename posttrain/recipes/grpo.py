@@ -224,7 +224,6 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
             "reward/mean": float(valid.mean()) if valid.numel() else None,
             "reward/std": float(valid.std(correction=0)) if valid.numel() else None,
             **{f"reward/{name}": value for name, value in scores.components.items()},
-            "errors/infra": scores.infra_errors, "errors/data": scores.data_errors,
             "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
             "truncated_fraction": float(rollout.truncated.float().mean()),
             "lr": scheduler.get_last_lr()[0],
@@ -257,15 +256,16 @@ def update_policy(policy, reference, optimizer, scheduler, rollout, inputs, mask
     N, T = rollout.completion_ids.shape
     P = rollout.prompt_ids.shape[1]
     temperature = config.sampling.temperature
-    rows_per_mini_batch = N // update.mini_batches
     sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual_clip": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0, "tokens": 0.0}
     ratio_min, ratio_max, exact = float("inf"), float("-inf"), [0.0, 0]
     grad_norms = []
     generator = torch.Generator().manual_seed(derived_seed(config.seed, "minibatch", str(step)))
     for epoch in range(update.epochs):
         order = torch.randperm(N, generator=generator) if update.mini_batches > 1 else torch.arange(N)
-        for start in range(0, N, rows_per_mini_batch):
-            mini = order[start : start + rows_per_mini_batch]
+        # Exactly `mini_batches` optimizer steps even when dynamic sampling left the batch short.
+        for mini in torch.tensor_split(order, update.mini_batches):
+            if len(mini) == 0:
+                continue
             global_tokens, global_sequences = mask[mini].sum(), len(mini)
             for micro_start in range(0, len(mini), update.micro_batch_size):
                 rows = mini[micro_start : micro_start + update.micro_batch_size]

@@ -83,7 +83,7 @@ class Acceptance:
 
     checker: str | None = None
     """Held-out checker (a verifier name); None: the task's strict default."""
-    eval_every: int = 0
+    eval_every: int = 10
     """Evaluate every N steps (0: only at the start and the end)."""
     k: int = 1
     """Also report pass@k from k samples per problem (1: greedy pass@1 only)."""
@@ -235,8 +235,13 @@ def evaluate_held_out(policy, tokenizer, held_out: Task, config, run_dir, step: 
     metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": result["pass@1_ci95"][0], "heldout/pass@1_high": result["pass@1_ci95"][1]}
     if config.acceptance.k > 1:
         metrics[f"heldout/pass@{config.acceptance.k}"] = result[f"pass@{config.acceptance.k}"]
-    if train_reward is not None:
-        message = alarm.observe(step, train_reward, result["pass@1"])
+    if train_reward is not None and result["pass@1"] is not None:
+        # The alarm compares held-out accuracy with the mean training reward since the previous
+        # evaluation (read back from metrics.jsonl, so a resumed run computes the same).
+        rows = run_dir.read_metrics()
+        last_eval = max([row["step"] for row in rows if row.get("heldout/pass@1") is not None] + [0])
+        recent = [row["reward/mean"] for row in rows if row["step"] > last_eval and row.get("reward/mean") is not None]
+        message = alarm.observe(step, sum(recent + [train_reward]) / (len(recent) + 1), result["pass@1"])
         if message:
             logger.warning(message)
     return metrics
@@ -316,7 +321,7 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     B, G = data.prompts_per_step, data.group_size
     dynamic = refill_rounds is not None
     parts, kept_examples, kept_rendered, verdict_parts = [], [], [], []
-    dropped = refilled = 0
+    dropped = refilled = infra_errors = data_errors = 0
     wanted, rounds = B, 0
     policy.eval()
     while wanted > 0:
@@ -326,6 +331,7 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
             rollout = generate(policy, tokenizer, rendered, group_size=G, sampling=sampling, seed=derived_seed(seed, "rollout", str(step), str(rounds)))
         with timer("scoring"):
             scores = score_rollout(verifier, rollout, examples)
+        infra_errors, data_errors = infra_errors + scores.infra_errors, data_errors + scores.data_errors
         groups = informative_groups(scores.rewards, G) if dynamic else list(range(len(examples)))
         dropped += len(examples) - len(groups)
         refilled += len(groups) if rounds else 0
@@ -343,7 +349,9 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     merged = merge_groups(parts) if len(parts) > 1 or dynamic else rollout
     merged_scores = scores_from_verdicts(verdict_parts)
     groups = len(kept_examples)
-    stats = {"groups/dropped": dropped, "groups/refilled": refilled, "groups/trained": groups, "sampling_rounds": rounds}
+    # Error counts cover every sampled row, including groups dynamic sampling dropped.
+    stats = {"groups/dropped": dropped, "groups/refilled": refilled, "groups/trained": groups, "sampling_rounds": rounds,
+             "errors/infra": infra_errors, "errors/data": data_errors}
     if G > 1:
         stats["groups/zero_variance_fraction"] = 1 - len(informative_groups(merged_scores.rewards, G)) / groups
     return merged, kept_examples, merged_scores, kept_rendered, stats

@@ -226,7 +226,6 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
             "reward/mean": float(valid.mean()) if valid.numel() else None,
             "reward/std": float(valid.std(correction=0)) if valid.numel() else None,
             **{f"reward/{name}": value for name, value in scores.components.items()},
-            "errors/infra": scores.infra_errors, "errors/data": scores.data_errors,
             "kl/estimate": float(masked_mean(kl, mask)) if ref_logprobs is not None else None,
             "values/mean": float(masked_mean(old_values, mask)), "returns/mean": float(masked_mean(returns, mask)),
             "explained_variance": explained_variance(old_values, returns, mask),
@@ -301,7 +300,6 @@ def update_policy_and_critic(policy, critic, optimizer, scheduler, rollout, inpu
     N, T = rollout.completion_ids.shape
     P = rollout.prompt_ids.shape[1]
     temperature = config.sampling.temperature
-    rows_per_mini_batch = N // update.mini_batches
     sums = {"loss": 0.0, "value_loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "value_clipped": 0.0, "ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
     grad_norms = []
     policy_params = optimizer.param_groups[0]["params"]
@@ -309,8 +307,7 @@ def update_policy_and_critic(policy, critic, optimizer, scheduler, rollout, inpu
     generator = torch.Generator().manual_seed(derived_seed(config.seed, "minibatch", str(step)))
     for _ in range(update.epochs):
         order = torch.randperm(N, generator=generator) if update.mini_batches > 1 else torch.arange(N)
-        for start in range(0, N, rows_per_mini_batch):
-            mini = order[start : start + rows_per_mini_batch]
+        for mini in torch.tensor_split(order, update.mini_batches):
             global_tokens, global_sequences = mask[mini].sum(), len(mini)
             for micro_start in range(0, len(mini), update.micro_batch_size):
                 rows = mini[micro_start : micro_start + update.micro_batch_size]

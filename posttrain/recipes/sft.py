@@ -140,7 +140,6 @@ def run(config: Config, resume: bool = False) -> Path:
     write_run_card(run_dir.path, card)
 
     model.train()
-    timer = Timer()
     progress = tqdm(range(start_step, config.max_steps), desc="sft", initial=start_step, total=config.max_steps)
     for step in progress:
         started = time.perf_counter()
@@ -152,6 +151,7 @@ def run(config: Config, resume: bool = False) -> Path:
             system_prompt=config.system_prompt,
         )
         # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens.
+        timer = Timer()
         global_tokens = batch.mask[:, 1:].sum()
         total_loss = 0.0
         with timer("train"):
@@ -165,6 +165,7 @@ def run(config: Config, resume: bool = False) -> Path:
         metrics = {
             "loss": total_loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
             "tokens_per_second": int(batch.attention_mask.sum()) / (time.perf_counter() - started),
+            "seconds/train": timer.seconds.get("train", 0.0),
         }
         if (config.eval_every and done % config.eval_every == 0) or done == config.max_steps:
             metrics.update(evaluate_and_plot(model, tokenizer, held_out, config, run_dir, done))
@@ -184,8 +185,12 @@ def evaluate_and_plot(model, tokenizer, held_out, config: Config, run_dir: RunDi
         model, tokenizer, held_out, checker=config.checker, k=1, max_new_tokens=config.max_new_tokens,
         seed=config.seed, system_prompt=config.system_prompt, output_path=run_dir.eval_dir / f"step-{step:06d}.json",
     )
-    metrics = {"heldout/accuracy": result["pass@1"], "heldout/nll": heldout_nll(model, tokenizer, held_out, config)}
-    plot_metrics(run_dir.read_metrics() + [{"step": step, **metrics}], ["loss", "heldout/accuracy", "heldout/nll"], run_dir.plots)
+    low, high = result["pass@1_ci95"]
+    metrics = {
+        "heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high,
+        "heldout/nll": heldout_nll(model, tokenizer, held_out, config),
+    }
+    plot_metrics(run_dir.read_metrics() + [{"step": step, **metrics}], ["loss", "heldout/pass@1", "heldout/nll"], run_dir.plots)
     return metrics
 
 
