@@ -104,13 +104,14 @@ def test_sft_then_verified_pairs_then_dpo(tmp_path):
     """The seed's comparison in miniature: SFT the tiny model on arithmetic until it writes
     <answer>N</answer>, label its samples with `exact`, train DPO on the pairs, and read the run card:
     labels from verifier exact on samples of that model; held-out task accuracy measured."""
-    sft = subprocess.run([sys.executable, "-m", "posttrain", "sft", "--max-steps", "150", "--eval_size", "16",
+    # One-digit sums: learnt in a few hundred steps, so some samples are right and some wrong.
+    sft = subprocess.run([sys.executable, "-m", "posttrain", "sft", "--max-steps", "400", "--eval_size", "16", "--task_options", "{digits: 1}",
                           "--output-dir", str(tmp_path / "sft")], capture_output=True, text=True, cwd=ROOT, env=ENV)
     assert sft.returncode == 0, sft.stderr
     model = str(sorted((tmp_path / "sft" / "checkpoints").glob("step-*"))[-1] / "model")
     out = tmp_path / "pairs.jsonl"
     pairs = subprocess.run([sys.executable, "-m", "posttrain", "pairs", "--model", model, "--task", "arithmetic",
-                            "--group-size", "8", "--max-prompts", "64", "--eval-size", "32", "--max-new-tokens", "16",
+                            "--task-options", '{"digits": 1}', "--group-size", "8", "--max-prompts", "64", "--eval-size", "32", "--max-new-tokens", "16",
                             "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=ENV)
     assert pairs.returncode == 0, pairs.stderr
     meta = json.loads(provenance_path(out).read_text())

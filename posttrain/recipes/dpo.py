@@ -15,6 +15,7 @@ share the batch's normalisers), 4. log, alarm, refresh the reference, evaluate, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,7 +28,7 @@ from typing import Any, Literal
 import torch
 from tqdm import tqdm
 
-from posttrain.algorithms import PREFERENCE_LOSSES, length_normalized_dpo_loss, response_logprobs, sequence_logprobs
+from posttrain.algorithms import PREFERENCE_LOSSES, length_normalized_dpo_loss, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.config import save_yaml, to_dict
 from posttrain.data import (
     Example, PreferenceBatch, PreferencePair, TruncationPolicy, load_preference_file, load_splits,
@@ -36,7 +37,7 @@ from posttrain.data import (
 from posttrain.data.examples import derived_seed
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task
-from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
+from posttrain.models import LoraSettings, ReferenceModel, apply_lora, load_model, make_reference
 from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
 )
@@ -203,19 +204,46 @@ def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None)) -> P
     """Chosen and rejected rows of `batch` through `model` in ONE forward of (2n, L).
 
     Position ids count real tokens only, so left- and right-padded batches give the same sums.
-    `model` may be a `ReferenceModel` (then no gradient is taken).
+    `model` may be a `ReferenceModel` (then no gradient is taken, adapters off for a LoRA base).
     """
     chosen, rejected = batch.chosen, batch.rejected
     input_ids = torch.cat([chosen.input_ids[rows], rejected.input_ids[rows]])  # (2n, L)
     attention_mask = torch.cat([chosen.attention_mask[rows], rejected.attention_mask[rows]])
     mask = torch.cat([chosen.mask[rows], rejected.mask[rows]])
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_attention_mask(attention_mask)
-    ).logits  # (2n, L, V)
-    logprobs, shifted_mask = response_logprobs(logits, input_ids, mask)  # (2n, L-1)
-    sums, lengths = sequence_logprobs(logprobs, shifted_mask), shifted_mask.sum(-1)
+    if isinstance(model, ReferenceModel):
+        with torch.no_grad(), (model.model.disable_adapter() if model.adapter_disabled else contextlib.nullcontext()):
+            was_training = model.model.training
+            model.model.eval()
+            sums, lengths = response_sums(model.model, input_ids, attention_mask, mask)
+            model.model.train(was_training)
+    else:
+        sums, lengths = response_sums(model, input_ids, attention_mask, mask)
     n = input_ids.shape[0] // 2
     return PairLogprobs(sums[:n], sums[n:], lengths[:n], lengths[n:])
+
+
+def response_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) summed response log-probs and (N,) response lengths of (N, L) rows.
+
+    The LM head runs only on the K positions that predict a response token (hidden (K, H) ->
+    logits (K, V)), never on prompt or padding positions: for a 49k-token vocabulary the full
+    (N, L, V) logits are most of a step's time and memory. Models whose head does more than a
+    linear map (logit soft-capping or scaling) take the plain full forward.
+    """
+    position_ids = position_ids_from_attention_mask(attention_mask)
+    config = getattr(model, "config", None)
+    plain_head = not any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if not plain_head or model.get_output_embeddings() is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits  # (N, L, V)
+        logprobs, shifted_mask = response_logprobs(logits, input_ids, mask)
+        return sequence_logprobs(logprobs, shifted_mask), shifted_mask.sum(-1)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    shifted_mask = mask[:, 1:]  # position t predicts token t + 1
+    rows, columns = shifted_mask.nonzero(as_tuple=True)
+    logits = model.get_output_embeddings()(hidden[rows, columns])  # (K, V)
+    logprobs = token_logprobs(logits, input_ids[rows, columns + 1])  # (K,)
+    sums = torch.zeros(input_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
+    return sums, shifted_mask.sum(-1)
 
 
 def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
