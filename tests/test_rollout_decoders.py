@@ -96,19 +96,35 @@ def test_greedy_equals_generate_on_other_architectures(name):
 
 
 def test_packed_weights_follow_parameter_updates():
-    """After an in-place update (what an optimizer step does), the fast decoder uses the new weights."""
+    """After an in-place update the fast decoder uses the new weights, even through ``.data``, which
+    does not bump a parameter's version counter (so no cache keyed on versions would notice)."""
     model = build("qwen2", seed=2)
     tokenizer = build_tiny_tokenizer()
     sampling = SamplingConfig(greedy=True, max_new_tokens=12)
     before = generate(model, tokenizer, ["hello"], sampling=sampling, backend="fast")
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+            parameter.data.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
     fast = generate(model, tokenizer, ["hello"], sampling=sampling, backend="fast")
     generic = generate(model, tokenizer, ["hello"], sampling=sampling, backend="hf")
     assert torch.equal(fast.completion_ids, generic.completion_ids)
     assert torch.allclose(fast.logprobs, generic.logprobs, atol=1e-4)
     assert not torch.equal(fast.logprobs, before.logprobs)
+
+
+def test_generate_samples_in_eval_mode_and_restores_the_mode():
+    model = build("llama-attention-bias")
+    model.config.attention_dropout = 0.5  # would change the generic decoder's logits in train mode
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    tokenizer = build_tiny_tokenizer()
+    model.train()
+    sampling = SamplingConfig(temperature=0.9, max_new_tokens=8)
+    fast = generate(model, tokenizer, ["ab", "c"], sampling=sampling, backend="fast")
+    generic = generate(model, tokenizer, ["ab", "c"], sampling=sampling, backend="hf")
+    assert model.training
+    assert torch.equal(fast.completion_ids, generic.completion_ids)
+    assert torch.allclose(fast.logprobs, generic.logprobs, atol=1e-4)
 
 
 def test_other_architectures_fall_back_to_the_generic_decoder():

@@ -138,6 +138,15 @@ def _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, unif
     return completions, sampler_logprobs, logprobs, lengths, finished
 
 
+def _run_chunk(decoder, id_lists, first, count, sampling, uniforms, eos_ids, stops, pad_id, group_size):
+    """Prompts ``first .. first + count`` (whole groups): left-pad them and sample their rows."""
+    chunk = id_lists[first:first + count]
+    prompt_ids, prompt_mask = _left_pad(chunk, pad_id, max(len(ids) for ids in chunk))
+    rows = slice(first * group_size, (first + len(chunk)) * group_size)
+    return _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, uniforms[rows], eos_ids, stops,
+                           pad_id)
+
+
 def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
              seed: int = 0, max_batch_size: int = 64, backend: str = "auto",
              add_special_tokens: bool = False) -> Rollout:
@@ -184,16 +193,16 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     uniforms = torch.rand(B * G, T, generator=generator, dtype=torch.float64)  # (N, T), row-owned
     prompts_per_chunk = max(1, max_batch_size // G)
     started = time.perf_counter()
-    pieces = []
-    with torch.inference_mode():
-        for first in range(0, B, prompts_per_chunk):
-            chunk = id_lists[first:first + prompts_per_chunk]
-            width = max(len(ids) for ids in chunk)
-            decoder = _make_decoder(model, backend, width + T, batch_hint=len(chunk) * G)
-            prompt_ids, prompt_mask = _left_pad(chunk, pad_id, width)
-            rows = slice(first * G, (first + len(chunk)) * G)
-            pieces.append(_generate_chunk(decoder, prompt_ids, prompt_mask, G, sampling, uniforms[rows],
-                                          eos_ids, stops, pad_id))
+    was_training = model.training
+    model.eval()  # no dropout while sampling; the caller's mode is restored below
+    try:
+        with torch.inference_mode():
+            decoder = _make_decoder(model, backend, max(map(len, id_lists)) + T,
+                                    batch_hint=min(B, prompts_per_chunk) * G)
+            pieces = [_run_chunk(decoder, id_lists, first, prompts_per_chunk, sampling, uniforms, eos_ids, stops,
+                                 pad_id, G) for first in range(0, B, prompts_per_chunk)]
+    finally:
+        model.train(was_training)
     completions, sampler_logprobs, logprobs, lengths, finished = (torch.cat(parts) for parts in zip(*pieces))
     width = int(lengths.max())
     mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # (N, T)

@@ -9,8 +9,10 @@ decoder reads the model's own weights and keeps only what a decode step needs:
   ``-inf`` additive key bias plus per-row position ids;
 * fused projections (q|k|v in one matmul, gate|up in two matmuls with the SiLU and the product
   fused into them, residual adds fused into o_proj and down_proj);
-* on CPU, weights prepacked for oneDNN once per set of weights (repacked when a parameter changes,
-  e.g. after an optimizer step); elsewhere, plain ``F.linear`` on the fused weights.
+* on CPU, weights prepacked for oneDNN when the decoder is made, i.e. at the start of every
+  ``generate`` call (tens of ms for 135M parameters), so weights changed between calls are always
+  used, however they were changed (an optimizer step, ``param.data`` writes, a state-dict load);
+  elsewhere, plain ``F.linear`` on the fused weights.
 
 It is checked against the model's own forward (logits) and against ``model.generate`` (greedy
 tokens) in tests/test_rollout_decoders.py. Anything it does not recognise (other architectures,
@@ -20,7 +22,6 @@ PEFT-wrapped layers, sliding-window attention shorter than the sequence) goes to
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_PACK_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
@@ -118,16 +118,8 @@ def _can_pack(weight: torch.Tensor) -> bool:
         return False
 
 
-def _weights_key(model: torch.nn.Module) -> tuple:
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
-
-
 def _build_layers(model: torch.nn.Module, batch_hint: int) -> tuple[list[_Layer], _Linear]:
-    """Fuse and (on CPU) prepack the weights; cached per model until a parameter changes."""
-    key = _weights_key(model)
-    cached = _PACK_CACHE.get(model)
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
+    """Fuse and (on CPU) prepack the weights: a copy, made again for every decoder."""
     packed = _can_pack(model.get_output_embeddings().weight)
     layers = []
     with torch.no_grad():
@@ -150,7 +142,6 @@ def _build_layers(model: torch.nn.Module, batch_hint: int) -> tuple[list[_Layer]
         head = model.get_output_embeddings()
         lm_head = _Linear(head.weight.detach(), head.bias, packed, batch_hint)
     logger.debug("fast decoder: %d layers prepared (oneDNN packed: %s)", len(layers), packed)
-    _PACK_CACHE[model] = (key, layers, lm_head)
     return layers, lm_head
 
 
