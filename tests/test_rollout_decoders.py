@@ -96,12 +96,18 @@ def test_greedy_equals_generate_on_other_architectures(name):
 
 
 def test_packed_weights_follow_parameter_updates():
-    """After an in-place update the fast decoder uses the new weights, even through ``.data``, which
-    does not bump a parameter's version counter (so no cache keyed on versions would notice)."""
+    """The packed weights are reused while unchanged, and rebuilt after an in-place update, even one
+    through ``.data``, which does not bump a parameter's version counter."""
     model = build("qwen2", seed=2)
     tokenizer = build_tiny_tokenizer()
     sampling = SamplingConfig(greedy=True, max_new_tokens=12)
     before = generate(model, tokenizer, ["hello"], sampling=sampling, backend="fast")
+    packed = LlamaDecoder(model).layers
+    assert LlamaDecoder(model).layers is packed  # unchanged: reused
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.add_(0.0)  # a version bump alone also rebuilds
+    rebuilt = LlamaDecoder(model).layers
+    assert rebuilt is not packed and LlamaDecoder(model).layers is rebuilt
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.data.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
