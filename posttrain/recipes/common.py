@@ -173,7 +173,8 @@ def register_recipe(subparsers, name: str, module: str, help_text: str) -> None:
         loaded = recipe()
         config = resolve_config(loaded.Config, args)
         run_dir = loaded.run(config, resume=bool(args.resume))
-        print(f"results: {run_dir}")
+        report = Path(run_dir) / "report.md"
+        print(f"report: {report}" if report.is_file() else f"results: {run_dir}")
         return 0
 
     parser.set_defaults(func=handler, accepts_overrides=True)
