@@ -12,6 +12,9 @@ parameters touched per position (attention and MLP projections; the LM head wher
 plus 4 x heads x head_dim x context for attention scores and values, divided by this machine's float32
 matmul rate, measured here with a large square matmul. "x floor" = measured time / floor time.
 
+Our engine prepacks the weights for oneDNN once per weights version (in RL: once per optimizer
+step); the warm-up call does it here, and its cost is printed separately ("weight packing").
+
 Usage: .venv/bin/python bench/rollout.py [--rounds 3] [--new-tokens 64] [--group-size 4]
 Ends with one line: RESULT rollout: ours=X peer=Y unit=tokens/s ratio=R
 """
@@ -29,6 +32,7 @@ import torch
 
 from posttrain.models import load_model
 from posttrain.rollout import SamplingConfig, generate
+from posttrain.rollout import llama_decoder
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -106,8 +110,14 @@ def main():
     rate = matmul_rate()
     floor_seconds = floor_flops(model, lengths, G, T) / rate
 
+    started = time.perf_counter()
     run_ours(model, tokenizer, prompts[:1], 1, 4)  # warm-up: weight packing, oneDNN kernels
+    warm_up = time.perf_counter() - started
     run_peer(model, tokenizer, prompts[:1], 1, 4)
+    started = time.perf_counter()
+    llama_decoder._PACKED.clear()
+    llama_decoder._build_layers(model, batch_hint=len(prompts) * args.group_size)
+    packing = time.perf_counter() - started
     times = {"ours": [], "peer": []}
     for _ in range(args.rounds):
         for name, run in (("ours", run_ours), ("peer", run_peer)):
@@ -128,6 +138,8 @@ def main():
         print(f"| {label} | {best:.2f} | {median:.2f} | {tokens / best:.1f} | {peer / best:.2f}x | "
               f"{best / floor_seconds:.2f} |")
     print(f"| FLOP floor | {floor_seconds:.2f} | | {tokens / floor_seconds:.1f} | {peer / floor_seconds:.2f}x | 1.00 |")
+    print(f"weight packing (once per weights version, not in the times above): {packing:.2f} s; "
+          f"first call including it: {warm_up:.2f} s")
     print(f"RESULT rollout: ours={tokens / ours:.1f} peer={tokens / peer:.1f} unit=tokens/s ratio={peer / ours:.2f}")
 
 
