@@ -293,3 +293,15 @@ def test_vllm_backend_refuses_without_vllm_and_gpu(tiny):
         generate(model, tokenizer, PROMPTS, backend="vllm")
     with pytest.raises(UserError, match="backend"):
         generate(model, tokenizer, PROMPTS, backend="nope")
+
+
+def test_rollout_tensors_are_usable_in_a_training_step(tiny):
+    """No field is an inference-mode tensor (autograd would refuse to save it for backward)."""
+    model, tokenizer = tiny
+    rollout = generate(model, tokenizer, PROMPTS, group_size=2, sampling=SamplingConfig(max_new_tokens=6))
+    for name, value in vars(rollout).items():
+        if isinstance(value, torch.Tensor):
+            assert not value.is_inference(), name
+    weight = torch.ones((), requires_grad=True)
+    (weight * rollout.logprobs * rollout.mask).sum().backward()
+    assert weight.grad is not None
