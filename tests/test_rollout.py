@@ -265,8 +265,10 @@ def test_first_token_frequencies_match_the_model(tiny):
     assert chi_square(counts, probs) < CHI2_999_DF3
 
 
-def test_lora_model_uses_the_generic_decoder(tiny):
-    """A PEFT-wrapped model must not go through the fast decoder (it would skip the adapters)."""
+def test_lora_adapters_are_folded_into_the_fast_decoder():
+    """A PEFT LoRA policy takes the fast path with its adapters folded in: log-probs equal the PEFT
+    model's own forward, with adapters on and (reference-style) disabled, and the fast and generic
+    decoders sample the same tokens."""
     from posttrain.models import apply_lora
     from posttrain.rollout.llama_decoder import unsupported_reason
 
@@ -277,9 +279,18 @@ def test_lora_model_uses_the_generic_decoder(tiny):
             if "lora_B" in name:
                 parameter.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     model.eval()
-    assert unsupported_reason(model.base_model.model, 64) is not None
-    rollout = generate(model, tokenizer, PROMPTS, group_size=2, sampling=SamplingConfig(max_new_tokens=10))
-    check_logprobs_against_forward(model, rollout)
+    assert unsupported_reason(model, 64) is None
+    sampling = SamplingConfig(temperature=0.9, max_new_tokens=10)
+    fast = generate(model, tokenizer, PROMPTS, group_size=2, sampling=sampling, backend="fast")
+    check_logprobs_against_forward(model, fast)
+    generic = generate(model, tokenizer, PROMPTS, group_size=2, sampling=sampling, backend="hf")
+    assert torch.equal(fast.completion_ids, generic.completion_ids)
+    with model.disable_adapter():
+        plain = generate(model, tokenizer, PROMPTS, group_size=2, sampling=sampling, backend="fast")
+        check_logprobs_against_forward(model, plain)
+    assert not torch.allclose(plain.logprobs, fast.logprobs)
+    again = generate(model, tokenizer, PROMPTS, group_size=2, sampling=sampling, backend="fast")
+    assert torch.equal(again.completion_ids, fast.completion_ids)  # adapters back on: not the stale copy
 
 
 def test_vllm_backend_refuses_without_vllm_and_gpu(tiny):

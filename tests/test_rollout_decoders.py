@@ -157,3 +157,10 @@ def test_mistral_sliding_window_shorter_than_the_sequence_is_not_fast():
     assert "sliding window" in unsupported_reason(model, 64)
     assert unsupported_reason(model, 16) is None
     assert isinstance(HFDecoder(model), HFDecoder)
+
+
+def test_dora_adapters_fall_back_to_the_generic_decoder():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("qwen2"), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    assert "DoRA" in unsupported_reason(model, 64)

@@ -16,8 +16,10 @@ decoder reads the model's own weights and keeps only what a decode step needs:
   ``param.data`` do not bump the version counter. Elsewhere, plain ``F.linear`` on fused weights.
 
 It is checked against the model's own forward (logits) and against ``model.generate`` (greedy
-tokens) in tests/test_rollout_decoders.py. Anything it does not recognise (other architectures,
-PEFT-wrapped layers, sliding-window attention shorter than the sequence) goes to ``HFDecoder``.
+tokens) in tests/test_rollout_decoders.py. PEFT LoRA layers are supported by folding the active
+adapters into the packed copy of the weights (the model is not touched). Anything it does not
+recognise (other architectures, DoRA, sliding-window attention shorter than the sequence) goes to
+``HFDecoder``.
 """
 
 from __future__ import annotations
@@ -35,8 +37,49 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT wrapper (its LoRA layers stay in place), else ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _linear_problem(module: torch.nn.Module) -> str | None:
+    """None if ``module`` is a plain ``nn.Linear`` or a PEFT LoRA ``Linear`` whose active adapters can
+    be folded into one weight; else why not (DoRA, LoRA biases, other wrappers)."""
+    if type(module) is torch.nn.Linear:
+        return None
+    if type(getattr(module, "base_layer", None)) is not torch.nn.Linear or not hasattr(module, "get_delta_weight"):
+        return f"layer of type {type(module).__name__} is neither nn.Linear nor a PEFT LoRA Linear"
+    if module.merged and module.disable_adapters:  # PEFT's forward would first unmerge in place
+        return "a merged LoRA layer with adapters disabled"
+    if getattr(module, "fan_in_fan_out", False):
+        return "fan_in_fan_out LoRA"
+    for name in module.active_adapters:
+        if name in getattr(module, "lora_variant", {}) or module.use_dora.get(name) or module.lora_bias.get(name):
+            return f"LoRA adapter {name!r} is DoRA or has a bias"
+    return None
+
+
+def _linear_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) that a supported ``module`` applies; LoRA adapters folded in (W + B @ A * scaling,
+    computed here: the model is not changed)."""
+    if type(module) is torch.nn.Linear:
+        return module.weight.detach(), module.bias
+    weight = module.base_layer.weight.detach()
+    if not (module.disable_adapters or module.merged):
+        for name in module.active_adapters:
+            if name in module.lora_A:
+                weight = weight + module.get_delta_weight(name)
+    return weight, module.base_layer.bias
+
+
+def _projections(layer) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
 def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
     """Why the fast decoder cannot run ``model`` for sequences of ``capacity`` tokens (None if it can)."""
+    model = _unwrap(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -52,13 +95,12 @@ def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
         sliding = True
     if sliding and window is not None and window < capacity:
         return f"sliding window {window} < sequence length {capacity}"
-    for layer in body.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            if type(linear) is not torch.nn.Linear:  # e.g. a PEFT LoRA layer: its adapter would be skipped
-                return f"projection of type {type(linear).__name__} is not a plain nn.Linear"
-    if type(model.get_output_embeddings()) is not torch.nn.Linear:
-        return "output embedding is not a plain nn.Linear"
+    for module in [m for layer in body.layers for m in _projections(layer)] + [model.get_output_embeddings()]:
+        problem = _linear_problem(module)
+        if problem is not None:
+            return problem
+    if type(model.get_input_embeddings()) is not torch.nn.Embedding:
+        return f"input embedding of type {type(model.get_input_embeddings()).__name__}"
     return None
 
 
@@ -104,12 +146,6 @@ class _Layer:
     down: _Linear
 
 
-def _cat_bias(*linears) -> torch.Tensor | None:
-    if all(m.bias is None for m in linears):
-        return None
-    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
-
-
 def _can_pack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return False
@@ -124,7 +160,9 @@ def _can_pack(weight: torch.Tensor) -> bool:
 def _weights_fingerprint(model: torch.nn.Module) -> tuple:
     """Changes whenever a parameter does, including through ``param.data`` (see the module doc)."""
     with torch.no_grad():
-        return tuple((p.data_ptr(), p._version, p.sum().item()) for p in model.parameters())
+        adapters = tuple((m.disable_adapters, m.merged, tuple(m.active_adapters))
+                         for m in model.modules() if hasattr(m, "get_delta_weight"))  # PEFT LoRA switches
+        return tuple((p.data_ptr(), p._version, p.sum().item()) for p in model.parameters()) + adapters
 
 
 def _build_layers(model: torch.nn.Module, batch_hint: int) -> tuple[list[_Layer], _Linear]:
@@ -134,27 +172,32 @@ def _build_layers(model: torch.nn.Module, batch_hint: int) -> tuple[list[_Layer]
     if cached is not None and cached[0] == fingerprint:
         return cached[1], cached[2]
     _PACKED.pop(model, None)  # free the stale copy before making the new one
-    packed = _can_pack(model.get_output_embeddings().weight)
+    core = _unwrap(model)
     layers = []
     with torch.no_grad():
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            q_norm = getattr(attn, "q_norm", None)
-            k_norm = getattr(attn, "k_norm", None)
+        head_weight, head_bias = _linear_weights(core.get_output_embeddings())
+        packed = _can_pack(head_weight)
+        for layer in core.model.layers:
+            (q, q_bias), (k, k_bias), (v, v_bias), o, gate, up, down = (
+                _linear_weights(m) for m in _projections(layer))
+            qkv_bias = None
+            if not (q_bias is None and k_bias is None and v_bias is None):
+                qkv_bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                                      for w, b in ((q, q_bias), (k, k_bias), (v, v_bias))])
+            q_norm = getattr(layer.self_attn, "q_norm", None)
+            k_norm = getattr(layer.self_attn, "k_norm", None)
             layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight.detach(),
-                qkv=_Linear(qkv_weight, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), packed, batch_hint),
+                qkv=_Linear(torch.cat([q, k, v]), qkv_bias, packed, batch_hint),
                 q_norm=None if q_norm is None else q_norm.weight.detach(),
                 k_norm=None if k_norm is None else k_norm.weight.detach(),
-                o=_Linear(attn.o_proj.weight.detach(), attn.o_proj.bias, packed, batch_hint),
+                o=_Linear(*o, packed, batch_hint),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate=_Linear(mlp.gate_proj.weight.detach(), mlp.gate_proj.bias, packed, batch_hint),
-                up=_Linear(mlp.up_proj.weight.detach(), mlp.up_proj.bias, packed, batch_hint),
-                down=_Linear(mlp.down_proj.weight.detach(), mlp.down_proj.bias, packed, batch_hint),
+                gate=_Linear(*gate, packed, batch_hint),
+                up=_Linear(*up, packed, batch_hint),
+                down=_Linear(*down, packed, batch_hint),
             ))
-        head = model.get_output_embeddings()
-        lm_head = _Linear(head.weight.detach(), head.bias, packed, batch_hint)
+        lm_head = _Linear(head_weight, head_bias, packed, batch_hint)
     logger.debug("fast decoder: %d layers prepared (oneDNN packed: %s)", len(layers), packed)
     _PACKED[model] = (fingerprint, layers, lm_head)
     return layers, lm_head
@@ -164,9 +207,10 @@ class LlamaDecoder:
     """Decoding Llama-family models with a static KV cache; same interface as ``HFDecoder``."""
 
     def __init__(self, model: torch.nn.Module, batch_hint: int = 16):
+        self.layers, self.lm_head = _build_layers(model, batch_hint)
+        model = _unwrap(model)
         config = model.config
         self.model = model
-        self.layers, self.lm_head = _build_layers(model, batch_hint)
         self.embed = model.get_input_embeddings().weight
         self.rotary = model.model.rotary_emb
         self.final_norm = model.model.norm.weight
