@@ -153,9 +153,9 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     """Sample ``group_size`` completions for every prompt with a KV cache; return them as a ``Rollout``.
 
     Args:
-        model: a Hugging Face causal LM (eval mode is the caller's business; no gradients are taken).
-            Llama / Mistral / Qwen2 / Qwen3 with plain ``nn.Linear`` layers use the fast decoder;
-            anything else (or PEFT-wrapped layers) the model's own forward.
+        model: a Hugging Face causal LM, or a PEFT model around one. It is put in eval mode while
+            sampling (restored afterwards); no gradients are taken. Llama / Mistral / Qwen2 / Qwen3
+            (plain or LoRA linear layers) use the fast decoder; anything else the model's own forward.
         tokenizer: its tokenizer; used to tokenise string prompts, find EOS/pad ids, decode texts.
         prompts: B prompts, each a string or a list of token ids. Chat templates are the caller's job:
             pass ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` text or ids.
