@@ -146,7 +146,10 @@ def main() -> None:
                 result = run_trl(arguments.model, arguments.steps, arguments.warmup, precomputed, workdir)
         print(json.dumps(result))
         return
-    results = {name: side(name, arguments) for name in ("ours", "trl", "ours-precomputed", "trl-precomputed")}
+    results = {}
+    for name in ("ours", "trl", "ours-precomputed", "trl-precomputed"):
+        results[name] = side(name, arguments)
+        print(f"side {name}: {json.dumps(results[name])}", flush=True)  # kept if a later side dies
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {results['ours']['threads']} torch threads, "
           f"python {platform.python_version()}, trl {results['trl']['trl']}; model {arguments.model} float32 CPU, "
           f"batch {BATCH} pairs (~{results['ours']['tokens_per_step']:.0f} tokens/step), {arguments.steps} timed steps after {arguments.warmup} warm-up")
