@@ -164,3 +164,16 @@ def test_dora_adapters_fall_back_to_the_generic_decoder():
 
     model = get_peft_model(build("qwen2"), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
     assert "DoRA" in unsupported_reason(model, 64)
+
+
+def test_select_with_a_permutation_falls_back_to_a_copy():
+    """Rows swapped (neither dropping nor repeating): same logits as prefilling in the swapped order."""
+    model = build("qwen2")
+    prompt_ids, prompt_mask = _left_pad([[5, 6, 7], [9, 10]], 0, 3)
+    swapped = LlamaDecoder(model)
+    swapped.prefill(prompt_ids, prompt_mask, 8, max_rows=2)
+    swapped.select(torch.tensor([1, 0]))
+    direct = LlamaDecoder(model)
+    direct.prefill(prompt_ids.flip(0), prompt_mask.flip(0), 8)
+    tokens = torch.tensor([11, 12])
+    assert torch.allclose(swapped.decode(tokens), direct.decode(tokens), atol=1e-5)

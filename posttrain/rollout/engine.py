@@ -112,7 +112,7 @@ def _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, unif
     logprobs = torch.zeros(n, T)
     lengths = torch.zeros(n, dtype=torch.long)
     finished = torch.zeros(n, dtype=torch.bool)
-    logits = decoder.prefill(prompt_ids, prompt_mask, P + T)  # (B, V)
+    logits = decoder.prefill(prompt_ids, prompt_mask, P + T, max_rows=n)  # (B, V)
     expand = torch.arange(B).repeat_interleave(group_size)  # prompt b -> rows b*G .. b*G+G-1
     decoder.select(expand)
     logits = logits.index_select(0, expand)  # (n, V)

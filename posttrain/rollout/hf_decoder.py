@@ -35,12 +35,14 @@ class HFDecoder:
                          use_cache=True, **kwargs)
         return out.logits[:, -1].float()  # (n, V)
 
-    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, capacity: int,
+                max_rows: int = 0) -> torch.Tensor:
         """Run the prompts through the model and keep their KV cache.
 
         Args:
             prompt_ids: (B, P) long, left-padded. prompt_mask: (B, P) bool, True = real token.
-            capacity: total length P + max_new_tokens (unused: the cache grows as needed).
+            capacity: total length P + max_new_tokens; max_rows: rows after ``select`` (B * G).
+                Both unused here: the cache grows as needed.
 
         Returns:
             (B, V) float32 logits for each prompt's next token.

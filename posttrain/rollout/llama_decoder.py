@@ -220,7 +220,8 @@ class LlamaDecoder:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = model.model.layers[0].self_attn.scaling
-        self.kv = None  # (L, 2, n, K, S, D)
+        self.buffer = None  # (L, 2, rows allocated, K, S, D)
+        self.kv = None  # (L, 2, n, K, S, D): the first n rows of the buffer
         self.views = []  # per layer: keys, values (n, K, S, D) and the same as (n*K, S, D)
         self.key_bias = None  # (n, S) float: 0 = attend, -inf = left padding
         self.positions = None  # (n,) long: position id of the next token
@@ -255,18 +256,24 @@ class LlamaDecoder:
         return qk[..., :H, :], qk[..., H:, :], qkv[..., H + K:, :]
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, capacity: int,
+                max_rows: int = 0) -> torch.Tensor:
         """Run the left-padded prompts, fill the cache; see ``HFDecoder.prefill``.
 
         Args:
             prompt_ids: (B, P) long. prompt_mask: (B, P) bool. capacity: S >= P + new tokens.
+            max_rows: rows the cache will hold after ``select`` (B * G), allocated once up front.
 
         Returns:
             (B, V) float32 next-token logits.
         """
         B, P = prompt_ids.shape
         L, K, D = len(self.layers), self.kv_heads, self.head_dim
-        self.kv = torch.zeros(L, 2, B, K, capacity, D, dtype=self.embed.dtype, device=self.embed.device)
+        # Uninitialised on purpose: a column is always written (prompt or decode step) before any
+        # attention reads it, and zero-filling ~100 MB costs as much as the page faults it causes.
+        self.buffer = torch.empty(L, 2, max(B, max_rows), K, capacity, D, dtype=self.embed.dtype,
+                                  device=self.embed.device)
+        self.kv = self.buffer[:, :, :B]
         self.key_bias = torch.zeros(B, capacity, dtype=self.embed.dtype, device=self.embed.device)
         self.key_bias[:, :P].masked_fill_(~prompt_mask, float("-inf"))
         position_ids = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
@@ -301,8 +308,22 @@ class LlamaDecoder:
         return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep (and reorder, or repeat) cache rows: new row i is old row ``rows[i]``. rows: (n,) long."""
-        self.kv = self.kv.index_select(2, rows)
+        """Keep (and reorder, or repeat) cache rows: new row i is old row ``rows[i]``. rows: (n,) long.
+
+        Done in place in the preallocated buffer when possible (a new 100 MB tensor per compaction
+        would cost ~40 ms of page faults): dropping rows (rows[i] >= i) copies forwards, repeating
+        them (rows[i] <= i) backwards, so no row is overwritten before it is read.
+        """
+        old, new = rows.tolist(), len(rows)
+        forwards = all(j >= i for i, j in enumerate(old))
+        if new <= self.buffer.shape[2] and (forwards or all(j <= i for i, j in enumerate(old))):
+            order = range(new) if forwards else range(new - 1, -1, -1)
+            for i in order:
+                if old[i] != i:
+                    self.buffer[:, :, i, :, :self.column].copy_(self.buffer[:, :, old[i], :, :self.column])
+            self.kv = self.buffer[:, :, :new]
+        else:
+            self.buffer = self.kv = self.kv.index_select(2, rows)
         self._make_views()
         self.key_bias = self.key_bias.index_select(0, rows)
         self.positions = self.positions.index_select(0, rows)
