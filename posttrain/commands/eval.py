@@ -15,8 +15,7 @@ from posttrain.errors import UserError
 
 
 def handle(args) -> int:
-    from posttrain.data.tasks import load_splits
-    from posttrain.evaluation.acceptance import evaluate_task, resolve_checker
+    from posttrain.evaluation.acceptance import evaluate_task, heldout_split, resolve_checker
     from posttrain.models import load_model
 
     try:
@@ -30,9 +29,7 @@ def handle(args) -> int:
     output_dir = Path(args.output_dir)
     if output_dir.exists() and any(output_dir.iterdir()):
         raise UserError(f"{output_dir}: not empty; choose another --output-dir")
-    procedural = args.task == "arithmetic" or args.task.startswith("rg:")
-    _, held_out = load_splits(args.task, train_size=1 if procedural else None, eval_size=args.eval_size,
-                              seed=args.seed, options=options)
+    held_out = heldout_split(args.task, args.eval_size, args.seed, options)
     try:
         resolve_checker(held_out, args.checker)  # a bad checker name fails before anything is written
     except ValueError as error:

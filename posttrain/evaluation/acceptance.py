@@ -139,3 +139,13 @@ def evaluate_task(
         Path(output_path).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
     logger.info("held-out %s: pass@1 %s (n=%d)", task.name, summary["pass@1"], n)
     return summary
+
+
+def heldout_split(spec: str, eval_size: int, seed: int = 0, options: dict | None = None) -> Task:
+    """The held-out split that a training run with the same task, seed and eval size kept apart
+    (it depends on nothing else), without building that run's training split."""
+    from posttrain.data.tasks import load_splits, load_task
+
+    if spec == "arithmetic" or spec.startswith("rg:"):
+        return load_task(spec, size=eval_size, seed=seed, split="eval", options=options)
+    return load_splits(spec, train_size=None, eval_size=eval_size, seed=seed, options=options)[1]

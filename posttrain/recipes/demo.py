@@ -28,9 +28,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from posttrain.config import build_config  # noqa: E402
-from posttrain.data.tasks import load_splits  # noqa: E402
 from posttrain.errors import UserError  # noqa: E402
-from posttrain.evaluation.acceptance import evaluate_task  # noqa: E402
+from posttrain.evaluation.acceptance import evaluate_task, heldout_split  # noqa: E402
 from posttrain.evaluation.stats import paired_difference_ci  # noqa: E402
 from posttrain.models import load_model  # noqa: E402
 from posttrain.runs import read_jsonl  # noqa: E402
@@ -70,6 +69,8 @@ class Config:
     """Generation budget (the tiny model writes one character per token)."""
     samples_shown: int = 6
     """Completions quoted in the report."""
+    sft_run: str | None = None
+    """Reuse this finished SFT run directory (its step-<sft_steps> checkpoint) instead of training one."""
     max_steps: int | None = None
     """Unused (the stages have their own step counts); accepted for the common flags."""
 
@@ -96,16 +97,21 @@ def run(config: Config, resume: bool = False) -> Path:
 
     # 1. SFT from scratch to partial competence.
     clock = time.perf_counter()
-    sft_dir = sft.run(stage_config(sft, {
-        "model": "tiny", "task": task, "task_options": options, "eval_size": config.eval_size, "seed": seed,
-        "max_steps": config.sft_steps, "checkpoint_every": config.sft_steps, "max_new_tokens": budget,
-        "output_dir": str(out / "sft"),
-    }))
+    if config.sft_run:
+        sft_dir = Path(config.sft_run)
+    else:
+        sft_dir = sft.run(stage_config(sft, {
+            "model": "tiny", "task": task, "task_options": options, "eval_size": config.eval_size, "seed": seed,
+            "max_steps": config.sft_steps, "checkpoint_every": config.sft_steps, "max_new_tokens": budget,
+            "output_dir": str(out / "sft"),
+        }))
     start_model = str(sft_dir / "checkpoints" / f"step-{config.sft_steps:06d}" / "model")
+    if not Path(start_model).is_dir():
+        raise UserError(f"{start_model}: no SFT checkpoint at step {config.sft_steps}")
     timings["sft"] = time.perf_counter() - clock
 
     # 2. Baseline acceptance on the held-out split every stage shares.
-    _, held_out = load_splits(task, train_size=1, eval_size=config.eval_size, seed=seed, options=options)
+    held_out = heldout_split(task, config.eval_size, seed, options)
     before = acceptance(start_model, held_out, budget, seed, out / "eval_sft.json")
 
     # 3. GRPO with the programmatic verifier.
