@@ -191,3 +191,20 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     final_b = load_model(str(interrupted / "checkpoints" / "step-000004" / "model"))[0]
     for (name, a), (_, b) in zip(final_a.named_parameters(), final_b.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_resume_with_reference_refresh_restores_the_reference(tmp_path):
+    """With the reference refreshed every 2 steps and a checkpoint after step 3 (not a refresh
+    step), the resumed run's KL (against the step-2 reference) equals the uninterrupted run's."""
+    extra = ["--loss.kl_beta", "0.1", "--loss.reference_refresh_every", "2", "--checkpoint-every", "1"]
+    straight = small_config(tmp_path / "a", "--max-steps", "4", *extra)
+    grpo.run(straight, reward=digits)
+    partial = small_config(tmp_path / "b", "--max-steps", "3", "--acceptance.eval_every", "0", *extra)
+    grpo.run(partial, reward=digits)
+    resumed = small_config(tmp_path / "b", "--max-steps", "4", *extra)
+    grpo.run(resumed, resume=True, reward=digits)
+    rows = lambda path: {r["step"]: r for r in (json.loads(l) for l in (path / "run" / "metrics.jsonl").read_text().splitlines())}
+    a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+    assert a[4]["kl/estimate"] == b[4]["kl/estimate"] and a[4]["loss"] == b[4]["loss"]
+    card = json.loads((tmp_path / "b" / "run" / "run_card.json").read_text())
+    assert card["run"]["reference_refreshed_at"] == [2, 4]

@@ -170,9 +170,9 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     config.output_dir = str(run_dir.path)
     save_yaml(config, run_dir.path / "config.yaml")
     optimizer, scheduler = make_optimizer(policy.parameters(), config.optim, config.max_steps * config.update.epochs * config.update.mini_batches)
-    state = restore_training(run_dir, policy, optimizer, scheduler) if resume else {"step": 0}
-    if reference is not None and state.get("reference_refreshed_at"):
-        reference.refresh(policy)  # a refreshed reference is the policy as of its last refresh step
+    # A refreshed reference is state of its own: checkpointed with the policy, restored exactly.
+    reference_state = {"reference": reference.model} if reference is not None and config.loss.reference_refresh_every else None
+    state = restore_training(run_dir, policy, optimizer, scheduler, extra_models=reference_state) if resume else {"step": 0}
     stream = PromptStream(train, config.seed, state.get("stream_position", 0))
     alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=state.get("alarm_history", []))
     card = make_card(config, train, held_out, verifier, reference, reward)
@@ -240,7 +240,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
             plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
         progress.set_postfix(reward=f"{metrics['reward/mean'] or 0:.3f}")
         if done % config.checkpoint_every == 0 or done == config.max_steps:
-            save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_state={
+            save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=reference_state, extra_state={
                 "stream_position": stream.position, "alarm_history": alarm.history,
                 "reference_refreshed_at": card["run"]["reference_refreshed_at"],
             })
