@@ -1,0 +1,32 @@
+"""The main job, shortened: SFT -> GRPO and pairs + DPO -> paired held-out acceptance -> report.
+
+Same pipeline and seed as `make demo` (same held-out split of 500 problems, same SFT start), with
+fewer GRPO/DPO steps; the GRPO gain must still be significant (its 95% interval above zero)."""
+
+import json
+
+import pytest
+
+from posttrain.config import build_config
+from posttrain.recipes import demo
+
+
+@pytest.mark.slow
+def test_shortened_demo_end_to_end(tmp_path):
+    config = build_config(demo.Config, None, {"output_dir": str(tmp_path / "demo"), "grpo_steps": 12})
+    out = demo.run(config)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"heldout_before", "heldout_after_grpo", "heldout_after_dpo", "n_heldout",
+                            "gain_grpo_ci95", "seconds_after_install"}
+    assert summary["n_heldout"] == 500
+    assert all(0 <= summary[key] <= 1 for key in ("heldout_before", "heldout_after_grpo", "heldout_after_dpo"))
+    assert summary["heldout_after_grpo"] > summary["heldout_before"]
+    assert summary["gain_grpo_ci95"][0] > 0, summary
+    report = (out / "report.md").read_text()
+    assert "| SFT start" in report and "| GRPO" in report and "| DPO" in report and "## The four links" in report
+    for image in ("heldout.png", "grpo_reward.png", "grpo_heldout.png", "grpo_kl.png", "dpo_loss.png"):
+        assert (out / "plots" / image).is_file(), image
+        assert f"plots/{image}" in report
+    for stage in ("sft", "grpo", "dpo"):
+        card = json.loads((out / stage / "run_card.json").read_text())
+        assert set(card["links"]) == {"data", "reward", "loss", "acceptance"}
