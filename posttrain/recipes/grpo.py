@@ -35,7 +35,7 @@ from posttrain.recipes.common import (
 )
 from posttrain.recipes.online import (
     Acceptance, Data, PromptStream, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, logprobs_of,
-    make_verifier, sample_and_score, sample_rows, section_dict, token_entropy,
+    make_verifier, rollout_metrics, sample_and_score, sample_rows, section_dict, token_entropy,
 )
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
@@ -218,18 +218,8 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
             reference.refresh(policy)
             card["run"]["reference_refreshed_at"].append(done)
         # 5. Log, evaluate, checkpoint.
-        valid = scores.rewards[~torch.isnan(scores.rewards)]
-        lengths = rollout.lengths.float()
-        metrics.update({
-            "reward/mean": float(valid.mean()) if valid.numel() else None,
-            "reward/std": float(valid.std(correction=0)) if valid.numel() else None,
-            **{f"reward/{name}": value for name, value in scores.components.items()},
-            "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
-            "truncated_fraction": float(rollout.truncated.float().mean()),
-            "lr": scheduler.get_last_lr()[0],
-            **{f"seconds/{phase}": seconds for phase, seconds in timer.seconds.items()},
-            "tokens_per_second": float(lengths.sum()) / max(1e-9, sum(timer.seconds.values())),
-        })
+        metrics.update(rollout_metrics(rollout, scores, timer))
+        metrics["lr"] = scheduler.get_last_lr()[0]
         run_dir.log_samples(done, sample_rows(rollout, examples, scores, rendered, config.samples_per_step))
         if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
             metrics.update(evaluate_held_out(policy, tokenizer, held_out, config, run_dir, done, alarm, metrics["reward/mean"]))

@@ -247,6 +247,21 @@ def evaluate_held_out(policy, tokenizer, held_out: Task, config, run_dir, step: 
     return metrics
 
 
+def rollout_metrics(rollout: Rollout, scores: Scores, timer) -> dict[str, Any]:
+    """Step metrics of the data and reward links, and the step's timings (see docs/metrics.md)."""
+    valid = scores.rewards[~torch.isnan(scores.rewards)]
+    lengths = rollout.lengths.float()
+    return {
+        "reward/mean": float(valid.mean()) if valid.numel() else None,
+        "reward/std": float(valid.std(correction=0)) if valid.numel() else None,
+        **{f"reward/{name}": value for name, value in scores.components.items()},
+        "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
+        "truncated_fraction": float(rollout.truncated.float().mean()),
+        **{f"seconds/{phase}": seconds for phase, seconds in timer.seconds.items()},
+        "tokens_per_second": float(lengths.sum()) / max(1e-9, sum(timer.seconds.values())),
+    }
+
+
 def sample_rows(rollout: Rollout, examples: Sequence[Example], scores: Scores, rendered: Sequence[str], limit: int) -> list[dict]:
     """The first `limit` rows of a step for samples.jsonl: prompt, completion, verdict, reason."""
     rows = []

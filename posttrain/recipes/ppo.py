@@ -37,8 +37,8 @@ from posttrain.recipes.common import (
     Optimization, Timer, default_output_dir, lr_multiplier, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
-    Acceptance, Data, PromptStream, Sampling, evaluate_held_out, logprobs_of, make_verifier, sample_and_score,
-    sample_rows, section_dict, token_entropy,
+    Acceptance, Data, PromptStream, Sampling, evaluate_held_out, logprobs_of, make_verifier, rollout_metrics,
+    sample_and_score, sample_rows, section_dict, token_entropy,
 )
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
@@ -220,20 +220,12 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
                 old_values, ref_logprobs, config, step, critic_only=step < config.critic.warmup_steps,
             ))
         # 5. Log, evaluate, checkpoint.
-        valid = scores.rewards[scored]
-        lengths = rollout.lengths.float()
+        metrics.update(rollout_metrics(rollout, scores, timer))
         metrics.update({
-            "reward/mean": float(valid.mean()) if valid.numel() else None,
-            "reward/std": float(valid.std(correction=0)) if valid.numel() else None,
-            **{f"reward/{name}": value for name, value in scores.components.items()},
             "kl/estimate": float(masked_mean(kl, mask)) if ref_logprobs is not None else None,
             "values/mean": float(masked_mean(old_values, mask)), "returns/mean": float(masked_mean(returns, mask)),
             "explained_variance": explained_variance(old_values, returns, mask),
-            "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
-            "truncated_fraction": float(rollout.truncated.float().mean()),
             "lr": scheduler.get_last_lr()[0], "critic_lr": scheduler.get_last_lr()[1],
-            **{f"seconds/{phase}": seconds for phase, seconds in timer.seconds.items()},
-            "tokens_per_second": float(lengths.sum()) / max(1e-9, sum(timer.seconds.values())),
         })
         run_dir.log_samples(done, sample_rows(rollout, examples, scores, rendered, config.samples_per_step))
         if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
