@@ -47,15 +47,15 @@ class Config:
     """The arithmetic task."""
     eval_size: int = 500
     """Held-out problems, never trained on, scored by the exact-match checker."""
-    sft_steps: int = 350
+    sft_steps: int = 400
     """SFT steps: enough for partial competence (some groups right, some wrong)."""
-    grpo_steps: int = 40
+    grpo_steps: int = 50
     """GRPO steps of prompts_per_step x group_size samples each."""
     prompts_per_step: int = 16
     """GRPO prompts per step (B)."""
     group_size: int = 8
     """Samples per prompt (G), for GRPO and for the pairs."""
-    grpo_lr: float = 3e-5
+    grpo_lr: float = 5e-5
     """GRPO learning rate."""
     grpo_kl_beta: float = 0.01
     """GRPO KL coefficient (small: it mostly makes the KL to the start measured and plotted)."""

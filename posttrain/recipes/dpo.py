@@ -36,7 +36,7 @@ from posttrain.data import (
 )
 from posttrain.data.examples import derived_seed
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task, heldout_split
 from posttrain.models import LoraSettings, ReferenceModel, apply_lora, load_model, make_reference
 from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
@@ -543,7 +543,7 @@ def heldout_task(config: Config, provenance: dict | None):
         "eval_size": acceptance.eval_size or origin.get("eval_size") or 200,
         "split_seed": acceptance.split_seed if acceptance.split_seed is not None else origin.get("seed", config.seed),
     }
-    _, held_out = load_splits(task, train_size=1, eval_size=spec["eval_size"], seed=spec["split_seed"], options=spec["options"])
+    held_out = heldout_split(task, spec["eval_size"], spec["split_seed"], spec["options"])
     spec["checker"] = acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind)
     return held_out, spec
 
