@@ -31,7 +31,7 @@ from tqdm import tqdm
 from posttrain.algorithms import PREFERENCE_LOSSES, length_normalized_dpo_loss, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.config import save_yaml, to_dict
 from posttrain.data import (
-    Example, PreferenceBatch, PreferencePair, TruncationPolicy, load_preference_file, load_splits,
+    Example, PreferenceBatch, PreferencePair, TruncationPolicy, load_preference_file,
     position_ids_from_attention_mask, tokenize_preference_pairs,
 )
 from posttrain.data.examples import derived_seed
