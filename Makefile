@@ -24,10 +24,7 @@ test-all: install
 	$(PY) -m pytest -m ''
 
 demo: install
-	$(VENV)/bin/posttrain explain advantages --rewards 0 1 0 0
-	$(VENV)/bin/posttrain explain clip --old-prob 0.20 --new-prob 0.26 --advantage 1.7320508 --clip-low 0.2 --clip-high 0.2
-	$(VENV)/bin/posttrain explain kl --policy 0.8 0.2 --reference 0.5 0.5
-	$(VENV)/bin/posttrain explain dpo --chosen -2 --rejected -4 --ref-chosen -3 --ref-rejected -3 --beta 0.2
+	$(VENV)/bin/posttrain demo --output-dir runs/demo
 
 bench: install
 	@set -e; for script in $(wildcard bench/*.py); do echo "== $$script"; $(PY) $$script; done
