@@ -27,6 +27,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+import torch  # noqa: E402
+
 from posttrain.config import build_config  # noqa: E402
 from posttrain.errors import UserError  # noqa: E402
 from posttrain.evaluation.acceptance import evaluate_task, heldout_split  # noqa: E402
@@ -69,6 +71,9 @@ class Config:
     """Generation budget (the tiny model writes one character per token)."""
     samples_shown: int = 6
     """Completions quoted in the report."""
+    threads: int = 1
+    """torch intra-op threads. 1 for the tiny model: two OpenMP threads per process slow a tiny
+    forward ~10x as soon as anything else (a verifier worker, another job) wants a core."""
     sft_run: str | None = None
     """Reuse this finished SFT run directory (its step-<sft_steps> checkpoint) instead of training one."""
     max_steps: int | None = None
@@ -86,6 +91,7 @@ def run(config: Config, resume: bool = False) -> Path:
     if resume:
         raise UserError("the demo always starts over; run it again without --resume")
     started = time.perf_counter()
+    torch.set_num_threads(config.threads)
     out = Path(config.output_dir)
     if out.exists():
         if not (out / "summary.json").exists() and any(out.iterdir()):
