@@ -21,7 +21,8 @@ class HFDecoder:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        parameters = inspect.signature(model.forward).parameters
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes kwargs on
+        parameters = inspect.signature(inner.forward).parameters
         self.accepts_logits_to_keep = "logits_to_keep" in parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"  # renamed in transformers 5
         self.cache = None
