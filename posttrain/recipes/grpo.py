@@ -270,8 +270,11 @@ def update_policy(policy, reference, optimizer, scheduler, rollout, inputs, mask
                         per_token = per_token + loss_cfg.kl_beta * kl
                     sums["kl"] += float((kl.detach() * micro_mask).sum())
                     if epoch == 0 and exact[1] < config.exact_kl_tokens:
-                        _, ref_logits = completion_logits(reference, inputs, rows, P, T)
-                        subset_sum, subset_count = exact_kl_subset(logits, ref_logits, micro_mask, temperature, config.exact_kl_tokens - exact[1])
+                        # The reference's full logits only for the few rows holding the tokens needed.
+                        needed = config.exact_kl_tokens - exact[1]
+                        upto = int((micro_mask.sum(-1).cumsum(0) < needed).sum()) + 1
+                        _, ref_logits = completion_logits(reference, inputs, rows[:upto], P, T)
+                        subset_sum, subset_count = exact_kl_subset(logits[:upto], ref_logits, micro_mask[:upto], temperature, needed)
                         exact = [exact[0] + subset_sum, exact[1] + subset_count]
                 loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=config.sampling.max_new_tokens)
                 loss.backward()
