@@ -1,17 +1,16 @@
 """The main job, shortened: SFT -> GRPO and pairs + DPO -> paired held-out acceptance -> report.
 
 Same pipeline and seed as `make demo` (same held-out split of 500 problems, same SFT start), with
-fewer GRPO/DPO steps; the GRPO gain must still be significant (its 95% interval above zero)."""
+fewer GRPO/DPO steps; the GRPO gain must still be significant (its 95% interval above zero).
+About 4 minutes on this 2-core machine: the longest test of the default suite, kept in it because
+it is the product's main claim."""
 
 import json
-
-import pytest
 
 from posttrain.config import build_config
 from posttrain.recipes import demo
 
 
-@pytest.mark.slow
 def test_shortened_demo_end_to_end(tmp_path):
     config = build_config(demo.Config, None, {"output_dir": str(tmp_path / "demo"), "grpo_steps": 12})
     out = demo.run(config)
