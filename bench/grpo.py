@@ -22,7 +22,15 @@ projections of every layer, plus the LM head where logits are needed) + 4 x laye
 x context (attention scores and values). Divided by this machine's float32 matmul rate, measured in
 this run with a 2048^3 matmul; "x floor" = measured seconds / floor seconds.
 
-    .venv/bin/python bench/grpo.py [--steps 3] [--warmup 1] [--model smollm2-135m]
+Threads: one torch thread per process by default (`--threads 0`: torch's default, one per core). On
+this shared 2-core machine two OpenMP threads collapse as soon as any other process wants a core (a
+generation of 16 x 32 tokens went from ~3 s to 25-60 s, ours and transformers' generate alike, next to
+one busy-looping process), so two-thread numbers measure the neighbours; one thread is ~2x slower on
+an idle machine but stable. The sides' steps are interleaved (ours, TRL, TRL, ours, ...), only one
+running at a time, so bursts of outside load fall on both alike; `--sequential` runs one side after the
+other (it is chosen automatically when memory is short for both processes at once).
+
+    .venv/bin/python bench/grpo.py [--steps 3] [--warmup 1] [--threads 1] [--extra] [--model smollm2-135m]
 
 The last line is `RESULT grpo: ours=X peer=Y unit=s/step ratio=R` (R = peer/ours; > 1: we are faster).
 """
@@ -362,7 +370,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads in every process (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads in every process (0: torch's default, 2 here); see the module docstring")
     parser.add_argument("--sequential", action="store_true", help="one side after the other instead of interleaved steps")
     parser.add_argument("--extra", action="store_true", help="also run ours with exact_kl_tokens=0 (no extra reference forward)")
     parser.add_argument("--side", choices=["ours", "ours-nokl", "trl"], help=argparse.SUPPRESS)
@@ -402,12 +411,12 @@ def main() -> None:
     print(f"model {arguments.model} float32 CPU; {TASK}, {PROMPTS_PER_STEP} prompts x G={GROUP_SIZE}, <= {MAX_NEW_TOKENS} new tokens, "
           f"T={TEMPERATURE}, beta={BETA}, mu=1; {arguments.warmup} warm-up + {arguments.steps} timed steps, median, {'sequential' if arguments.sequential else 'steps interleaved'}; {same}")
     print(f"float32 matmul rate {rate / 1e9:.1f} GFLOP/s (2048^3)")
-    print(f"{'side':<24} {'s/step':>7} {'gen s':>6} {'score s':>7} {'ref s':>6} {'update s':>8} {'peak RSS MB':>11} "
+    print(f"{'side':<24} {'s/step':>7} {'best':>6} {'gen s':>6} {'score s':>7} {'ref s':>6} {'update s':>8} {'peak RSS MB':>11} "
           f"{'tokens':>6} {'floor GFLOP':>11} {'floor s':>7} {'x floor':>7}  all steps s (1-min load after each)")
     rows = [("ours", ours), ("TRL", peer)] + ([("ours, exact_kl_tokens=0", results["ours-nokl"])] if "ours-nokl" in results else [])
     for label, result in rows:
         phases, floor_seconds = result["phases"], result["floor_flops"] / rate
-        print(f"{label:<24} {result['seconds']:>7.2f} {phases['generation']:>6.2f} {phases['scoring']:>7.3f} {phases['reference']:>6.2f} "
+        print(f"{label:<24} {result['seconds']:>7.2f} {min(result['all_seconds'][arguments.warmup:]):>6.2f} {phases['generation']:>6.2f} {phases['scoring']:>7.3f} {phases['reference']:>6.2f} "
               f"{phases['update']:>8.2f} {result['peak_rss_mb']:>11.0f} {result['floor_parts']['tokens']:>6.0f} "
               f"{result['floor_flops'] / 1e9:>11.1f} {floor_seconds:>7.2f} {result['seconds'] / floor_seconds:>7.1f}  "
               + " ".join(f"{s:.1f} ({load:.1f})" for s, load in zip(result["all_seconds"], result["loads"])))
