@@ -1,6 +1,6 @@
 """`posttrain demo`: SFT, then GRPO and DPO from the same start, held-out acceptance, a report."""
 
-from posttrain.recipes.common import register_recipe
+from posttrain.commands._recipe import register_recipe
 
 
 def register(subparsers) -> None:

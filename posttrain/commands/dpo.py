@@ -1,6 +1,6 @@
 """`posttrain dpo`: offline preference optimisation, DPO and its family (see posttrain/recipes/dpo.py)."""
 
-from posttrain.recipes.common import register_recipe
+from posttrain.commands._recipe import register_recipe
 
 
 def register(subparsers) -> None:

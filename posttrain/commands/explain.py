@@ -119,7 +119,7 @@ def explain_clip(args) -> int:
         "PPO/GRPO clipped surrogate for one token (no KL, not a batch loss)",
         f"  ratio      = exp(log {new_prob} - log {old_prob}) = {ratio:.4f}",
         f"  clip range = [{1 - args.clip_low:.4g}, {1 + args.clip_high:.4g}], advantage {args.advantage:.4f}",
-        f"  objective  = min(ratio * A, clip(ratio) * A)"
+        "  objective  = min(ratio * A, clip(ratio) * A)"
         + (f", at least {args.dual_clip:g} * A for A < 0 (dual clip)" if args.dual_clip else "")
         + f" = {-loss_value:.4f}   (to maximise)",
         f"  loss       = -objective = {loss_value:.4f}",

@@ -1,6 +1,6 @@
 """`posttrain grpo`: GRPO with any verifier as the reward (see posttrain/recipes/grpo.py)."""
 
-from posttrain.recipes.common import register_recipe
+from posttrain.commands._recipe import register_recipe
 
 
 def register(subparsers) -> None:

@@ -1,6 +1,6 @@
 """`posttrain ppo`: PPO with a learned critic and any verifier as the reward (posttrain/recipes/ppo.py)."""
 
-from posttrain.recipes.common import register_recipe
+from posttrain.commands._recipe import register_recipe
 
 
 def register(subparsers) -> None:

@@ -1,6 +1,6 @@
 """`posttrain sft`: supervised fine-tuning (see posttrain/recipes/sft.py)."""
 
-from posttrain.recipes.common import register_recipe
+from posttrain.commands._recipe import register_recipe
 
 
 def register(subparsers) -> None:

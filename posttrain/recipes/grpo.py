@@ -13,12 +13,10 @@ Each step: 1. sample, 2. score, 3. advantages (optionally refilling zero-signal 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -179,7 +177,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     card["run"]["reference_refreshed_at"] = state.get("reference_refreshed_at", [])
     write_run_card(run_dir.path, card)
     sampling = config.sampling.engine_config()
-    B, G = config.data.prompts_per_step, config.data.group_size
+    G = config.data.group_size
 
     if state["step"] == 0:
         run_dir.log_metrics(0, evaluate_held_out(policy, tokenizer, held_out, config, run_dir, 0, alarm, None))

@@ -1,0 +1,84 @@
+"""Command-line glue shared by the recipe commands (sft, grpo, ppo, dpo, demo).
+
+Every recipe command takes `--config FILE`, `--output-dir DIR`, `--max-steps N`, `--seed N`,
+`--resume DIR` and any config field as `--key value` (dotted for sections). The recipe module is
+imported only when its command runs or shows --help, so other commands start without torch's
+heavier dependencies. (Skipped by command discovery: its name starts with an underscore.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+from posttrain.config import build_config, describe_fields, load_yaml, parse_overrides
+from posttrain.errors import UserError
+
+RESUMABLE_OVERRIDES = {"max_steps"}
+
+
+def resolve_config(config_cls, args: argparse.Namespace):
+    """Build a recipe config from `--config`, the common flags and `--key value` overrides.
+
+    With `--resume DIR` the config is the run's own `config.yaml`; only `--max-steps` may change.
+    """
+    overrides = parse_overrides(list(getattr(args, "overrides", []) or []))
+    for flag in ("output_dir", "max_steps", "seed"):
+        if getattr(args, flag, None) is not None:
+            overrides[flag] = getattr(args, flag)
+    if args.resume:
+        changed = set(overrides) - RESUMABLE_OVERRIDES - {"output_dir"}
+        if args.config or changed:
+            raise UserError(
+                f"--resume continues a run with its own config.yaml; only --max-steps may change "
+                f"(got {', '.join(sorted(changed)) or '--config'})"
+            )
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise UserError(f"{run_dir}: not a run directory (no config.yaml) - nothing to resume")
+        saved = load_yaml(run_dir / "config.yaml")
+        return build_config(config_cls, None, {**saved, **overrides, "output_dir": str(run_dir)})
+    return build_config(config_cls, args.config, overrides)
+
+
+def register_recipe(subparsers, name: str, module: str, help_text: str) -> None:
+    """Add `posttrain NAME` with the common flags; other `--key value` pairs override config fields.
+
+    `module` (e.g. "posttrain.recipes.sft") must define `Config` and `run(config, resume=False)`.
+    It is imported only when the command runs or its --help is shown, so that every other command
+    starts without importing torch, transformers and peft.
+    """
+
+    def recipe():
+        return importlib.import_module(module)
+
+    class RecipeParser(subparsers._parser_class):  # the CLI's one-line-error parser, plus a lazy epilog
+        def format_help(self) -> str:
+            fields = describe_fields(recipe().Config)
+            width = max(len(key) for key, _, _ in fields)
+            self.epilog = "config fields (as --key value, or in the YAML file):\n" + "\n".join(
+                f"  {key:<{width}}  {doc} [default {default}]" for key, default, doc in fields
+            )
+            return super().format_help()
+
+    parser = subparsers.add_parser(
+        name, help=help_text, description=help_text, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.__class__ = RecipeParser
+    parser.add_argument("--config", help="YAML preset; its keys override the defaults")
+    parser.add_argument("--output-dir", help="run directory (default: runs/<recipe>-<time>)")
+    parser.add_argument("--max-steps", type=int, help="training steps")
+    parser.add_argument("--seed", type=int, help="random seed")
+    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
+
+    def handler(args) -> int:
+        loaded = recipe()
+        config = resolve_config(loaded.Config, args)
+        run_dir = loaded.run(config, resume=bool(args.resume))
+        report = Path(run_dir) / "report.md"
+        print(f"report: {report}" if report.is_file() else f"results: {run_dir}")
+        return 0
+
+    parser.set_defaults(func=handler, accepts_overrides=True)
