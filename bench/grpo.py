@@ -373,7 +373,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads in every process (0: torch's default, 2 here); see the module docstring")
     parser.add_argument("--sequential", action="store_true", help="one side after the other instead of interleaved steps")
-    parser.add_argument("--extra", action="store_true", help="also run ours with exact_kl_tokens=0 (no extra reference forward)")
+    parser.add_argument("--extra", action="store_true", help="also run ours with exact_kl_tokens=0 (no exact-KL metric, so no reference forward inside the update)")
     parser.add_argument("--side", choices=["ours", "ours-nokl", "trl"], help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.steps < 1 or arguments.warmup < 0:
