@@ -306,9 +306,7 @@ class Side:
         self.name = name
         self.log = tempfile.TemporaryFile(mode="w+")
         command = [sys.executable, __file__, "--side", name, "--steps", str(arguments.steps),
-                   "--warmup", str(arguments.warmup), "--model", arguments.model]
-        if arguments.threads:
-            command += ["--threads", str(arguments.threads)]
+                   "--warmup", str(arguments.warmup), "--model", arguments.model, "--threads", str(arguments.threads)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                         text=True, cwd=ROOT, bufsize=1)
 
