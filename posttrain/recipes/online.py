@@ -21,6 +21,7 @@ from posttrain.data.examples import Example, Task, derived_seed
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task, verifier_input
 from posttrain.evaluation.stats import DivergenceAlarm
+from posttrain.recipes.shared_prefix import shared_prefix_logits
 from posttrain.rewards import Verdict, Verifier, get_verifier
 from posttrain.rollout import Rollout, SamplingConfig, generate
 
@@ -183,7 +184,12 @@ def scores_from_verdicts(verdicts: Sequence[Verdict]) -> Scores:
 
 def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, **extra):
     """Forward prompt + completion rows; returns the model output and the logits (n, T, V) whose
-    position t scores completion token t (see `Rollout.forward_inputs`)."""
+    position t scores completion token t (see `Rollout.forward_inputs`). Without `extra`, a supported
+    model runs `shared_prefix_logits` (each distinct prompt once) and the output is None."""
+    if not extra:
+        logits = shared_prefix_logits(model, inputs, rows, prompt_width, T)
+        if logits is not None:
+            return None, logits
     output = model(
         input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
         position_ids=inputs["position_ids"][rows], **extra,

@@ -1,0 +1,89 @@
+"""The training forward with each distinct prompt computed once (GRPO's shared prefix).
+
+The G rows of a GRPO group carry the same left-padded prompt (in bench/grpo.py ~51 of ~82 positions
+per row), so a plain forward over prompt + completion computes every prompt G times. Here, for the
+rows of one micro-batch:
+
+1. find the k distinct prompts among the n rows, by prompt ids *and* mask (no group size needed,
+   and any subset of rows works: rows of the same group share, the rest cost what they did);
+2. forward the k prompts once with a KV cache, the LM head only at the last position, whose logits
+   score completion token 0;
+3. copy each prompt's cache to its rows with an index (differentiable: the gradients of all G
+   completions flow back into the one prompt computation);
+4. forward completion tokens 0..T-2 of every row on that cache (mask = prompt padding + completion,
+   same position ids as the plain forward); their logits score completion tokens 1..T-1.
+
+When no two rows share a prompt it is one plain forward, still with the LM head only on the T
+positions that score completion tokens (not on every prompt position).
+Checked against the plain forward (logits and parameter gradients) in tests/test_shared_prefix.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+"""Architectures checked against the plain forward (tiny and SmolLM2 are Llama)."""
+
+
+def _transformers_model(model):
+    """The transformers model inside a `ReferenceModel` and/or a PEFT wrapper, else `model`."""
+    model = getattr(model, "model", model) if not isinstance(model, torch.nn.Module) else model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _cache_argument(model) -> str | None:
+    """The forward's KV-cache keyword (`cache` since transformers 5, else `past_key_values`), or
+    None if `model` is not a supported architecture taking that and `logits_to_keep`."""
+    inner = _transformers_model(model)
+    if getattr(getattr(inner, "config", None), "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return None
+    parameters = inspect.signature(inner.forward).parameters
+    if "logits_to_keep" not in parameters:
+        return None
+    return "cache" if "cache" in parameters else "past_key_values" if "past_key_values" in parameters else None
+
+
+def shared_prefix_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int) -> torch.Tensor | None:
+    """Logits (n, T, V) whose position t scores completion token t, equal to
+    `model(**inputs).logits[rows][:, P - 1 : P - 1 + T]` (P = `prompt_width`), or None if `model`
+    is not supported (the caller then runs the plain forward).
+
+    Args:
+        model: a causal LM, PEFT-wrapped or not, or a `ReferenceModel` (called as `model(**kwargs)`).
+        inputs: `Rollout.forward_inputs()`: input_ids, attention_mask, position_ids, each (N, P + T).
+        rows: which rows (a slice or an (n,) index tensor).
+    """
+    cache_argument = _cache_argument(model)
+    if cache_argument is None or T < 1:
+        return None
+    P = prompt_width
+    input_ids, attention_mask = inputs["input_ids"][rows], inputs["attention_mask"][rows]  # (n, P + T)
+    position_ids = inputs["position_ids"][rows]
+    n = input_ids.shape[0]
+    prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1)  # (n, 2P)
+    distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # (k, 2P), (n,)
+    k = distinct.shape[0]
+    if k == n:  # nothing shared: one forward, LM head on columns P-1 .. P+T-1, the last one dropped
+        output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False, logits_to_keep=T + 1)
+        return output.logits[:, :T]
+    # First row of each distinct prompt, (k,): its prompt columns are the ones computed.
+    first = torch.full((k,), n, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(n), reduce="amin")
+    cache = DynamicCache(config=_transformers_model(model).config)
+    prompt_output = model(
+        input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P], position_ids=position_ids[first, :P],
+        use_cache=True, logits_to_keep=1, **{cache_argument: cache},
+    )
+    logits = prompt_output.logits[inverse]  # (n, 1, V): scores completion token 0
+    if T == 1:
+        return logits
+    cache.reorder_cache(inverse)  # (k, ...) -> (n, ...) along the batch dimension, differentiable
+    completion_output = model(
+        input_ids=input_ids[:, P : P + T - 1], attention_mask=attention_mask[:, : P + T - 1],
+        position_ids=position_ids[:, P : P + T - 1], use_cache=True, **{cache_argument: cache},
+    )
+    return torch.cat([logits, completion_output.logits], dim=1)  # (n, T, V)
