@@ -14,7 +14,9 @@ import torch
 
 from posttrain.config import build_config, parse_overrides
 from posttrain.errors import UserError
+from posttrain.distributed import World
 from posttrain.recipes import grpo
+from posttrain.recipes.online import logprobs_of
 from posttrain.recipes.common import make_optimizer
 from posttrain.rollout import generate
 from posttrain.models import load_model
@@ -83,7 +85,7 @@ def test_micro_batch_split_gives_the_same_update(tmp_path):
     advantages = grpo.grpo_advantages(rewards, 4)
     reference = grpo.make_reference(policy)
     inputs = rollout.forward_inputs()
-    ref_logprobs = grpo.logprobs_of(reference, rollout, inputs, 1.0, 8)
+    ref_logprobs = logprobs_of(reference, rollout, inputs, 1.0, 8)
     results = []
     for micro in (8, 2, 1):
         model = load_model("tiny")[0].train()
@@ -91,8 +93,8 @@ def test_micro_batch_split_gives_the_same_update(tmp_path):
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         config.optim.max_grad_norm = None
-        metrics = grpo.update_policy(model, reference, optimizer, scheduler, rollout, inputs, rollout.mask,
-                                     advantages, None, ref_logprobs, config, step=0)
+        metrics = grpo.update_policy(model, optimizer, scheduler, rollout, inputs, rollout.mask, advantages, None,
+                                     ref_logprobs, torch.zeros(8, dtype=torch.long), World(), config, step=0)
         results.append((weights(model), metrics["loss"]))
     for other, loss in results[1:]:
         assert loss == pytest.approx(results[0][1], abs=1e-6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from pathlib import Path
 
 from posttrain.config import build_config, describe_fields, load_yaml, parse_overrides
@@ -77,6 +78,8 @@ def register_recipe(subparsers, name: str, module: str, help_text: str) -> None:
         loaded = recipe()
         config = resolve_config(loaded.Config, args)
         run_dir = loaded.run(config, resume=bool(args.resume))
+        if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone speaks
+            return 0
         report = Path(run_dir) / "report.md"
         print(f"report: {report}" if report.is_file() else f"results: {run_dir}")
         return 0

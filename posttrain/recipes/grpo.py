@@ -14,6 +14,7 @@ Each step: 1. sample, 2. score, 3. advantages (optionally refilling zero-signal 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from posttrain.algorithms import AGGREGATIONS, aggregate, clipped_surrogate, grp
 from posttrain.config import save_yaml, to_dict
 from posttrain.data.examples import derived_seed
 from posttrain.data.tasks import load_splits
+from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.stats import DivergenceAlarm
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
@@ -32,8 +34,8 @@ from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
-    Acceptance, Data, PromptStream, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, logprobs_of,
-    make_verifier, rollout_metrics, sample_and_score, sample_rows, section_dict, token_entropy,
+    Acceptance, Data, PromptStream, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, make_verifier,
+    rank_logprobs, rollout_metrics, sample_and_score, sample_rows, section_dict, token_entropy,
 )
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
@@ -110,6 +112,8 @@ class Config:
     """Optimizer and schedule."""
     acceptance: Acceptance = field(default_factory=Acceptance)
     """Link 4: held-out evaluation."""
+    parallel: Parallel = field(default_factory=Parallel)
+    """Under torchrun: DDP or FSDP2 (see posttrain/distributed.py); ignored in one process."""
     max_steps: int = 50
     """Training steps (one batch of rollouts each)."""
     checkpoint_every: int = 50
@@ -126,6 +130,7 @@ class Config:
     def validate(self) -> None:
         self.data.validate()
         self.optim.validate()
+        self.parallel.validate()
         loss, update = self.loss, self.update
         if loss.aggregation not in AGGREGATIONS:
             raise UserError(f"loss.aggregation must be one of {', '.join(AGGREGATIONS)}, got {loss.aggregation!r}")
@@ -153,6 +158,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     `fn(completion, example) -> float | Verdict`, used instead of `config.reward`."""
     # 0. Set-up: everything that can fail on bad input fails before the run directory exists.
     config.validate()
+    world = init_world(config.parallel)
     seed_everything(config.seed)
     policy, tokenizer = load_model(config.model)
     if config.lora_rank:
@@ -164,32 +170,39 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     verifier = make_verifier(reward, config.reward)
     verifier.prepare()
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
-    run_dir = RunDirectory(config.output_dir or default_output_dir("grpo"), resume=resume)
+    if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
+        wrap(reference.model, world)  # the frozen copy sharded like the policy
+    trainer = wrap(policy, world)  # what forward/backward goes through (DDP / FSDP2 / the policy itself)
+    run_dir = RunDirectory(config.output_dir or default_output_dir("grpo", world), resume=resume, writer=world.main)
     config.output_dir = str(run_dir.path)
-    save_yaml(config, run_dir.path / "config.yaml")
-    optimizer, scheduler = make_optimizer(policy.parameters(), config.optim, config.max_steps * config.update.epochs * config.update.mini_batches)
+    if world.main:
+        save_yaml(config, run_dir.path / "config.yaml")
+    optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps * config.update.epochs * config.update.mini_batches)
     # A refreshed reference is state of its own: checkpointed with the policy, restored exactly.
     reference_state = {"reference": reference.model} if reference is not None and config.loss.reference_refresh_every else None
-    state = restore_training(run_dir, policy, optimizer, scheduler, extra_models=reference_state) if resume else {"step": 0}
+    state = restore_training(run_dir, policy, optimizer, scheduler, extra_models=reference_state, world=world) if resume else {"step": 0}
     stream = PromptStream(train, config.seed, state.get("stream_position", 0))
     alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=state.get("alarm_history", []))
     card = make_card(config, train, held_out, verifier, reference, reward)
     card["run"]["reference_refreshed_at"] = state.get("reference_refreshed_at", [])
-    write_run_card(run_dir.path, card)
+    card["run"]["world_size"] = world.size
+    if world.main:
+        write_run_card(run_dir.path, card)
     sampling = config.sampling.engine_config()
     G = config.data.group_size
 
     if state["step"] == 0:
-        run_dir.log_metrics(0, evaluate_held_out(policy, tokenizer, held_out, config, run_dir, 0, alarm, None))
+        run_dir.log_metrics(0, evaluate(policy, tokenizer, held_out, config, run_dir, 0, alarm, None, world))
     policy.train()
-    progress = tqdm(range(state["step"], config.max_steps), desc="grpo", initial=state["step"], total=config.max_steps)
+    progress = tqdm(range(state["step"], config.max_steps), desc="grpo", initial=state["step"], total=config.max_steps, disable=not world.main)
     for step in progress:
         done, timer, metrics = step + 1, Timer(), {}
         # 1-3. Sample B prompts x G completions, score them, keep groups with signal (refilling if asked).
         refill_rounds = config.loss.max_refill_rounds if config.loss.dynamic_sampling else None
-        rollout, examples, scores, rendered, group_stats = sample_and_score(
-            policy, tokenizer, stream, verifier, config.data, config.seed, sampling, step, timer, refill_rounds
-        )
+        with full_weights(policy):
+            rollout, examples, scores, rendered, group_stats, owners = sample_and_score(
+                policy, tokenizer, stream, verifier, config.data, config.seed, sampling, step, timer, refill_rounds, world
+            )
         metrics.update(group_stats)
         inputs = rollout.forward_inputs()
         # Rows that reach the loss: scored (not infra/data errors) and, optionally, not truncated.
@@ -199,8 +212,8 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         mask = rollout.mask & valid_rows[:, None]
         precompute_old = config.update.epochs > 1 or config.update.mini_batches > 1 or config.loss.kl_placement == "reward"
         with timer("training"):
-            old_logprobs = logprobs_of(policy, rollout, inputs, sampling.temperature, config.update.micro_batch_size) if precompute_old else None
-            ref_logprobs = logprobs_of(reference, rollout, inputs, sampling.temperature, config.update.micro_batch_size) if reference else None
+            old_logprobs = rank_logprobs(policy, rollout, owners, world, sampling.temperature, config.update.micro_batch_size) if precompute_old else None
+            ref_logprobs = rank_logprobs(reference, rollout, owners, world, sampling.temperature, config.update.micro_batch_size) if reference else None
         rewards = scores.rewards
         if ref_logprobs is not None and config.loss.kl_placement == "reward":
             # KL folded into the reward: each sequence pays beta * its summed per-token estimate.
@@ -211,7 +224,9 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         )
         # 4. Update: mu epochs over mini-batches, old log-probs fixed.
         with timer("training"):
-            metrics.update(update_policy(policy, reference, optimizer, scheduler, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, config, step))
+            if reference is not None:
+                metrics["kl/exact"] = exact_kl_metric(policy, reference, rollout, mask, owners, world, sampling.temperature, config.exact_kl_tokens)
+            metrics.update(update_policy(trainer, optimizer, scheduler, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, owners, world, config, step))
         if reference is not None and config.loss.reference_refresh_every and done % config.loss.reference_refresh_every == 0:
             reference.refresh(policy)
             card["run"]["reference_refreshed_at"].append(done)
@@ -220,32 +235,64 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         metrics["lr"] = scheduler.get_last_lr()[0]
         run_dir.log_samples(done, sample_rows(rollout, examples, scores, rendered, config.samples_per_step))
         if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
-            metrics.update(evaluate_held_out(policy, tokenizer, held_out, config, run_dir, done, alarm, metrics["reward/mean"]))
+            metrics.update(evaluate(policy, tokenizer, held_out, config, run_dir, done, alarm, metrics["reward/mean"], world))
             card["alarms"] = list(alarm.rings)
-            write_run_card(run_dir.path, card)
+            if world.main:
+                write_run_card(run_dir.path, card)
         run_dir.log_metrics(done, metrics)
-        if "heldout/pass@1" in metrics:
+        if "heldout/pass@1" in metrics and world.main:
             plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
         progress.set_postfix(reward=f"{metrics['reward/mean'] or 0:.3f}")
         if done % config.checkpoint_every == 0 or done == config.max_steps:
-            save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=reference_state, extra_state={
+            save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=reference_state, world=world, extra_state={
                 "stream_position": stream.position, "alarm_history": alarm.history,
                 "reference_refreshed_at": card["run"]["reference_refreshed_at"],
             })
-    write_run_card(run_dir.path, card)
+    if world.main:
+        write_run_card(run_dir.path, card)
+    world.close()
     return run_dir.path
 
 
-def update_policy(policy, reference, optimizer, scheduler, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, config: Config, step: int) -> dict[str, Any]:
+def evaluate(policy, tokenizer, held_out, config: Config, run_dir, step: int, alarm, train_reward, world: World) -> dict[str, Any]:
+    """Held-out acceptance on rank 0 (the others wait; under FSDP2 every rank lends its shards)."""
+    with full_weights(policy):
+        metrics = evaluate_held_out(policy, tokenizer, held_out, config, run_dir, step, alarm, train_reward) if world.main else {}
+    world.barrier()
+    return metrics
+
+
+@torch.no_grad()
+def exact_kl_metric(policy, reference, rollout, mask, owners, world: World, temperature: float, max_tokens: int) -> float | None:
+    """Exact full-vocabulary KL(policy || reference) per token before the update, averaged over the
+    first `max_tokens` counted tokens of each rank's rows (cheap enough to log every step)."""
+    mine = (owners == world.rank).nonzero().squeeze(1)
+    mine = mine[: int((mask[mine].sum(-1).cumsum(0) < max_tokens).sum()) + 1]
+    inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    total = torch.zeros(2, dtype=torch.float64)
+    with full_weights(policy), full_weights(reference):
+        if len(mine):
+            _, logits = completion_logits(policy, inputs, mine, P, T)
+            _, ref_logits = completion_logits(reference, inputs, mine, P, T)
+            total += torch.tensor(exact_kl_subset(logits, ref_logits, mask[mine], temperature, max_tokens), dtype=torch.float64)
+    kl_sum, count = world.reduce(total).tolist()
+    return kl_sum / count if count else None
+
+
+def update_policy(trainer, optimizer, scheduler, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs,
+                  owners: torch.Tensor, world: World, config: Config, step: int) -> dict[str, Any]:
     """Step 4: `epochs` passes over `mini_batches` mini-batches, each accumulated over micro-batches
     with the mini-batch's global token and sequence counts, so the gradient does not depend on the
-    micro-batch size. Returns the step's loss and per-token statistics."""
+    micro-batch size or the world size. Mini-batches are drawn over the global batch; each rank
+    forwards the rows of a mini-batch it owns (`owners`), all ranks running equally many
+    micro-batches (a rank short of rows runs a zero-weight one) with the gradient synced on the last.
+    Returns the step's loss and per-token statistics, summed over ranks."""
     loss_cfg, update = config.loss, config.update
     N, T = rollout.completion_ids.shape
     P = rollout.prompt_ids.shape[1]
     temperature = config.sampling.temperature
-    sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual_clip": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0, "tokens": 0.0}
-    ratio_min, ratio_max, exact = float("inf"), float("-inf"), [0.0, 0]
+    sums = torch.zeros(8, dtype=torch.float64)  # loss, clip low, clip high, dual clip, ratio, kl, entropy, tokens
+    extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64)  # (min ratio, -max ratio)
     grad_norms = []
     generator = torch.Generator().manual_seed(derived_seed(config.seed, "minibatch", str(step)))
     for epoch in range(update.epochs):
@@ -255,49 +302,49 @@ def update_policy(policy, reference, optimizer, scheduler, rollout, inputs, mask
             if len(mini) == 0:
                 continue
             global_tokens, global_sequences = mask[mini].sum(), len(mini)
-            for micro_start in range(0, len(mini), update.micro_batch_size):
-                rows = mini[micro_start : micro_start + update.micro_batch_size]
-                _, logits = completion_logits(policy, inputs, rows, P, T)
-                logprobs = token_logprobs(logits, rollout.completion_ids[rows], temperature)
-                old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()
-                per_token, stats = clipped_surrogate(logprobs, old, advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)
-                micro_mask = mask[rows]
-                if ref_logprobs is not None:
-                    kl = kl_estimate(logprobs, ref_logprobs[rows], loss_cfg.kl_estimator)
-                    if loss_cfg.kl_placement == "loss":
-                        per_token = per_token + loss_cfg.kl_beta * kl
-                    sums["kl"] += float((kl.detach() * micro_mask).sum())
-                    if epoch == 0 and exact[1] < config.exact_kl_tokens:
-                        # The reference's full logits only for the few rows holding the tokens needed.
-                        needed = config.exact_kl_tokens - exact[1]
-                        upto = int((micro_mask.sum(-1).cumsum(0) < needed).sum()) + 1
-                        _, ref_logits = completion_logits(reference, inputs, rows[:upto], P, T)
-                        subset_sum, subset_count = exact_kl_subset(logits[:upto], ref_logits, micro_mask[:upto], temperature, needed)
-                        exact = [exact[0] + subset_sum, exact[1] + subset_count]
-                loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=config.sampling.max_new_tokens)
-                loss.backward()
-                sums["loss"] += float(loss.detach()) / (update.epochs * update.mini_batches)
-                tokens = float(micro_mask.sum())
-                sums["tokens"] += tokens
-                for name, key in (("clip_low", "clipped_low"), ("clip_high", "clipped_high"), ("dual_clip", "dual_clipped"), ("ratio", "ratio")):
-                    sums[name] += float((stats[key].float() * micro_mask).sum())
-                sums["entropy"] += float((token_entropy(logits, temperature) * micro_mask).sum())
+            mine = mini[owners[mini] == world.rank]
+            micro_count = max(-(-int(n) // update.micro_batch_size) for n in torch.bincount(owners[mini], minlength=world.size))
+            for micro in range(micro_count):
+                rows = mine[micro * update.micro_batch_size : (micro + 1) * update.micro_batch_size]
+                weight = 1.0 if len(rows) else 0.0
+                rows = rows if len(rows) else mini[:1]  # a zero-weight stand-in keeps the ranks' collectives paired
+                with gradient_sync(trainer, micro == micro_count - 1):
+                    _, logits = completion_logits(trainer, inputs, rows, P, T)
+                    logprobs = token_logprobs(logits, rollout.completion_ids[rows], temperature)
+                    old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()
+                    per_token, stats = clipped_surrogate(logprobs, old, advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)
+                    micro_mask = mask[rows] & bool(weight)
+                    if ref_logprobs is not None:
+                        kl = kl_estimate(logprobs, ref_logprobs[rows], loss_cfg.kl_estimator)
+                        if loss_cfg.kl_placement == "loss":
+                            per_token = per_token + loss_cfg.kl_beta * kl
+                        sums[5] += float((kl.detach() * micro_mask).sum())
+                    loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=config.sampling.max_new_tokens)
+                    # DDP and FSDP2 average gradients over ranks; the loss is a share of a global sum.
+                    (loss * (weight * world.size)).backward()
+                sums[0] += weight * float(loss.detach()) / (update.epochs * update.mini_batches)
+                sums[7] += float(micro_mask.sum())
+                for index, key in ((1, "clipped_low"), (2, "clipped_high"), (3, "dual_clipped"), (4, "ratio")):
+                    sums[index] += float((stats[key].float() * micro_mask).sum())
+                sums[6] += float((token_entropy(logits, temperature) * micro_mask).sum())
                 if micro_mask.any():
-                    ratio_min = min(ratio_min, float(stats["ratio"][micro_mask].min()))
-                    ratio_max = max(ratio_max, float(stats["ratio"][micro_mask].max()))
-            grad_norms.append(clip_and_step(policy.parameters(), optimizer, scheduler, config.optim.max_grad_norm))
-    tokens = max(1.0, sums["tokens"])
+                    ratios = stats["ratio"][micro_mask]
+                    extremes = torch.minimum(extremes, torch.tensor([float(ratios.min()), -float(ratios.max())], dtype=torch.float64))
+            grad_norms.append(clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm))
+    world.reduce(sums)
+    world.reduce(extremes, "min")
+    tokens = max(1.0, float(sums[7]))
+    loss_sum, clip_low, clip_high, dual, ratio, kl_sum, entropy, _ = sums.tolist()
     metrics = {
-        "loss": sums["loss"],
-        "clip/low": sums["clip_low"] / tokens, "clip/high": sums["clip_high"] / tokens, "clip/dual": sums["dual_clip"] / tokens,
-        "ratio/mean": sums["ratio"] / tokens, "ratio/min": ratio_min if ratio_min != float("inf") else None,
-        "ratio/max": ratio_max if ratio_max != float("-inf") else None,
-        "entropy": sums["entropy"] / tokens, "grad_norm": sum(grad_norms) / len(grad_norms),
+        "loss": loss_sum,
+        "clip/low": clip_low / tokens, "clip/high": clip_high / tokens, "clip/dual": dual / tokens,
+        "ratio/mean": ratio / tokens, "ratio/min": float(extremes[0]) if math.isfinite(extremes[0]) else None,
+        "ratio/max": -float(extremes[1]) if math.isfinite(extremes[1]) else None,
+        "entropy": entropy / tokens, "grad_norm": sum(grad_norms) / len(grad_norms),
         "advantages/abs_mean": float(masked_mean(advantages.abs()[:, None].expand_as(mask), mask)),
     }
     if ref_logprobs is not None:
-        metrics["kl/estimate"] = sums["kl"] / tokens
-        metrics["kl/exact"] = exact[0] / exact[1] if exact[1] else None
+        metrics["kl/estimate"] = kl_sum / tokens
     return metrics
 
 

@@ -18,6 +18,7 @@ import torch
 from posttrain.algorithms import exact_kl, token_logprobs
 from posttrain.data import render_prompt
 from posttrain.data.examples import Example, Task, derived_seed
+from posttrain.distributed import World, full_weights
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task, verifier_input
 from posttrain.evaluation.stats import DivergenceAlarm
@@ -335,23 +336,37 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
 
 
 def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier, data: Data, seed: int,
-                     sampling: SamplingConfig, step: int, timer, refill_rounds: int | None = None):
+                     sampling: SamplingConfig, step: int, timer, refill_rounds: int | None = None, world: World | None = None):
     """Sample and score B prompts x G. With `refill_rounds` (DAPO dynamic sampling), groups without
     signal are dropped and replaced by fresh prompts for up to that many extra rounds (the batch may
-    stay short). Returns (rollout, examples, scores, rendered prompts, group statistics)."""
+    stay short). Under torchrun each rank samples and scores its block of each round's prompts and
+    the results are gathered, so every rank returns the same global batch (the one a single process
+    would sample) and every rank takes the same refill decisions.
+
+    Returns (rollout, examples, scores, rendered prompts, group statistics, owners), `owners` (N,)
+    long: the rank that sampled each row (the rank that trains on it)."""
+    world = world or World()
     B, G = data.prompts_per_step, data.group_size
     dynamic = refill_rounds is not None
-    parts, kept_examples, kept_rendered, verdict_parts = [], [], [], []
+    parts, kept_examples, kept_rendered, verdict_parts, owner_parts = [], [], [], [], []
     dropped = refilled = infra_errors = data_errors = 0
     wanted, rounds = B, 0
     policy.eval()
     while wanted > 0:
         examples = stream.take(wanted)
         rendered = [render_prompt(tokenizer, e.prompt_input, system_prompt=data.system_prompt) for e in examples]
+        mine = world.block(len(examples))
+        round_seed = derived_seed(seed, "rollout", str(step), str(rounds))
         with timer("generation"):
-            rollout = generate(policy, tokenizer, rendered, group_size=G, sampling=sampling, seed=derived_seed(seed, "rollout", str(step), str(rounds)))
+            rollout = generate(policy, tokenizer, rendered[mine.start:mine.stop], group_size=G, sampling=sampling,
+                               seed=round_seed, shard=(mine.start, len(examples)) if world.active else None)
         with timer("scoring"):
-            scores = score_rollout(verifier, rollout, examples)
+            scores = score_rollout(verifier, rollout, examples[mine.start:mine.stop])
+        owners = torch.arange(world.size).repeat_interleave(torch.tensor([len(b) for b in world.blocks(len(examples))]) * G)
+        if world.active:  # every rank gets the whole round, in global row order
+            gathered = world.gather((rollout, scores.verdicts))
+            rollout = merge_groups([(part, list(range(part.prompt_ids.shape[0] // G))) for part, _ in gathered if part.prompt_ids.shape[0]])
+            scores = scores_from_verdicts([verdict for _, verdicts in gathered for verdict in verdicts])
         infra_errors, data_errors = infra_errors + scores.infra_errors, data_errors + scores.data_errors
         groups = informative_groups(scores.rewards, G) if dynamic else list(range(len(examples)))
         dropped += len(examples) - len(groups)
@@ -360,13 +375,14 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
         kept_examples += [examples[g] for g in groups]
         kept_rendered += [rendered[g] for g in groups]
         verdict_parts += [scores.verdicts[g * G + i] for g in groups for i in range(G)]
+        owner_parts.append(owners.view(-1, G)[groups].flatten())
         wanted, rounds = B - len(kept_examples), rounds + 1
         if not dynamic or rounds > refill_rounds:
             break
     policy.train()
     if not kept_examples:  # every group lacked signal even after refills: train on the last batch (zero advantages)
         parts, kept_examples, kept_rendered = [(rollout, list(range(len(examples))))], examples, rendered
-        verdict_parts = scores.verdicts
+        verdict_parts, owner_parts = scores.verdicts, [owners]
     merged = merge_groups(parts) if len(parts) > 1 or dynamic else rollout
     merged_scores = scores_from_verdicts(verdict_parts)
     groups = len(kept_examples)
@@ -375,4 +391,31 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
              "errors/infra": infra_errors, "errors/data": data_errors}
     if G > 1:
         stats["groups/zero_variance_fraction"] = 1 - len(informative_groups(merged_scores.rewards, G)) / groups
-    return merged, kept_examples, merged_scores, kept_rendered, stats
+    return merged, kept_examples, merged_scores, kept_rendered, stats, torch.cat(owner_parts)
+
+
+def rows_of(rollout: Rollout, rows: torch.Tensor) -> Rollout:
+    """The sub-rollout of `rows` (whole groups, in order), e.g. the rows one rank trains on."""
+    G = rollout.group_size
+    return dataclasses.replace(
+        rollout, prompt_ids=rollout.prompt_ids[rows], prompt_attention_mask=rollout.prompt_attention_mask[rows],
+        completion_ids=rollout.completion_ids[rows], mask=rollout.mask[rows],
+        sampler_logprobs=rollout.sampler_logprobs[rows], logprobs=rollout.logprobs[rows],
+        finished=rollout.finished[rows], truncated=rollout.truncated[rows],
+        texts=[rollout.texts[i] for i in rows.tolist()], prompt_index=torch.arange(len(rows) // G).repeat_interleave(G),
+    )
+
+
+def rank_logprobs(model, rollout: Rollout, owners: torch.Tensor, world: World, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """(N, T) log-probs of every sampled token under `model` (no grad): each rank computes the rows
+    it owns and the pieces are summed across ranks; in one process simply `logprobs_of`. An
+    FSDP2-sharded model is made whole for the pass, so ranks need not run equally many forwards."""
+    if not world.active:
+        return logprobs_of(model, rollout, rollout.forward_inputs(), temperature, micro_batch_size)
+    mine = (owners == world.rank).nonzero().squeeze(1)
+    full = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)
+    with full_weights(model):
+        if len(mine):
+            part = rows_of(rollout, mine)
+            full[mine] = logprobs_of(model, part, part.forward_inputs(), temperature, micro_batch_size)
+    return world.reduce(full)

@@ -193,7 +193,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     for step in progress:
         done, timer, metrics = step + 1, Timer(), {}
         # 1-2. Sample B prompts x G completions and score them.
-        rollout, examples, scores, rendered, group_stats = sample_and_score(
+        rollout, examples, scores, rendered, group_stats, _ = sample_and_score(
             policy, tokenizer, stream, verifier, config.data, config.seed, sampling, step, timer
         )
         metrics.update(group_stats)

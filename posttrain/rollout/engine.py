@@ -149,7 +149,7 @@ def _run_chunk(decoder, id_lists, first, count, sampling, uniforms, eos_ids, sto
 
 def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
              seed: int = 0, max_batch_size: int = 64, backend: str = "auto",
-             add_special_tokens: bool = False) -> Rollout:
+             add_special_tokens: bool = False, shard: tuple[int, int] | None = None) -> Rollout:
     """Sample ``group_size`` completions for every prompt with a KV cache; return them as a ``Rollout``.
 
     Args:
@@ -169,6 +169,9 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
             "vllm" (optional, GPU only, untested here: ``model`` is then a ``vllm.LLM``; see
             ``posttrain.rollout.vllm_backend``).
         add_special_tokens: passed to the tokenizer for string prompts (False: no BOS added).
+        shard: ``(first, total)``: these prompts are prompts ``first ..`` of a batch of ``total``
+            prompts drawn with ``seed`` (one rank's share under torchrun); each row then samples
+            exactly what it would in the whole batch.
 
     Returns:
         a ``Rollout`` with N = B * G rows; see its field docs for shapes and meanings.
@@ -190,7 +193,11 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     stops = _StopStrings(tokenizer, sampling.stop_strings) if sampling.stop_strings else None
     B, G, T = len(id_lists), group_size, sampling.max_new_tokens
     generator = torch.Generator().manual_seed(seed)
-    uniforms = torch.rand(B * G, T, generator=generator, dtype=torch.float64)  # (N, T), row-owned
+    first, total = shard if shard is not None else (0, B)
+    if first < 0 or first + B > total:
+        raise UserError(f"shard {shard} does not hold {B} prompts")
+    uniforms = torch.rand(total * G, T, generator=generator, dtype=torch.float64)  # (N, T), row-owned
+    uniforms = uniforms[first * G:(first + B) * G]
     prompts_per_chunk = max(1, max_batch_size // G)
     started = time.perf_counter()
     was_training = model.training

@@ -33,14 +33,18 @@ class RunDirectory:
     Args:
         path: the run directory.
         resume: False for a new run (the directory must be absent or empty), True to continue one.
+        writer: False on torchrun ranks other than 0: nothing is created or written (logging calls
+            do nothing); the paths still name rank 0's directory.
     """
 
-    def __init__(self, path: str | Path, resume: bool = False):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, resume: bool = False, writer: bool = True):
+        self.path, self.writer = Path(path), writer
         if resume:
             if not (self.path / "config.yaml").is_file():
                 raise UserError(f"{self.path}: not a run directory (no config.yaml) - nothing to resume")
-        elif self.path.exists() and any(self.path.iterdir()):
+        if not writer:
+            return
+        if not resume and self.path.exists() and any(self.path.iterdir()):
             raise UserError(f"{self.path}: already holds a run; pass --resume {self.path} or choose another --output-dir")
         for sub in ("checkpoints", "eval", "plots"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
@@ -59,10 +63,14 @@ class RunDirectory:
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one line `{"step": step, ...}` to metrics.jsonl (non-finite floats become null)."""
+        if not self.writer:
+            return
         _append(self.path / "metrics.jsonl", {"step": step, **metrics})
 
     def log_samples(self, step: int, rows: Iterable[dict[str, Any]]) -> None:
         """Append sample rows (prompt, completion, verdict, reason...) tagged with the step."""
+        if not self.writer:
+            return
         for row in rows:
             _append(self.path / "samples.jsonl", {"step": step, **row})
 
@@ -71,6 +79,8 @@ class RunDirectory:
 
     def truncate_logs(self, step: int) -> None:
         """Drop log lines of steps after `step` (they were written after the checkpoint we resume from)."""
+        if not self.writer:
+            return
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.path / name
             if path.is_file():
