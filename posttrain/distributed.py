@@ -115,7 +115,10 @@ class World:
             dist.barrier()
 
     def close(self) -> None:
+        """Leave the job: wait for every rank, then destroy the process group. Drop DDP wrappers
+        first (their destructors talk to the group)."""
         if self.active and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
 
@@ -152,8 +155,9 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 def wrap(model, world: World):
     """The module to train through: the model itself (one process), DDP around it, or the model
-    sharded in place with FSDP2 (each decoder layer, then the root). Generation and evaluation use
-    the plain model (`unwrap`); under FSDP2 inside `full_weights(model)`."""
+    sharded in place with FSDP2 (each decoder layer, then the root: `model.sharding_root` when the
+    model is a parameter-free wrapper). Generation and evaluation use the plain model; under FSDP2
+    inside `full_weights(model)`."""
     if not world.active:
         return model
     if world.strategy == "ddp":
@@ -163,9 +167,10 @@ def wrap(model, world: World):
         return DistributedDataParallel(model, device_ids=device_ids)
     from torch.distributed.fsdp import fully_shard
 
-    for layer in decoder_layers(model):
+    root = getattr(model, "sharding_root", model)
+    for layer in decoder_layers(root):
         fully_shard(layer)
-    fully_shard(model)
+    fully_shard(root)
     return model
 
 

@@ -16,7 +16,7 @@ from posttrain.config import build_config, parse_overrides
 from posttrain.errors import UserError
 from posttrain.distributed import World
 from posttrain.recipes import grpo
-from posttrain.recipes.online import logprobs_of
+from posttrain.recipes.online import CompletionForward, logprobs_of
 from posttrain.recipes.common import make_optimizer
 from posttrain.rollout import generate
 from posttrain.models import load_model
@@ -93,7 +93,7 @@ def test_micro_batch_split_gives_the_same_update(tmp_path):
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         config.optim.max_grad_norm = None
-        metrics = grpo.update_policy(model, optimizer, scheduler, rollout, inputs, rollout.mask, advantages, None,
+        metrics = grpo.update_policy(CompletionForward(model), optimizer, scheduler, rollout, inputs, rollout.mask, advantages, None,
                                      ref_logprobs, torch.zeros(8, dtype=torch.long), World(), config, step=0)
         results.append((weights(model), metrics["loss"]))
     for other, loss in results[1:]:

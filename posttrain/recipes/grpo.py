@@ -34,7 +34,7 @@ from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
-    Acceptance, Data, PromptStream, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, make_verifier,
+    Acceptance, CompletionForward, Data, PromptStream, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, make_verifier,
     rank_logprobs, rollout_metrics, sample_and_score, sample_rows, section_dict, token_entropy,
 )
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
@@ -172,7 +172,10 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world)  # the frozen copy sharded like the policy
-    trainer = wrap(policy, world)  # what forward/backward goes through (DDP / FSDP2 / the policy itself)
+    # What forward/backward goes through: one call = completion logits of some rows (DDP, FSDP2 or
+    # the policy itself). FSDP2 pairs every model call across ranks, so it skips the shared-prefix
+    # forward, whose number of model calls depends on the rows.
+    trainer = wrap(CompletionForward(policy, shared_prefix=not (world.active and world.strategy == "fsdp2")), world)
     run_dir = RunDirectory(config.output_dir or default_output_dir("grpo", world), resume=resume, writer=world.main)
     config.output_dir = str(run_dir.path)
     if world.main:
@@ -250,6 +253,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
             })
     if world.main:
         write_run_card(run_dir.path, card)
+    del trainer
     world.close()
     return run_dir.path
 
@@ -309,7 +313,7 @@ def update_policy(trainer, optimizer, scheduler, rollout, inputs, mask, advantag
                 weight = 1.0 if len(rows) else 0.0
                 rows = rows if len(rows) else mini[:1]  # a zero-weight stand-in keeps the ranks' collectives paired
                 with gradient_sync(trainer, micro == micro_count - 1):
-                    _, logits = completion_logits(trainer, inputs, rows, P, T)
+                    logits = trainer(inputs, rows, P, T)
                     logprobs = token_logprobs(logits, rollout.completion_ids[rows], temperature)
                     old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()
                     per_token, stats = clipped_surrogate(logprobs, old, advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)

@@ -183,11 +183,12 @@ def scores_from_verdicts(verdicts: Sequence[Verdict]) -> Scores:
     )
 
 
-def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, **extra):
+def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, shared_prefix: bool = True, **extra):
     """Forward prompt + completion rows; returns the model output and the logits (n, T, V) whose
     position t scores completion token t (see `Rollout.forward_inputs`). Without `extra`, a supported
-    model runs `shared_prefix_logits` (each distinct prompt once) and the output is None."""
-    if not extra:
+    model runs `shared_prefix_logits` (each distinct prompt once) and the output is None, unless
+    `shared_prefix` is False (one plain model call, whatever the rows)."""
+    if not extra and shared_prefix:
         logits = shared_prefix_logits(model, inputs, rows, prompt_width, T)
         if logits is not None:
             return None, logits
@@ -196,6 +197,24 @@ def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width
         position_ids=inputs["position_ids"][rows], **extra,
     )
     return output, output.logits[:, prompt_width - 1 : prompt_width - 1 + T]
+
+
+class CompletionForward(torch.nn.Module):
+    """The policy as DDP / FSDP2 see it in training: one forward = `completion_logits` of some rows,
+    so the shared-prefix forward's two model calls count as one forward (DDP syncs per forward).
+    `forward(inputs, rows, prompt_width, T)` returns the (n, T, V) logits."""
+
+    def __init__(self, model, shared_prefix: bool = True):
+        super().__init__()
+        self.model, self.shared_prefix = model, shared_prefix
+
+    @property
+    def sharding_root(self):
+        """FSDP2 shards the policy itself (this wrapper holds no parameters of its own)."""
+        return self.model
+
+    def forward(self, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int) -> torch.Tensor:
+        return completion_logits(self.model, inputs, rows, prompt_width, T, shared_prefix=self.shared_prefix)[1]
 
 
 @torch.no_grad()
@@ -357,15 +376,17 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
         rendered = [render_prompt(tokenizer, e.prompt_input, system_prompt=data.system_prompt) for e in examples]
         mine = world.block(len(examples))
         round_seed = derived_seed(seed, "rollout", str(step), str(rounds))
-        with timer("generation"):
-            rollout = generate(policy, tokenizer, rendered[mine.start:mine.stop], group_size=G, sampling=sampling,
-                               seed=round_seed, shard=(mine.start, len(examples)) if world.active else None)
-        with timer("scoring"):
-            scores = score_rollout(verifier, rollout, examples[mine.start:mine.stop])
+        rollout = scores = None
+        if len(mine):  # a short refill round may leave a rank nothing to sample
+            with timer("generation"):
+                rollout = generate(policy, tokenizer, rendered[mine.start:mine.stop], group_size=G, sampling=sampling,
+                                   seed=round_seed, shard=(mine.start, len(examples)) if world.active else None)
+            with timer("scoring"):
+                scores = score_rollout(verifier, rollout, examples[mine.start:mine.stop])
         owners = torch.arange(world.size).repeat_interleave(torch.tensor([len(b) for b in world.blocks(len(examples))]) * G)
         if world.active:  # every rank gets the whole round, in global row order
-            gathered = world.gather((rollout, scores.verdicts))
-            rollout = merge_groups([(part, list(range(part.prompt_ids.shape[0] // G))) for part, _ in gathered if part.prompt_ids.shape[0]])
+            gathered = [part for part in world.gather((rollout, scores.verdicts if scores else [])) if part[0] is not None]
+            rollout = merge_groups([(part, list(range(part.prompt_ids.shape[0] // G))) for part, _ in gathered])
             scores = scores_from_verdicts([verdict for _, verdicts in gathered for verdict in verdicts])
         infra_errors, data_errors = infra_errors + scores.infra_errors, data_errors + scores.data_errors
         groups = informative_groups(scores.rewards, G) if dynamic else list(range(len(examples)))

@@ -1,0 +1,125 @@
+"""torchrun on CPU (gloo), tiny model: 2 processes give the steps of 1 process with the same global
+batch and seed (losses and parameters), for DDP and FSDP2; a 2-process run resumes (with 2 or 1
+processes); a rank that dies ends the job instead of hanging it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPO = [
+    "grpo", "--data.eval_size", "8", "--data.train_size", "200", "--data.prompts_per_step", "4", "--data.group_size", "4",
+    "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", "1e-3", "--loss.kl_beta", "0.05",
+    "--reward", "callable:rewards_for_tests.digits", "--seed", "5", "--acceptance.eval_every", "2",
+]
+# Uneven shares: refilled groups land on whichever rank sampled them, mini-batches mix ranks' rows.
+GRPO_UNEVEN = ["--loss.dynamic_sampling", "true", "--loss.advantage_scale", "batch", "--update.mini_batches", "2",
+               "--update.micro_batch_size", "3"]
+TIMINGS = ("seconds/", "tokens_per_second")
+
+
+def env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+
+
+def launch(args: list[str], processes: int) -> list[str]:
+    if processes == 1:
+        return [sys.executable, "-m", "posttrain", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+            "-m", "posttrain", *args]
+
+
+def run(args: list[str], processes: int, timeout: int = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(launch(args, processes), env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(TIMINGS)} for row in rows]
+
+
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step-{step:06d}" / "model" / "model.safetensors")
+
+
+def assert_same_run(a: Path, b: Path, step: int, atol: float = 5e-5) -> None:
+    """Per-step loss to 1e-5 and the same rewards; parameters after `step` steps to `atol` (Adam
+    turns float-rounding differences of near-zero gradients into steps up to lr in size, so the
+    parameter tolerance is a small fraction of lr = 1e-3, not 1e-7)."""
+    rows_a, rows_b = metrics(a), metrics(b)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b], "rank 0 alone writes: one line per step"
+    for row_a, row_b in zip(rows_a, rows_b):
+        for key in ("loss", "reward/mean", "heldout/pass@1", "groups/trained", "groups/dropped", "length/mean"):
+            if row_a.get(key) is None:
+                assert row_b.get(key) is None, key
+            else:
+                assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), (row_a["step"], key)
+    weights_a, weights_b = final_weights(a, step), final_weights(b, step)
+    assert set(weights_a) == set(weights_b)
+    for name, value in weights_a.items():
+        assert torch.allclose(weights_b[name], value, atol=atol), (name, float((weights_b[name] - value).abs().max()))
+
+
+@pytest.mark.parametrize("strategy, extra", [("ddp", GRPO_UNEVEN), ("fsdp2", [])], ids=["ddp-uneven", "fsdp2"])
+def test_grpo_two_processes_equal_one(tmp_path, strategy, extra):
+    args = [*GRPO, *extra, "--max-steps", "3"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    result = run([*args, "--parallel.strategy", strategy, "--output-dir", str(tmp_path / "two")], 2)
+    assert result.stdout.count("results:") == 1, "only rank 0 prints"
+    assert_same_run(tmp_path / "one", tmp_path / "two", 3)
+    samples = lambda d: (d / "samples.jsonl").read_text()  # noqa: E731
+    assert samples(tmp_path / "one") == samples(tmp_path / "two")
+    card = json.loads((tmp_path / "two" / "run_card.json").read_text())
+    assert card["run"]["world_size"] == 2
+
+
+def test_two_process_run_resumes_with_two_or_one(tmp_path):
+    """Stopped after step 2 of 4, resumed: the same steps as an uninterrupted 2-process run; the
+    2-process checkpoint also resumes in one process (a step does not depend on the world size)."""
+    args = [*GRPO, "--checkpoint-every", "1"]
+    run([*args, "--max-steps", "4", "--output-dir", str(tmp_path / "straight")], 2)
+    run([*args, "--max-steps", "2", "--output-dir", str(tmp_path / "stopped")], 2)
+    subprocess.run(["cp", "-r", str(tmp_path / "stopped"), str(tmp_path / "stopped-1")], check=True)
+    run(["grpo", "--resume", str(tmp_path / "stopped"), "--max-steps", "4"], 2)
+    assert_same_run(tmp_path / "straight", tmp_path / "stopped", 4, atol=1e-6)
+    result = run(["grpo", "--resume", str(tmp_path / "stopped-1"), "--max-steps", "4"], 1)
+    assert "saved by 2 process(es), resumed by 1" in result.stderr
+    assert_same_run(tmp_path / "straight", tmp_path / "stopped-1", 4)
+
+
+def test_a_dead_rank_ends_the_job(tmp_path):
+    """SIGKILL one worker mid-run: torchrun stops the other and exits non-zero naming the failure."""
+    out = tmp_path / "run"
+    process = subprocess.Popen(launch([*GRPO, "--max-steps", "500", "--output-dir", str(out)], 2), env=env(), cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len((out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []) < 2:
+        time.sleep(0.2)
+    victim = None
+    for pid in os.listdir("/proc"):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"RANK=1" in environ and str(out).encode() in cmdline:
+            victim = int(pid)
+    assert victim is not None, "rank 1 not found"
+    os.kill(victim, signal.SIGKILL)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("the job hung after a rank died")
+    assert process.returncode != 0
+    assert "Signal 9 (SIGKILL)" in stderr or "exitcode" in stderr, stderr[-2000:]
