@@ -123,3 +123,18 @@ def test_a_dead_rank_ends_the_job(tmp_path):
         pytest.fail("the job hung after a rank died")
     assert process.returncode != 0
     assert "Signal 9 (SIGKILL)" in stderr or "exitcode" in stderr, stderr[-2000:]
+
+
+SFT = ["sft", "--train_size", "200", "--eval_size", "8", "--max_new_tokens", "6", "--seed", "3", "--eval_every", "2",
+       "--optim.warmup_steps", "0"]
+
+
+@pytest.mark.parametrize("strategy, extra", [
+    ("ddp", ["--batch_size", "3", "--micro_batch_size", "1"]),  # blocks of 2 and 1 rows: rank 1 runs a zero-weight micro-batch
+    ("fsdp2", ["--batch_size", "8", "--micro_batch_size", "4"]),
+], ids=["ddp-uneven", "fsdp2"])
+def test_sft_two_processes_equal_one(tmp_path, strategy, extra):
+    args = [*SFT, *extra, "--max-steps", "3"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    run([*args, "--parallel.strategy", strategy, "--output-dir", str(tmp_path / "two")], 2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", 3)

@@ -24,6 +24,7 @@ from posttrain.config import save_yaml, to_dict
 from posttrain.data import tokenize_prompt_response
 from posttrain.data.examples import Example
 from posttrain.data.tasks import load_splits
+from posttrain.distributed import Parallel, full_weights, gradient_sync, init_world, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.models import load_model
@@ -62,6 +63,8 @@ class Config:
     """Examples per forward/backward (gradient accumulation when smaller; same gradient)."""
     optim: Optimization = dataclasses.field(default_factory=lambda: Optimization(lr=1e-3, warmup_steps=20))
     """Optimizer and schedule."""
+    parallel: Parallel = dataclasses.field(default_factory=Parallel)
+    """Under torchrun: DDP or FSDP2 (see posttrain/distributed.py); ignored in one process."""
     max_steps: int = 200
     """Optimizer steps."""
     eval_every: int = 0
@@ -81,6 +84,7 @@ class Config:
 
     def validate(self) -> None:
         self.optim.validate()
+        self.parallel.validate()
         for name in ("train_size", "eval_size", "batch_size", "micro_batch_size", "max_steps", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -112,6 +116,8 @@ def sft_loss(model, batch, rows: slice, global_tokens: torch.Tensor) -> torch.Te
 def run(config: Config, resume: bool = False) -> Path:
     """Train; returns the run directory."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
+    config.validate()
+    world = init_world(config.parallel)
     seed_everything(config.seed)
     model, tokenizer = load_model(config.model)
     train, held_out = load_splits(
@@ -121,13 +127,15 @@ def run(config: Config, resume: bool = False) -> Path:
     missing = [e.id for e in train.examples if e.answer is None]
     if missing:
         raise UserError(f"task {config.task}: example {missing[0]} has no answer to train on")
-    output_dir = config.output_dir or default_output_dir("sft")
-    run_dir = RunDirectory(output_dir, resume=resume)
+    output_dir = config.output_dir or default_output_dir("sft", world)
+    run_dir = RunDirectory(output_dir, resume=resume, writer=world.main)
     config.output_dir = str(run_dir.path)
-    save_yaml(config, run_dir.path / "config.yaml")
+    if world.main:
+        save_yaml(config, run_dir.path / "config.yaml")
 
-    optimizer, scheduler = make_optimizer(model.parameters(), config.optim, config.max_steps)
-    start_step = restore_training(run_dir, model, optimizer, scheduler)["step"] if resume else 0
+    trainer = wrap(model, world)  # DDP, FSDP2 (in place) or the model itself
+    optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
+    start_step = restore_training(run_dir, model, optimizer, scheduler, world=world)["step"] if resume else 0
     card = new_card("sft", config.seed, config=to_dict(config))
     card["links"]["data"] = {
         "task": config.task, "options": config.task_options, "train_examples": len(train),
@@ -137,10 +145,12 @@ def run(config: Config, resume: bool = False) -> Path:
     card["links"]["reward"] = {"kind": "none (imitation of gold answers)"}
     card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True}
     card["links"]["acceptance"] = {"heldout": f"{config.task} eval split", "checker": config.checker or "task default (strict)"}
-    write_run_card(run_dir.path, card)
+    card["run"]["world_size"] = world.size
+    if world.main:
+        write_run_card(run_dir.path, card)
 
     model.train()
-    progress = tqdm(range(start_step, config.max_steps), desc="sft", initial=start_step, total=config.max_steps)
+    progress = tqdm(range(start_step, config.max_steps), desc="sft", initial=start_step, total=config.max_steps, disable=not world.main)
     for step in progress:
         started = time.perf_counter()
         # 1. The next batch of the seeded data stream.
@@ -150,16 +160,24 @@ def run(config: Config, resume: bool = False) -> Path:
             [config.response_template.format(answer=e.answer) for e in examples],
             system_prompt=config.system_prompt,
         )
-        # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens.
+        # 2. Forward/backward per micro-batch of this rank's block, normalised by the whole batch's
+        #    tokens; every rank runs as many micro-batches (a short rank a zero-weight one).
         timer = Timer()
         global_tokens = batch.mask[:, 1:].sum()
-        total_loss = 0.0
+        total_loss = torch.zeros(1, dtype=torch.float64)
+        mine = world.block(len(examples))
+        micro_count = max(-(-len(block) // config.micro_batch_size) for block in world.blocks(len(examples)))
         with timer("train"):
-            for start in range(0, len(examples), config.micro_batch_size):
-                loss = sft_loss(model, batch, slice(start, start + config.micro_batch_size), global_tokens)
-                loss.backward()
-                total_loss += loss.item()
-            grad_norm = clip_and_step(model.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+            for micro in range(micro_count):
+                start = mine.start + micro * config.micro_batch_size
+                rows = slice(start, min(start + config.micro_batch_size, mine.stop))
+                weight = 1.0 if rows.stop > rows.start else 0.0
+                with gradient_sync(trainer, micro == micro_count - 1):
+                    loss = sft_loss(trainer, batch, rows if weight else slice(0, 1), global_tokens)
+                    (loss * weight * world.size).backward()  # DDP / FSDP2 average over ranks
+                total_loss += weight * loss.item()
+            grad_norm = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+        total_loss = float(world.reduce(total_loss))
         # 3. Log; evaluate and checkpoint on schedule.
         done = step + 1
         metrics = {
@@ -168,13 +186,19 @@ def run(config: Config, resume: bool = False) -> Path:
             "seconds/train": timer.seconds.get("train", 0.0),
         }
         if (config.eval_every and done % config.eval_every == 0) or done == config.max_steps:
-            metrics.update(evaluate_and_plot(model, tokenizer, held_out, config, run_dir, done))
+            with full_weights(model):  # rank 0 evaluates; under FSDP2 the others lend their shards
+                if world.main:
+                    metrics.update(evaluate_and_plot(model, tokenizer, held_out, config, run_dir, done))
+            world.barrier()
             model.train()
         run_dir.log_metrics(done, metrics)
         progress.set_postfix(loss=f"{total_loss:.3f}")
         if done % config.checkpoint_every == 0 or done == config.max_steps:
-            save_training(run_dir, done, model, tokenizer, optimizer, scheduler)
-    write_run_card(run_dir.path, card)
+            save_training(run_dir, done, model, tokenizer, optimizer, scheduler, world=world)
+    if world.main:
+        write_run_card(run_dir.path, card)
+    del trainer
+    world.close()
     return run_dir.path
 
 
