@@ -171,6 +171,9 @@ def wrap(model, world: World):
     for layer in decoder_layers(root):
         fully_shard(layer)
     fully_shard(root)
+    # Settle which unit is the root now: code that calls the decoder directly (DPO's response-only
+    # LM head) would otherwise make a layer the root on its first forward.
+    root._get_fsdp_state()._lazy_init()
     return model
 
 
@@ -190,18 +193,28 @@ def full_weights(model):
     """Make every parameter of an FSDP2-sharded `model` whole on every rank for the duration (for
     generation with the rollout engine, which reads weights directly). Every rank must enter it.
     A no-op for DDP and one process."""
+    model = getattr(model, "model", model) if model is not None and not isinstance(model, torch.nn.Module) else model
     if not is_sharded(model):
         yield model
         return
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
+    order = model._get_fsdp_state()._comm_ctx.post_forward_order
+    marks = len(order), [len(group._post_forward_indices) for group in groups]
     for unit in units:  # kept whole through forwards, so a forward needs no collective
         unit.set_reshard_after_forward(False)
         unit.unshard()
     try:
         yield model
     finally:
+        # FSDP2 records every forward's order to prefetch in the next backward; forwards in here may
+        # run on some ranks only (rank 0's evaluation), so forget them or the ranks' backward
+        # collectives would pair up out of order (private state of torch 2.13's fully_shard).
+        del order[marks[0]:]
+        for group, mark in zip(groups, marks[1]):
+            del group._post_forward_indices[mark:]
         for unit in units:
             unit.reshard()
             unit.set_reshard_after_forward(True)

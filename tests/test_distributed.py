@@ -19,6 +19,7 @@ GRPO = [
     "grpo", "--data.eval_size", "8", "--data.train_size", "200", "--data.prompts_per_step", "4", "--data.group_size", "4",
     "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", "1e-3", "--loss.kl_beta", "0.05",
     "--reward", "callable:rewards_for_tests.digits", "--seed", "5", "--acceptance.eval_every", "2",
+    "--parallel.timeout_seconds", "120",  # a test that deadlocks fails in minutes, not in half an hour
 ]
 # Uneven shares: refilled groups land on whichever rank sampled them, mini-batches mix ranks' rows.
 GRPO_UNEVEN = ["--loss.dynamic_sampling", "true", "--loss.advantage_scale", "batch", "--update.mini_batches", "2",
@@ -126,7 +127,7 @@ def test_a_dead_rank_ends_the_job(tmp_path):
 
 
 SFT = ["sft", "--train_size", "200", "--eval_size", "8", "--max_new_tokens", "6", "--seed", "3", "--eval_every", "2",
-       "--optim.warmup_steps", "0"]
+       "--optim.warmup_steps", "0", "--parallel.timeout_seconds", "120"]
 
 
 @pytest.mark.parametrize("strategy, extra", [
@@ -138,3 +139,28 @@ def test_sft_two_processes_equal_one(tmp_path, strategy, extra):
     run([*args, "--output-dir", str(tmp_path / "one")], 1)
     run([*args, "--parallel.strategy", strategy, "--output-dir", str(tmp_path / "two")], 2)
     assert_same_run(tmp_path / "one", tmp_path / "two", 3)
+
+
+def dpo_args(tmp_path) -> list[str]:
+    from tests.test_dpo import arithmetic_pairs, write_pairs
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", arithmetic_pairs(24))
+    return ["dpo", "--data.pairs", str(pairs), "--data.heldout_pairs", "4", "--optim.lr", "1e-3", "--seed", "2",
+            "--acceptance.eval_every", "2", "--parallel.timeout_seconds", "120"]
+
+
+@pytest.mark.parametrize("strategy, extra", [
+    ("ddp", ["--batch_size", "5", "--micro_batch_size", "1"]),  # blocks of 3 and 2 pairs: a zero-weight micro-batch
+    ("ddp", ["--batch_size", "4", "--micro_batch_size", "2", "--loss.reference", "precomputed"]),
+    ("fsdp2", ["--batch_size", "4", "--micro_batch_size", "2", "--loss.nll_weight", "0.5"]),
+], ids=["ddp-uneven", "ddp-precomputed", "fsdp2"])
+def test_dpo_two_processes_equal_one(tmp_path, strategy, extra):
+    args = [*dpo_args(tmp_path), *extra, "--max-steps", "3"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    run([*args, "--parallel.strategy", strategy, "--output-dir", str(tmp_path / "two")], 2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", 3)
+    for key in ("rewards/accuracy", "rewards/margins", "logratio/chosen", "heldout/preference_accuracy"):
+        for row_a, row_b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two")):
+            if row_a.get(key) is None or (key == "rewards/accuracy" and row_a["step"] == 1):
+                continue  # step 1: policy == reference, every margin is 0 and a tie's accuracy is rounding
+            assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), (row_a["step"], key)

@@ -30,6 +30,7 @@ from posttrain.algorithms import PREFERENCE_LOSSES, length_normalized_dpo_loss
 from posttrain.config import save_yaml
 from posttrain.data import PreferenceBatch, TruncationPolicy
 from posttrain.data.examples import derived_seed
+from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
@@ -142,6 +143,8 @@ class Config:
     """Pairs per forward/backward (2x rows: chosen and rejected together); same gradient when smaller."""
     optim: Optimization = field(default_factory=lambda: Optimization(lr=5e-6))
     """Optimizer and schedule."""
+    parallel: Parallel = field(default_factory=Parallel)
+    """Under torchrun: DDP or FSDP2 (see posttrain/distributed.py); ignored in one process."""
     max_steps: int = 100
     """Optimizer steps."""
     checkpoint_every: int = 50
@@ -153,6 +156,7 @@ class Config:
 
     def validate(self) -> None:
         self.optim.validate()
+        self.parallel.validate()
         loss = self.loss
         if not self.data.pairs:
             raise UserError("data.pairs: give the preference JSONL to train on (--data.pairs FILE)")
@@ -216,6 +220,7 @@ def run(config: Config, resume: bool = False) -> Path:
     """Train; returns the run directory."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
     config.validate()
+    world = init_world(config.parallel)
     seed_everything(config.seed)
     policy, tokenizer = load_model(config.model)
     if config.lora_rank:
@@ -230,31 +235,51 @@ def run(config: Config, resume: bool = False) -> Path:
         data_stats["removed_heldout_task_overlap"] = before - len(train)
         if not train:
             raise UserError(f"{config.data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
-    run_dir = RunDirectory(config.output_dir or default_output_dir("dpo"), resume=resume)
+    run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main)
     config.output_dir = str(run_dir.path)
-    save_yaml(config, run_dir.path / "config.yaml")
+    if world.main:
+        save_yaml(config, run_dir.path / "config.yaml")
 
     # 0b. The reference: live (a frozen copy / the LoRA base), or precomputed once and cached.
     reference, cached = None, None
     if config.loss.reference == "precomputed":
-        cached = cached_reference(run_dir, policy, tokenizer, train, held_pairs, config)
+        cached = cached_reference(run_dir, policy, tokenizer, train, held_pairs, config, world)
     else:
         reference = make_reference(policy)
-    optimizer, scheduler = make_optimizer(policy.parameters(), config.optim, config.max_steps)
+    sharded = world.active and world.strategy == "fsdp2"
+    # The frozen copy sharded like the policy; made whole (by every rank) around each use.
+    frozen = reference.model if reference is not None and not reference.adapter_disabled else None
+    if frozen is not None and sharded:
+        wrap(frozen, world)
+    # What forward/backward goes through: one call = pair log-probs of some rows (DDP, FSDP2 or the
+    # policy itself); FSDP2 takes the plain forward so the root's shards are gathered.
+    trainer = wrap(PairForward(policy, full_forward=sharded), world)
+    optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
     refreshing = bool(config.loss.reference_refresh_every)
     extra_models = {"reference": reference.model} if refreshing else None  # a refreshed reference is state
-    state = restore_training(run_dir, policy, optimizer, scheduler, extra_models) if resume else {"step": 0}
+    state = restore_training(run_dir, policy, optimizer, scheduler, extra_models, world=world) if resume else {"step": 0}
     alarm = DisplacementAlarm(config.acceptance.displacement_threshold, config.acceptance.alarm_window,
                               state.get("alarm_history"), state.get("alarm_rings"))
     card = make_card(config, train, held_pairs, data_stats, provenance, task_spec, reference)
     card["run"]["reference_refreshed_at"] = state.get("reference_refreshed_at", [])
     card["alarms"] = list(alarm.rings)
-    write_run_card(run_dir.path, card)
+    card["run"]["world_size"] = world.size
 
+    def write_card() -> None:
+        if world.main:
+            write_run_card(run_dir.path, card)
+
+    def evaluate_on_rank0(step: int) -> dict:
+        with full_weights(policy), full_weights(frozen):
+            metrics = evaluate(policy, reference, cached, tokenizer, held_pairs, held_task, config, run_dir, step) if world.main else {}
+        world.barrier()
+        return metrics
+
+    write_card()
     if state["step"] == 0:
-        run_dir.log_metrics(0, evaluate(policy, reference, cached, tokenizer, held_pairs, held_task, config, run_dir, 0))
+        run_dir.log_metrics(0, evaluate_on_rank0(0))
     policy.train()
-    progress = tqdm(range(state["step"], config.max_steps), desc="dpo", initial=state["step"], total=config.max_steps)
+    progress = tqdm(range(state["step"], config.max_steps), desc="dpo", initial=state["step"], total=config.max_steps, disable=not world.main)
     for step in progress:
         done, timer, started = step + 1, Timer(), time.perf_counter()
         # 1. The next batch of the seeded pair stream.
@@ -263,61 +288,93 @@ def run(config: Config, resume: bool = False) -> Path:
         # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
         with timer("train"):
             ref = cached["train"][indices] if cached is not None else None
-            metrics = train_step(policy, reference, ref, batch, config)
-            metrics["grad_norm"] = clip_and_step(policy.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+            with full_weights(frozen):
+                metrics = train_step(trainer, reference, ref, batch, config, world)
+            metrics["grad_norm"] = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
         # 4. Log, alarm, refresh, evaluate, checkpoint.
         message = alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"])
         if message:
             logger.warning(message)
             card["alarms"] = list(alarm.rings)
-            write_run_card(run_dir.path, card)
+            write_card()
         if refreshing and done % config.loss.reference_refresh_every == 0:
             reference.refresh(policy)
             card["run"]["reference_refreshed_at"].append(done)
-            write_run_card(run_dir.path, card)
+            write_card()
         tokens = int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum())
         metrics.update({
             "lr": scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},
             "tokens_per_second": tokens / (time.perf_counter() - started),
         })
         if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
-            metrics.update(evaluate(policy, reference, cached, tokenizer, held_pairs, held_task, config, run_dir, done))
+            metrics.update(evaluate_on_rank0(done))
         run_dir.log_metrics(done, metrics)
-        if any(key.startswith("heldout/") for key in metrics):
+        if any(key.startswith("heldout/") for key in metrics) and world.main:
             plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
         progress.set_postfix(loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
         if done % config.checkpoint_every == 0 or done == config.max_steps:
-            save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=extra_models, extra_state={
+            save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=extra_models, world=world, extra_state={
                 "alarm_history": alarm.history, "alarm_rings": alarm.rings,
                 "reference_refreshed_at": card["run"]["reference_refreshed_at"],
             })
-    write_run_card(run_dir.path, card)
+    write_card()
+    del trainer
+    world.close()
     return run_dir.path
 
 
-def train_step(policy, reference, ref: torch.Tensor | None, batch: PreferenceBatch, config: Config) -> dict[str, float]:
+class PairForward(torch.nn.Module):
+    """The policy as DDP / FSDP2 see it in training: one forward = `pair_logprobs` of some rows."""
+
+    def __init__(self, model, full_forward: bool = False):
+        super().__init__()
+        self.model, self.full_forward = model, full_forward
+
+    @property
+    def sharding_root(self):
+        """FSDP2 shards the policy itself (this wrapper holds no parameters of its own)."""
+        return self.model
+
+    def forward(self, batch: PreferenceBatch, rows: slice) -> PairLogprobs:
+        return pair_logprobs(self.model, batch, rows, full_forward=self.full_forward)
+
+
+def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBatch, config: Config, world: World | None = None) -> dict[str, float]:
     """Forward/backward over micro-batches; the loss is the batch mean of the per-pair losses plus
     nll_weight * the batch's chosen-token-mean NLL, normalised by the whole batch's counts so the
-    gradient does not depend on micro_batch_size. `ref` is (P, 2) cached reference log-probs or
-    None (then `reference` runs). Returns the step's metrics (gradients are left in the policy)."""
+    gradient does not depend on micro_batch_size or the world size. `trainer` is the policy (or a
+    `PairForward`, possibly in DDP); `ref` is (P, 2) cached reference log-probs or None (then
+    `reference` runs). Under torchrun each rank takes its block of the pairs, all ranks running as
+    many micro-batches (a short rank a zero-weight one). Returns the step's metrics over the whole
+    batch (gradients are left in the policy)."""
+    world = world or World()
     P = batch.chosen.input_ids.shape[0]
     chosen_tokens = batch.chosen.mask[:, 1:].sum().clamp(min=1)
-    parts, nll_total = [], 0.0
-    for start in range(0, P, config.micro_batch_size):
-        rows = slice(start, start + config.micro_batch_size)
+    parts, nll_total = [torch.zeros(7, 0)], torch.zeros(1, dtype=torch.float64)
+    mine, m = world.block(P), config.micro_batch_size
+    micro_count = max(-(-len(block) // m) for block in world.blocks(P))
+    for micro in range(micro_count):
+        start = mine.start + micro * m
+        rows = slice(start, min(start + m, mine.stop))
+        weight = 1.0 if rows.stop > rows.start else 0.0
+        rows = rows if weight else slice(0, 1)  # a zero-weight stand-in keeps the ranks' collectives paired
         if ref is None:
-            reference_sums = pair_logprobs(reference, batch, rows)
+            # The same LM-head path as the policy's, so policy == reference gives rewards of exactly 0.
+            reference_sums = pair_logprobs(reference, batch, rows, full_forward=getattr(unwrap(trainer), "full_forward", False))
             ref_chosen, ref_rejected = reference_sums.chosen, reference_sums.rejected
         else:
             ref_chosen, ref_rejected = ref[rows, 0], ref[rows, 1]
-        sums = pair_logprobs(policy, batch, rows)
-        losses, chosen_rewards, rejected_rewards = preference_losses(config.loss, sums, ref_chosen, ref_rejected)
-        nll = -sums.chosen.sum() / chosen_tokens  # RPO term: this micro-batch's share of the batch token mean
-        loss = losses.sum() / P + (config.loss.nll_weight * nll if config.loss.nll_weight else 0.0)
-        loss.backward()
-        nll_total += float(nll.detach())
-        parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums, ref_chosen, ref_rejected))
-    return pair_metrics(torch.cat(parts, dim=1), nll_total, config.loss.nll_weight)
+        with gradient_sync(trainer, micro == micro_count - 1):
+            sums = trainer(batch, rows) if isinstance(unwrap(trainer), PairForward) else pair_logprobs(trainer, batch, rows)
+            losses, chosen_rewards, rejected_rewards = preference_losses(config.loss, sums, ref_chosen, ref_rejected)
+            nll = -sums.chosen.sum() / chosen_tokens  # RPO term: this micro-batch's share of the batch token mean
+            loss = losses.sum() / P + (config.loss.nll_weight * nll if config.loss.nll_weight else 0.0)
+            (loss * (weight * world.size)).backward()  # DDP / FSDP2 average gradients over ranks
+        if weight:
+            nll_total += float(nll.detach())
+            parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums, ref_chosen, ref_rejected))
+    columns = torch.cat([torch.cat(parts, dim=1)] if not world.active else world.gather(torch.cat(parts, dim=1)), dim=1)
+    return pair_metrics(columns, float(world.reduce(nll_total)), config.loss.nll_weight)
 
 
 def pair_columns(losses, chosen_rewards, rejected_rewards, sums: PairLogprobs, ref_chosen, ref_rejected) -> torch.Tensor:

@@ -22,6 +22,7 @@ from posttrain.data import (
     Example, PreferenceBatch, PreferencePair, load_preference_file, position_ids_from_attention_mask, tokenize_preference_pairs,
 )
 from posttrain.data.examples import derived_seed
+from posttrain.distributed import World, full_weights
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, heldout_split
 from posttrain.models import ReferenceModel, make_reference
@@ -57,11 +58,13 @@ class PairLogprobs:
     """(P,) rejected response tokens."""
 
 
-def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None)) -> PairLogprobs:
+def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None), full_forward: bool = False) -> PairLogprobs:
     """Chosen and rejected rows of `batch` through `model` in ONE forward of (2n, L).
 
     Position ids count real tokens only, so left- and right-padded batches give the same sums.
     `model` may be a `ReferenceModel` (then no gradient is taken, adapters off for a LoRA base).
+    `full_forward`: one plain `model(...)` call (FSDP2 needs the model's own forward to gather its
+    root's shards) instead of the decoder + LM head on the response positions only.
     """
     chosen, rejected = batch.chosen, batch.rejected
     input_ids = torch.cat([chosen.input_ids[rows], rejected.input_ids[rows]])  # (2n, L)
@@ -74,12 +77,13 @@ def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None)) -> P
             sums, lengths = response_sums(model.model, input_ids, attention_mask, mask)
             model.model.train(was_training)
     else:
-        sums, lengths = response_sums(model, input_ids, attention_mask, mask)
+        sums, lengths = response_sums(model, input_ids, attention_mask, mask, full_forward)
     n = input_ids.shape[0] // 2
     return PairLogprobs(sums[:n], sums[n:], lengths[:n], lengths[n:])
 
 
-def response_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def response_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
+                  full_forward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(N,) summed response log-probs and (N,) response lengths of (N, L) rows.
 
     The LM head runs only on the K positions that predict a response token (hidden (K, H) ->
@@ -90,7 +94,7 @@ def response_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     position_ids = position_ids_from_attention_mask(attention_mask)
     config = getattr(model, "config", None)
     plain_head = not any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    if not plain_head or model.get_output_embeddings() is None:
+    if full_forward or not plain_head or model.get_output_embeddings() is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits  # (N, L, V)
         logprobs, shifted_mask = response_logprobs(logits, input_ids, mask)
         return sequence_logprobs(logprobs, shifted_mask), shifted_mask.sum(-1)
@@ -196,10 +200,12 @@ def load_pairs(tokenizer, config: Config) -> tuple[list[PreferencePair], list[Pr
     return train, held, stats
 
 
-def cached_reference(run_dir: RunDirectory, policy, tokenizer, train, held, config: Config) -> dict[str, torch.Tensor]:
+def cached_reference(run_dir: RunDirectory, policy, tokenizer, train, held, config: Config, world: World | None = None) -> dict[str, torch.Tensor]:
     """Reference log-probs of every training and held-out pair, computed once by the initial policy
     (the LoRA base with adapters off) and cached atomically in the run directory; a resumed run
-    reads the cache (its fingerprint must match the pairs)."""
+    reads the cache (its fingerprint must match the pairs). Under torchrun each rank computes its
+    block of the pairs, every rank gets the whole table, rank 0 writes it."""
+    world = world or World()
     fingerprint = hashlib.sha256(json.dumps(
         [[p.id, p.prompt, p.chosen, p.rejected] for p in train + held] + [to_dict(config.data), config.model], default=str,
     ).encode()).hexdigest()
@@ -210,11 +216,16 @@ def cached_reference(run_dir: RunDirectory, policy, tokenizer, train, held, conf
             return cache
         raise UserError(f"{path}: cached reference log-probs belong to other pairs or settings; delete it to recompute")
     model = make_reference(policy) if config.lora_rank else policy
-    cache = {
-        "train": reference_logprobs(model, tokenizer, train, config.data, config.micro_batch_size),
-        "heldout": reference_logprobs(model, tokenizer, held, config.data, config.micro_batch_size) if held else torch.zeros(0, 2),
-        "fingerprint": fingerprint,
-    }
+
+    def table(pairs):
+        mine = world.block(len(pairs))
+        with full_weights(policy):
+            part = reference_logprobs(model, tokenizer, pairs[mine.start:mine.stop], config.data, config.micro_batch_size) if len(mine) else torch.zeros(0, 2)
+        return torch.cat(world.gather(part))
+
+    cache = {"train": table(train), "heldout": table(held) if held else torch.zeros(0, 2), "fingerprint": fingerprint}
+    if not world.main:
+        return cache
     temporary = path.with_suffix(".tmp")
     torch.save(cache, temporary)
     with open(temporary, "rb") as handle:
