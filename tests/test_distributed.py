@@ -164,3 +164,11 @@ def test_dpo_two_processes_equal_one(tmp_path, strategy, extra):
             if row_a.get(key) is None or (key == "rewards/accuracy" and row_a["step"] == 1):
                 continue  # step 1: policy == reference, every margin is 0 and a tie's accuracy is rounding
             assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), (row_a["step"], key)
+
+
+def test_ppo_under_torchrun_is_refused_in_one_line(tmp_path):
+    result = subprocess.run(launch(["ppo", "--output-dir", str(tmp_path / "run")], 2), env=env(), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "ppo does not run under torchrun yet" in result.stderr
+    assert not (tmp_path / "run").exists()

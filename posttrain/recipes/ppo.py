@@ -16,6 +16,7 @@ Each step: 1. sample, 2. score, 3. values, per-token rewards, GAE, 4. update pol
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -162,6 +163,9 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     callable `fn(completion, example) -> float | Verdict`, used instead of `config.reward`."""
     # 0. Set-up: everything that can fail on bad input fails before the run directory exists.
     config.validate()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("ppo does not run under torchrun yet (its critic is not wrapped for DDP/FSDP2): "
+                        "run it as one process; grpo, dpo and sft scale out")
     seed_everything(config.seed)
     policy, tokenizer = load_model(config.model)
     if config.lora_rank:
