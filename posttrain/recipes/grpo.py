@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -199,7 +200,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     policy.train()
     progress = tqdm(range(state["step"], config.max_steps), desc="grpo", initial=state["step"], total=config.max_steps, disable=not world.main)
     for step in progress:
-        done, timer, metrics = step + 1, Timer(), {}
+        done, timer, metrics, started = step + 1, Timer(), {}, time.perf_counter()
         # 1-3. Sample B prompts x G completions, score them, keep groups with signal (refilling if asked).
         refill_rounds = config.loss.max_refill_rounds if config.loss.dynamic_sampling else None
         with full_weights(policy):
@@ -236,6 +237,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         # 5. Log, evaluate, checkpoint.
         metrics.update(rollout_metrics(rollout, scores, timer))
         metrics["lr"] = scheduler.get_last_lr()[0]
+        metrics["seconds/step"] = time.perf_counter() - started  # the whole step before evaluation and logging
         run_dir.log_samples(done, sample_rows(rollout, examples, scores, rendered, config.samples_per_step))
         if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
             metrics.update(evaluate(policy, tokenizer, held_out, config, run_dir, done, alarm, metrics["reward/mean"], world))
