@@ -19,7 +19,7 @@ COMMANDS = [
     for language, body in BLOCKS
     if language == "bash"
     for line in body.splitlines()
-    if line.strip().startswith("posttrain ")
+    if line.strip().startswith(("posttrain ", "torchrun "))
 ]
 PYTHON_BLOCKS = [body for language, body in BLOCKS if language == "python"]
 
@@ -39,9 +39,13 @@ def workdir(tmp_path_factory):
 @pytest.mark.parametrize("index", range(len(COMMANDS)), ids=[c[:60] for c in COMMANDS])
 def test_readme_command_runs(index, workdir):
     command = COMMANDS[index]
-    executable = Path(sys.executable).parent / "posttrain"
-    argv = [str(executable), *shlex.split(command.split(" #")[0])[1:]]
-    result = subprocess.run(argv, capture_output=True, text=True, cwd=workdir, timeout=900, env=os.environ.copy())
+    words = shlex.split(command.split(" #")[0])
+    if words[0] == "torchrun":  # the launcher of this interpreter's torch
+        argv = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    else:
+        argv = [str(Path(sys.executable).parent / "posttrain"), *words[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if words[0] == "torchrun" else os.environ.copy()
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=workdir, timeout=900, env=env)
     assert result.returncode == 0, f"{command}\n{result.stderr[-2000:]}"
 
 
