@@ -166,9 +166,24 @@ def test_dpo_two_processes_equal_one(tmp_path, strategy, extra):
             assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), (row_a["step"], key)
 
 
-def test_ppo_under_torchrun_is_refused_in_one_line(tmp_path):
-    result = subprocess.run(launch(["ppo", "--output-dir", str(tmp_path / "run")], 2), env=env(), cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert "ppo does not run under torchrun yet" in result.stderr
+PPO = ["ppo", *GRPO[1:], "--critic.warmup_steps", "1"]
+
+
+@pytest.mark.parametrize("share", ["true", "false"])
+def test_ppo_two_processes_equal_one(tmp_path, share):
+    """Critic warm-up at step 1, then policy and critic; uneven micro-batches (3 rows of 8 per rank)."""
+    args = [*PPO, "--critic.share_backbone", share, "--update.micro_batch_size", "3", "--max-steps", "3"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    run([*args, "--output-dir", str(tmp_path / "two")], 2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", 3)
+    for row_a, row_b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two")):
+        for key in ("value_loss", "values/mean", "returns/mean"):
+            if row_a.get(key) is not None:
+                assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), (row_a["step"], key)
+
+
+def test_ppo_with_fsdp2_is_refused_in_one_line(tmp_path):
+    result = subprocess.run(launch(["ppo", "--parallel.strategy", "fsdp2", "--output-dir", str(tmp_path / "run")], 2),
+                            env=env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "ppo under torchrun supports parallel.strategy ddp only" in result.stderr
     assert not (tmp_path / "run").exists()

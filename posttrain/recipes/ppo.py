@@ -31,6 +31,7 @@ from posttrain.algorithms import (
 from posttrain.config import save_yaml, to_dict
 from posttrain.data.examples import derived_seed
 from posttrain.data.tasks import load_splits
+from posttrain.distributed import Parallel, gradient_sync, init_world, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.stats import DivergenceAlarm
 from posttrain.models import LoraSettings, apply_lora, load_model, make_critic, make_reference
@@ -38,7 +39,7 @@ from posttrain.recipes.common import (
     Optimization, Timer, default_output_dir, lr_multiplier, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
-    Acceptance, Data, PromptStream, Sampling, evaluate_held_out, logprobs_of, make_verifier, rollout_metrics,
+    Acceptance, Data, PromptStream, Sampling, evaluate_held_out, make_verifier, rank_logprobs, rollout_metrics,
     sample_and_score, sample_rows, section_dict, token_entropy,
 )
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
@@ -126,6 +127,8 @@ class Config:
     """Policy optimizer and schedule (the critic uses critic.lr with the same schedule)."""
     acceptance: Acceptance = field(default_factory=Acceptance)
     """Link 4: held-out evaluation."""
+    parallel: Parallel = field(default_factory=Parallel)
+    """Under torchrun: DDP (FSDP2 is not supported for PPO yet); ignored in one process."""
     max_steps: int = 50
     """Training steps."""
     checkpoint_every: int = 50
@@ -140,6 +143,7 @@ class Config:
     def validate(self) -> None:
         self.data.validate(min_group_size=1)
         self.optim.validate()
+        self.parallel.validate()
         if self.loss.aggregation not in AGGREGATIONS:
             raise UserError(f"loss.aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.loss.aggregation!r}")
         if not 0 <= self.loss.gamma <= 1 or not 0 <= self.loss.lam <= 1:
@@ -163,9 +167,9 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     callable `fn(completion, example) -> float | Verdict`, used instead of `config.reward`."""
     # 0. Set-up: everything that can fail on bad input fails before the run directory exists.
     config.validate()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("ppo does not run under torchrun yet (its critic is not wrapped for DDP/FSDP2): "
-                        "run it as one process; grpo, dpo and sft scale out")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.parallel.strategy != "ddp":
+        raise UserError("ppo under torchrun supports parallel.strategy ddp only (its critic is not sharded with FSDP2)")
+    world = init_world(config.parallel)
     seed_everything(config.seed)
     policy, tokenizer = load_model(config.model)
     if config.lora_rank:
@@ -178,27 +182,32 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     verifier = make_verifier(reward, config.reward)
     verifier.prepare()
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
-    run_dir = RunDirectory(config.output_dir or default_output_dir("ppo"), resume=resume)
+    run_dir = RunDirectory(config.output_dir or default_output_dir("ppo", world), resume=resume, writer=world.main)
     config.output_dir = str(run_dir.path)
-    save_yaml(config, run_dir.path / "config.yaml")
+    if world.main:
+        save_yaml(config, run_dir.path / "config.yaml")
+    # What forward/backward goes through: one call = the logits and values of some rows (DDP or not).
+    trainer = wrap(PolicyAndCritic(policy, critic, config.critic.share_backbone), world)
     optimizer, scheduler = make_optimizers(policy, critic, config)
-    state = restore_training(run_dir, policy, optimizer, scheduler, extra_models={"critic": critic}) if resume else {"step": 0}
+    state = restore_training(run_dir, policy, optimizer, scheduler, extra_models={"critic": critic}, world=world) if resume else {"step": 0}
     stream = PromptStream(train, config.seed, state.get("stream_position", 0))
     alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=state.get("alarm_history", []))
     card = make_card(config, train, held_out, verifier, reference, reward)
-    write_run_card(run_dir.path, card)
+    card["run"]["world_size"] = world.size
+    if world.main:
+        write_run_card(run_dir.path, card)
     sampling = config.sampling.engine_config()
 
     if state["step"] == 0:
-        run_dir.log_metrics(0, evaluate_held_out(policy, tokenizer, held_out, config, run_dir, 0, alarm, None))
+        run_dir.log_metrics(0, evaluate(policy, tokenizer, held_out, config, run_dir, 0, alarm, None, world))
     policy.train()
     critic.train()
-    progress = tqdm(range(state["step"], config.max_steps), desc="ppo", initial=state["step"], total=config.max_steps)
+    progress = tqdm(range(state["step"], config.max_steps), desc="ppo", initial=state["step"], total=config.max_steps, disable=not world.main)
     for step in progress:
         done, timer, metrics = step + 1, Timer(), {}
         # 1-2. Sample B prompts x G completions and score them.
-        rollout, examples, scores, rendered, group_stats, _ = sample_and_score(
-            policy, tokenizer, stream, verifier, config.data, config.seed, sampling, step, timer
+        rollout, examples, scores, rendered, group_stats, owners = sample_and_score(
+            policy, tokenizer, stream, verifier, config.data, config.seed, sampling, step, timer, world=world
         )
         metrics.update(group_stats)
         inputs = rollout.forward_inputs()
@@ -207,9 +216,13 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         mask = rollout.mask & scored[:, None]
         # 3. Old log-probs and values, per-token rewards (KL penalty), GAE advantages and returns.
         with timer("training"):
-            old_logprobs = logprobs_of(policy, rollout, inputs, sampling.temperature, config.update.micro_batch_size)
-            ref_logprobs = logprobs_of(reference, rollout, inputs, sampling.temperature, config.update.micro_batch_size) if reference else None
-            old_values = critic_values(critic, inputs, P, T, config.update.micro_batch_size)
+            old_logprobs = rank_logprobs(policy, rollout, owners, world, sampling.temperature, config.update.micro_batch_size)
+            ref_logprobs = rank_logprobs(reference, rollout, owners, world, sampling.temperature, config.update.micro_batch_size) if reference else None
+            mine = (owners == world.rank).nonzero().squeeze(1)
+            old_values = torch.zeros(mask.shape)
+            if len(mine):
+                old_values[mine] = critic_values(critic, inputs, P, T, config.update.micro_batch_size, rows=mine)
+            old_values = world.reduce(old_values)
         sequence_rewards = torch.nan_to_num(scores.rewards, nan=0.0)
         kl = kl_estimate(old_logprobs, ref_logprobs, config.loss.kl_estimator) if ref_logprobs is not None else torch.zeros_like(old_logprobs)
         beta_in_reward = config.loss.kl_beta if config.loss.kl_placement == "reward" else 0.0
@@ -220,8 +233,8 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         # 4. Update policy and critic.
         with timer("training"):
             metrics.update(update_policy_and_critic(
-                policy, critic, optimizer, scheduler, rollout, inputs, mask, advantages, returns, old_logprobs,
-                old_values, ref_logprobs, config, step, critic_only=step < config.critic.warmup_steps,
+                trainer, optimizer, scheduler, rollout, inputs, mask, advantages, returns, old_logprobs,
+                old_values, ref_logprobs, owners, world, config, step, critic_only=step < config.critic.warmup_steps,
             ))
         # 5. Log, evaluate, checkpoint.
         metrics.update(rollout_metrics(rollout, scores, timer))
@@ -233,18 +246,48 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         })
         run_dir.log_samples(done, sample_rows(rollout, examples, scores, rendered, config.samples_per_step))
         if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
-            metrics.update(evaluate_held_out(policy, tokenizer, held_out, config, run_dir, done, alarm, metrics["reward/mean"]))
+            metrics.update(evaluate(policy, tokenizer, held_out, config, run_dir, done, alarm, metrics["reward/mean"], world))
             card["alarms"] = list(alarm.rings)
-            write_run_card(run_dir.path, card)
+            if world.main:
+                write_run_card(run_dir.path, card)
         run_dir.log_metrics(done, metrics)
-        if "heldout/pass@1" in metrics:
+        if "heldout/pass@1" in metrics and world.main:
             plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
         progress.set_postfix(reward=f"{metrics['reward/mean'] or 0:.3f}")
         if done % config.checkpoint_every == 0 or done == config.max_steps:
-            save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models={"critic": critic},
+            save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models={"critic": critic}, world=world,
                           extra_state={"stream_position": stream.position, "alarm_history": alarm.history})
-    write_run_card(run_dir.path, card)
+    if world.main:
+        write_run_card(run_dir.path, card)
+    del trainer
+    world.close()
     return run_dir.path
+
+
+class PolicyAndCritic(torch.nn.Module):
+    """Policy and critic as DDP sees them in training: one forward returns the (n, T, V) logits and
+    (n, T) values of some rows (from the policy's last hidden states through the value head when the
+    critic shares its backbone, else from the critic's own forward)."""
+
+    def __init__(self, policy, critic, share_backbone: bool):
+        super().__init__()
+        self.policy, self.critic, self.share_backbone = policy, critic, share_backbone
+
+    def forward(self, inputs, rows, P: int, T: int, detach_hidden: bool = False):
+        output = self.policy(input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
+                             position_ids=inputs["position_ids"][rows], output_hidden_states=self.share_backbone)
+        logits = output.logits[:, P - 1 : P - 1 + T]
+        if self.share_backbone:
+            hidden = output.hidden_states[-1][:, P - 1 : P - 1 + T]
+            return logits, self.critic.values_from_hidden(hidden.detach() if detach_hidden else hidden)
+        return logits, critic_values(self.critic, inputs, P, T, len(rows), rows=rows, grad=True)
+
+
+def evaluate(policy, tokenizer, held_out, config: Config, run_dir, step: int, alarm, train_reward, world) -> dict[str, Any]:
+    """Held-out acceptance on rank 0 (the others wait)."""
+    metrics = evaluate_held_out(policy, tokenizer, held_out, config, run_dir, step, alarm, train_reward) if world.main else {}
+    world.barrier()
+    return metrics
 
 
 def make_optimizers(policy, critic, config: Config):
@@ -287,16 +330,18 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1 - residual_variance / variance) if variance > 0 else None
 
 
-def update_policy_and_critic(policy, critic, optimizer, scheduler, rollout, inputs, mask, advantages, returns,
-                             old_logprobs, old_values, ref_logprobs, config: Config, step: int, critic_only: bool) -> dict[str, Any]:
+def update_policy_and_critic(trainer, optimizer, scheduler, rollout, inputs, mask, advantages, returns, old_logprobs,
+                             old_values, ref_logprobs, owners, world, config: Config, step: int, critic_only: bool) -> dict[str, Any]:
     """Step 4: total loss = policy loss + value_coef * value loss (+ beta * KL when placed in the
     loss), each aggregated with the mini-batch's global normalisers; during critic warm-up only the
-    value loss, and a shared backbone then gets no gradient (its hidden states are detached)."""
+    value loss, and a shared backbone then gets no gradient (its hidden states are detached).
+    `trainer` is a `PolicyAndCritic` (in DDP under torchrun): each rank forwards the rows of a
+    mini-batch it owns, all ranks running equally many micro-batches (a short rank a zero-weight one)."""
     loss_cfg, update, critic_cfg = config.loss, config.update, config.critic
     N, T = rollout.completion_ids.shape
     P = rollout.prompt_ids.shape[1]
     temperature = config.sampling.temperature
-    sums = {"loss": 0.0, "value_loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "value_clipped": 0.0, "ratio": 0.0, "entropy": 0.0, "tokens": 0.0}
+    sums = torch.zeros(8, dtype=torch.float64)  # loss, value loss, clip low, clip high, value clipped, ratio, entropy, tokens
     grad_norms = []
     policy_params = optimizer.param_groups[0]["params"]
     critic_params = optimizer.param_groups[1]["params"]
@@ -305,36 +350,34 @@ def update_policy_and_critic(policy, critic, optimizer, scheduler, rollout, inpu
         order = torch.randperm(N, generator=generator) if update.mini_batches > 1 else torch.arange(N)
         for mini in torch.tensor_split(order, update.mini_batches):
             global_tokens, global_sequences = mask[mini].sum(), len(mini)
-            for micro_start in range(0, len(mini), update.micro_batch_size):
-                rows = mini[micro_start : micro_start + update.micro_batch_size]
-                micro_mask = mask[rows]
-                shared = critic_cfg.share_backbone
-                output = policy(input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
-                                position_ids=inputs["position_ids"][rows], output_hidden_states=shared)
-                logits = output.logits[:, P - 1 : P - 1 + T]
-                if shared:
-                    hidden = output.hidden_states[-1][:, P - 1 : P - 1 + T]
-                    values = critic.values_from_hidden(hidden.detach() if critic_only else hidden)
-                else:
-                    values = critic_values(critic, inputs, P, T, len(rows), rows=rows, grad=True)
-                value_per_token, value_clipped = clipped_value_loss(values, old_values[rows], returns[rows], critic_cfg.value_clip)
-                value_loss = aggregate(value_per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=config.sampling.max_new_tokens)
-                loss = critic_cfg.value_coef * value_loss
-                logprobs = token_logprobs(logits, rollout.completion_ids[rows], temperature)
-                per_token, stats = clipped_surrogate(logprobs, old_logprobs[rows], advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)
-                if ref_logprobs is not None and loss_cfg.kl_placement == "loss":
-                    per_token = per_token + loss_cfg.kl_beta * kl_estimate(logprobs, ref_logprobs[rows], loss_cfg.kl_estimator)
-                if not critic_only:
-                    loss = loss + aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=config.sampling.max_new_tokens)
-                loss.backward()
+            mine = mini[owners[mini] == world.rank]
+            micro_count = max(-(-int(n) // update.micro_batch_size) for n in torch.bincount(owners[mini], minlength=world.size))
+            for micro in range(micro_count):
+                rows = mine[micro * update.micro_batch_size : (micro + 1) * update.micro_batch_size]
+                weight = 1.0 if len(rows) else 0.0
+                rows = rows if len(rows) else mini[:1]  # a zero-weight stand-in keeps the ranks' collectives paired
+                micro_mask = mask[rows] & bool(weight)
+                with gradient_sync(trainer, micro == micro_count - 1):
+                    logits, values = trainer(inputs, rows, P, T, detach_hidden=critic_only)
+                    value_per_token, value_clipped = clipped_value_loss(values, old_values[rows], returns[rows], critic_cfg.value_clip)
+                    value_loss = aggregate(value_per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=config.sampling.max_new_tokens)
+                    loss = critic_cfg.value_coef * value_loss
+                    logprobs = token_logprobs(logits, rollout.completion_ids[rows], temperature)
+                    per_token, stats = clipped_surrogate(logprobs, old_logprobs[rows], advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)
+                    if ref_logprobs is not None and loss_cfg.kl_placement == "loss":
+                        per_token = per_token + loss_cfg.kl_beta * kl_estimate(logprobs, ref_logprobs[rows], loss_cfg.kl_estimator)
+                    if not critic_only:
+                        loss = loss + aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=config.sampling.max_new_tokens)
+                    # Every parameter in the graph each backward (DDP waits for all); DDP averages over ranks.
+                    (loss * (weight * world.size) + 0.0 * logits.sum()).backward()
                 scale = update.epochs * update.mini_batches
-                sums["loss"] += float(loss.detach()) / scale
-                sums["value_loss"] += float(value_loss.detach()) / scale
-                sums["tokens"] += float(micro_mask.sum())
-                for name, key in (("clip_low", "clipped_low"), ("clip_high", "clipped_high"), ("ratio", "ratio")):
-                    sums[name] += float((stats[key].float() * micro_mask).sum())
-                sums["value_clipped"] += float((value_clipped.float() * micro_mask).sum())
-                sums["entropy"] += float((token_entropy(logits, temperature) * micro_mask).sum())
+                sums[0] += weight * float(loss.detach()) / scale
+                sums[1] += weight * float(value_loss.detach()) / scale
+                sums[7] += float(micro_mask.sum())
+                for index, key in ((2, "clipped_low"), (3, "clipped_high"), (5, "ratio")):
+                    sums[index] += float((stats[key].float() * micro_mask).sum())
+                sums[4] += float((value_clipped.float() * micro_mask).sum())
+                sums[6] += float((token_entropy(logits, temperature) * micro_mask).sum())
             if critic_only:
                 for parameter in policy_params:
                     parameter.grad = None  # AdamW skips parameters without a gradient
@@ -344,12 +387,13 @@ def update_policy_and_critic(policy, critic, optimizer, scheduler, rollout, inpu
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-    tokens = max(1.0, sums["tokens"])
+    loss_sum, value_sum, clip_low, clip_high, value_clipped, ratio, entropy, tokens = world.reduce(sums).tolist()
+    tokens = max(1.0, tokens)
     return {
-        "loss": sums["loss"], "value_loss": sums["value_loss"], "critic_only": critic_only,
-        "clip/low": sums["clip_low"] / tokens, "clip/high": sums["clip_high"] / tokens,
-        "clip/value": sums["value_clipped"] / tokens, "ratio/mean": sums["ratio"] / tokens,
-        "entropy": sums["entropy"] / tokens, "grad_norm": sum(grad_norms) / len(grad_norms),
+        "loss": loss_sum, "value_loss": value_sum, "critic_only": critic_only,
+        "clip/low": clip_low / tokens, "clip/high": clip_high / tokens,
+        "clip/value": value_clipped / tokens, "ratio/mean": ratio / tokens,
+        "entropy": entropy / tokens, "grad_norm": sum(grad_norms) / len(grad_norms),
     }
 
 
