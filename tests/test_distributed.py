@@ -132,7 +132,7 @@ SFT = ["sft", "--train_size", "200", "--eval_size", "8", "--max_new_tokens", "6"
 
 @pytest.mark.parametrize("strategy, extra", [
     ("ddp", ["--batch_size", "3", "--micro_batch_size", "1"]),  # blocks of 2 and 1 rows: rank 1 runs a zero-weight micro-batch
-    ("fsdp2", ["--batch_size", "8", "--micro_batch_size", "4"]),
+    pytest.param("fsdp2", ["--batch_size", "8", "--micro_batch_size", "4"], marks=pytest.mark.slow),
 ], ids=["ddp-uneven", "fsdp2"])
 def test_sft_two_processes_equal_one(tmp_path, strategy, extra):
     args = [*SFT, *extra, "--max-steps", "3"]
@@ -151,7 +151,7 @@ def dpo_args(tmp_path) -> list[str]:
 
 @pytest.mark.parametrize("strategy, extra", [
     ("ddp", ["--batch_size", "5", "--micro_batch_size", "1"]),  # blocks of 3 and 2 pairs: a zero-weight micro-batch
-    ("ddp", ["--batch_size", "4", "--micro_batch_size", "2", "--loss.reference", "precomputed"]),
+    pytest.param("ddp", ["--batch_size", "4", "--micro_batch_size", "2", "--loss.reference", "precomputed"], marks=pytest.mark.slow),
     ("fsdp2", ["--batch_size", "4", "--micro_batch_size", "2", "--loss.nll_weight", "0.5"]),
 ], ids=["ddp-uneven", "ddp-precomputed", "fsdp2"])
 def test_dpo_two_processes_equal_one(tmp_path, strategy, extra):
@@ -169,7 +169,7 @@ def test_dpo_two_processes_equal_one(tmp_path, strategy, extra):
 PPO = ["ppo", *GRPO[1:], "--critic.warmup_steps", "1"]
 
 
-@pytest.mark.parametrize("share", ["true", "false"])
+@pytest.mark.parametrize("share", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_ppo_two_processes_equal_one(tmp_path, share):
     """Critic warm-up at step 1, then policy and critic; uneven micro-batches (3 rows of 8 per rank)."""
     args = [*PPO, "--critic.share_backbone", share, "--update.micro_batch_size", "3", "--max-steps", "3"]
