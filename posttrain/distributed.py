@@ -124,18 +124,17 @@ class World:
 
 def init_world(parallel: Parallel | None = None) -> World:
     """Join the job torchrun started (RANK / WORLD_SIZE / MASTER_ADDR in the environment), or return
-    a world of one. Backend: NCCL with CUDA, gloo on CPU. Library logging below warnings is silenced
-    on ranks other than 0 so a run prints one log, not one per rank."""
+    a world of one. Backend: gloo (the recipes train on the CPU). Library logging below warnings is
+    silenced on ranks other than 0 so a run prints one log, not one per rank."""
     parallel = parallel or Parallel()
     parallel.validate()
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World(strategy=parallel.strategy)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_seconds))
+        # The recipes keep models and batches on the CPU (no device placement yet), so the backend is
+        # gloo even where CUDA is present: NCCL only moves CUDA tensors.
+        dist.init_process_group("gloo", timeout=timedelta(seconds=parallel.timeout_seconds))
     world = World(dist.get_rank(), dist.get_world_size(), parallel.strategy)
     if not world.main:
         logging.getLogger("posttrain").setLevel(logging.WARNING)
@@ -163,8 +162,7 @@ def wrap(model, world: World):
     if world.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        device_ids = [torch.cuda.current_device()] if torch.cuda.is_available() else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        return DistributedDataParallel(model)  # CPU: no device_ids
     from torch.distributed.fsdp import fully_shard
 
     root = getattr(model, "sharding_root", model)
