@@ -15,9 +15,10 @@ callbacks. Each side runs in its own process (so its peak RSS is its own): `--wa
 `--steps` timed steps; the median step is reported.
 
 FLOP floor of a step, from the step's actual prompt and completion lengths (P_b, L_r): generation =
-each distinct prompt prefilled once + (L_r - 1) decode positions per row; reference forward = the
-P + L - 1 positions of each row (LM head only where a completion token is scored); policy forward +
-backward = 3 x that forward. A position costs 2 x the matmul parameters it touches (q/k/v/o and MLP
+each distinct prompt prefilled once + (L_r - 1) decode positions per row; reference forward = the same
+positions (each group's prompt once, then every row's completion; LM head only where a completion
+token is scored: the least work any implementation must do, and what our shared-prefix forward does);
+policy forward + backward = 3 x that forward. A position costs 2 x the matmul parameters it touches (q/k/v/o and MLP
 projections of every layer, plus the LM head where logits are needed) + 4 x layers x heads x head_dim
 x context (attention scores and values). Divided by this machine's float32 matmul rate, measured in
 this run with a 2048^3 matmul; "x floor" = measured seconds / floor seconds.
@@ -113,10 +114,11 @@ def floor_flops(shape: dict, prompt_lengths: list[int], completion_lengths: list
     generation = reference = 0.0
     for row, length in enumerate(completion_lengths):
         prompt = prompt_lengths[row // group_size]
-        if row % group_size == 0:
+        if row % group_size == 0:  # a group's prompt, once (its last logits score completion token 0)
             generation += forward(prompt, logits=1)
+            reference += forward(prompt, logits=1)
         generation += forward(max(length - 1, 0), logits=max(length - 1, 0), context_start=prompt)
-        reference += forward(prompt + length - 1, logits=length)
+        reference += forward(max(length - 1, 0), logits=max(length - 1, 0), context_start=prompt)
     return {"generation": generation, "reference": reference, "policy": 3 * reference,
             "total": generation + 4 * reference, "tokens": sum(completion_lengths)}
 
