@@ -6,7 +6,12 @@ learning rate, gradient clipping at 1.0. Each side runs in its own process (so i
 own): `warmup` steps, then `steps` timed steps. Variants: live reference (a frozen copy) and
 precomputed reference log-probs (the one-off pass is timed separately).
 
-    .venv/bin/python bench/dpo.py [--steps 8] [--warmup 2] [--model smollm2-135m]
+    .venv/bin/python bench/dpo.py [--steps 8] [--warmup 2] [--threads 1] [--model smollm2-135m]
+
+Threads: one torch thread per process by default (`--threads 0`: torch's default, one per core), as in
+bench/grpo.py: on this shared 2-core machine two OpenMP threads collapse when any other process wants
+a core (a 2-thread run at load ~4-6 gave TRL 0.092 steps/s live and 0.015 precomputed), so two-thread
+numbers measure the neighbours.
 
 The last line is `RESULT dpo: ours=X peer=Y unit=steps/s ratio=R` (live reference, R = ours/peer).
 """
@@ -121,7 +126,7 @@ def run_trl(model_name: str, steps: int, warmup: int, precomputed: bool, workdir
 def side(name: str, arguments) -> dict:
     """Run one side in a fresh process; returns its JSON result."""
     command = [sys.executable, __file__, "--side", name, "--steps", str(arguments.steps), "--warmup", str(arguments.warmup),
-               "--model", arguments.model]
+               "--model", arguments.model, "--threads", str(arguments.threads)]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if result.returncode != 0:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -133,9 +138,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per side (0: torch's default)")
     parser.add_argument("--side", choices=["ours", "ours-precomputed", "trl", "trl-precomputed"])
     arguments = parser.parse_args()
     if arguments.side:
+        if arguments.threads:
+            import torch
+
+            torch.set_num_threads(arguments.threads)
         import tempfile
 
         precomputed = arguments.side.endswith("precomputed")
