@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from posttrain.config import build_config, parse_overrides
-from posttrain.data import PreferencePair, collate_token_ids, encode_prompt, encode_response, tokenize_preference_pairs
+from posttrain.data import (
+    PreferencePair, TruncationPolicy, collate_token_ids, encode_prompt, encode_response, tokenize_preference_pairs,
+)
 from posttrain.data.preference import PreferenceBatch
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
-from posttrain.recipes import dpo
+from posttrain.recipes import dpo, preference_data, shared_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,6 +167,75 @@ def test_lora_reference_is_the_base_model():
         ours, expected, adapted = dpo.pair_logprobs(reference, batch), dpo.pair_logprobs(base, batch), dpo.pair_logprobs(policy, batch)
     assert torch.allclose(ours.chosen, expected.chosen, atol=1e-5) and torch.allclose(ours.rejected, expected.rejected, atol=1e-5)
     assert not torch.allclose(adapted.chosen, expected.chosen, atol=1e-2), "the adapters should change the policy"
+
+
+def shared_prompt_batch(tokenizer, padding_side: str) -> PreferenceBatch:
+    """5 pairs over 4 distinct prompts (pairs 1 and 3 share one) of 3 lengths, the longest prompt cut
+    on the left and some responses cut on the right (no EOS) by the truncation policy."""
+    rows = arithmetic_pairs(4) + [{"id": "long", "prompt": "Question: what is 1234 plus 98765, step by step?",
+                                   "chosen": "1234 + 98765 = 99999, so the answer is 99999.", "rejected": "?"}]
+    rows[0]["prompt"], rows[3]["prompt"] = f"Add them: {rows[0]['prompt']}", rows[1]["prompt"]  # 35, 25, 25, 25, 67 -> 40 tokens
+    policy = TruncationPolicy(max_prompt_tokens=40, max_response_tokens=16, prompt="left")
+    batch = tokenize_preference_pairs(tokenizer, pairs_of(rows), truncation=policy, padding_side=padding_side)
+    assert batch.counts.prompts_truncated and batch.counts.responses_truncated and not batch.counts.dropped
+    return batch
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_shared_prompt_forward_equals_the_concatenated_forward(padding_side, lora):
+    """Each pair's prompt computed once (KV cache shared by its chosen and rejected rows) gives the
+    per-row forward's sums, lengths and parameter gradients, for the policy and a live reference."""
+    model, tokenizer = load_model("tiny")
+    if lora:
+        model = apply_lora(model, LoraSettings(rank=4))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    model.train()
+    batch = shared_prompt_batch(tokenizer, padding_side)
+    input_ids, attention_mask, mask = (torch.cat([getattr(batch.chosen, key), getattr(batch.rejected, key)])
+                                       for key in ("input_ids", "attention_mask", "mask"))
+    weights = torch.linspace(-1.0, 2.0, input_ids.shape[0])  # a different gradient per row
+    results = []
+    for forward in (preference_data.response_sums, preference_data.shared_prompt_sums):
+        model.zero_grad(set_to_none=True)
+        sums, lengths = forward(model, input_ids, attention_mask, mask)
+        (sums * weights).sum().backward()
+        results.append((sums.detach(), lengths, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (plain, plain_lengths, plain_grads), (shared, shared_lengths, shared_grads) = results
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
+    assert shared_lengths.tolist() == plain_lengths.tolist() == (mask.sum(-1)).tolist()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    reference = make_reference(model)  # for LoRA the base model: the adapters go off in both calls
+    shared, plain = dpo.pair_logprobs(reference, batch), dpo.pair_logprobs(reference, batch, full_forward=True)
+    torch.testing.assert_close(shared.chosen, plain.chosen, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared.rejected, plain.rejected, atol=1e-5, rtol=0)
+
+
+def test_shared_prompt_forward_embeds_each_prompt_once_and_falls_back(monkeypatch):
+    """5 pairs over 4 distinct prompts: 4 prompt rows of width P, then 10 response rows of width
+    T - 1; `full_forward` is one (10, L) call; an unsupported architecture takes the per-row path."""
+    model, tokenizer = load_model("tiny")
+    batch = shared_prompt_batch(tokenizer, "right")
+    shapes = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, output: shapes.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        shared = dpo.pair_logprobs(model, batch)
+        P = int((batch.chosen.attention_mask.bool() & ~batch.chosen.mask).sum(-1).max())
+        T = int(torch.cat([batch.chosen.mask, batch.rejected.mask]).sum(-1).max())
+        assert shapes == [(4, P), (10, T - 1)]
+        shapes.clear()
+        full = dpo.pair_logprobs(model, batch, full_forward=True)
+        assert shapes == [(10, batch.chosen.input_ids.shape[1])]
+        monkeypatch.setattr(shared_prefix, "SUPPORTED_MODEL_TYPES", ())
+        assert preference_data.shared_prompt_sums(model, batch.chosen.input_ids, batch.chosen.attention_mask, batch.chosen.mask) is None
+        fallback = dpo.pair_logprobs(model, batch)
+    for result in (full, fallback):
+        torch.testing.assert_close(result.chosen, shared.chosen, atol=1e-5, rtol=0)
+        torch.testing.assert_close(result.rejected, shared.rejected, atol=1e-5, rtol=0)
 
 
 def test_micro_batch_split_gives_the_same_gradient(tmp_path, pairs_file):

@@ -26,6 +26,7 @@ from posttrain.distributed import World, full_weights
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, heldout_split
 from posttrain.models import ReferenceModel, make_reference
+from posttrain.recipes.shared_prefix import shared_prefix_logits
 from posttrain.runs import RunDirectory, new_card
 
 if TYPE_CHECKING:  # the recipe's config; dpo.py imports this module
@@ -63,6 +64,7 @@ def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None), full
 
     Position ids count real tokens only, so left- and right-padded batches give the same sums.
     `model` may be a `ReferenceModel` (then no gradient is taken, adapters off for a LoRA base).
+    Each pair's prompt is computed once for both rows (`shared_prompt_sums`) where the model allows.
     `full_forward`: one plain `model(...)` call (FSDP2 needs the model's own forward to gather its
     root's shards) instead of the decoder + LM head on the response positions only.
     """
@@ -74,10 +76,12 @@ def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None), full
         with torch.no_grad(), (model.model.disable_adapter() if model.adapter_disabled else contextlib.nullcontext()):
             was_training = model.model.training
             model.model.eval()
-            sums, lengths = response_sums(model.model, input_ids, attention_mask, mask)
+            result = None if full_forward else shared_prompt_sums(model.model, input_ids, attention_mask, mask)
+            sums, lengths = result or response_sums(model.model, input_ids, attention_mask, mask)
             model.model.train(was_training)
     else:
-        sums, lengths = response_sums(model, input_ids, attention_mask, mask, full_forward)
+        result = None if full_forward else shared_prompt_sums(model, input_ids, attention_mask, mask)
+        sums, lengths = result or response_sums(model, input_ids, attention_mask, mask, full_forward)
     n = input_ids.shape[0] // 2
     return PairLogprobs(sums[:n], sums[n:], lengths[:n], lengths[n:])
 
@@ -106,6 +110,40 @@ def response_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     sums = torch.zeros(input_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
     return sums, shifted_mask.sum(-1)
 
+
+def shared_prompt_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`response_sums` with each distinct prompt computed once: the chosen and rejected rows of a
+    pair share theirs (~1/3 of a row's tokens in bench/dpo.py), so its KV cache serves both responses.
+
+    The (N, L) rows (left- or right-padded) are re-laid as [left-padded prompt | right-padded
+    response], width P + T (longest prompt, longest response): the rollout layout of
+    `shared_prefix_logits`, whose hidden states at position t of a row predict its response token t.
+    The LM head then runs on the K response positions only. Returns None (the caller runs
+    `response_sums`) for a model `shared_prefix_logits` does not support, a row without a prompt
+    token (nothing predicts its first response token) or a batch without response tokens.
+    """
+    real = attention_mask.bool()  # (N, L): prompt then response, contiguous, in every row
+    prompt_lengths, response_lengths = (real & ~mask).sum(-1), mask.sum(-1)  # (N,)
+    if int(prompt_lengths.min()) < 1 or int(response_lengths.max()) < 1:
+        return None
+    P, T = int(prompt_lengths.max()), int(response_lengths.max())
+    rows, columns = real.nonzero(as_tuple=True)
+    # The j-th real token of row i goes to column P - prompt_length_i + j: its prompt ends at P - 1.
+    targets = P - prompt_lengths[rows] + (real.long().cumsum(-1) - 1)[rows, columns]
+    laid_ids = input_ids.new_zeros(input_ids.shape[0], P + T)
+    laid_ids[rows, targets] = input_ids[rows, columns]
+    laid_mask = torch.zeros_like(laid_ids)
+    laid_mask[rows, targets] = 1
+    inputs = {"input_ids": laid_ids, "attention_mask": laid_mask, "position_ids": position_ids_from_attention_mask(laid_mask)}
+    hidden = shared_prefix_logits(model, inputs, slice(None), P, T, hidden_states=True)  # (N, T, H)
+    if hidden is None:
+        return None
+    response_mask = laid_mask[:, P:].bool()  # (N, T)
+    rows, columns = response_mask.nonzero(as_tuple=True)
+    logits = model.get_output_embeddings()(hidden[rows, columns])  # (K, V)
+    logprobs = token_logprobs(logits, laid_ids[rows, P + columns])  # (K,)
+    sums = torch.zeros(input_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
+    return sums, response_lengths
 
 
 def tokenize(tokenizer, pairs: list[PreferencePair], data: Data) -> PreferenceBatch:
@@ -289,7 +327,8 @@ def make_card(config: Config, train, held_pairs, data_stats, provenance, task_sp
         "nll_term": "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)" if loss.nll_weight else "off",
         "reference": reference_text, "reference_refresh_every": loss.reference_refresh_every,
         "reference_refresh": "TR-DPO hard update: the reference becomes the current policy (arXiv:2404.09656)" if loss.reference_refresh_every else "never",
-        "forward": "chosen and rejected concatenated in one forward pass", "reduction": "mean over the batch's pairs",
+        "forward": "chosen and rejected concatenated in one forward pass, each prompt computed once for both (a shared KV cache) where the model allows",
+        "reduction": "mean over the batch's pairs",
         "optimizer": to_dict(config.optim),
     }
     card["links"]["acceptance"] = {

@@ -15,7 +15,9 @@ rows of one micro-batch:
 
 When no two rows share a prompt it is one plain forward, still with the LM head only on the T
 positions that score completion tokens (not on every prompt position).
-Checked against the plain forward (logits and parameter gradients) in tests/test_shared_prefix.py.
+DPO uses it too (`hidden_states=True`): the chosen and rejected rows of a pair share their prompt.
+Checked against the plain forward (logits and parameter gradients) in tests/test_shared_prefix.py
+and, for DPO, tests/test_dpo.py.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def _cache_argument(model) -> str | None:
     return "cache" if "cache" in parameters else "past_key_values" if "past_key_values" in parameters else None
 
 
-def shared_prefix_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int) -> torch.Tensor | None:
+def shared_prefix_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int,
+                         hidden_states: bool = False) -> torch.Tensor | None:
     """Logits (n, T, V) whose position t scores completion token t, equal to
     `model(**inputs).logits[rows][:, P - 1 : P - 1 + T]` (P = `prompt_width`), or None if `model`
     is not supported (the caller then runs the plain forward).
@@ -56,10 +59,21 @@ def shared_prefix_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_wi
         model: a causal LM, PEFT-wrapped or not, or a `ReferenceModel` (called as `model(**kwargs)`).
         inputs: `Rollout.forward_inputs()`: input_ids, attention_mask, position_ids, each (N, P + T).
         rows: which rows (a slice or an (n,) index tensor).
+        hidden_states: return the decoder's last hidden states (n, T, H) at those positions instead
+            (`model.get_decoder()`; not a `ReferenceModel`), for a caller that runs the LM head on
+            the few positions it needs: the (n, T, V) logits are most of a small model's memory.
     """
     cache_argument = _cache_argument(model)
     if cache_argument is None or T < 1:
         return None
+    if hidden_states:
+        decoder = model.get_decoder()
+
+        def forward(keep: int, **kwargs) -> torch.Tensor:  # the last `keep` positions (0: all), like logits_to_keep
+            return decoder(**kwargs).last_hidden_state[:, -keep:]
+    else:
+        def forward(keep: int, **kwargs) -> torch.Tensor:
+            return model(**kwargs, logits_to_keep=keep).logits
     P = prompt_width
     input_ids, attention_mask = inputs["input_ids"][rows], inputs["attention_mask"][rows]  # (n, P + T)
     position_ids = inputs["position_ids"][rows]
@@ -68,22 +82,19 @@ def shared_prefix_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_wi
     distinct, inverse = torch.unique(prompts, dim=0, return_inverse=True)  # (k, 2P), (n,)
     k = distinct.shape[0]
     if k == n:  # nothing shared: one forward, LM head on columns P-1 .. P+T-1, the last one dropped
-        output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False, logits_to_keep=T + 1)
-        return output.logits[:, :T]
+        return forward(T + 1, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)[:, :T]
     # First row of each distinct prompt, (k,): its prompt columns are the ones computed.
     first = torch.full((k,), n, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(n), reduce="amin")
     cache = DynamicCache(config=_transformers_model(model).config)
-    prompt_output = model(
-        input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P], position_ids=position_ids[first, :P],
-        use_cache=True, logits_to_keep=1, **{cache_argument: cache},
-    )
-    logits = prompt_output.logits[inverse]  # (n, 1, V): scores completion token 0
+    logits = forward(
+        1, input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P], position_ids=position_ids[first, :P],
+        use_cache=True, **{cache_argument: cache},
+    )[inverse]  # (n, 1, V), or (n, 1, H) for hidden_states: scores completion token 0
     if T == 1:
         return logits
     cache.reorder_cache(inverse)  # (k, ...) -> (n, ...) along the batch dimension, differentiable
-    completion_output = model(
-        input_ids=input_ids[:, P : P + T - 1], attention_mask=attention_mask[:, : P + T - 1],
+    completion_logits = forward(
+        0, input_ids=input_ids[:, P : P + T - 1], attention_mask=attention_mask[:, : P + T - 1],
         position_ids=position_ids[:, P : P + T - 1], use_cache=True, **{cache_argument: cache},
     )
-    return torch.cat([logits, completion_output.logits], dim=1)  # (n, T, V)
+    return torch.cat([logits, completion_logits], dim=1)  # (n, T, V)
