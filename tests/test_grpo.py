@@ -210,3 +210,21 @@ def test_resume_with_reference_refresh_restores_the_reference(tmp_path):
     assert a[4]["kl/estimate"] == b[4]["kl/estimate"] and a[4]["loss"] == b[4]["loss"]
     card = json.loads((tmp_path / "b" / "run" / "run_card.json").read_text())
     assert card["run"]["reference_refreshed_at"] == [2, 4]
+
+
+def test_tensorboard_event_files_hold_the_metrics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = small_config(tmp_path, "--max-steps", "2", "--tensorboard", "true")
+    run_dir = grpo.run(config, reward=digits)
+    board = EventAccumulator(str(run_dir / "tensorboard"))
+    board.Reload()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [(event.step, event.value) for event in board.Scalars("reward/mean")]
+    assert logged == [(row["step"], pytest.approx(row["reward/mean"])) for row in rows if row.get("reward/mean") is not None]
+    assert "heldout/pass@1" in board.Tags()["scalars"]
+
+
+def test_tensorboard_off_by_default_writes_no_events(tmp_path):
+    run_dir = grpo.run(small_config(tmp_path, "--max-steps", "1"), reward=digits)
+    assert not (run_dir / "tensorboard").exists()

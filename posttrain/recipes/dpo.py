@@ -153,6 +153,8 @@ class Config:
     """Seeds data order, the held-out split of the pairs and initialisation."""
     output_dir: str | None = None
     """Run directory (default runs/dpo-<time>)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files in <run>/tensorboard (needs `pip install tensorboard`)."""
 
     def validate(self) -> None:
         self.optim.validate()
@@ -235,7 +237,7 @@ def run(config: Config, resume: bool = False) -> Path:
         data_stats["removed_heldout_task_overlap"] = before - len(train)
         if not train:
             raise UserError(f"{config.data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
-    run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main)
+    run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main, tensorboard=config.tensorboard)
     config.output_dir = str(run_dir.path)
     if world.main:
         save_yaml(config, run_dir.path / "config.yaml")

@@ -127,6 +127,8 @@ class Config:
     """Seeds data order, sampling and initialisation."""
     output_dir: str | None = None
     """Run directory (default runs/grpo-<time>)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files in <run>/tensorboard (needs `pip install tensorboard`)."""
 
     def validate(self) -> None:
         self.data.validate()
@@ -177,7 +179,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     # the policy itself). FSDP2 pairs every model call across ranks, so it skips the shared-prefix
     # forward, whose number of model calls depends on the rows.
     trainer = wrap(CompletionForward(policy, shared_prefix=not (world.active and world.strategy == "fsdp2")), world)
-    run_dir = RunDirectory(config.output_dir or default_output_dir("grpo", world), resume=resume, writer=world.main)
+    run_dir = RunDirectory(config.output_dir or default_output_dir("grpo", world), resume=resume, writer=world.main, tensorboard=config.tensorboard)
     config.output_dir = str(run_dir.path)
     if world.main:
         save_yaml(config, run_dir.path / "config.yaml")

@@ -139,6 +139,8 @@ class Config:
     """Seeds data order, sampling and initialisation."""
     output_dir: str | None = None
     """Run directory (default runs/ppo-<time>)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files in <run>/tensorboard (needs `pip install tensorboard`)."""
 
     def validate(self) -> None:
         self.data.validate(min_group_size=1)
@@ -182,7 +184,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     verifier = make_verifier(reward, config.reward)
     verifier.prepare()
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
-    run_dir = RunDirectory(config.output_dir or default_output_dir("ppo", world), resume=resume, writer=world.main)
+    run_dir = RunDirectory(config.output_dir or default_output_dir("ppo", world), resume=resume, writer=world.main, tensorboard=config.tensorboard)
     config.output_dir = str(run_dir.path)
     if world.main:
         save_yaml(config, run_dir.path / "config.yaml")

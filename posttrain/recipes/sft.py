@@ -81,6 +81,8 @@ class Config:
     """Seeds data order, initialisation and sampling."""
     output_dir: str | None = None
     """Run directory (default runs/sft-<time>)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files in <run>/tensorboard (needs `pip install tensorboard`)."""
 
     def validate(self) -> None:
         self.optim.validate()
@@ -128,7 +130,7 @@ def run(config: Config, resume: bool = False) -> Path:
     if missing:
         raise UserError(f"task {config.task}: example {missing[0]} has no answer to train on")
     output_dir = config.output_dir or default_output_dir("sft", world)
-    run_dir = RunDirectory(output_dir, resume=resume, writer=world.main)
+    run_dir = RunDirectory(output_dir, resume=resume, writer=world.main, tensorboard=config.tensorboard)
     config.output_dir = str(run_dir.path)
     if world.main:
         save_yaml(config, run_dir.path / "config.yaml")

@@ -35,10 +35,18 @@ class RunDirectory:
         resume: False for a new run (the directory must be absent or empty), True to continue one.
         writer: False on torchrun ranks other than 0: nothing is created or written (logging calls
             do nothing); the paths still name rank 0's directory.
+        tensorboard: also write each metrics line as TensorBoard scalars in `tensorboard/` (for
+            watching a run live: `tensorboard --logdir runs`).
     """
 
-    def __init__(self, path: str | Path, resume: bool = False, writer: bool = True):
-        self.path, self.writer = Path(path), writer
+    def __init__(self, path: str | Path, resume: bool = False, writer: bool = True, tensorboard: bool = False):
+        self.path, self.writer, self._board = Path(path), writer, None
+        if tensorboard and writer:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
+            self._board_class = SummaryWriter
         if resume:
             if not (self.path / "config.yaml").is_file():
                 raise UserError(f"{self.path}: not a run directory (no config.yaml) - nothing to resume")
@@ -66,6 +74,13 @@ class RunDirectory:
         if not self.writer:
             return
         _append(self.path / "metrics.jsonl", {"step": step, **metrics})
+        if hasattr(self, "_board_class"):
+            if self._board is None:
+                self._board = self._board_class(log_dir=str(self.path / "tensorboard"))
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self._board.add_scalar(key, value, step)
+            self._board.flush()
 
     def log_samples(self, step: int, rows: Iterable[dict[str, Any]]) -> None:
         """Append sample rows (prompt, completion, verdict, reason...) tagged with the step."""
