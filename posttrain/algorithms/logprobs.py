@@ -37,7 +37,9 @@ def token_logprobs(
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     pieces = []
     for start in range(0, flat_logits.shape[0], chunk_size):
-        chunk = flat_logits[start : start + chunk_size].to(dtype) / temperature  # (chunk, V)
+        chunk = flat_logits[start : start + chunk_size].to(dtype)  # (chunk, V)
+        if temperature != 1.0:  # x / 1.0 is x: skip the (chunk, V) copy and its gradient's
+            chunk = chunk / temperature
         picked = chunk.gather(-1, flat_targets[start : start + chunk_size, None]).squeeze(-1)
         pieces.append(picked - torch.logsumexp(chunk, dim=-1))
     if not pieces:
