@@ -237,15 +237,6 @@ def gradient_sync(module, enabled: bool):
         yield
 
 
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on every rank (FSDP2: gathered; otherwise the plain one)."""
-    if not is_sharded(model):
-        return unwrap(model).state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def model_state(model) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict for a checkpoint: gathered onto rank 0 under FSDP2 (every rank
     must call this; the others get an empty dict); None otherwise (use the model's own saving)."""
