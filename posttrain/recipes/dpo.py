@@ -7,8 +7,9 @@ of model M"); loss = a pairwise loss on summed response log-probs against a froz
 and, when the pairs come from a task, held-out task accuracy with a separately configured checker.
 
 Each step: 1. the next batch of pairs, 2. reference log-probs (live forward, or the cache),
-3. policy log-probs of chosen and rejected in ONE concatenated forward, loss, backward (micro-batches
-share the batch's normalisers), 4. log, alarm, refresh the reference, evaluate, checkpoint.
+3. policy log-probs of chosen and rejected in one forward per micro-batch, each pair's prompt
+computed once for both responses (a shared KV cache), loss, backward (micro-batches share the
+batch's normalisers), 4. log, alarm, refresh the reference, evaluate, checkpoint.
 Loading, splitting and tokenising the pairs, their log-probs, the reference cache and the run card
 live in `posttrain/recipes/preference_data.py`.
 

@@ -1,6 +1,7 @@
 """The DPO recipe's pairs and what is said about them: loading and validating the pairs, the held-out
 split (by prompt), the provenance sidecar of `posttrain pairs` files, tokenising, summed response
-log-probs of a batch of pairs under a model (one concatenated forward), the precomputed reference
+log-probs of a batch of pairs under a model (each pair's prompt once, then both responses on its
+KV cache; `full_forward` for one plain call), the precomputed reference
 cache, the held-out task, and the run card. `posttrain/recipes/dpo.py` is the recipe that uses them.
 """
 
