@@ -151,7 +151,8 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
     from posttrain.models import load_model, make_reference
     from posttrain.recipes import grpo
     from posttrain.recipes.common import Timer, make_optimizer, seed_everything
-    from posttrain.recipes.online import PromptStream, logprobs_of, make_verifier, sample_and_score
+    from posttrain.distributed import World
+    from posttrain.recipes.online import CompletionForward, PromptStream, logprobs_of, make_verifier, sample_and_score
 
     total = steps + warmup
     config = grpo.Config(model=model_name, max_steps=total, seed=SEED)
@@ -173,6 +174,7 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
     stream = PromptStream(train, config.seed)
     sampling = config.sampling.engine_config()
     shape = model_shape(policy)
+    trainer, world = CompletionForward(policy), World()  # one process: what grpo.run trains through
     policy.train()
     durations, phases, floors, rewards, prompts = [], [], [], [], []
     for step in range(total):
@@ -180,7 +182,7 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
         timer = Timer()
         started = time.perf_counter()
         # The loop body of grpo.run (steps 1-4), with config.loss / config.update as set above.
-        rollout, examples, scores, rendered, _ = sample_and_score(policy, tokenizer, stream, verifier, config.data, config.seed, sampling, step, timer)
+        rollout, examples, scores, rendered, _, owners = sample_and_score(policy, tokenizer, stream, verifier, config.data, config.seed, sampling, step, timer)
         inputs = rollout.forward_inputs()
         mask = rollout.mask & ~torch.isnan(scores.rewards)[:, None]
         with timer("reference"):
@@ -188,7 +190,8 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
         advantages = grpo_advantages(scores.rewards, GROUP_SIZE, scale=config.loss.advantage_scale, eps=config.loss.advantage_eps,
                                      unbiased_std=config.loss.unbiased_std)
         with timer("update"):
-            grpo.update_policy(policy, reference, optimizer, scheduler, rollout, inputs, mask, advantages, None, ref_logprobs, config, step)
+            grpo.exact_kl_metric(policy, reference, rollout, mask, owners, world, sampling.temperature, config.exact_kl_tokens)
+            grpo.update_policy(trainer, optimizer, scheduler, rollout, inputs, mask, advantages, None, ref_logprobs, owners, world, config, step)
         durations.append(time.perf_counter() - started)
         step_done()
         phases.append(dict(timer.seconds))

@@ -274,6 +274,8 @@ def evaluate(policy, tokenizer, held_out, config: Config, run_dir, step: int, al
 def exact_kl_metric(policy, reference, rollout, mask, owners, world: World, temperature: float, max_tokens: int) -> float | None:
     """Exact full-vocabulary KL(policy || reference) per token before the update, averaged over the
     first `max_tokens` counted tokens of each rank's rows (cheap enough to log every step)."""
+    if max_tokens <= 0:
+        return None
     mine = (owners == world.rank).nonzero().squeeze(1)
     mine = mine[: int((mask[mine].sum(-1).cumsum(0) < max_tokens).sum()) + 1]
     inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
