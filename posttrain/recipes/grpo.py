@@ -36,7 +36,7 @@ from posttrain.recipes.common import (
 )
 from posttrain.recipes.online import (
     Acceptance, CompletionForward, Data, PromptStream, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, make_verifier,
-    rank_logprobs, rollout_metrics, sample_and_score, sample_rows, section_dict, token_entropy,
+    rank_logprobs, rank_micro_batches, rollout_metrics, sample_and_score, sample_rows, section_dict, token_entropy,
 )
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
@@ -312,13 +312,8 @@ def update_policy(trainer, optimizer, scheduler, rollout, inputs, mask, advantag
             if len(mini) == 0:
                 continue
             global_tokens, global_sequences = mask[mini].sum(), len(mini)
-            mine = mini[owners[mini] == world.rank]
-            micro_count = max(-(-int(n) // update.micro_batch_size) for n in torch.bincount(owners[mini], minlength=world.size))
-            for micro in range(micro_count):
-                rows = mine[micro * update.micro_batch_size : (micro + 1) * update.micro_batch_size]
-                weight = 1.0 if len(rows) else 0.0
-                rows = rows if len(rows) else mini[:1]  # a zero-weight stand-in keeps the ranks' collectives paired
-                with gradient_sync(trainer, micro == micro_count - 1):
+            for rows, weight, last in rank_micro_batches(mini, owners, world, update.micro_batch_size):
+                with gradient_sync(trainer, last):
                     logits = trainer(inputs, rows, P, T)
                     logprobs = token_logprobs(logits, rollout.completion_ids[rows], temperature)
                     old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()

@@ -427,6 +427,17 @@ def rows_of(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     )
 
 
+def rank_micro_batches(mini: torch.Tensor, owners: torch.Tensor, world: World, micro_batch_size: int):
+    """This rank's micro-batches of the mini-batch `mini` (global row indices): yields
+    (rows, weight, last). Every rank yields as many as the rank with most rows needs, a short rank a
+    one-row stand-in of weight 0, so the ranks' collectives stay paired; `last`: sync gradients."""
+    mine = mini[owners[mini] == world.rank]
+    count = max(-(-int(n) // micro_batch_size) for n in torch.bincount(owners[mini], minlength=world.size))
+    for micro in range(count):
+        rows = mine[micro * micro_batch_size : (micro + 1) * micro_batch_size]
+        yield (rows, 1.0, micro == count - 1) if len(rows) else (mini[:1], 0.0, micro == count - 1)
+
+
 def rank_logprobs(model, rollout: Rollout, owners: torch.Tensor, world: World, temperature: float, micro_batch_size: int) -> torch.Tensor:
     """(N, T) log-probs of every sampled token under `model` (no grad): each rank computes the rows
     it owns and the pieces are summed across ranks; in one process simply `logprobs_of`. An

@@ -39,7 +39,7 @@ from posttrain.recipes.common import (
     Optimization, Timer, default_output_dir, lr_multiplier, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
-    Acceptance, Data, PromptStream, Sampling, evaluate_held_out, make_verifier, rank_logprobs, rollout_metrics,
+    Acceptance, Data, PromptStream, Sampling, evaluate_held_out, make_verifier, rank_logprobs, rank_micro_batches, rollout_metrics,
     sample_and_score, sample_rows, section_dict, token_entropy,
 )
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
@@ -352,14 +352,9 @@ def update_policy_and_critic(trainer, optimizer, scheduler, rollout, inputs, mas
         order = torch.randperm(N, generator=generator) if update.mini_batches > 1 else torch.arange(N)
         for mini in torch.tensor_split(order, update.mini_batches):
             global_tokens, global_sequences = mask[mini].sum(), len(mini)
-            mine = mini[owners[mini] == world.rank]
-            micro_count = max(-(-int(n) // update.micro_batch_size) for n in torch.bincount(owners[mini], minlength=world.size))
-            for micro in range(micro_count):
-                rows = mine[micro * update.micro_batch_size : (micro + 1) * update.micro_batch_size]
-                weight = 1.0 if len(rows) else 0.0
-                rows = rows if len(rows) else mini[:1]  # a zero-weight stand-in keeps the ranks' collectives paired
+            for rows, weight, last in rank_micro_batches(mini, owners, world, update.micro_batch_size):
                 micro_mask = mask[rows] & bool(weight)
-                with gradient_sync(trainer, micro == micro_count - 1):
+                with gradient_sync(trainer, last):
                     logits, values = trainer(inputs, rows, P, T, detach_hidden=critic_only)
                     value_per_token, value_clipped = clipped_value_loss(values, old_values[rows], returns[rows], critic_cfg.value_clip)
                     value_loss = aggregate(value_per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=config.sampling.max_new_tokens)
