@@ -76,6 +76,35 @@ def floor_flops(model, prompt_lengths: list[int], group_size: int, new_tokens: i
     return total
 
 
+def matmul_step_seconds(model, rows: int, repeats: int = 20) -> float:
+    """Seconds of one decode step's weight matmuls alone, as our decoder runs them (oneDNN-packed,
+    fused post-ops, every layer's own weights, so they stream from memory as in a real step): the
+    part of a step no attention or elementwise work is in. Best of 3 rounds of ``repeats`` steps."""
+    layers, lm_head = llama_decoder._build_layers(model, batch_hint=rows)
+    hidden = model.config.hidden_size
+    x = torch.randn(rows, hidden)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    attn = torch.randn(rows, config.num_attention_heads * head_dim)
+
+    def step():
+        for layer in layers:
+            layer.qkv(x)
+            layer.o.plus(attn, x)
+            layer.down.plus(layer.up.times(x, layer.gate.silu(x)), x)
+        lm_head(x)
+
+    best = float("inf")
+    with torch.inference_mode():
+        step()
+        for _ in range(3):
+            started = time.perf_counter()
+            for _ in range(repeats):
+                step()
+            best = min(best, (time.perf_counter() - started) / repeats)
+    return best
+
+
 def run_ours(model, tokenizer, prompts, group_size, new_tokens):
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     started = time.perf_counter()
@@ -118,6 +147,7 @@ def main():
     llama_decoder._PACKED.clear()
     llama_decoder._build_layers(model, batch_hint=len(prompts) * args.group_size)
     packing = time.perf_counter() - started
+    matmuls = matmul_step_seconds(model, len(prompts) * G)
     times = {"ours": [], "peer": []}
     for _ in range(args.rounds):
         for name, run in (("ours", run_ours), ("peer", run_peer)):
@@ -138,6 +168,10 @@ def main():
         print(f"| {label} | {best:.2f} | {median:.2f} | {tokens / best:.1f} | {peer / best:.2f}x | "
               f"{best / floor_seconds:.2f} |")
     print(f"| FLOP floor | {floor_seconds:.2f} | | {tokens / floor_seconds:.1f} | {peer / floor_seconds:.2f}x | 1.00 |")
+    ceiling = (T - 1) * matmuls
+    print(f"weight matmuls alone: {matmuls * 1000:.1f} ms per decode step of {len(prompts) * G} rows, "
+          f"{ceiling:.2f} s for the {T - 1} decode steps; even if everything else (prefill, attention, norms, "
+          f"sampling) took no time, ours could be at most {peer / ceiling:.2f}x generate")
     print(f"weight packing (once per weights version, not in the times above): {packing:.2f} s; "
           f"first call including it: {warm_up:.2f} s")
     print(f"RESULT rollout: ours={tokens / ours:.1f} peer={tokens / peer:.1f} unit=tokens/s ratio={peer / ours:.2f}")

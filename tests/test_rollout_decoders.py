@@ -104,6 +104,9 @@ def test_packed_weights_follow_parameter_updates():
     before = generate(model, tokenizer, ["hello"], sampling=sampling, backend="fast")
     packed = LlamaDecoder(model).layers
     assert LlamaDecoder(model).layers is packed  # unchanged: reused
+    for_1_row = LlamaDecoder(model, batch_hint=1).layers  # oneDNN's layout depends on the batch size
+    assert for_1_row is not packed and LlamaDecoder(model, batch_hint=1).layers is for_1_row
+    packed = LlamaDecoder(model).layers
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.add_(0.0)  # a version bump alone also rebuilds
     rebuilt = LlamaDecoder(model).layers
