@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from posttrain.config import build_config, parse_overrides
 from posttrain.data import (
@@ -321,7 +322,7 @@ def test_cli_smoke_and_provenance_in_the_card(tmp_path, pairs_file):
 
     rows = arithmetic_pairs()
     provenance = {"model": "tiny", "verifier": "exact", "task": "arithmetic", "task_options": {}, "eval_size": 4, "seed": 0,
-                  "group_size": 4, "sampling": {"temperature": 1.0}}
+                  "group_size": 4, "sampling": {"temperature": 1.0}, "system_prompt": "Answer in tags."}
     write_atomically(tmp_path / "verified.jsonl", rows, provenance)
     result = subprocess.run(
         [sys.executable, "-m", "posttrain", "dpo", "--data.pairs", str(tmp_path / "verified.jsonl"), "--max-steps", "1",
@@ -338,6 +339,8 @@ def test_cli_smoke_and_provenance_in_the_card(tmp_path, pairs_file):
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "heldout/pass@1" in metrics[0] and "heldout/pass@1" in metrics[-1]
     assert list((tmp_path / "run" / "eval").glob("task-step-*.json"))
+    # No data.system_prompt given: the pairs are rendered with the one they were sampled with.
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["system_prompt"] == "Answer in tags."
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from posttrain.algorithms import response_logprobs, sequence_logprobs, token_logprobs
+from posttrain.algorithms import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
+from posttrain.algorithms.logprobs import _HeadLogprobs
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 64, 4096])
@@ -63,3 +64,41 @@ def test_response_logprobs_shift_and_mask_and_sequence_sum():
     expected = full[0, 1, 6] + full[0, 2, 7] + full[0, 3, 2]
     assert logprobs[0, 0].item() == 0.0 and logprobs[0, 4].item() == 0.0
     assert sequence_logprobs(logprobs, shifted_mask).item() == pytest.approx(expected.item())
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 256])
+@pytest.mark.parametrize("bias", [False, True])
+def test_head_logprobs_equal_the_head_and_log_softmax(chunk_size, bias):
+    """The chunked LM-head log-probs (logits recomputed in backward) against head(hidden) +
+    log_softmax: values, and gradients w.r.t. the hidden states, the weight and the bias."""
+    generator = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(8, 29, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(29, 8, generator=generator))
+        if bias:
+            head.bias.copy_(torch.randn(29, generator=generator))
+    hidden = torch.randn(7, 8, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 29, (7,), generator=generator)
+    upstream = torch.randn(7, generator=generator)  # an arbitrary weighting of the positions
+    fused = head_logprobs(hidden, head, targets, chunk_size=chunk_size)
+    fused_grads = torch.autograd.grad((fused * upstream).sum(), [hidden, *head.parameters()])
+    naive = torch.log_softmax(head(hidden), -1).gather(-1, targets[:, None]).squeeze(-1)
+    naive_grads = torch.autograd.grad((naive * upstream).sum(), [hidden, *head.parameters()])
+    assert fused.shape == (7,) and fused.dtype == torch.float32
+    assert torch.allclose(fused, naive, atol=1e-5)
+    for got, expected in zip(fused_grads, naive_grads):
+        assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_head_logprobs_pass_gradcheck_and_skip_frozen_inputs():
+    generator = torch.Generator().manual_seed(4)
+    head = torch.nn.Linear(5, 11).double()
+    hidden = torch.randn(6, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (6,), generator=generator)
+    chunked = lambda h, w, b: _HeadLogprobs.apply(h, w, b, targets, 4)  # noqa: E731 (2 chunks of 4 rows)
+    assert torch.autograd.gradcheck(chunked, (hidden, head.weight, head.bias))
+    head.requires_grad_(False)  # a frozen head (LoRA): only the hidden states get a gradient
+    out = head_logprobs(hidden, head, targets)
+    out.sum().backward()
+    assert hidden.grad is not None and head.weight.grad is None
+

@@ -13,7 +13,7 @@ from posttrain.algorithms.advantages import (
     whiten,
 )
 from posttrain.algorithms.kl import ESTIMATORS, exact_kl, kl_estimate, kl_penalized_rewards
-from posttrain.algorithms.logprobs import response_logprobs, sequence_logprobs, token_logprobs
+from posttrain.algorithms.logprobs import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss
 from posttrain.algorithms.preference import (
     PREFERENCE_LOSSES,
@@ -38,6 +38,7 @@ __all__ = [
     "gae",
     "group_statistics",
     "grpo_advantages",
+    "head_logprobs",
     "hinge_loss",
     "ipo_loss",
     "kl_estimate",

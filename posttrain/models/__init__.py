@@ -34,6 +34,7 @@ Public API (signatures are the contract other modules rely on):
         a standard HF directory (safetensors), or a LoRA adapter directory that load_model reloads.
     save_critic(critic, directory) -> Path;  load_critic(directory, *, policy=None) -> Critic
     describe_model(spec, model, tokenizer) -> dict   # what `posttrain model info` prints
+    lean_mlp(model) -> int   # SwiGLU MLPs keep gate(x), up(x) for backward, not 4 wide tensors (training recipes)
 """
 
 from posttrain.models.adapters import (
@@ -49,6 +50,7 @@ from posttrain.models.adapters import (
 )
 from posttrain.models.checkpoint import describe_model, load_critic, save_checkpoint, save_critic
 from posttrain.models.loading import cache_dir, load_model, smollm2_cache_path
+from posttrain.models.memory import lean_mlp
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "cache_dir",
     "describe_model",
     "is_lora",
+    "lean_mlp",
     "load_critic",
     "load_model",
     "make_critic",

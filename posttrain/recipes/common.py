@@ -62,10 +62,26 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _fused_adamw_supported(parameters: list[torch.Tensor]) -> bool:
+    """torch's fused AdamW (one kernel per tensor, no parameter-sized temporaries) handles plain
+    floating-point tensors on the CPU and CUDA; FSDP2's sharded DTensors keep the default kernel."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(parameters) and all(
+        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        for p in parameters)
+
+
 def make_optimizer(parameters, optim: Optimization, total_steps: int):
-    """AdamW over the trainable `parameters` and its LambdaLR scheduler."""
+    """AdamW over the trainable `parameters` and its LambdaLR scheduler.
+
+    The fused kernel where torch has one (the default in Hugging Face's Trainer too): the step
+    allocates no parameter-sized temporaries (the largest, SmolLM2's 113 MB embedding, set the peak
+    memory of a DPO step with the per-tensor kernel) and is faster.
+    """
     trainable = [p for p in parameters if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                                  fused=_fused_adamw_supported(trainable) or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, optim.warmup_steps, total_steps, optim.schedule)
     )

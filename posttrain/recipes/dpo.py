@@ -19,6 +19,7 @@ live in `posttrain/recipes/preference_data.py`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from posttrain.data.examples import derived_seed
 from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
-from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
+from posttrain.models import LoraSettings, apply_lora, lean_mlp, load_model, make_reference
 from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
 )
@@ -66,7 +67,8 @@ class Data:
     strict: bool = True
     """A bad row stops the run (false: bad rows are dropped and counted)."""
     system_prompt: str | None = None
-    """System prompt given to every pair."""
+    """System prompt given to every pair (None: the one `posttrain pairs` sampled them with, from the
+    pairs file's provenance; else none)."""
     use_chat_template: bool | None = None
     """Render prompts with the tokenizer's chat template (None: when it has one)."""
     max_prompt_tokens: int | None = None
@@ -226,10 +228,14 @@ def run(config: Config, resume: bool = False) -> Path:
     world = init_world(config.parallel)
     seed_everything(config.seed)
     policy, tokenizer = load_model(config.model)
+    lean_mlp(policy)  # same gradients, half the MLP activations kept for backward
     if config.lora_rank:
         policy = apply_lora(policy, LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha))
+    provenance = provenance_of(config.data.pairs) if os.path.isfile(config.data.pairs) else None  # else load_pairs says so
+    if config.data.system_prompt is None and (provenance or {}).get("system_prompt"):
+        config.data.system_prompt = provenance["system_prompt"]  # the prompts as the pairs were sampled
+        logger.info("system prompt from the pairs' provenance: %r", config.data.system_prompt)
     train, held_pairs, data_stats = load_pairs(tokenizer, config)
-    provenance = provenance_of(config.data.pairs)
     held_task, task_spec = heldout_task(config, provenance)
     if held_task is not None:  # a training prompt that is also a held-out problem would leak the answer
         held_keys = {e.prompt_key() for e in held_task.examples}

@@ -30,7 +30,7 @@ from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.stats import DivergenceAlarm
-from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
+from posttrain.models import LoraSettings, apply_lora, lean_mlp, load_model, make_reference
 from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
 )
@@ -164,6 +164,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     world = init_world(config.parallel)
     seed_everything(config.seed)
     policy, tokenizer = load_model(config.model)
+    lean_mlp(policy)  # same gradients, half the MLP activations kept for backward
     if config.lora_rank:
         policy = apply_lora(policy, LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha))
     train, held_out = load_splits(

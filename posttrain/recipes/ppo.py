@@ -34,7 +34,7 @@ from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, gradient_sync, init_world, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.stats import DivergenceAlarm
-from posttrain.models import LoraSettings, apply_lora, load_model, make_critic, make_reference
+from posttrain.models import LoraSettings, apply_lora, lean_mlp, load_model, make_critic, make_reference
 from posttrain.recipes.common import (
     Optimization, Timer, default_output_dir, lr_multiplier, restore_training, save_training, seed_everything,
 )
@@ -174,6 +174,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     world = init_world(config.parallel)
     seed_everything(config.seed)
     policy, tokenizer = load_model(config.model)
+    lean_mlp(policy)  # same gradients, half the MLP activations kept for backward
     if config.lora_rank:
         policy = apply_lora(policy, LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha))
     critic = make_critic(policy, share_backbone=config.critic.share_backbone)

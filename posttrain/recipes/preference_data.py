@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.algorithms import response_logprobs, sequence_logprobs, token_logprobs
+from posttrain.algorithms import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.config import to_dict
 from posttrain.data import (
     Example, PreferenceBatch, PreferencePair, load_preference_file, position_ids_from_attention_mask, tokenize_preference_pairs,
@@ -106,10 +106,19 @@ def response_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
     shifted_mask = mask[:, 1:]  # position t predicts token t + 1
     rows, columns = shifted_mask.nonzero(as_tuple=True)
-    logits = model.get_output_embeddings()(hidden[rows, columns])  # (K, V)
-    logprobs = token_logprobs(logits, input_ids[rows, columns + 1])  # (K,)
+    logprobs = response_head_logprobs(model, hidden[rows, columns], input_ids[rows, columns + 1])  # (K,)
     sums = torch.zeros(input_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
     return sums, shifted_mask.sum(-1)
+
+
+def response_head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(K,) log-probs of `targets` from (K, H) final hidden states through the model's LM head: the
+    chunked `head_logprobs` (no (K, V) logits kept for backward) for a plain linear head, else
+    (a LoRA-wrapped head) the head's own forward and `token_logprobs`."""
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        return head_logprobs(hidden, head, targets)
+    return token_logprobs(head(hidden), targets)
 
 
 def shared_prompt_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -141,8 +150,7 @@ def shared_prompt_sums(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         return None
     response_mask = laid_mask[:, P:].bool()  # (N, T)
     rows, columns = response_mask.nonzero(as_tuple=True)
-    logits = model.get_output_embeddings()(hidden[rows, columns])  # (K, V)
-    logprobs = token_logprobs(logits, laid_ids[rows, P + columns])  # (K,)
+    logprobs = response_head_logprobs(model, hidden[rows, columns], laid_ids[rows, P + columns])  # (K,)
     sums = torch.zeros(input_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
     return sums, response_lengths
 
