@@ -126,7 +126,7 @@ def floor_flops(shape: dict, prompt_lengths: list[int], completion_lengths: list
 def examples_in_order(total_steps: int):
     """The training examples in the order the recipe's PromptStream hands them out."""
     from posttrain.data.tasks import load_splits
-    from posttrain.recipes.online import PromptStream
+    from posttrain.recipes.online_data import PromptStream
 
     train, _ = load_splits(TASK, train_size=TRAIN_SIZE, eval_size=EVAL_SIZE, seed=SEED)
     return PromptStream(train, SEED).take(PROMPTS_PER_STEP * total_steps)
@@ -152,7 +152,8 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
     from posttrain.recipes import grpo
     from posttrain.recipes.common import Timer, make_optimizer, seed_everything
     from posttrain.distributed import World
-    from posttrain.recipes.online import CompletionForward, PromptStream, logprobs_of, make_verifier, sample_and_score
+    from posttrain.recipes.online import CompletionForward, logprobs_of, make_verifier
+    from posttrain.recipes.online_data import PromptStream, sample_and_score
 
     total = steps + warmup
     config = grpo.Config(model=model_name, max_steps=total, seed=SEED)

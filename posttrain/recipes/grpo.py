@@ -35,9 +35,10 @@ from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
-    Acceptance, CompletionForward, Data, PromptStream, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, make_verifier,
-    rank_logprobs, rank_micro_batches, rollout_metrics, sample_and_score, sample_rows, section_dict, token_entropy,
+    Acceptance, CompletionForward, Data, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, make_verifier, rank_logprobs,
+    rollout_metrics, sample_rows, section_dict, token_entropy,
 )
+from posttrain.recipes.online_data import PromptStream, rank_micro_batches, sample_and_score
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
 logger = logging.getLogger(__name__)

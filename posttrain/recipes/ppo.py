@@ -39,9 +39,9 @@ from posttrain.recipes.common import (
     Optimization, Timer, default_output_dir, lr_multiplier, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
-    Acceptance, Data, PromptStream, Sampling, evaluate_held_out, make_verifier, rank_logprobs, rank_micro_batches, rollout_metrics,
-    sample_and_score, sample_rows, section_dict, token_entropy,
+    Acceptance, Data, Sampling, evaluate_held_out, make_verifier, rank_logprobs, rollout_metrics, sample_rows, section_dict, token_entropy,
 )
+from posttrain.recipes.online_data import PromptStream, rank_micro_batches, sample_and_score
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
 logger = logging.getLogger(__name__)
