@@ -217,8 +217,12 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
     total = steps + warmup
     torch.manual_seed(SEED)
     policy, tokenizer = load_model(model_name)
-    if model_name == SMOLLM2_SPEC:  # TRL loads its reference model from the policy's name_or_path
+    # TRL loads its reference model from the policy's name_or_path: give it a directory.
+    if model_name == SMOLLM2_SPEC:
         policy.name_or_path = policy.config.name_or_path = str(smollm2_cache_path())
+    elif not Path(policy.config.name_or_path or "").is_dir():  # a model built in code (tiny)
+        policy.save_pretrained(Path(workdir) / "policy")
+        policy.name_or_path = policy.config.name_or_path = str(Path(workdir) / "policy")
     examples = examples_in_order(total)
     dataset = datasets.Dataset.from_list([
         {"prompt": render_prompt(tokenizer, e.prompt_input), "answer": e.answer, "id": e.id} for e in examples

@@ -15,7 +15,7 @@ matmul rate, measured here with a large square matmul. "x floor" = measured time
 Our engine prepacks the weights for oneDNN once per weights version (in RL: once per optimizer
 step); the warm-up call does it here, and its cost is printed separately ("weight packing").
 
-Usage: .venv/bin/python bench/rollout.py [--rounds 3] [--new-tokens 64] [--group-size 4]
+Usage: .venv/bin/python bench/rollout.py [--rounds 3] [--new-tokens 64] [--group-size 4] [--model smollm2-135m]
 Ends with one line: RESULT rollout: ours=X peer=Y unit=tokens/s ratio=R
 """
 
@@ -129,9 +129,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--model", default="smollm2-135m", help="the issue's model; 'tiny' for a smoke run")
     args = parser.parse_args()
 
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model(args.model)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                              add_generation_prompt=True) for q in QUESTIONS]
     lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
@@ -159,10 +160,10 @@ def main():
 
     print(f"rollout benchmark  {datetime.datetime.now():%Y-%m-%d %H:%M}  {platform.processor() or platform.machine()}"
           f"  torch {torch.__version__}  threads {torch.get_num_threads()}  load avg {os.getloadavg()[0]:.2f}")
-    print(f"SmolLM2-135M-Instruct float32, {len(prompts)} prompts x G={G}, {T} new tokens, temperature 1; "
+    print(f"{args.model} float32, {len(prompts)} prompts x G={G}, {T} new tokens, temperature 1; "
           f"best of {args.rounds} rounds; matmul rate {rate / 1e9:.0f} GFLOP/s (2048^3 fp32)")
-    print(f"| engine | best s | median s | tokens/s | vs generate | x FLOP floor |")
-    print(f"|---|---|---|---|---|---|")
+    print("| engine | best s | median s | tokens/s | vs generate | x FLOP floor |")
+    print("|---|---|---|---|---|---|")
     for label, name in (("transformers model.generate", "peer"), ("posttrain.rollout.generate", "ours")):
         best, median = min(times[name]), statistics.median(times[name])
         print(f"| {label} | {best:.2f} | {median:.2f} | {tokens / best:.1f} | {peer / best:.2f}x | "
