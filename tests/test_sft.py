@@ -1,0 +1,57 @@
+"""SFT's loss: the response-only forward against the plain full-logits NLL, micro-batch invariance."""
+
+import copy
+
+import pytest
+import torch
+
+from posttrain.data import tokenize_prompt_response
+from posttrain.models import LoraSettings, apply_lora, build_tiny_model, lean_mlp
+from posttrain.recipes.sft import ResponseForward, sft_loss
+
+PROMPTS = ["12+30=", "7+5=", "101+99=", "3+4="]
+RESPONSES = ["<answer>42</answer>", "<answer>12</answer>", "<answer>200</answer>", "7"]
+
+
+def naive_loss(model, batch) -> torch.Tensor:
+    """Token-mean NLL over response tokens from the model's own full (N, L, V) logits."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    mask = batch.mask[:, 1:]
+    return -(logprobs * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_response_forward_loss_equals_the_full_logits_nll(lora):
+    model, tokenizer = build_tiny_model(seed=4)
+    if lora:
+        model = apply_lora(model, LoraSettings(rank=4, target_modules=["q_proj", "down_proj"]))
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.1, generator=torch.Generator().manual_seed(5))
+    reference = copy.deepcopy(model)
+    lean_mlp(model)  # as the recipe does
+    batch = tokenize_prompt_response(tokenizer, PROMPTS, RESPONSES)  # right-padded, unequal lengths
+    assert batch.attention_mask.sum(-1).unique().numel() > 1
+    loss = sft_loss(ResponseForward(model), batch, slice(None), batch.mask[:, 1:].sum())
+    expected = naive_loss(reference, batch)
+    assert torch.allclose(loss, expected, atol=1e-5)
+    loss.backward()
+    expected.backward()
+    for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+        if a.requires_grad:
+            assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_micro_batches_add_up_to_the_batch_loss_and_gradient():
+    model, tokenizer = build_tiny_model(seed=6)
+    batch = tokenize_prompt_response(tokenizer, PROMPTS, RESPONSES)
+    tokens = batch.mask[:, 1:].sum()
+    forward = ResponseForward(model)
+    whole = sft_loss(forward, batch, slice(None), tokens)
+    (whole_grad,) = torch.autograd.grad(whole, model.lm_head.weight)
+    parts = [sft_loss(forward, batch, slice(start, start + 3), tokens) for start in (0, 3)]
+    (parts_grad,) = torch.autograd.grad(sum(parts), model.lm_head.weight)
+    assert torch.allclose(sum(parts), whole, atol=1e-6)
+    assert torch.allclose(parts_grad, whole_grad, atol=1e-6)
