@@ -32,7 +32,7 @@ from posttrain.algorithms import PREFERENCE_LOSSES, length_normalized_dpo_loss
 from posttrain.config import save_yaml
 from posttrain.data import PreferenceBatch, TruncationPolicy
 from posttrain.data.examples import derived_seed
-from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, unwrap, wrap
+from posttrain.distributed import Parallel, TrainingForward, World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.models import LoraSettings, apply_lora, lean_mlp, load_model, make_reference
@@ -332,17 +332,12 @@ def run(config: Config, resume: bool = False) -> Path:
     return run_dir.path
 
 
-class PairForward(torch.nn.Module):
+class PairForward(TrainingForward):
     """The policy as DDP / FSDP2 see it in training: one forward = `pair_logprobs` of some rows."""
 
     def __init__(self, model, full_forward: bool = False):
-        super().__init__()
-        self.model, self.full_forward = model, full_forward
-
-    @property
-    def sharding_root(self):
-        """FSDP2 shards the policy itself (this wrapper holds no parameters of its own)."""
-        return self.model
+        super().__init__(model)
+        self.full_forward = full_forward
 
     def forward(self, batch: PreferenceBatch, rows: slice) -> PairLogprobs:
         return pair_logprobs(self.model, batch, rows, full_forward=self.full_forward)

@@ -17,7 +17,7 @@ import torch
 
 from posttrain.algorithms import exact_kl, token_logprobs
 from posttrain.data.examples import Example, Task, derived_seed
-from posttrain.distributed import World, full_weights
+from posttrain.distributed import TrainingForward, World, full_weights
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.evaluation.stats import DivergenceAlarm
@@ -143,19 +143,14 @@ def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width
     return output, output.logits[:, prompt_width - 1 : prompt_width - 1 + T]
 
 
-class CompletionForward(torch.nn.Module):
+class CompletionForward(TrainingForward):
     """The policy as DDP / FSDP2 see it in training: one forward = `completion_logits` of some rows,
     so the shared-prefix forward's two model calls count as one forward (DDP syncs per forward).
     `forward(inputs, rows, prompt_width, T)` returns the (n, T, V) logits."""
 
     def __init__(self, model, shared_prefix: bool = True):
-        super().__init__()
-        self.model, self.shared_prefix = model, shared_prefix
-
-    @property
-    def sharding_root(self):
-        """FSDP2 shards the policy itself (this wrapper holds no parameters of its own)."""
-        return self.model
+        super().__init__(model)
+        self.shared_prefix = shared_prefix
 
     def forward(self, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int) -> torch.Tensor:
         return completion_logits(self.model, inputs, rows, prompt_width, T, shared_prefix=self.shared_prefix)[1]

@@ -23,7 +23,7 @@ from posttrain.config import save_yaml, to_dict
 from posttrain.data import tokenize_prompt_response
 from posttrain.data.examples import Example
 from posttrain.data.tasks import load_splits
-from posttrain.distributed import Parallel, full_weights, gradient_sync, init_world, is_sharded, wrap
+from posttrain.distributed import Parallel, TrainingForward, full_weights, gradient_sync, init_world, is_sharded, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.models import lean_mlp, load_model
@@ -107,19 +107,14 @@ def data_order(num_examples: int, seed: int, position: int, count: int) -> list[
     return indices
 
 
-class ResponseForward(torch.nn.Module):
+class ResponseForward(TrainingForward):
     """The model as DDP / FSDP2 see it in SFT: one forward = the (n,) summed response-token log-probs
     of some rows of a batch (`response_sums`: the LM head only where a response token is predicted,
     no logits kept for backward; `full_forward`: the model's own forward, which FSDP2 needs)."""
 
     def __init__(self, model, full_forward: bool = False):
-        super().__init__()
-        self.model, self.full_forward = model, full_forward
-
-    @property
-    def sharding_root(self):
-        """FSDP2 shards the model itself (this wrapper holds no parameters of its own)."""
-        return self.model
+        super().__init__(model)
+        self.full_forward = full_forward
 
     def forward(self, batch, rows: slice) -> torch.Tensor:
         sums, _ = response_sums(self.model, batch.input_ids[rows], batch.attention_mask[rows], batch.mask[rows], self.full_forward)
