@@ -221,7 +221,7 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     if stops is not None:
         texts = [stops.cut(text) if done else text for text, done in zip(texts, finished.tolist())]
     elapsed = time.perf_counter() - started
-    logger.info("rollout: %d rows, %d tokens in %.2fs (%.1f tokens/s)", B * G, int(lengths.sum()), elapsed,
+    logger.debug("rollout: %d rows, %d tokens in %.2fs (%.1f tokens/s)", B * G, int(lengths.sum()), elapsed,
                 int(lengths.sum()) / max(elapsed, 1e-9))
     return Rollout(
         prompt_ids=prompt_ids, prompt_attention_mask=prompt_mask, completion_ids=completions, mask=mask,
