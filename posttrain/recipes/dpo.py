@@ -43,6 +43,7 @@ from posttrain.recipes.preference_data import (  # noqa: F401 (reference_logprob
     REFERENCE_CACHE, PairLogprobs, cached_reference, heldout_task, load_pairs, make_card, pair_logprobs, prompt_key,
     provenance_of, reference_logprobs, tokenize,
 )
+from posttrain.recipes.preference_metrics import DisplacementAlarm, pair_columns, pair_metrics
 from posttrain.recipes.sft import data_order
 from posttrain.runs import RunDirectory, plot_metrics, write_run_card
 
@@ -194,32 +195,6 @@ def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor
     options = {"label_smoothing": loss.label_smoothing} if loss.type in SMOOTHED else {}
     return PREFERENCE_LOSSES[loss.type](policy.chosen, policy.rejected, ref_chosen, ref_rejected, beta=loss.beta, **options)
 
-class DisplacementAlarm:
-    """Likelihood displacement (the seed: DPO can win by pushing both answers down): rings when the
-    chosen log-ratio log pi(chosen) - log pi_ref(chosen), averaged over the last `window` steps, is
-    below -threshold while the preference accuracy over those steps is above that of the run's first
-    `window` steps. Rings once; `history` is saved in checkpoints so a resumed run rings the same."""
-
-    def __init__(self, threshold: float, window: int, history: list | None = None, rings: list | None = None):
-        self.threshold, self.window = threshold, window
-        self.history: list[tuple[int, float, float]] = [tuple(h) for h in history or []]
-        self.rings: list[str] = list(rings or [])
-
-    def observe(self, step: int, chosen_logratio: float, accuracy: float) -> str | None:
-        self.history.append((step, chosen_logratio, accuracy))
-        if self.rings or len(self.history) < 2:
-            return None
-        recent, first = self.history[-self.window :], self.history[: self.window]
-        drop = sum(h[1] for h in recent) / len(recent)
-        accuracy_now, accuracy_start = sum(h[2] for h in recent) / len(recent), sum(h[2] for h in first) / len(first)
-        if drop < -self.threshold and accuracy_now > accuracy_start:
-            self.rings.append(
-                f"likelihood displacement at step {step}: the chosen responses' log-prob is {drop:.3f} nats below the "
-                f"reference's (threshold {self.threshold}) while preference accuracy rose {accuracy_start:.3f} -> "
-                f"{accuracy_now:.3f}: DPO is winning by pushing both answers down"
-            )
-            return self.rings[-1]
-        return None
 
 def run(config: Config, resume: bool = False) -> Path:
     """Train; returns the run directory."""
@@ -379,27 +354,6 @@ def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBa
             parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums, ref_chosen, ref_rejected))
     columns = torch.cat([torch.cat(parts, dim=1)] if not world.active else world.gather(torch.cat(parts, dim=1)), dim=1)
     return pair_metrics(columns, float(world.reduce(nll_total)), config.loss.nll_weight)
-
-
-def pair_columns(losses, chosen_rewards, rejected_rewards, sums: PairLogprobs, ref_chosen, ref_rejected) -> torch.Tensor:
-    """(7, P) detached [losses, chosen rewards, rejected rewards, chosen logps, rejected logps,
-    chosen log-ratio, rejected log-ratio], for `pair_metrics`."""
-    chosen, rejected = sums.chosen.detach(), sums.rejected.detach()
-    return torch.stack([losses.detach(), chosen_rewards, rejected_rewards, chosen, rejected, chosen - ref_chosen, rejected - ref_rejected])
-
-
-def pair_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[str, float]:
-    """Means over pairs of the (7, P) `pair_columns`; loss = preference loss + nll_weight * nll."""
-    losses, chosen_r, rejected_r, chosen, rejected, chosen_ratio, rejected_ratio = columns
-    preference = float(losses.mean())
-    return {
-        "loss": preference + nll_weight * nll, "loss/preference": preference, "loss/nll": nll,
-        "rewards/chosen": float(chosen_r.mean()), "rewards/rejected": float(rejected_r.mean()),
-        "rewards/margins": float((chosen_r - rejected_r).mean()),
-        "rewards/accuracy": float((chosen_r > rejected_r).float().mean()),
-        "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
-        "logratio/chosen": float(chosen_ratio.mean()), "logratio/rejected": float(rejected_ratio.mean()),
-    }
 
 
 @torch.no_grad()
