@@ -62,7 +62,7 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _fused_adamw_supported(parameters: list[torch.Tensor]) -> bool:
+def fused_adamw_supported(parameters: list[torch.Tensor]) -> bool:
     """torch's fused AdamW (one kernel per tensor, no parameter-sized temporaries) handles plain
     floating-point tensors on the CPU and CUDA; FSDP2's sharded DTensors keep the default kernel."""
     from torch.distributed.tensor import DTensor
@@ -81,7 +81,7 @@ def make_optimizer(parameters, optim: Optimization, total_steps: int):
     """
     trainable = [p for p in parameters if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                                  fused=_fused_adamw_supported(trainable) or None)
+                                  fused=fused_adamw_supported(trainable) or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, optim.warmup_steps, total_steps, optim.schedule)
     )

@@ -36,7 +36,7 @@ from posttrain.errors import UserError
 from posttrain.evaluation.stats import DivergenceAlarm
 from posttrain.models import LoraSettings, apply_lora, lean_mlp, load_model, make_critic, make_reference
 from posttrain.recipes.common import (
-    Optimization, Timer, default_output_dir, lr_multiplier, restore_training, save_training, seed_everything,
+    Optimization, Timer, default_output_dir, fused_adamw_supported, lr_multiplier, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
     Acceptance, Data, Sampling, evaluate_held_out, make_verifier, rank_logprobs, rollout_metrics, sample_rows, section_dict, token_entropy,
@@ -301,6 +301,7 @@ def make_optimizers(policy, critic, config: Config):
     optimizer = torch.optim.AdamW(
         [{"params": policy_params, "lr": config.optim.lr}, {"params": critic_params, "lr": config.critic.lr}],
         betas=tuple(config.optim.betas), weight_decay=config.optim.weight_decay,
+        fused=fused_adamw_supported(policy_params + critic_params) or None,  # as make_optimizer
     )
     total = config.max_steps * config.update.epochs * config.update.mini_batches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
