@@ -53,12 +53,11 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
 
     from posttrain.config import build_config
     from posttrain.data import PreferencePair
-    from posttrain.models import lean_mlp, load_model, make_reference
+    from posttrain.models import make_reference
     from posttrain.recipes import dpo
-    from posttrain.recipes.common import clip_and_step, make_optimizer
+    from posttrain.recipes.common import clip_and_step, load_policy, make_optimizer
 
-    policy, tokenizer = load_model(model_name)
-    lean_mlp(policy)  # as the recipe does
+    policy, tokenizer = load_policy(model_name)  # as the recipe loads it
     total = steps + warmup
     rows = make_rows(BATCH * total)
     pairs = [PreferencePair(r["id"], r["prompt"], r["chosen"], r["rejected"]) for r in rows]

@@ -148,9 +148,9 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
 
     from posttrain.algorithms import grpo_advantages
     from posttrain.data.tasks import load_splits
-    from posttrain.models import lean_mlp, load_model, make_reference
+    from posttrain.models import make_reference
     from posttrain.recipes import grpo
-    from posttrain.recipes.common import Timer, make_optimizer, seed_everything
+    from posttrain.recipes.common import Timer, load_policy, make_optimizer, seed_everything
     from posttrain.distributed import World
     from posttrain.recipes.online import CompletionForward, logprobs_of, make_verifier
     from posttrain.recipes.online_data import PromptStream, sample_and_score
@@ -166,8 +166,7 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
         config.exact_kl_tokens = exact_kl_tokens
     config.validate()
     seed_everything(config.seed)
-    policy, tokenizer = load_model(config.model)
-    lean_mlp(policy)  # as the recipe does
+    policy, tokenizer = load_policy(config.model)  # as the recipe loads it
     train, _ = load_splits(TASK, train_size=TRAIN_SIZE, eval_size=EVAL_SIZE, seed=SEED)
     verifier = make_verifier(lambda completion, example: numeric_reward(completion, example.get("answer")), config.reward)
     verifier.prepare()

@@ -19,6 +19,7 @@ import torch
 
 from posttrain.distributed import World, is_sharded, load_model_state, load_optimizer_state, model_state, optimizer_state, unwrap
 from posttrain.errors import UserError
+from posttrain.models import LoraSettings, apply_lora, lean_mlp, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +63,25 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def load_policy(spec: str, lora_rank: int = 0, lora_alpha: float = 16.0):
+    """The model a training recipe trains, and its tokenizer: `load_model(spec)`, its SwiGLU MLPs
+    made lean (`lean_mlp`: the same gradients, half the MLP activations kept for backward), and
+    LoRA adapters when `lora_rank` > 0."""
+    policy, tokenizer = load_model(spec)
+    lean_mlp(policy)
+    if lora_rank:
+        policy = apply_lora(policy, LoraSettings(rank=lora_rank, alpha=lora_alpha))
+    return policy, tokenizer
+
+
 def fused_adamw_supported(parameters: list[torch.Tensor]) -> bool:
     """torch's fused AdamW (one kernel per tensor, no parameter-sized temporaries) handles plain
     floating-point tensors on the CPU and CUDA; FSDP2's sharded DTensors keep the default kernel."""
     from torch.distributed.tensor import DTensor
 
+    floating = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     return bool(parameters) and all(
-        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-        for p in parameters)
+        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.dtype in floating for p in parameters)
 
 
 def make_optimizer(parameters, optim: Optimization, total_steps: int):

@@ -35,9 +35,9 @@ from posttrain.data.examples import derived_seed
 from posttrain.distributed import Parallel, TrainingForward, World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
-from posttrain.models import LoraSettings, apply_lora, lean_mlp, load_model, make_reference
+from posttrain.models import make_reference
 from posttrain.recipes.common import (
-    Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
+    Optimization, Timer, clip_and_step, default_output_dir, load_policy, make_optimizer, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.preference_data import (  # noqa: F401 (reference_logprobs, tokenize, REFERENCE_CACHE: used by tests and bench/dpo.py)
     REFERENCE_CACHE, PairLogprobs, cached_reference, heldout_task, load_pairs, make_card, pair_logprobs, prompt_key,
@@ -202,10 +202,7 @@ def run(config: Config, resume: bool = False) -> Path:
     config.validate()
     world = init_world(config.parallel)
     seed_everything(config.seed)
-    policy, tokenizer = load_model(config.model)
-    lean_mlp(policy)  # same gradients, half the MLP activations kept for backward
-    if config.lora_rank:
-        policy = apply_lora(policy, LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha))
+    policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha)
     provenance = provenance_of(config.data.pairs) if os.path.isfile(config.data.pairs) else None  # else load_pairs says so
     if config.data.system_prompt is None and (provenance or {}).get("system_prompt"):
         config.data.system_prompt = provenance["system_prompt"]  # the prompts as the pairs were sampled

@@ -30,9 +30,9 @@ from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.stats import DivergenceAlarm
-from posttrain.models import LoraSettings, apply_lora, lean_mlp, load_model, make_reference
+from posttrain.models import make_reference
 from posttrain.recipes.common import (
-    Optimization, Timer, clip_and_step, default_output_dir, make_optimizer, restore_training, save_training, seed_everything,
+    Optimization, Timer, clip_and_step, default_output_dir, load_policy, make_optimizer, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
     Acceptance, CompletionForward, Data, Sampling, completion_logits, evaluate_held_out, exact_kl_subset, make_verifier, rank_logprobs,
@@ -164,10 +164,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     config.validate()
     world = init_world(config.parallel)
     seed_everything(config.seed)
-    policy, tokenizer = load_model(config.model)
-    lean_mlp(policy)  # same gradients, half the MLP activations kept for backward
-    if config.lora_rank:
-        policy = apply_lora(policy, LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha))
+    policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha)
     train, held_out = load_splits(
         config.data.task, train_size=config.data.train_size, eval_size=config.data.eval_size, seed=config.seed,
         options=config.data.task_options,

@@ -34,9 +34,9 @@ from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, gradient_sync, init_world, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.stats import DivergenceAlarm
-from posttrain.models import LoraSettings, apply_lora, lean_mlp, load_model, make_critic, make_reference
+from posttrain.models import make_critic, make_reference
 from posttrain.recipes.common import (
-    Optimization, Timer, default_output_dir, fused_adamw_supported, lr_multiplier, restore_training, save_training, seed_everything,
+    Optimization, Timer, default_output_dir, fused_adamw_supported, load_policy, lr_multiplier, restore_training, save_training, seed_everything,
 )
 from posttrain.recipes.online import (
     Acceptance, Data, Sampling, evaluate_held_out, make_verifier, rank_logprobs, rollout_metrics, sample_rows, section_dict, token_entropy,
@@ -173,10 +173,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         raise UserError("ppo under torchrun supports parallel.strategy ddp only (its critic is not sharded with FSDP2)")
     world = init_world(config.parallel)
     seed_everything(config.seed)
-    policy, tokenizer = load_model(config.model)
-    lean_mlp(policy)  # same gradients, half the MLP activations kept for backward
-    if config.lora_rank:
-        policy = apply_lora(policy, LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha))
+    policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha)
     critic = make_critic(policy, share_backbone=config.critic.share_backbone)
     train, held_out = load_splits(
         config.data.task, train_size=config.data.train_size, eval_size=config.data.eval_size, seed=config.seed,

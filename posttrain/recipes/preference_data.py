@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.algorithms import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.config import to_dict
 from posttrain.data import (
     Example, PreferenceBatch, PreferencePair, load_preference_file, position_ids_from_attention_mask, tokenize_preference_pairs,
@@ -27,7 +26,7 @@ from posttrain.distributed import World, full_weights
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, heldout_split
 from posttrain.models import ReferenceModel, make_reference
-from posttrain.recipes.shared_prefix import shared_prefix_logits
+from posttrain.recipes.shared_prefix import response_head_logprobs, response_sums, shared_prefix_logits
 from posttrain.runs import RunDirectory, new_card
 
 if TYPE_CHECKING:  # the recipe's config; dpo.py imports this module
@@ -85,40 +84,6 @@ def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None), full
         sums, lengths = result or response_sums(model, input_ids, attention_mask, mask, full_forward)
     n = input_ids.shape[0] // 2
     return PairLogprobs(sums[:n], sums[n:], lengths[:n], lengths[n:])
-
-
-def response_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
-                  full_forward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) summed response log-probs and (N,) response lengths of (N, L) rows.
-
-    The LM head runs only on the K positions that predict a response token (hidden (K, H) ->
-    logits (K, V)), never on prompt or padding positions: for a 49k-token vocabulary the full
-    (N, L, V) logits are most of a step's time and memory. Models whose head does more than a
-    linear map (logit soft-capping or scaling) take the plain full forward.
-    """
-    position_ids = position_ids_from_attention_mask(attention_mask)
-    config = getattr(model, "config", None)
-    plain_head = not any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    if full_forward or not plain_head or model.get_output_embeddings() is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits  # (N, L, V)
-        logprobs, shifted_mask = response_logprobs(logits, input_ids, mask)
-        return sequence_logprobs(logprobs, shifted_mask), shifted_mask.sum(-1)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    shifted_mask = mask[:, 1:]  # position t predicts token t + 1
-    rows, columns = shifted_mask.nonzero(as_tuple=True)
-    logprobs = response_head_logprobs(model, hidden[rows, columns], input_ids[rows, columns + 1])  # (K,)
-    sums = torch.zeros(input_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
-    return sums, shifted_mask.sum(-1)
-
-
-def response_head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(K,) log-probs of `targets` from (K, H) final hidden states through the model's LM head: the
-    chunked `head_logprobs` (no (K, V) logits kept for backward) for a plain linear head, else
-    (a LoRA-wrapped head) the head's own forward and `token_logprobs`."""
-    head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:
-        return head_logprobs(hidden, head, targets)
-    return token_logprobs(head(hidden), targets)
 
 
 def shared_prompt_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

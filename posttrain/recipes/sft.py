@@ -26,18 +26,18 @@ from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, TrainingForward, full_weights, gradient_sync, init_world, is_sharded, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
-from posttrain.models import lean_mlp, load_model
 from posttrain.recipes.common import (
     Optimization,
     Timer,
     clip_and_step,
     default_output_dir,
+    load_policy,
     make_optimizer,
     restore_training,
     save_training,
     seed_everything,
 )
-from posttrain.recipes.preference_data import response_sums
+from posttrain.recipes.shared_prefix import response_sums
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
 logger = logging.getLogger(__name__)
@@ -133,8 +133,7 @@ def run(config: Config, resume: bool = False) -> Path:
     config.validate()
     world = init_world(config.parallel)
     seed_everything(config.seed)
-    model, tokenizer = load_model(config.model)
-    lean_mlp(model)  # same gradients, half the MLP activations kept for backward
+    model, tokenizer = load_policy(config.model)
     train, held_out = load_splits(
         config.task, train_size=config.train_size, eval_size=config.eval_size, seed=config.seed,
         options=config.task_options,

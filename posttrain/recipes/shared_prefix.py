@@ -1,4 +1,6 @@
-"""The training forward with each distinct prompt computed once (GRPO's shared prefix).
+"""Training forwards that compute only what the loss needs: each distinct prompt once (GRPO's
+shared prefix, `shared_prefix_logits`), and the LM head only where a response token is predicted
+(`response_sums`, SFT's and DPO's per-row forward).
 
 The G rows of a GRPO group carry the same left-padded prompt (in bench/grpo.py ~51 of ~82 positions
 per row), so a plain forward over prompt + completion computes every prompt G times. Here, for the
@@ -26,6 +28,9 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+
+from posttrain.algorithms import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
+from posttrain.data import position_ids_from_attention_mask
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 """Architectures checked against the plain forward (tiny and SmolLM2 are Llama)."""
@@ -98,3 +103,37 @@ def shared_prefix_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_wi
         position_ids=position_ids[:, P : P + T - 1], use_cache=True, **{cache_argument: cache},
     )
     return torch.cat([logits, completion_logits], dim=1)  # (n, T, V)
+
+
+def response_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
+                  full_forward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) summed response log-probs and (N,) response lengths of (N, L) rows.
+
+    The LM head runs only on the K positions that predict a response token (hidden (K, H) ->
+    logits (K, V)), never on prompt or padding positions: for a 49k-token vocabulary the full
+    (N, L, V) logits are most of a step's time and memory. Models whose head does more than a
+    linear map (logit soft-capping or scaling) take the plain full forward.
+    """
+    position_ids = position_ids_from_attention_mask(attention_mask)
+    config = getattr(model, "config", None)
+    plain_head = not any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if full_forward or not plain_head or model.get_output_embeddings() is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits  # (N, L, V)
+        logprobs, shifted_mask = response_logprobs(logits, input_ids, mask)
+        return sequence_logprobs(logprobs, shifted_mask), shifted_mask.sum(-1)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    shifted_mask = mask[:, 1:]  # position t predicts token t + 1
+    rows, columns = shifted_mask.nonzero(as_tuple=True)
+    logprobs = response_head_logprobs(model, hidden[rows, columns], input_ids[rows, columns + 1])  # (K,)
+    sums = torch.zeros(input_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, rows, logprobs)
+    return sums, shifted_mask.sum(-1)
+
+
+def response_head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(K,) log-probs of `targets` from (K, H) final hidden states through the model's LM head: the
+    chunked `head_logprobs` (no (K, V) logits kept for backward) for a plain linear head, else
+    (a LoRA-wrapped head) the head's own forward and `token_logprobs`."""
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        return head_logprobs(hidden, head, targets)
+    return token_logprobs(head(hidden), targets)

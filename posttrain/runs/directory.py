@@ -40,13 +40,13 @@ class RunDirectory:
     """
 
     def __init__(self, path: str | Path, resume: bool = False, writer: bool = True, tensorboard: bool = False):
-        self.path, self.writer, self._board = Path(path), writer, None
+        self.path, self.writer, self._board, self._board_class = Path(path), writer, None, None
         if tensorboard and writer:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise UserError("tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
-            self._board_class = SummaryWriter
+            self._board_class = SummaryWriter  # the writer itself is made on the first metrics line
         if resume:
             if not (self.path / "config.yaml").is_file():
                 raise UserError(f"{self.path}: not a run directory (no config.yaml) - nothing to resume")
@@ -74,7 +74,7 @@ class RunDirectory:
         if not self.writer:
             return
         _append(self.path / "metrics.jsonl", {"step": step, **metrics})
-        if hasattr(self, "_board_class"):
+        if self._board_class is not None:
             if self._board is None:
                 self._board = self._board_class(log_dir=str(self.path / "tensorboard"))
             for key, value in metrics.items():
