@@ -4,7 +4,8 @@ Why not ``model.forward``: one decode step of a 135M model on 2 CPU cores is ~40
 the Hugging Face forward adds masks, cache bookkeeping and ~30 small ops per layer around them. This
 decoder reads the model's own weights and keeps only what a decode step needs:
 
-* one preallocated KV cache ``(L, 2, n, K, S, D)``; all rows are left-padded to a common prompt
+* one preallocated KV cache ``(L, 2, n, K, S, D)``, each key block stored transposed as ``(D, S)``
+  (the decode attention then sums over columns without horizontal adds); all rows are left-padded to a common prompt
   length, so every row writes its new key/value into the same column, and left padding is a
   ``-inf`` additive key bias plus per-row position ids;
 * fused projections (q|k|v in one matmul, gate|up in two matmuls with the SiLU and the product
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from posttrain.rollout import kernels
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +212,9 @@ def _build_layers(model: torch.nn.Module, batch_hint: int) -> tuple[list[_Layer]
 class LlamaDecoder:
     """Decoding Llama-family models with a static KV cache; same interface as ``HFDecoder``."""
 
-    def __init__(self, model: torch.nn.Module, batch_hint: int = 16):
+    def __init__(self, model: torch.nn.Module, batch_hint: int = 16, use_kernels: bool | None = None):
+        """use_kernels: run the decode step's norms, rope and attention in the C kernels
+        (posttrain/rollout/kernels.py); None = whenever they build here and the model is float32 on CPU."""
         self.layers, self.lm_head = _build_layers(model, batch_hint)
         model = _unwrap(model)
         config = model.config
@@ -225,10 +230,17 @@ class LlamaDecoder:
         self.scaling = model.model.layers[0].self_attn.scaling
         self.buffer = None  # (L, 2, rows allocated, K, S, D)
         self.kv = None  # (L, 2, n, K, S, D): the first n rows of the buffer
-        self.views = []  # per layer: keys, values (n, K, S, D) and the same as (n*K, S, D)
+        self.views = []  # per layer: keys (n, K, D, S), values (n, K, S, D), and both with n*K merged
         self.key_bias = None  # (n, S) float: 0 = attend, -inf = left padding
         self.positions = None  # (n,) long: position id of the next token
         self.column = 0  # cache column the next token is written to (same for every row)
+        usable = kernels.usable(self.embed) and self.head_dim % 16 == 0 and self.head_dim <= kernels.MAX_HEAD_DIM
+        if use_kernels and not usable:
+            raise ValueError("the rollout kernels cannot run here (see the log) or not for this model's dtype/device")
+        self.kernels = usable if use_kernels is None else use_kernels
+        self.sharing = None  # kernels.Sharing: rows with the same prompt columns
+        self.kernel_args = []  # per layer: kernels.AttentionArgs, rebuilt when the cache's rows change
+        self.scratch = ()  # kernels' q (rows, H, D), scores (rows, H, S), attention output (rows, H * D)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
@@ -272,6 +284,7 @@ class LlamaDecoder:
         """
         B, P = prompt_ids.shape
         L, K, D = len(self.layers), self.kv_heads, self.head_dim
+        capacity = -(-capacity // 16) * 16  # the kernels read keys 16 columns at a time
         # Uninitialised on purpose: a column is always written (prompt or decode step) before any
         # attention reads it, and zero-filling ~100 MB costs as much as the page faults it causes.
         self.buffer = torch.empty(L, 2, max(B, max_rows), K, capacity, D, dtype=self.embed.dtype,
@@ -289,27 +302,53 @@ class LlamaDecoder:
         x = F.embedding(prompt_ids, self.embed)  # (B, P, d)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._norm(x, layer.input_norm), cos, sin_signed)  # (B, P, *, D)
-            self.kv[index, 0, :, :, :P] = k.transpose(1, 2)
+            self.kv[index, 0].view(B, K, D, capacity)[..., :P] = k.permute(0, 2, 3, 1)  # keys stored (D, S)
             self.kv[index, 1, :, :, :P] = v.transpose(1, 2)
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
                 scale=self.scaling, enable_gqa=self.heads != K)  # (B, H, P, D)
             x = layer.o.plus(attn.transpose(1, 2).reshape(B * P, -1), x.reshape(B * P, -1)).view(B, P, -1)
             x = self._mlp(layer, x.view(B * P, -1)).view(B, P, -1)
+        self.sharing = kernels.Sharing.distinct(B)
+        if self.kernels:
+            H, rows = self.heads, max(B, max_rows)
+            self.scratch = (torch.empty(rows, H, D), torch.empty(rows, H, capacity), torch.empty(rows, H * D))
         self._make_views()
         return self.lm_head(self._norm(x[:, -1], self.final_norm)).float()
 
     def _make_views(self) -> None:
         """Per-layer views of the cache, made once per batch change instead of once per step."""
         n, K, S, D = self.kv.shape[2:]
-        self.views = [(keys, values, keys.view(n * K, S, D), values.view(n * K, S, D))
+        self.views = [(keys.view(n, K, D, S), values, keys.view(n * K, D, S), values.view(n * K, S, D))
                       for keys, values in (layer.unbind(0) for layer in self.kv.unbind(0))]
+        if self.kernels:
+            self._make_kernel_args()
+
+    def _make_kernel_args(self) -> None:
+        """One ``kernels.AttentionArgs`` per layer for the current rows; decode fills in the rest."""
+        n, K, S, D = self.kv.shape[2:]
+        if self.scratch[0].shape[0] < n:  # select grew the rows past prefill's max_rows
+            self.scratch = tuple(t.new_empty(n, *t.shape[1:]) for t in self.scratch)
+        q, scores, out = self.scratch
+        self.kernel_args = []
+        for layer, (keys, values, _, _) in zip(self.layers, self.views):
+            self.kernel_args.append(kernels.AttentionArgs(
+                q_norm=None if layer.q_norm is None else layer.q_norm.data_ptr(),
+                k_norm=None if layer.k_norm is None else layer.k_norm.data_ptr(),
+                eps=self.eps, scale=self.scaling, keys=keys.data_ptr(), values=values.data_ptr(),
+                row_stride=keys.stride(0), head_stride=keys.stride(1), S=S,
+                key_bias=self.key_bias.data_ptr(), bias_stride=self.key_bias.stride(0),
+                group_start=self.sharing.group_start.data_ptr(), members=self.sharing.members.data_ptr(),
+                groups=self.sharing.groups, shared=self.sharing.shared,
+                n=n, H=self.heads, K=K, D=D, q=q.data_ptr(), scores=scores.data_ptr(),
+                scores_stride=scores.stride(1), out=out.data_ptr()))
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """x + down(silu(gate(h)) * up(h)), h = norm(x). x: (n, d)."""
         h = self._norm(x, layer.post_norm)
         return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
 
+    @torch.inference_mode()
     def select(self, rows: torch.Tensor) -> None:
         """Keep (and reorder, or repeat) cache rows: new row i is old row ``rows[i]``. rows: (n,) long.
 
@@ -321,15 +360,19 @@ class LlamaDecoder:
         forwards = all(j >= i for i, j in enumerate(old))
         if new <= self.buffer.shape[2] and (forwards or all(j <= i for i, j in enumerate(old))):
             order = range(new) if forwards else range(new - 1, -1, -1)
+            L, _, R, K, S, D = self.buffer.shape
+            keys, values = self.buffer[:, 0].view(L, R, K, D, S), self.buffer[:, 1]
             for i in order:
-                if old[i] != i:
-                    self.buffer[:, :, i, :, :self.column].copy_(self.buffer[:, :, old[i], :, :self.column])
+                if old[i] != i:  # only the columns written so far
+                    keys[:, i, :, :, :self.column].copy_(keys[:, old[i], :, :, :self.column])
+                    values[:, i, :, :self.column].copy_(values[:, old[i], :, :self.column])
             self.kv = self.buffer[:, :, :new]
         else:
             self.buffer = self.kv = self.kv.index_select(2, rows)
-        self._make_views()
         self.key_bias = self.key_bias.index_select(0, rows)
         self.positions = self.positions.index_select(0, rows)
+        self.sharing = self.sharing.select(old, self.column)
+        self._make_views()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -337,6 +380,8 @@ class LlamaDecoder:
         n, column = tokens.shape[0], self.column
         H, K, D = self.heads, self.kv_heads, self.head_dim
         cos, sin_signed = self._cos_sin(self.positions)  # (n, 1, D)
+        if self.kernels:
+            return self._decode_kernels(tokens, cos.contiguous(), sin_signed.contiguous())
         rep = H // K
         # Grouped-query attention without repeating the cache: query heads g*rep .. g*rep+rep-1 share
         # kv head g, so the (n, H) query heads are batched as (n*K, rep) against (n*K, c) keys.
@@ -344,9 +389,9 @@ class LlamaDecoder:
         x = F.embedding(tokens, self.embed)  # (n, d)
         for layer, (keys, values, flat_keys, flat_values) in zip(self.layers, self.views):
             q, k, v = self._qkv(layer, self._norm(x, layer.input_norm), cos, sin_signed)  # (n, *, D)
-            keys[:, :, column] = k  # cache (n, K, S, D)
-            values[:, :, column] = v
-            scores = torch.baddbmm(key_bias, q.reshape(n * K, rep, D), flat_keys[:, :column + 1].transpose(1, 2),
+            keys[:, :, :, column] = k  # keys (n, K, D, S)
+            values[:, :, column] = v  # values (n, K, S, D)
+            scores = torch.baddbmm(key_bias, q.reshape(n * K, rep, D), flat_keys[:, :, :column + 1],
                                    alpha=self.scaling)  # (n*K, rep, c)
             attn = torch.bmm(torch.softmax(scores, dim=-1), flat_values[:, :column + 1])  # (n*K, rep, D)
             x = layer.o.plus(attn.view(n, H * D), x)
@@ -354,3 +399,20 @@ class LlamaDecoder:
         self.positions = self.positions + 1
         self.column = column + 1
         return self.lm_head(self._norm(x, self.final_norm)).float()
+
+    def _decode_kernels(self, tokens: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """``decode`` with norms, rope, cache writes and attention in the C kernels (same result to
+        float32 rounding; tests/test_rollout_kernels.py)."""
+        n, column = tokens.shape[0], self.column
+        out = self.scratch[2][:n]
+        x = F.embedding(tokens, self.embed)  # (n, d)
+        for layer, args in zip(self.layers, self.kernel_args):
+            qkv = layer.qkv(kernels.rms_norm(x, layer.input_norm, self.eps))  # (n, (H + 2K) * D)
+            args.qkv, args.cos, args.sin, args.column = qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), column
+            kernels.attention(args)  # writes out (n, H * D)
+            x = layer.o.plus(out, x)
+            h = kernels.rms_norm(x, layer.post_norm, self.eps)
+            x = layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+        self.positions = self.positions + 1
+        self.column = column + 1
+        return self.lm_head(kernels.rms_norm(x, self.final_norm, self.eps)).float()

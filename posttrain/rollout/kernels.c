@@ -1,0 +1,255 @@
+/* Fused CPU kernels for one decode step of the fast decoder (posttrain/rollout/llama_decoder.py).
+ *
+ * Built on first use by posttrain/rollout/kernels.py (cc -O3 -march=native -fopenmp) and called
+ * through ctypes. No torch headers, so the build takes about a second. OpenMP resolves to the
+ * libgomp that torch has already loaded, so these loops share torch's thread pool and thread count.
+ *
+ * Why: at 16 rows a decode step of SmolLM2-135M spends ~36 ms in weight matmuls and ~13 ms in
+ * ~20 small ops per layer around them (norms, rope, cache writes, and tiny batched matmuls for
+ * attention that run far below memory bandwidth). Here those are two calls per layer, and rows
+ * that share a prompt (the G samples of one prompt) read the prompt's keys and values once.
+ *
+ * Everything is float32, contiguous in the last dimension. Sums run in float32 in another order
+ * than torch's, so results agree with the torch path to float32 rounding, not bit for bit.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* glibc's vector expf (libmvec), which <math.h> declares only under -ffast-math; it keeps expf's
+ * special cases (exp(-inf) = 0), so the -inf of left padding needs no finite-math assumption. */
+#if defined(__x86_64__) && defined(__GLIBC__)
+__attribute__((__simd__("notinbranch"))) float expf(float);
+#endif
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of length dim. */
+void pt_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < dim; i++) s += xr[i] * xr[i];
+        const float inv = 1.f / sqrtf(s / (float)dim + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+typedef struct {
+    float *qkv;                 /* (n, (H + 2K) * D): this layer's q|k|v projections, before rope */
+    const float *cos;           /* (n, D) */
+    const float *sin;           /* (n, D), signed for the roll form: [-sin[:D/2], sin[D/2:]] */
+    const float *q_norm;        /* (D) or NULL: per-head RMSNorm before rope (Qwen3) */
+    const float *k_norm;        /* (D) or NULL */
+    float eps;
+    float scale;                /* attention scaling, usually D^-0.5 */
+    float *keys;                /* this layer's cache, row r and kv head h at r * row_stride + h * head_stride: */
+    float *values;              /*   keys transposed, (D, S): k[j][d] at d * S + j; values (S, D) */
+    int64_t row_stride;
+    int64_t head_stride;
+    int64_t S;                  /* cache columns (capacity), a multiple of 16 */
+    const float *key_bias;      /* (n, bias_stride >= S): 0 = attend, -inf = left padding */
+    int64_t bias_stride;
+    const int32_t *group_start; /* (groups + 1): rows members[group_start[g] .. group_start[g + 1]) */
+    const int32_t *members;     /*   have the same cache in columns [0, shared); the first leads */
+    int32_t groups;
+    int32_t shared;
+    int32_t column;             /* the column this step writes; attention reads columns 0..column */
+    int32_t n, H, K, D;
+    float *q;                   /* scratch (n, H, D) */
+    float *scores;              /* scratch (n, H, scores_stride), scores_stride > column */
+    int64_t scores_stride;
+    float *out;                 /* (n, H * D) */
+} pt_attention_args;
+
+/* For the test that ctypes' mirror of the struct has the same layout. */
+int64_t pt_attention_args_size(void) { return sizeof(pt_attention_args); }
+
+static void head_norm(float *x, const float *w, int D, float eps) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < D; i++) s += x[i] * x[i];
+    const float inv = 1.f / sqrtf(s / (float)D + eps);
+    for (int i = 0; i < D; i++) x[i] = x[i] * inv * w[i];
+}
+
+/* dst[i * step] = (x * cos + roll(x, D/2) * sin)[i]: rotate_half with a signed sin. */
+static void rope(float *dst, int64_t step, const float *x, const float *cos, const float *sin, int D) {
+    const int half = D / 2;
+    for (int i = 0; i < half; i++) dst[i * step] = x[i] * cos[i] + x[i + half] * sin[i];
+    for (int i = half; i < D; i++) dst[i * step] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+/* 16 floats; aligned(4) makes loads and stores through it unaligned ones. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+enum { QB = 4, MAX_D = 512 };  /* queries per tile; largest head_dim */
+
+/* s[i][0:count] = sum_d q[i][d] * keys[d * S + 0:count] for the QB queries of a tile. Keys are
+ * stored transposed (D, S): one key row load feeds QB independent FMA chains, no horizontal sums.
+ * Always reads 16 columns; callers keep tiles 16-aligned and S is a multiple of 16. */
+static void score_tile(float *const s[QB], const float *const q[QB], const float *keys, int64_t S, int D, int count) {
+    v16 a[QB] = {{0}};
+    for (int d = 0; d < D; d++) {
+        const v16 k = *(const v16 *)(keys + d * S);
+        for (int i = 0; i < QB; i++) a[i] += q[i][d] * k;
+    }
+    for (int i = 0; i < QB; i++)
+        for (int j = 0; j < count; j++) s[i][j] = a[i][j];
+}
+
+/* Two 16-column tiles at once (columns 0..31, count > 16 of them stored): each q[i][d] feeds two
+ * FMAs and two key rows are in flight. */
+static void score_tile2(float *const s[QB], const float *const q[QB], const float *keys, int64_t S, int D, int count) {
+    v16 a[QB] = {{0}}, b[QB] = {{0}};
+    for (int d = 0; d < D; d++) {
+        const v16 k0 = *(const v16 *)(keys + d * S), k1 = *(const v16 *)(keys + d * S + 16);
+        for (int i = 0; i < QB; i++) {
+            a[i] += q[i][d] * k0;
+            b[i] += q[i][d] * k1;
+        }
+    }
+    for (int i = 0; i < QB; i++) {
+        for (int j = 0; j < 16; j++) s[i][j] = a[i][j];
+        for (int j = 16; j < count; j++) s[i][j] = b[i][j - 16];
+    }
+}
+
+/* o[i][0:D] += sum_j p[i][j] * values[j * D + 0:D] over columns j in [0, count); D % 16 == 0.
+ * 64 output floats of 4 queries at a time (16 accumulators), so each value row is loaded once. */
+static void value_tile(float *const o[QB], const float *const p[QB], const float *values, int D, int count) {
+    int dv = 0;
+    for (; dv + 64 <= D; dv += 64) {
+        v16 a[QB][4] = {{{0}}};
+        for (int j = 0; j < count; j++) {
+            const float *row = values + (int64_t)j * D + dv;
+            const v16 v0 = *(const v16 *)row, v1 = *(const v16 *)(row + 16);
+            const v16 v2 = *(const v16 *)(row + 32), v3 = *(const v16 *)(row + 48);
+            for (int i = 0; i < QB; i++) {
+                const float w = p[i][j];
+                a[i][0] += w * v0;
+                a[i][1] += w * v1;
+                a[i][2] += w * v2;
+                a[i][3] += w * v3;
+            }
+        }
+        for (int i = 0; i < QB; i++)
+            for (int u = 0; u < 4; u++) *(v16 *)(o[i] + dv + 16 * u) += a[i][u];
+    }
+    for (; dv < D; dv += 16) {
+        v16 a[QB] = {{0}};
+        for (int j = 0; j < count; j++) {
+            const v16 v = *(const v16 *)(values + (int64_t)j * D + dv);
+            for (int i = 0; i < QB; i++) a[i] += p[i][j] * v;
+        }
+        for (int i = 0; i < QB; i++) *(v16 *)(o[i] + dv) += a[i];
+    }
+}
+
+/* Scores (columns [first, last)) and weighted values of `nq` queries that read the same cache row
+ * (head block `keys`/`values`): in tiles of QB queries, the last tile padded with throwaway ones. */
+typedef struct {
+    const float *q[QB];
+    float *s[QB];
+    float *o[QB];
+} tile_rows;
+
+static void attend_columns(const pt_attention_args *a, const int64_t *heads, int nq, const float *keys,
+                           const float *values, int first, int last, int values_pass) {
+    const int D = a->D;
+    float junk_s[32], junk_o[MAX_D];
+    for (int t = 0; t < nq; t += QB) {
+        tile_rows rows;
+        for (int i = 0; i < QB; i++) {
+            const int64_t head = heads[t + i < nq ? t + i : t];
+            rows.q[i] = a->q + head * D;
+            rows.s[i] = t + i < nq ? a->scores + head * a->scores_stride : NULL;
+            rows.o[i] = t + i < nq ? a->out + head * D : junk_o;
+        }
+        if (!values_pass) {
+            for (int j = first; j < last; j += 32) {
+                float *s[QB];
+                for (int i = 0; i < QB; i++) s[i] = rows.s[i] ? rows.s[i] + j : junk_s;
+                if (last - j > 16)
+                    score_tile2(s, rows.q, keys + j, a->S, D, last - j < 32 ? last - j : 32);
+                else
+                    score_tile(s, rows.q, keys + j, a->S, D, last - j);
+            }
+        } else {
+            const float *p[QB];
+            for (int i = 0; i < QB; i++) p[i] = (rows.s[i] ? rows.s[i] : rows.s[0]) + first;
+            value_tile(rows.o, p, values + (int64_t)first * D, D, last - first);
+        }
+    }
+}
+
+/* Rope q and k, write k and v into the cache at `column`, then attend over columns 0..column.
+ * Scores are accumulated column-wise against the transposed keys (no horizontal sums); a group's
+ * shared columns are read from its leading row, so after the first member they come from cache. */
+void pt_decode_attention(const pt_attention_args *a) {
+    const int n = a->n, H = a->H, K = a->K, D = a->D, rep = H / K, c = a->column;
+    const int width = (H + 2 * K) * D;
+    const int shared = a->shared < c + 1 ? a->shared : c + 1;
+    const int64_t S = a->S, ss = a->scores_stride;
+
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < n; r++) {
+        float *row = a->qkv + (int64_t)r * width;
+        const float *cs = a->cos + (int64_t)r * D, *sn = a->sin + (int64_t)r * D;
+        for (int h = 0; h < H; h++) {
+            float *x = row + h * D, *q = a->q + ((int64_t)r * H + h) * D;
+            if (a->q_norm) head_norm(x, a->q_norm, D, a->eps);
+            rope(q, 1, x, cs, sn, D);
+            for (int i = 0; i < D; i++) q[i] *= a->scale;
+        }
+        for (int h = 0; h < K; h++) {
+            float *x = row + (H + h) * D;
+            if (a->k_norm) head_norm(x, a->k_norm, D, a->eps);
+            const int64_t at = r * a->row_stride + h * a->head_stride;
+            rope(a->keys + at + c, S, x, cs, sn, D);
+            const float *v = row + (H + K + h) * D;
+            for (int i = 0; i < D; i++) a->values[at + (int64_t)c * D + i] = v[i];
+        }
+    }
+
+    /* One work item per (group, kv head). Whole 16-column tiles below `shared` are read from the
+     * group's leading row for every member; the rest from each member's own row (which holds the
+     * same values in the shared columns, so the split only changes where they are read from). */
+    const int lead_end = shared / 16 * 16;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int item = 0; item < a->groups * K; item++) {
+        const int g = item / K, kh = item % K;
+        const int first = a->group_start[g], last = a->group_start[g + 1];
+        int64_t heads[(last - first) * rep];
+        for (int m = first; m < last; m++)
+            for (int i = 0; i < rep; i++) heads[(m - first) * rep + i] = (int64_t)a->members[m] * H + kh * rep + i;
+        const int64_t lead = a->members[first] * a->row_stride + kh * a->head_stride;
+        attend_columns(a, heads, (last - first) * rep, a->keys + lead, NULL, 0, lead_end, 0);
+        for (int m = first; m < last; m++) {
+            const int64_t r = a->members[m], own = r * a->row_stride + kh * a->head_stride;
+            const float *bias = a->key_bias + r * a->bias_stride;
+            attend_columns(a, heads + (m - first) * rep, rep, a->keys + own, NULL, lead_end, c + 1, 0);
+            for (int i = 0; i < rep; i++) {  /* softmax over columns 0..c */
+                const int64_t head = heads[(m - first) * rep + i];
+                float *s = a->scores + head * ss, top = -INFINITY, total = 0.f;
+#pragma omp simd reduction(max : top)
+                for (int j = 0; j <= c; j++) {
+                    s[j] += bias[j];
+                    top = s[j] > top ? s[j] : top;
+                }
+#pragma omp simd
+                for (int j = 0; j <= c; j++) s[j] = expf(s[j] - top);
+#pragma omp simd reduction(+ : total)
+                for (int j = 0; j <= c; j++) total += s[j];
+                const float inv = 1.f / total;
+#pragma omp simd
+                for (int j = 0; j <= c; j++) s[j] *= inv;
+                float *o = a->out + head * D;
+                for (int d = 0; d < D; d++) o[d] = 0.f;
+            }
+            attend_columns(a, heads + (m - first) * rep, rep, NULL, a->values + own, lead_end, c + 1, 1);
+        }
+        attend_columns(a, heads, (last - first) * rep, NULL, a->values + lead, 0, lead_end, 1);
+    }
+}
