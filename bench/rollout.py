@@ -86,12 +86,14 @@ def matmul_step_seconds(model, rows: int, repeats: int = 20) -> float:
     config = model.config
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     attn = torch.randn(rows, config.num_attention_heads * head_dim)
+    swiglu = torch.randn(rows, config.intermediate_size)
 
     def step():
         for layer in layers:
             layer.qkv(x)
             layer.o.plus(attn, x)
-            layer.down.plus(layer.up.times(x, layer.gate.silu(x)), x)
+            layer.gate_up(x)
+            layer.down.plus(swiglu, x)
         lm_head(x)
 
     best = float("inf")

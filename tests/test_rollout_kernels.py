@@ -35,6 +35,13 @@ def test_rms_norm_equals_torch(rows, dim):
     assert torch.allclose(kernels.rms_norm(x, weight, 1e-5), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_silu_mul_equals_torch():
+    gate_up = torch.randn(7, 2 * 45, generator=torch.Generator().manual_seed(0)) * 6
+    gate_up[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # exp overflow and underflow
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(kernels.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
 def test_sharing_groups_follow_selects():
     distinct = kernels.Sharing.distinct(3)
     assert (distinct.groups, distinct.shared) == (3, 0)

@@ -36,6 +36,16 @@ void pt_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
     }
 }
 
+/* out[r][i] = silu(gu[r][i]) * gu[r][m + i]: the SwiGLU product of a fused gate|up projection. */
+void pt_silu_mul(const float *gu, float *out, int64_t rows, int64_t m) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gu + r * 2 * m, *up = gate + m;
+        float *o = out + r * m;
+#pragma omp simd
+        for (int64_t i = 0; i < m; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+    }
+}
+
 typedef struct {
     float *qkv;                 /* (n, (H + 2K) * D): this layer's q|k|v projections, before rope */
     const float *cos;           /* (n, D) */
@@ -193,27 +203,8 @@ void pt_decode_attention(const pt_attention_args *a) {
     const int shared = a->shared < c + 1 ? a->shared : c + 1;
     const int64_t S = a->S, ss = a->scores_stride;
 
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < n; r++) {
-        float *row = a->qkv + (int64_t)r * width;
-        const float *cs = a->cos + (int64_t)r * D, *sn = a->sin + (int64_t)r * D;
-        for (int h = 0; h < H; h++) {
-            float *x = row + h * D, *q = a->q + ((int64_t)r * H + h) * D;
-            if (a->q_norm) head_norm(x, a->q_norm, D, a->eps);
-            rope(q, 1, x, cs, sn, D);
-            for (int i = 0; i < D; i++) q[i] *= a->scale;
-        }
-        for (int h = 0; h < K; h++) {
-            float *x = row + (H + h) * D;
-            if (a->k_norm) head_norm(x, a->k_norm, D, a->eps);
-            const int64_t at = r * a->row_stride + h * a->head_stride;
-            rope(a->keys + at + c, S, x, cs, sn, D);
-            const float *v = row + (H + K + h) * D;
-            for (int i = 0; i < D; i++) a->values[at + (int64_t)c * D + i] = v[i];
-        }
-    }
-
-    /* One work item per (group, kv head). Whole 16-column tiles below `shared` are read from the
+    /* One work item per (group, kv head): rope its query heads and key head, write column c of its
+     * rows' cache, attend; items share nothing they write. Whole 16-column tiles below `shared` are read from the
      * group's leading row for every member; the rest from each member's own row (which holds the
      * same values in the shared columns, so the split only changes where they are read from). */
     const int lead_end = shared / 16 * 16;
@@ -222,8 +213,25 @@ void pt_decode_attention(const pt_attention_args *a) {
         const int g = item / K, kh = item % K;
         const int first = a->group_start[g], last = a->group_start[g + 1];
         int64_t heads[(last - first) * rep];
-        for (int m = first; m < last; m++)
-            for (int i = 0; i < rep; i++) heads[(m - first) * rep + i] = (int64_t)a->members[m] * H + kh * rep + i;
+        for (int m = first; m < last; m++) {  /* this item's query heads, and its column c of the cache */
+            const int64_t r = a->members[m];
+            float *row = a->qkv + r * width;
+            const float *cs = a->cos + r * D, *sn = a->sin + r * D;
+            for (int i = 0; i < rep; i++) {
+                const int h = kh * rep + i;
+                float *x = row + h * D, *q = a->q + (r * H + h) * D;
+                heads[(m - first) * rep + i] = r * H + h;
+                if (a->q_norm) head_norm(x, a->q_norm, D, a->eps);
+                rope(q, 1, x, cs, sn, D);
+                for (int d = 0; d < D; d++) q[d] *= a->scale;
+            }
+            float *x = row + (H + kh) * D;
+            if (a->k_norm) head_norm(x, a->k_norm, D, a->eps);
+            const int64_t at = r * a->row_stride + kh * a->head_stride;
+            rope(a->keys + at + c, S, x, cs, sn, D);
+            const float *v = row + (H + K + kh) * D;
+            for (int d = 0; d < D; d++) a->values[at + (int64_t)c * D + d] = v[d];
+        }
         const int64_t lead = a->members[first] * a->row_stride + kh * a->head_stride;
         attend_columns(a, heads, (last - first) * rep, a->keys + lead, NULL, 0, lead_end, 0);
         for (int m = first; m < last; m++) {

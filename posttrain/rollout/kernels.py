@@ -7,9 +7,10 @@ compiler, the build fails, or ``POSTTRAIN_KERNELS=0``, ``load()`` returns None (
 why) and the decoder keeps its pure-torch path, which is also the reference the kernels are tested
 against (tests/test_rollout_kernels.py).
 
-Two kernels:
+Three kernels:
 
 * ``rms_norm(x, weight, eps)``: one pass over (n, d) rows.
+* ``silu_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` of the fused gate|up projection.
 * ``attention(args)``: for one layer, rope q and k, write k and v into the KV cache, and attend over
   the cache. Rows that share a prompt (``Sharing``) read the shared columns once per group instead
   of once per row: with G samples per prompt, the prompt's keys and values are read 1/G times.
@@ -102,6 +103,8 @@ def load() -> ctypes.CDLL | None:
     library.pt_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
     library.pt_rms_norm.restype = None
+    library.pt_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    library.pt_silu_mul.restype = None
     library.pt_decode_attention.argtypes = [ctypes.POINTER(AttentionArgs)]
     library.pt_decode_attention.restype = None
     library.pt_attention_args_size.restype = ctypes.c_int64
@@ -117,6 +120,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension. x: (n, d) float32 contiguous, weight: (d,) -> (n, d)."""
     out = torch.empty_like(x)
     load().pt_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate|up projection. gate_up: (n, 2m) float32 contiguous -> (n, m)."""
+    rows, width = gate_up.shape
+    out = gate_up.new_empty(rows, width // 2)
+    load().pt_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
     return out
 
 
