@@ -162,3 +162,23 @@ def test_attention_args_mirror_the_c_struct():
     """ctypes lays AttentionArgs out as the C compiler lays out pt_attention_args."""
     library = kernels.load()
     assert ctypes.sizeof(kernels.AttentionArgs) == library.pt_attention_args_size()
+
+
+def test_sample_cdf_equals_the_torch_sampler(monkeypatch):
+    """The C inverse CDF draws the same tokens and totals as the torch one: V = 1000 (not a multiple
+    of the 128-token block), a third of the tokens at 0, u up to the edge (rounding past the total)."""
+    from posttrain.rollout import sampling
+
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(400, 1000, generator=generator)
+    probs[torch.rand(400, 1000, generator=generator) < 0.33] = 0.0
+    probs[7, 900:] = 0.0  # the last block has no mass: an overflow must fall back to an earlier one
+    uniforms = torch.rand(400, generator=generator, dtype=torch.float64)
+    uniforms[:8] = torch.tensor([0.0, 1e-12, 0.5, 1 - 1e-16, 1 - 1e-12, 0.999999, 0.25, 1 - 1e-16],
+                                dtype=torch.float64)
+    tokens, totals = sampling.sample_from_probs(probs, uniforms)
+    monkeypatch.setattr(kernels, "usable", lambda *tensors: False)
+    expected_tokens, expected_totals = sampling.sample_from_probs(probs, uniforms)
+    assert torch.equal(tokens, expected_tokens)
+    assert torch.allclose(totals, expected_totals, rtol=1e-12)
+    assert (probs.gather(-1, tokens.unsqueeze(-1)) > 0).all()

@@ -46,6 +46,62 @@ void pt_silu_mul(const float *gu, float *out, int64_t rows, int64_t m) {
     }
 }
 
+/* One token per row by inverting the CDF of probs (n, V) in vocabulary order, as
+ * posttrain.rollout.sampling.sample_from_probs does in torch: sums of `block` tokens in float64, the
+ * block whose cumulative mass first exceeds u * total, then the token inside it. Rounding past the
+ * end falls back to the last block / token with mass. tokens (n) int64, totals (n) float64. */
+void pt_sample_cdf(const float *probs, int64_t n, int64_t V, int64_t block, const double *uniforms,
+                   int64_t *tokens, double *totals) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const float *p = probs + r * V;
+        const int64_t blocks = (V + block - 1) / block;
+        double total = 0.0;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t end = (b + 1) * block < V ? (b + 1) * block : V;
+            double s = 0.0;
+#pragma omp simd reduction(+ : s)
+            for (int64_t v = b * block; v < end; v++) s += (double)p[v];
+            total += s;
+        }
+        const double target = uniforms[r] * total;
+        double before = 0.0;
+        int64_t chosen = -1, last_with_mass = 0;
+        for (int64_t b = 0; b < blocks && chosen < 0; b++) {
+            const int64_t end = (b + 1) * block < V ? (b + 1) * block : V;
+            double s = 0.0;
+#pragma omp simd reduction(+ : s)
+            for (int64_t v = b * block; v < end; v++) s += (double)p[v];
+            if (s > 0.0) last_with_mass = b;
+            if (before + s > target) chosen = b;
+            else before += s;
+        }
+        if (chosen < 0) {  /* u * total rounded up to the total */
+            chosen = last_with_mass;
+            before = 0.0;  /* recompute the mass before it */
+            for (int64_t v = 0; v < chosen * block; v++) before += (double)p[v];
+        }
+        const int64_t start = chosen * block, end = start + block < V ? start + block : V;
+        int64_t token = -1, last_positive = start;
+        double inside = 0.0;
+        for (int64_t v = start; v < end; v++) {
+            if (p[v] > 0.f) last_positive = v;
+            inside += (double)p[v];
+            if (inside > target - before) {
+                token = v;
+                break;
+            }
+        }
+        if (token < 0) {  /* rounding between the two levels: the block's last token with mass */
+            for (int64_t v = last_positive; v < end; v++)
+                if (p[v] > 0.f) last_positive = v;
+            token = last_positive;
+        }
+        tokens[r] = token;
+        totals[r] = total;
+    }
+}
+
 typedef struct {
     float *qkv;                 /* (n, (H + 2K) * D): this layer's q|k|v projections, before rope */
     const float *cos;           /* (n, D) */

@@ -7,10 +7,13 @@ compiler, the build fails, or ``POSTTRAIN_KERNELS=0``, ``load()`` returns None (
 why) and the decoder keeps its pure-torch path, which is also the reference the kernels are tested
 against (tests/test_rollout_kernels.py).
 
-Three kernels:
+Four kernels:
 
 * ``rms_norm(x, weight, eps)``: one pass over (n, d) rows.
 * ``silu_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` of the fused gate|up projection.
+* ``sample_cdf(probs, uniforms, block)``: the sampler's two-level inverse CDF
+  (``sampling.sample_from_probs``), which in torch spends most of its time converting the whole
+  (n, V) to float64.
 * ``attention(args)``: for one layer, rope q and k, write k and v into the KV cache, and attend over
   the cache. Rows that share a prompt (``Sharing``) read the shared columns once per group instead
   of once per row: with G samples per prompt, the prompt's keys and values are read 1/G times.
@@ -105,6 +108,9 @@ def load() -> ctypes.CDLL | None:
     library.pt_rms_norm.restype = None
     library.pt_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     library.pt_silu_mul.restype = None
+    library.pt_sample_cdf.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    library.pt_sample_cdf.restype = None
     library.pt_decode_attention.argtypes = [ctypes.POINTER(AttentionArgs)]
     library.pt_decode_attention.restype = None
     library.pt_attention_args_size.restype = ctypes.c_int64
@@ -129,6 +135,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(rows, width // 2)
     load().pt_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
     return out
+
+
+def sample_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sampling.sample_from_probs`` in one pass per row (no float64 copy of the whole vocabulary).
+
+    probs: (n, V) float32 contiguous, non-negative; uniforms: (n,) in [0, 1).
+    Returns tokens (n,) long and each row's total mass (n,) float64."""
+    n, vocab = probs.shape
+    uniforms = uniforms.to(torch.float64).contiguous()
+    tokens, totals = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.float64)
+    load().pt_sample_cdf(probs.data_ptr(), n, vocab, block, uniforms.data_ptr(), tokens.data_ptr(), totals.data_ptr())
+    return tokens, totals
 
 
 def attention(args: AttentionArgs) -> None:

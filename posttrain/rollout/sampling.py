@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.errors import UserError
+from posttrain.rollout import kernels
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torc
         tokens (n,) long, token v drawn with probability probs[v] / probs.sum(); and that sum
         (n,) float64 (for renormalising).
     """
+    if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.is_contiguous() and kernels.usable(probs):
+        return kernels.sample_cdf(probs, uniforms, CDF_BLOCK)  # same draw, one pass per row in C
     n, vocab = probs.shape
     pad = (-vocab) % CDF_BLOCK
     blocks = (F.pad(probs, (0, pad)) if pad else probs).view(n, -1, CDF_BLOCK)  # (n, nb, 128)
