@@ -35,6 +35,24 @@ def test_rms_norm_equals_torch(rows, dim):
     assert torch.allclose(kernels.rms_norm(x, weight, 1e-5), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("features", [16, 101])
+def test_linear_equals_f_linear(rows, features):
+    """Row counts below, at and past the 16-row tile; out features not a multiple of the 16-column
+    block (the LM head of most vocabularies); with and without bias and the fused residual add."""
+    generator = torch.Generator().manual_seed(rows * features)
+    weight = torch.randn(features, 72, generator=generator)
+    bias, x = torch.randn(features, generator=generator), torch.randn(rows, 72, generator=generator)
+    residual = torch.randn(rows, features, generator=generator)
+    blocked = kernels.pack_blocked(weight)
+    assert blocked.shape == (-(-features // 16), 72, 16)
+    expected = F.linear(x, weight)
+    assert torch.allclose(kernels.linear(x, blocked, features), expected, atol=1e-5, rtol=1e-5)
+    got = kernels.linear(x.view(1, rows, 72), blocked, features, bias, add=residual.view(1, rows, features))
+    assert got.shape == (1, rows, features)
+    assert torch.allclose(got[0], expected + bias + residual, atol=1e-5, rtol=1e-5)
+
+
 def test_silu_mul_equals_torch():
     gate_up = torch.randn(7, 2 * 45, generator=torch.Generator().manual_seed(0)) * 6
     gate_up[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # exp overflow and underflow

@@ -13,6 +13,7 @@
  * than torch's, so results agree with the torch path to float32 rounding, not bit for bit.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -21,6 +22,9 @@
 #if defined(__x86_64__) && defined(__GLIBC__)
 __attribute__((__simd__("notinbranch"))) float expf(float);
 #endif
+
+/* 16 floats; aligned(4) makes loads and stores through it unaligned ones. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of length dim. */
 void pt_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
@@ -34,6 +38,65 @@ void pt_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
 #pragma omp simd
         for (int64_t i = 0; i < dim; i++) o[i] = xr[i] * inv * w[i];
     }
+}
+
+/* ---- Linear layers: out = x @ W^T (+ bias) (+ add), W "blocked" as (ceil(N/16), K, 16). ----
+ * A block holds 16 output features for every input feature, so a decode step reads each weight once,
+ * front to back. 16 rows of x at a time (transposed to (K, 16), zero-padded) give 16 independent
+ * accumulators: one weight vector load feeds 16 FMAs. At 16 rows this runs at the FMA peak and near
+ * memory bandwidth (~23 ms for SmolLM2-135M's 540 MB vs ~31 ms for oneDNN's packed kernel). */
+static inline __attribute__((always_inline)) void linear_tile(const float *xt, const float *wb, int64_t K,
+                                                              v16 acc[16]) {
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    v16 a8 = {0}, a9 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0}, a14 = {0}, a15 = {0};
+    for (int64_t k = 0; k < K; k++) {
+        const v16 w = *(const v16 *)(wb + k * 16);
+        const float *x = xt + k * 16;
+        __builtin_prefetch(wb + k * 16 + 512, 0, 0);  /* 2 KB ahead in the weight stream */
+        a0 += x[0] * w; a1 += x[1] * w; a2 += x[2] * w; a3 += x[3] * w;
+        a4 += x[4] * w; a5 += x[5] * w; a6 += x[6] * w; a7 += x[7] * w;
+        a8 += x[8] * w; a9 += x[9] * w; a10 += x[10] * w; a11 += x[11] * w;
+        a12 += x[12] * w; a13 += x[13] * w; a14 += x[14] * w; a15 += x[15] * w;
+    }
+    acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3; acc[4] = a4; acc[5] = a5; acc[6] = a6; acc[7] = a7;
+    acc[8] = a8; acc[9] = a9; acc[10] = a10; acc[11] = a11; acc[12] = a12; acc[13] = a13; acc[14] = a14;
+    acc[15] = a15;
+}
+
+/* x (M, K), w blocked (ceil(N/16), K, 16), bias (N) or NULL, add (M, N) or NULL, out (M, N).
+ * Returns 0, or -1 if the scratch for the transposed x cannot be allocated. */
+int pt_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias,
+              const float *add, float *out) {
+    const int64_t chunks = (M + 15) / 16, blocks = (N + 15) / 16;
+    float *xt = aligned_alloc(64, (size_t)(chunks * K * 16) * sizeof(float));
+    if (!xt) return -1;
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t k = 0; k < K; k++)
+            for (int r = 0; r < 16; r++)
+                xt[(c * K + k) * 16 + r] = c * 16 + r < M ? x[(c * 16 + r) * K + k] : 0.f;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t col = b * 16, width = N - col < 16 ? N - col : 16;
+        for (int64_t c = 0; c < chunks; c++) {  /* the block stays in cache across row chunks */
+            v16 acc[16];
+            linear_tile(xt + c * K * 16, w + b * K * 16, K, acc);
+            const int64_t rows = M - c * 16 < 16 ? M - c * 16 : 16;
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t at = (c * 16 + r) * N + col;
+                if (width == 16) {
+                    v16 v = acc[r];
+                    if (bias) v += *(const v16 *)(bias + col);
+                    if (add) v += *(const v16 *)(add + at);
+                    *(v16 *)(out + at) = v;
+                } else {
+                    for (int64_t j = 0; j < width; j++)
+                        out[at + j] = acc[r][j] + (bias ? bias[col + j] : 0.f) + (add ? add[at + j] : 0.f);
+                }
+            }
+        }
+    }
+    free(xt);
+    return 0;
 }
 
 /* out[r][i] = silu(gu[r][i]) * gu[r][m + i]: the SwiGLU product of a fused gate|up projection. */
@@ -147,9 +210,6 @@ static void rope(float *dst, int64_t step, const float *x, const float *cos, con
     for (int i = half; i < D; i++) dst[i * step] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-/* 16 floats; aligned(4) makes loads and stores through it unaligned ones. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
 enum { QB = 4, MAX_D = 512 };  /* queries per tile; largest head_dim */
 
 /* s[i][0:count] = sum_d q[i][d] * keys[d * S + 0:count] for the QB queries of a tile. Keys are
@@ -254,7 +314,7 @@ static void attend_columns(const pt_attention_args *a, const int64_t *heads, int
  * Scores are accumulated column-wise against the transposed keys (no horizontal sums); a group's
  * shared columns are read from its leading row, so after the first member they come from cache. */
 void pt_decode_attention(const pt_attention_args *a) {
-    const int n = a->n, H = a->H, K = a->K, D = a->D, rep = H / K, c = a->column;
+    const int H = a->H, K = a->K, D = a->D, rep = H / K, c = a->column;
     const int width = (H + 2 * K) * D;
     const int shared = a->shared < c + 1 ? a->shared : c + 1;
     const int64_t S = a->S, ss = a->scores_stride;

@@ -7,8 +7,10 @@ compiler, the build fails, or ``POSTTRAIN_KERNELS=0``, ``load()`` returns None (
 why) and the decoder keeps its pure-torch path, which is also the reference the kernels are tested
 against (tests/test_rollout_kernels.py).
 
-Four kernels:
+Five kernels:
 
+* ``linear(x, blocked, n, bias, add)``: the decoder's matmuls, with weights from ``pack_blocked``.
+  At 16 rows it runs near this machine's FMA peak, ~25% faster than oneDNN's prepacked kernel.
 * ``rms_norm(x, weight, eps)``: one pass over (n, d) rows.
 * ``silu_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` of the fused gate|up projection.
 * ``sample_cdf(probs, uniforms, block)``: the sampler's two-level inverse CDF
@@ -33,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,9 @@ def load() -> ctypes.CDLL | None:
     library.pt_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
     library.pt_rms_norm.restype = None
+    library.pt_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    library.pt_linear.restype = ctypes.c_int
     library.pt_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     library.pt_silu_mul.restype = None
     library.pt_sample_cdf.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -120,6 +126,28 @@ def load() -> ctypes.CDLL | None:
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels apply: built here, and every tensor float32 on the CPU."""
     return load() is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def pack_blocked(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) weight -> (ceil(N/16), K, 16), the layout ``linear`` reads (rows past N are zeros)."""
+    rows, inputs = weight.shape
+    padded = F.pad(weight, (0, 0, 0, (-rows) % 16)) if rows % 16 else weight
+    return padded.reshape(-1, 16, inputs).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           add: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias + add`` with W from ``pack_blocked``. x: (..., K) float32 -> (..., out_features);
+    bias: (out_features,); add: same shape as the output."""
+    x = x.contiguous()
+    add = None if add is None else add.contiguous()  # held here: the C call reads it
+    out = x.new_empty(*x.shape[:-1], out_features)
+    rows = out.numel() // out_features
+    if load().pt_linear(x.data_ptr(), rows, x.shape[-1], blocked.data_ptr(), out_features,
+                        None if bias is None else bias.data_ptr(), None if add is None else add.data_ptr(),
+                        out.data_ptr()) != 0:
+        raise MemoryError("rollout kernels: no memory for the linear layer's scratch")
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,16 +5,18 @@ the Hugging Face forward adds masks, cache bookkeeping and ~30 small ops per lay
 decoder reads the model's own weights and keeps only what a decode step needs:
 
 * one preallocated KV cache ``(L, 2, n, K, S, D)``, each key block stored transposed as ``(D, S)``
-  (the decode attention then sums over columns without horizontal adds); all rows are left-padded to a common prompt
-  length, so every row writes its new key/value into the same column, and left padding is a
-  ``-inf`` additive key bias plus per-row position ids;
+  (the decode attention then sums over columns without horizontal adds); all rows are left-padded
+  to a common prompt length, so every row writes its new key/value into the same column, and left
+  padding is a ``-inf`` additive key bias plus per-row position ids;
 * fused projections (q|k|v in one matmul, gate|up in one matmul, residual adds fused into o_proj
   and down_proj);
-* on CPU, weights prepacked for oneDNN (a copy: ~0.3 s for 135M parameters, mostly page faults)
-  and kept for the next call while the weights are unchanged. "Unchanged" is checked on every
-  call by each parameter's storage pointer and version counter (optimizer steps, state-dict loads,
-  in-place ops) *and* its float32 sum (~20 ms for 135M parameters), because writes through
-  ``param.data`` do not bump the version counter. Elsewhere, plain ``F.linear`` on fused weights.
+* on CPU, the C kernels of ``posttrain.rollout.kernels`` for the matmuls (weights copied into their
+  blocked layout), norms, rope, attention and SwiGLU; without a C compiler, weights prepacked for
+  oneDNN and torch ops. The weight copy (~0.2 s for 135M parameters, mostly page faults) is kept
+  for the next call while the weights are unchanged. "Unchanged" is checked on every call by each
+  parameter's storage pointer and version counter (optimizer steps, state-dict loads, in-place
+  ops) *and* its float32 sum (~20 ms for 135M parameters), because writes through ``param.data``
+  do not bump the version counter. Elsewhere, plain ``F.linear`` on fused weights.
 
 It is checked against the model's own forward (logits) and against ``model.generate`` (greedy
 tokens) in tests/test_rollout_decoders.py. PEFT LoRA layers are supported by folding the active
@@ -109,21 +111,35 @@ def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
 
 
 class _Linear:
-    """``y = x @ weight.T + bias``, with a residual add fused where oneDNN allows."""
+    """``y = x @ weight.T + bias``, with the residual add fused (``plus``). Weight layouts:
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, batch_hint: int):
-        self.packed = packed
-        self.bias = bias
+    * "blocked": our C kernel (``kernels.linear``), when the kernels build here (CPU, float32);
+    * "onednn": prepacked for oneDNN for a batch size, on CPU float32 without the kernels;
+    * "plain": ``F.linear`` (other devices and dtypes).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str, batch_hint: int):
+        self.layout = layout
+        self.bias = None if bias is None else bias.contiguous()
         self.out_features = weight.shape[0]
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packed else weight
+        if layout == "blocked":
+            self.weight = kernels.pack_blocked(weight)
+        elif layout == "onednn":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        else:
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.layout == "blocked":
+            return kernels.linear(x, self.weight, self.out_features, self.bias)
+        if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.layout == "blocked":
+            return kernels.linear(x, self.weight, self.out_features, self.bias, add=other)
+        if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
         return F.linear(x, self.weight, self.bias).add_(other)
 
@@ -166,21 +182,29 @@ def _weights_fingerprint(model: torch.nn.Module) -> tuple:
         return tuple((p.data_ptr(), p._version, p.sum().item()) for p in model.parameters()) + adapters
 
 
-def _build_layers(model: torch.nn.Module, batch_hint: int) -> tuple[list[_Layer], _Linear]:
-    """Fuse and (on CPU) prepack the weights; reused while the weights and ``batch_hint`` are unchanged.
+def _layout(weight: torch.Tensor, use_kernels: bool) -> str:
+    """The ``_Linear`` layout for a model whose weights look like ``weight``."""
+    if use_kernels and kernels.usable(weight):
+        return "blocked"
+    return "onednn" if _can_pack(weight) else "plain"
 
-    oneDNN lays the packed weights out for a batch size: 16 rows decoded with weights packed for 1
-    row ran ~45% slower (measured on SmolLM2), so a different hint repacks (~0.2 s)."""
-    fingerprint = (_weights_fingerprint(model), batch_hint)
+
+def _build_layers(model: torch.nn.Module, batch_hint: int, use_kernels: bool = True) -> tuple[list[_Layer], _Linear]:
+    """Fuse and (on CPU) pack the weights; reused while the weights and the layout are unchanged.
+
+    oneDNN lays its packed weights out for a batch size: 16 rows decoded with weights packed for 1
+    row ran ~45% slower (measured on SmolLM2), so with oneDNN a different hint repacks (~0.2 s).
+    The kernels' blocked layout serves every batch size."""
+    core = _unwrap(model)
+    layout = _layout(core.get_output_embeddings().weight, use_kernels)
+    fingerprint = (_weights_fingerprint(model), layout, batch_hint if layout == "onednn" else None)
     cached = _PACKED.get(model)
     if cached is not None and cached[0] == fingerprint:
         return cached[1], cached[2]
     _PACKED.pop(model, None)  # free the stale copy before making the new one
-    core = _unwrap(model)
     layers = []
     with torch.no_grad():
         head_weight, head_bias = _linear_weights(core.get_output_embeddings())
-        packed = _can_pack(head_weight)
         for layer in core.model.layers:
             (q, q_bias), (k, k_bias), (v, v_bias), o, gate, up, down = (
                 _linear_weights(m) for m in _projections(layer))
@@ -188,17 +212,17 @@ def _build_layers(model: torch.nn.Module, batch_hint: int) -> tuple[list[_Layer]
             k_norm = getattr(layer.self_attn, "k_norm", None)
             layers.append(_Layer(
                 input_norm=layer.input_layernorm.weight.detach(),
-                qkv=_Linear(torch.cat([q, k, v]), _cat_biases((q, q_bias), (k, k_bias), (v, v_bias)), packed,
+                qkv=_Linear(torch.cat([q, k, v]), _cat_biases((q, q_bias), (k, k_bias), (v, v_bias)), layout,
                             batch_hint),
                 q_norm=None if q_norm is None else q_norm.weight.detach(),
                 k_norm=None if k_norm is None else k_norm.weight.detach(),
-                o=_Linear(*o, packed, batch_hint),
+                o=_Linear(*o, layout, batch_hint),
                 post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=_Linear(torch.cat([gate[0], up[0]]), _cat_biases(gate, up), packed, batch_hint),
-                down=_Linear(*down, packed, batch_hint),
+                gate_up=_Linear(torch.cat([gate[0], up[0]]), _cat_biases(gate, up), layout, batch_hint),
+                down=_Linear(*down, layout, batch_hint),
             ))
-        lm_head = _Linear(head_weight, head_bias, packed, batch_hint)
-    logger.debug("fast decoder: %d layers prepared (oneDNN packed: %s)", len(layers), packed)
+        lm_head = _Linear(head_weight, head_bias, layout, batch_hint)
+    logger.debug("fast decoder: %d layers prepared (%s weights)", len(layers), layout)
     _PACKED[model] = (fingerprint, layers, lm_head)
     return layers, lm_head
 
@@ -209,7 +233,7 @@ class LlamaDecoder:
     def __init__(self, model: torch.nn.Module, batch_hint: int = 16, use_kernels: bool | None = None):
         """use_kernels: run the decode step's norms, rope and attention in the C kernels
         (posttrain/rollout/kernels.py); None = whenever they build here and the model is float32 on CPU."""
-        self.layers, self.lm_head = _build_layers(model, batch_hint)
+        self.layers, self.lm_head = _build_layers(model, batch_hint, use_kernels is not False)
         model = _unwrap(model)
         config = model.config
         self.model = model
