@@ -35,7 +35,7 @@ def test_rms_norm_equals_torch(rows, dim):
     assert torch.allclose(kernels.rms_norm(x, weight, 1e-5), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 5, 9, 16, 17, 40])
 @pytest.mark.parametrize("features", [16, 101])
 def test_linear_equals_f_linear(rows, features):
     """Row counts below, at and past the 16-row tile; out features not a multiple of the 16-column

@@ -63,6 +63,20 @@ static inline __attribute__((always_inline)) void linear_tile(const float *xt, c
     acc[15] = a15;
 }
 
+/* The same for a last chunk of at most 8 rows (half the FMAs; xt rows still 16 apart). */
+static inline __attribute__((always_inline)) void linear_tile8(const float *xt, const float *wb, int64_t K,
+                                                               v16 acc[16]) {
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    for (int64_t k = 0; k < K; k++) {
+        const v16 w = *(const v16 *)(wb + k * 16);
+        const float *x = xt + k * 16;
+        __builtin_prefetch(wb + k * 16 + 512, 0, 0);
+        a0 += x[0] * w; a1 += x[1] * w; a2 += x[2] * w; a3 += x[3] * w;
+        a4 += x[4] * w; a5 += x[5] * w; a6 += x[6] * w; a7 += x[7] * w;
+    }
+    acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3; acc[4] = a4; acc[5] = a5; acc[6] = a6; acc[7] = a7;
+}
+
 /* x (M, K), w blocked (ceil(N/16), K, 16), bias (N) or NULL, add (M, N) or NULL, out (M, N).
  * Returns 0, or -1 if the scratch for the transposed x cannot be allocated. */
 int pt_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, const float *bias,
@@ -79,8 +93,11 @@ int pt_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N, c
         const int64_t col = b * 16, width = N - col < 16 ? N - col : 16;
         for (int64_t c = 0; c < chunks; c++) {  /* the block stays in cache across row chunks */
             v16 acc[16];
-            linear_tile(xt + c * K * 16, w + b * K * 16, K, acc);
             const int64_t rows = M - c * 16 < 16 ? M - c * 16 : 16;
+            if (rows <= 8)
+                linear_tile8(xt + c * K * 16, w + b * K * 16, K, acc);
+            else
+                linear_tile(xt + c * K * 16, w + b * K * 16, K, acc);
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t at = (c * 16 + r) * N + col;
                 if (width == 16) {
