@@ -81,7 +81,8 @@ def _build(compiler: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:  # build beside the target, then rename:
         built = Path(scratch) / target.name                  # concurrent builders never see half a file
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lmvec", "-lm"],
+        libraries = ["-lmvec", "-lm"] if platform.machine() in ("x86_64", "AMD64") else ["-lm"]  # vector expf
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), *libraries],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             errors = [line for line in result.stderr.splitlines() if "error" in line] or [result.stderr.strip()]
