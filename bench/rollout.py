@@ -32,7 +32,7 @@ import torch
 
 from posttrain.models import load_model
 from posttrain.rollout import SamplingConfig, generate
-from posttrain.rollout import llama_decoder
+from posttrain.rollout import decoder_weights
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -80,7 +80,7 @@ def matmul_step_seconds(model, rows: int, repeats: int = 20) -> float:
     """Seconds of one decode step's weight matmuls alone, as our decoder runs them (oneDNN-packed,
     fused post-ops, every layer's own weights, so they stream from memory as in a real step): the
     part of a step no attention or elementwise work is in. Best of 3 rounds of ``repeats`` steps."""
-    layers, lm_head = llama_decoder._build_layers(model, batch_hint=rows)
+    layers, lm_head = decoder_weights.build_layers(model, batch_hint=rows)
     hidden = model.config.hidden_size
     x = torch.randn(rows, hidden)
     config = model.config
@@ -147,8 +147,8 @@ def main():
     warm_up = time.perf_counter() - started
     run_peer(model, tokenizer, prompts[:1], 1, 4)
     started = time.perf_counter()
-    llama_decoder._PACKED.clear()
-    llama_decoder._build_layers(model, batch_hint=len(prompts) * args.group_size)
+    decoder_weights.PACKED.clear()
+    decoder_weights.build_layers(model, batch_hint=len(prompts) * args.group_size)
     packing = time.perf_counter() - started
     matmuls = matmul_step_seconds(model, len(prompts) * G)
     times = {"ours": [], "peer": []}
