@@ -2,7 +2,8 @@
 
 One `SandboxSlot` is one bwrap container holding a zygote (see `_zygote.py`). The judge (a pool
 worker that holds the expected answers and never runs candidate code) asks the slot to fork a
-child per sample and talks to it over pipes; candidate results come back as typed plain data.
+child per sample and talks to it over pipes (`sandbox_io.py`: the pipes, their pump with caps and
+a deadline, the function-call protocol); candidate results come back as typed plain data.
 
 What the container gets (checked by tests/test_sandbox*.py against the real thing):
   * namespaces: new PID, network (no interfaces but a down loopback), IPC, UTS, cgroup, mount;
@@ -29,15 +30,18 @@ import functools
 import json
 import logging
 import os
-import selectors
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from posttrain.rewards.sandbox_io import CandidateGone, FunctionSession, Pipes, ProgramResult, SlotBroken
+
+__all__ = ["CandidateGone", "FunctionSession", "ProgramResult", "SandboxConfig", "SandboxSlot", "SandboxUnavailable",
+           "SlotBroken", "check_isolation"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +55,6 @@ FINISH_TIMEOUT_S = 10.0
 
 class SandboxUnavailable(RuntimeError):
     """Isolation cannot be set up here; untrusted code is refused (unless explicitly unsafe)."""
-
-
-class SlotBroken(RuntimeError):
-    """The sandbox itself failed (not the candidate): the caller replaces the slot and retries."""
-
-
-class CandidateGone(Exception):
-    """The candidate's process ended the conversation: timeout, exit, crash, output flood."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,10 +307,10 @@ class SandboxSlot:
                 raise SlotBroken(f"sandbox answered {reply.get('op')!r}, expected {op!r}")
 
     # -- one sample ---------------------------------------------------------------------------
-    def _launch(self, mode: str) -> "_Pipes":
+    def _launch(self, mode: str) -> "Pipes":
         """Fork a child in the container with fresh pipes; returns our ends."""
         self.start()
-        pipes = _Pipes()
+        pipes = Pipes()
         theirs = pipes.child_ends()
         try:
             socket.send_fds(self.control, [json.dumps({"op": "run", "mode": mode}).encode()], theirs)
@@ -327,7 +323,7 @@ class SandboxSlot:
         self._expect("started", FINISH_TIMEOUT_S)
         return pipes
 
-    def _finish(self, pipes: "_Pipes") -> int | None:
+    def _finish(self, pipes: "Pipes") -> int | None:
         """Kill what is left of the sample, wipe /tmp, return the child's exit status."""
         pipes.close()
         try:
@@ -362,176 +358,3 @@ class SandboxSlot:
             reason = str(gone)
         status = self._finish(pipes)
         return ProgramResult(bytes(pipes.out), bytes(pipes.err), status, reason)
-
-
-@dataclasses.dataclass
-class ProgramResult:
-    """What a stdin/stdout program did. `reason` is empty unless it was stopped (timeout, flood)."""
-
-    stdout: bytes
-    stderr: bytes
-    status: int | None
-    reason: str
-
-
-class FunctionSession:
-    """A loaded candidate in a sandboxed child: `call(args)` -> ("value", v) or ("error", text)."""
-
-    def __init__(self, slot: SandboxSlot, pipes: "_Pipes", deadline: float):
-        self.slot, self.pipes, self.deadline = slot, pipes, deadline
-        self.calls = 0
-        self.closed = False
-
-    def _exchange(self, request: dict) -> dict:
-        line = (json.dumps(request) + "\n").encode()
-        reply = self.pipes.pump(self.slot.config, self.deadline, writes={self.pipes.request: line},
-                                until="line")
-        try:
-            return json.loads(reply)
-        except (ValueError, RecursionError):
-            raise CandidateGone("garbled reply from the candidate process") from None
-
-    def load(self, code: str, entry_point: str) -> None:
-        """Send the code; raise CandidateGone if it fails to load (the reason names the error)."""
-        reply = self._exchange({"code": code, "entry_point": entry_point})
-        if "load_error" in reply:
-            raise CandidateGone(f"code failed to load: {reply['load_error']}")
-        if reply.get("ready") is not True:
-            raise CandidateGone("candidate process sent something else than ready")
-
-    def call(self, args: list) -> tuple[str, object]:
-        """Call the entry point with `args` (plain data); the value comes back decoded, typed."""
-        from posttrain.rewards._zygote import decode_value, encode_value
-
-        try:
-            encoded = encode_value(list(args))
-        except TypeError as error:
-            raise ValueError(f"test argument cannot be sent to the sandbox: {error}") from None
-        self.calls += 1
-        reply = self._exchange({"args": encoded})
-        if type(reply) is dict and type(reply.get("error")) is str:
-            return "error", reply["error"]
-        if type(reply) is not dict or "value" not in reply:
-            raise CandidateGone("garbled reply from the candidate process")
-        try:
-            return "value", decode_value(reply["value"])
-        except (ValueError, TypeError, RecursionError):
-            raise CandidateGone("candidate returned malformed data") from None
-
-    def close(self) -> int | None:
-        """End the sample: kill the child and everything it started, wipe /tmp."""
-        if self.closed:
-            return None
-        self.closed = True
-        return self.slot._finish(self.pipes)
-
-
-class _Pipes:
-    """The judge's ends of one child's five pipes, and an I/O pump with caps and a deadline."""
-
-    def __init__(self):
-        self.stdin_read, self.stdin = os.pipe()
-        self.out_fd, self.out_write = os.pipe()
-        self.err_fd, self.err_write = os.pipe()
-        self.request_read, self.request = os.pipe()
-        self.reply_fd, self.reply_write = os.pipe()
-        for fd in (self.stdin, self.request, self.out_fd, self.err_fd, self.reply_fd):
-            os.set_blocking(fd, False)
-        self.out = bytearray()
-        self.err = bytearray()
-        self.reply = bytearray()
-        self.open_reads = {self.out_fd, self.err_fd, self.reply_fd}
-        self.open_writes = {self.stdin, self.request}
-
-    def child_ends(self) -> list[int]:
-        """The child's fds 0-4: stdin, stdout, stderr, requests, replies (caller closes them)."""
-        ends = [self.stdin_read, self.out_write, self.err_write, self.request_read, self.reply_write]
-        self.stdin_read = self.out_write = self.err_write = self.request_read = self.reply_write = -1
-        return ends
-
-    def close(self) -> None:
-        """Close our ends."""
-        for fd in self.open_reads | self.open_writes:
-            os.close(fd)
-        self.open_reads, self.open_writes = set(), set()
-
-    def pump(self, config: SandboxConfig, deadline: float, writes: dict[int, bytes], until: str,
-             control: socket.socket | None = None) -> bytes:
-        """Write `writes`, read everything, until a reply line (`until="line"`) or until the
-        child process exits (`"exit"`: the zygote says so on `control`; stdin is closed once
-        written, and a daemon still holding stdout does not keep us waiting). Raises
-        CandidateGone on deadline, output flood or an oversized reply."""
-        pending = {fd: memoryview(data) for fd, data in writes.items() if fd in self.open_writes}
-        close_after = {self.stdin} if until == "exit" else set()
-        with selectors.DefaultSelector() as selector:
-            for fd in self.open_reads:
-                selector.register(fd, selectors.EVENT_READ)
-            if control is not None:
-                selector.register(control, selectors.EVENT_READ)
-            for fd in pending:
-                selector.register(fd, selectors.EVENT_WRITE)
-            for fd in close_after - set(pending):
-                self._close_write(fd)
-            while True:
-                if until == "line" and b"\n" in self.reply:
-                    line, _, rest = bytes(self.reply).partition(b"\n")
-                    self.reply = bytearray(rest)
-                    return line
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CandidateGone(f"timed out after {config.timeout_s:g} s")
-                for key, _ in selector.select(remaining):
-                    fd = key.fd
-                    if control is not None and fd == control.fileno():
-                        message = control.recv(1 << 16)
-                        if not message or json.loads(message).get("op") != "exited":
-                            raise SlotBroken(f"unexpected control message {message[:80]!r}")
-                        self._drain(config)
-                        return b""
-                    if fd in pending:
-                        try:
-                            written = os.write(fd, pending[fd])
-                        except BrokenPipeError:
-                            written = len(pending[fd])
-                        pending[fd] = pending[fd][written:]
-                        if not pending[fd]:
-                            selector.unregister(fd)
-                            del pending[fd]
-                            if fd in close_after:
-                                self._close_write(fd)
-                        continue
-                    data = os.read(fd, 1 << 16)
-                    if not data:
-                        selector.unregister(fd)
-                        self.open_reads.discard(fd)
-                        os.close(fd)
-                        if fd == self.reply_fd and until == "line":
-                            raise CandidateGone("the candidate process exited")
-                        continue
-                    if fd == self.reply_fd:
-                        self.reply += data
-                        if len(self.reply) > config.result_bytes:
-                            raise CandidateGone("result larger than the cap")
-                    else:
-                        (self.out if fd == self.out_fd else self.err).extend(data)
-                        if len(self.out) + len(self.err) > config.output_bytes:
-                            raise CandidateGone(f"output flood (over {config.output_bytes} bytes)")
-
-    def _drain(self, config: SandboxConfig) -> None:
-        """Read what the exited child left in stdout/stderr (non-blocking; daemons are ignored)."""
-        for fd, buffer in ((self.out_fd, self.out), (self.err_fd, self.err)):
-            while fd in self.open_reads and len(self.out) + len(self.err) <= config.output_bytes:
-                try:
-                    data = os.read(fd, 1 << 16)
-                except BlockingIOError:
-                    break
-                if not data:
-                    break
-                buffer.extend(data)
-        if len(self.out) + len(self.err) > config.output_bytes:
-            raise CandidateGone(f"output flood (over {config.output_bytes} bytes)")
-
-    def _close_write(self, fd: int) -> None:
-        if fd in self.open_writes:
-            self.open_writes.discard(fd)
-            os.close(fd)
