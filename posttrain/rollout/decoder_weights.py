@@ -169,7 +169,7 @@ def build_layers(model: torch.nn.Module, batch_hint: int, use_kernels: bool = Tr
             layers.append(Layer(
                 input_norm=layer.input_layernorm.weight.detach(),
                 qkv=Linear(torch.cat([q, k, v]), cat_biases((q, q_bias), (k, k_bias), (v, v_bias)), layout,
-                            batch_hint),
+                           batch_hint),
                 q_norm=None if q_norm is None else q_norm.weight.detach(),
                 k_norm=None if k_norm is None else k_norm.weight.detach(),
                 o=Linear(*o, layout, batch_hint),

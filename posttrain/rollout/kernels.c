@@ -202,7 +202,7 @@ typedef struct {
     int32_t groups;
     int32_t shared;
     int32_t column;             /* the column this step writes; attention reads columns 0..column */
-    int32_t n, H, K, D;
+    int32_t H, K, D;
     float *q;                   /* scratch (n, H, D) */
     float *scores;              /* scratch (n, H, scores_stride), scores_stride > column */
     int64_t scores_stride;

@@ -16,9 +16,10 @@ Five kernels:
 * ``sample_cdf(probs, uniforms, block)``: the sampler's two-level inverse CDF
   (``sampling.sample_from_probs``), which in torch spends most of its time converting the whole
   (n, V) to float64.
-* ``attention(args)``: for one layer, rope q and k, write k and v into the KV cache, and attend over
-  the cache. Rows that share a prompt (``Sharing``) read the shared columns once per group instead
-  of once per row: with G samples per prompt, the prompt's keys and values are read 1/G times.
+* ``pt_decode_attention`` (filled ``AttentionArgs``; the decoder calls it directly): for one layer,
+  rope q and k, write k and v into the KV cache, and attend over the cache. Rows that share a
+  prompt (``Sharing``) read the shared columns once per group instead of once per row: with G
+  samples per prompt, the prompt's keys and values are read 1/G times.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class AttentionArgs(ctypes.Structure):
         ("key_bias", ctypes.c_void_p), ("bias_stride", ctypes.c_int64),
         ("group_start", ctypes.c_void_p), ("members", ctypes.c_void_p),
         ("groups", ctypes.c_int32), ("shared", ctypes.c_int32), ("column", ctypes.c_int32),
-        ("n", ctypes.c_int32), ("H", ctypes.c_int32), ("K", ctypes.c_int32), ("D", ctypes.c_int32),
+        ("H", ctypes.c_int32), ("K", ctypes.c_int32), ("D", ctypes.c_int32),
         ("q", ctypes.c_void_p), ("scores", ctypes.c_void_p), ("scores_stride", ctypes.c_int64),
         ("out", ctypes.c_void_p),
     ]
@@ -176,11 +177,6 @@ def sample_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int) -> tuple
     tokens, totals = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.float64)
     load().pt_sample_cdf(probs.data_ptr(), n, vocab, block, uniforms.data_ptr(), tokens.data_ptr(), totals.data_ptr())
     return tokens, totals
-
-
-def attention(args: AttentionArgs) -> None:
-    """Run ``pt_decode_attention`` (see kernels.c); every pointer in ``args`` must be alive."""
-    load().pt_decode_attention(ctypes.byref(args))
 
 
 class Sharing:

@@ -69,8 +69,9 @@ class LlamaDecoder:
     """Decoding Llama-family models with a static KV cache; same interface as ``HFDecoder``."""
 
     def __init__(self, model: torch.nn.Module, batch_hint: int = 16, use_kernels: bool | None = None):
-        """use_kernels: run the decode step's norms, rope and attention in the C kernels
-        (posttrain/rollout/kernels.py); None = whenever they build here and the model is float32 on CPU."""
+        """use_kernels: run the matmuls, norms, rope, attention and SwiGLU in the C kernels
+        (posttrain/rollout/kernels.py); None = whenever they build here and the model is float32 on
+        CPU; False = torch ops and oneDNN-prepacked weights (the reference path)."""
         self.layers, self.lm_head = build_layers(model, batch_hint, use_kernels is not False)
         model = unwrap(model)
         config = model.config
@@ -196,7 +197,7 @@ class LlamaDecoder:
                 key_bias=self.key_bias.data_ptr(), bias_stride=self.key_bias.stride(0),
                 group_start=self.sharing.group_start.data_ptr(), members=self.sharing.members.data_ptr(),
                 groups=self.sharing.groups, shared=self.sharing.shared,
-                n=n, H=self.heads, K=K, D=D, q=q.data_ptr(), scores=scores.data_ptr(),
+                H=self.heads, K=K, D=D, q=q.data_ptr(), scores=scores.data_ptr(),
                 scores_stride=scores.stride(1), out=out.data_ptr()))
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
