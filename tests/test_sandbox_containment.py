@@ -234,13 +234,13 @@ def test_crashed_slot_is_replaced_and_the_sample_retried(slot):
 
 
 def test_slot_that_cannot_start_is_infra_error_after_a_retry(monkeypatch):
-    from posttrain.rewards import code, sandbox
+    from posttrain.rewards import code, sandbox, sandbox_io
 
     attempts = []
 
     def fail(self):
         attempts.append(1)
-        raise sandbox.SlotBroken("bwrap: cannot mount (simulated)")
+        raise sandbox_io.SlotBroken("bwrap: cannot mount (simulated)")
 
     monkeypatch.setattr(sandbox.SandboxSlot, "start", fail)
     verdict = code.IOVerifier(SandboxConfig(timeout_s=3.0)).score(IO_CODE, IO_EXAMPLE)

@@ -24,13 +24,8 @@ from typing import Any
 
 from posttrain.rewards._zygote import decode_value
 from posttrain.rewards.base import Verifier
-from posttrain.rewards.sandbox import (
-    CandidateGone,
-    SandboxConfig,
-    SandboxSlot,
-    SlotBroken,
-    check_isolation,
-)
+from posttrain.rewards.sandbox import SandboxConfig, SandboxSlot, check_isolation
+from posttrain.rewards.sandbox_io import CandidateGone, SlotBroken
 from posttrain.rewards.verdict import Verdict
 
 CODE_POLICIES = ("auto", "raw", "fenced")

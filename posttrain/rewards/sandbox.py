@@ -40,9 +40,6 @@ from pathlib import Path
 
 from posttrain.rewards.sandbox_io import CandidateGone, FunctionSession, Pipes, ProgramResult, SlotBroken
 
-__all__ = ["CandidateGone", "FunctionSession", "ProgramResult", "SandboxConfig", "SandboxSlot", "SandboxUnavailable",
-           "SlotBroken", "check_isolation"]
-
 logger = logging.getLogger(__name__)
 
 ZYGOTE_SOURCE = Path(__file__).with_name("_zygote.py")
@@ -307,10 +304,11 @@ class SandboxSlot:
                 raise SlotBroken(f"sandbox answered {reply.get('op')!r}, expected {op!r}")
 
     # -- one sample ---------------------------------------------------------------------------
-    def _launch(self, mode: str) -> "Pipes":
+    def _launch(self, mode: str) -> Pipes:
         """Fork a child in the container with fresh pipes; returns our ends."""
         self.start()
-        pipes = Pipes()
+        pipes = Pipes(timeout_s=self.config.timeout_s, output_bytes=self.config.output_bytes,
+                      result_bytes=self.config.result_bytes)
         theirs = pipes.child_ends()
         try:
             socket.send_fds(self.control, [json.dumps({"op": "run", "mode": mode}).encode()], theirs)
@@ -323,7 +321,7 @@ class SandboxSlot:
         self._expect("started", FINISH_TIMEOUT_S)
         return pipes
 
-    def _finish(self, pipes: "Pipes") -> int | None:
+    def finish(self, pipes: Pipes) -> int | None:
         """Kill what is left of the sample, wipe /tmp, return the child's exit status."""
         pipes.close()
         try:
@@ -335,10 +333,10 @@ class SandboxSlot:
             self.close()  # children shared the zygote's uid: never reuse this container
         return status
 
-    def open_function(self, code: str, entry_point: str, deadline: float) -> "FunctionSession":
+    def open_function(self, code: str, entry_point: str, deadline: float) -> FunctionSession:
         """Load `code` in a fresh child and return a session whose `call(args)` runs entry_point."""
         pipes = self._launch("function")
-        session = FunctionSession(self, pipes, deadline)
+        session = FunctionSession(pipes, deadline, self.finish)
         try:
             session.load(code, entry_point)
         except CandidateGone:
@@ -346,15 +344,15 @@ class SandboxSlot:
             raise
         return session
 
-    def run_program(self, code: str, stdin: bytes, deadline: float) -> "ProgramResult":
+    def run_program(self, code: str, stdin: bytes, deadline: float) -> ProgramResult:
         """Run `code` as a __main__ program fed `stdin`; return its output (killed at deadline)."""
         pipes = self._launch("program")
         reason = ""
         try:
             header = (json.dumps({"code": code}) + "\n").encode()
-            pipes.pump(self.config, deadline, writes={pipes.request: header, pipes.stdin: stdin},
-                       until="exit", control=self.control)
+            pipes.pump(deadline, writes={pipes.request: header, pipes.stdin: stdin}, until="exit",
+                       control=self.control)
         except CandidateGone as gone:
             reason = str(gone)
-        status = self._finish(pipes)
+        status = self.finish(pipes)
         return ProgramResult(bytes(pipes.out), bytes(pipes.err), status, reason)

@@ -3,7 +3,8 @@
 `Pipes` holds the judge's ends of a child's five pipes (stdin, stdout, stderr, requests, replies)
 and pumps them with output caps and a deadline; `FunctionSession` speaks the request/reply
 protocol of a loaded candidate function; `ProgramResult` is what a stdin/stdout program did.
-The container itself, and the slots that start children in it, are `sandbox.py`.
+The container itself, and the slots that start children in it, are `sandbox.py`; this module
+knows only the caps it is given and the `finish` callback that ends a sample.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import os
 import selectors
 import socket
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from posttrain.rewards.sandbox import SandboxConfig, SandboxSlot
+from posttrain.rewards._zygote import decode_value, encode_value
 
 
 class SlotBroken(RuntimeError):
@@ -39,17 +39,20 @@ class ProgramResult:
 
 
 class FunctionSession:
-    """A loaded candidate in a sandboxed child: `call(args)` -> ("value", v) or ("error", text)."""
+    """A loaded candidate in a sandboxed child: `call(args)` -> ("value", v) or ("error", text).
 
-    def __init__(self, slot: SandboxSlot, pipes: "Pipes", deadline: float):
-        self.slot, self.pipes, self.deadline = slot, pipes, deadline
+    `finish(pipes)` ends the sample (kills the child, wipes /tmp) and returns its exit status:
+    the slot that started the child passes its own `SandboxSlot.finish`.
+    """
+
+    def __init__(self, pipes: Pipes, deadline: float, finish: Callable[[Pipes], int | None]):
+        self.pipes, self.deadline, self.finish = pipes, deadline, finish
         self.calls = 0
         self.closed = False
 
     def _exchange(self, request: dict) -> dict:
         line = (json.dumps(request) + "\n").encode()
-        reply = self.pipes.pump(self.slot.config, self.deadline, writes={self.pipes.request: line},
-                                until="line")
+        reply = self.pipes.pump(self.deadline, writes={self.pipes.request: line}, until="line")
         try:
             return json.loads(reply)
         except (ValueError, RecursionError):
@@ -65,8 +68,6 @@ class FunctionSession:
 
     def call(self, args: list) -> tuple[str, object]:
         """Call the entry point with `args` (plain data); the value comes back decoded, typed."""
-        from posttrain.rewards._zygote import decode_value, encode_value
-
         try:
             encoded = encode_value(list(args))
         except TypeError as error:
@@ -87,13 +88,18 @@ class FunctionSession:
         if self.closed:
             return None
         self.closed = True
-        return self.slot._finish(self.pipes)
+        return self.finish(self.pipes)
 
 
 class Pipes:
-    """The judge's ends of one child's five pipes, and an I/O pump with caps and a deadline."""
+    """The judge's ends of one child's five pipes, and an I/O pump with caps and a deadline.
 
-    def __init__(self):
+    `output_bytes` caps stdout + stderr together, `result_bytes` one reply line; `timeout_s` is the
+    sample's budget, named in the timeout reason.
+    """
+
+    def __init__(self, *, timeout_s: float, output_bytes: int, result_bytes: int):
+        self.timeout_s, self.output_bytes, self.result_bytes = timeout_s, output_bytes, result_bytes
         self.stdin_read, self.stdin = os.pipe()
         self.out_fd, self.out_write = os.pipe()
         self.err_fd, self.err_write = os.pipe()
@@ -119,7 +125,7 @@ class Pipes:
             os.close(fd)
         self.open_reads, self.open_writes = set(), set()
 
-    def pump(self, config: SandboxConfig, deadline: float, writes: dict[int, bytes], until: str,
+    def pump(self, deadline: float, writes: dict[int, bytes], until: str,
              control: socket.socket | None = None) -> bytes:
         """Write `writes`, read everything, until a reply line (`until="line"`) or until the
         child process exits (`"exit"`: the zygote says so on `control`; stdin is closed once
@@ -143,14 +149,14 @@ class Pipes:
                     return line
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise CandidateGone(f"timed out after {config.timeout_s:g} s")
+                    raise CandidateGone(f"timed out after {self.timeout_s:g} s")
                 for key, _ in selector.select(remaining):
                     fd = key.fd
                     if control is not None and fd == control.fileno():
                         message = control.recv(1 << 16)
                         if not message or json.loads(message).get("op") != "exited":
                             raise SlotBroken(f"unexpected control message {message[:80]!r}")
-                        self._drain(config)
+                        self._drain()
                         return b""
                     if fd in pending:
                         try:
@@ -174,17 +180,17 @@ class Pipes:
                         continue
                     if fd == self.reply_fd:
                         self.reply += data
-                        if len(self.reply) > config.result_bytes:
+                        if len(self.reply) > self.result_bytes:
                             raise CandidateGone("result larger than the cap")
                     else:
                         (self.out if fd == self.out_fd else self.err).extend(data)
-                        if len(self.out) + len(self.err) > config.output_bytes:
-                            raise CandidateGone(f"output flood (over {config.output_bytes} bytes)")
+                        if len(self.out) + len(self.err) > self.output_bytes:
+                            raise CandidateGone(f"output flood (over {self.output_bytes} bytes)")
 
-    def _drain(self, config: SandboxConfig) -> None:
+    def _drain(self) -> None:
         """Read what the exited child left in stdout/stderr (non-blocking; daemons are ignored)."""
         for fd, buffer in ((self.out_fd, self.out), (self.err_fd, self.err)):
-            while fd in self.open_reads and len(self.out) + len(self.err) <= config.output_bytes:
+            while fd in self.open_reads and len(self.out) + len(self.err) <= self.output_bytes:
                 try:
                     data = os.read(fd, 1 << 16)
                 except BlockingIOError:
@@ -192,8 +198,8 @@ class Pipes:
                 if not data:
                     break
                 buffer.extend(data)
-        if len(self.out) + len(self.err) > config.output_bytes:
-            raise CandidateGone(f"output flood (over {config.output_bytes} bytes)")
+        if len(self.out) + len(self.err) > self.output_bytes:
+            raise CandidateGone(f"output flood (over {self.output_bytes} bytes)")
 
     def _close_write(self, fd: int) -> None:
         if fd in self.open_writes:
