@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from posttrain.rewards import Verdict, get_verifier
+from posttrain.errors import UserError
+from posttrain.rewards import Verdict, Verifier, as_verifier, get_verifier
 from posttrain.rewards._zygote import decode_value, encode_value
 from posttrain.rewards.answers import parse_number
 from posttrain.rewards.code import extract_code, normalize_output, strict_equal
@@ -158,6 +159,51 @@ def test_callable_verifier_values_errors_and_timeouts():
     assert verdict.status == "infra_error" and "deadline" in verdict.reason
     with pytest.raises(ValueError, match="cannot load"):
         get_verifier("callable:tests.test_rewards.no_such_function")(".", {})
+
+
+def test_as_verifier_wraps_a_plain_callable_in_this_process():
+    """A plain callable scores in this process (no worker) on a dict copy of the example; its result
+    is read by the rule `callable:` uses, with "user function" as the ok reason."""
+    def length_reward(completion, example):
+        assert type(example) is dict
+        return example["value"]
+
+    verifier = as_verifier(length_reward, "math")
+    assert verifier.name.startswith("python:") and verifier.name.endswith("length_reward")
+    assert not verifier.in_worker
+    rows = [(1, (1.0, "ok", "user function")),
+            (True, (1.0, "ok", "user function")),
+            (False, (0.0, "ok", "user function")),
+            (Verdict.ok(0.25, "partial", steps=3), (0.25, "ok", "partial")),
+            (Verdict.data_error("no gold"), (None, "data_error", "no gold")),
+            (math.nan, (None, "infra_error", f"{verifier.name} returned nan, not a finite number or Verdict")),
+            ("1", (None, "infra_error", f"{verifier.name} returned '1', not a finite number or Verdict"))]
+    verdicts = verifier.batch(["x"] * len(rows), [{"value": value} for value, _ in rows])
+    assert [(v.reward, v.status, v.reason) for v in verdicts] == [expected for _, expected in rows]
+    assert verdicts[3].details == {"steps": 3}
+
+
+def test_as_verifier_reports_a_raising_callable_as_infra_error():
+    def broken(completion, example):
+        raise KeyError("answer")
+
+    verdict = as_verifier(broken, "math")("x", {})
+    assert (verdict.reward, verdict.status, verdict.reason) == (None, "infra_error", "KeyError: 'answer'")
+
+
+def test_as_verifier_passes_verifiers_through_and_builds_names():
+    exact = get_verifier("exact")
+    assert as_verifier(exact, "math") is exact
+    assert isinstance(as_verifier(None, "0.9*math+0.1*format"), Verifier)
+    assert as_verifier(None, "format").name == "format"
+
+    class Scorer:  # an instance with __call__ has no __qualname__: its type names it
+        def __call__(self, completion, example):
+            return 0.5
+
+    assert as_verifier(Scorer(), "math").name == "python:Scorer"
+    with pytest.raises(UserError, match="^reward: unknown verifier 'nope'"):
+        as_verifier(None, "nope")
 
 
 def test_reasoning_gym_uses_the_task_scorer():

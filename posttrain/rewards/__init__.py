@@ -1,7 +1,8 @@
 """Rewards: verifiers that score completions, and the sandbox for untrusted code.
 
-    from posttrain.rewards import get_verifier
+    from posttrain.rewards import as_verifier, get_verifier
     verifier = get_verifier("math")                   # or "humaneval", "0.9*math+0.1*format", ...
+    verifier = as_verifier(my_function, "math")       # a Verifier, a plain callable, or None: by name
     verdict = verifier(completion, {"answer": "1/2"})  # -> Verdict(reward, status, reason, details)
     verdicts = verifier.batch(completions, examples, workers=4)
 
@@ -10,9 +11,9 @@ for the exploit suite each shipped verifier must pass.
 """
 
 from posttrain.rewards.base import Verifier
-from posttrain.rewards.registry import NAMES, WeightedSum, get_verifier
+from posttrain.rewards.registry import NAMES, WeightedSum, as_verifier, get_verifier
 from posttrain.rewards.sandbox import SandboxConfig, SandboxUnavailable, check_isolation
 from posttrain.rewards.verdict import Verdict
 
 __all__ = ["NAMES", "SandboxConfig", "SandboxUnavailable", "Verdict", "Verifier", "WeightedSum",
-           "check_isolation", "get_verifier"]
+           "as_verifier", "check_isolation", "get_verifier"]

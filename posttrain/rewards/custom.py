@@ -1,8 +1,15 @@
-"""`callable:<dotted.path>`: a user's Python function as the reward, in a worker with a deadline.
+"""A user's Python function as the reward: `fn(completion, example)` -> a number or a `Verdict`.
 
-`fn(completion, example)` may return a number (bool counts as 0/1) or a `Verdict`. An exception
-is infra_error whose reason is the traceback's last line; a missed deadline is infra_error too
-(a verifier that hangs is a verifier bug, not a wrong answer).
+Two ways in, one rule for what comes back (`verdict_from_result`: a Verdict as is, a finite number
+ok, bool counting as 0/1, anything else infra_error):
+
+* `callable:<dotted.path>` (`CallableVerifier`): imported and run in a worker with a deadline; an
+  exception is infra_error whose reason is the traceback's last line, and a missed deadline is
+  infra_error too (a verifier that hangs is a verifier bug, not a wrong answer);
+* a callable object (`FunctionVerifier`, what `as_verifier` makes of a plain callable): run in
+  this process, because a function defined in a script or a notebook cannot be imported by a
+  worker; it gets a plain dict copy of the example, and an exception is infra_error
+  "<ExceptionType>: <message>".
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import importlib
 import math
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from posttrain.rewards.base import Verifier
@@ -28,8 +35,24 @@ def resolve(path: str):
     return function
 
 
+def verdict_from_result(result: Any, name: str, reason: str) -> Verdict:
+    """A user function's return value as a Verdict: a Verdict as is; a finite number (bool: 0/1)
+    `ok` with `reason`; anything else (NaN, a string, None) infra_error naming `name`.
+
+    >>> verdict_from_result(True, "f", "user function")
+    Verdict(reward=1.0, status='ok', reason='user function', details={})
+    >>> verdict_from_result(float("nan"), "f", "user function").reason
+    'f returned nan, not a finite number or Verdict'
+    """
+    if isinstance(result, Verdict):
+        return result
+    if isinstance(result, (bool, int, float)) and math.isfinite(float(result)):
+        return Verdict.ok(float(result), reason)
+    return Verdict.infra_error(f"{name} returned {result!r}, not a finite number or Verdict")
+
+
 class CallableVerifier(Verifier):
-    """Wraps a user function given by dotted path."""
+    """Wraps a user function given by dotted path; scored in a worker."""
 
     in_worker = True
 
@@ -51,12 +74,25 @@ class CallableVerifier(Verifier):
         except Exception as error:  # noqa: BLE001 - the user's bug, reported not hidden
             last = traceback.format_exception_only(type(error), error)[-1].strip()
             return Verdict.infra_error(last)
-        if isinstance(result, Verdict):
-            return result
-        if isinstance(result, (bool, int, float)) and math.isfinite(float(result)):
-            return Verdict.ok(float(result), "user callable")
-        return Verdict.infra_error(f"{self.path} returned {result!r}, not a finite number or Verdict")
+        return verdict_from_result(result, self.path, "user callable")
 
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""
         return {"verifier": self.name, "timeout_s": self.timeout_s}
+
+
+class FunctionVerifier(Verifier):
+    """Wraps a callable object (a function, a lambda, an instance with `__call__`); scored in
+    this process. Its name is `python:<qualname>` (the type's name when it has no qualname)."""
+
+    def __init__(self, function: Callable[[str, dict], Any]):
+        self.function = function
+        self.name = f"python:{getattr(function, '__qualname__', type(function).__name__)}"
+
+    def score(self, completion: str, example: Mapping) -> Verdict:
+        """Call the function on a dict copy of the example; normalise its result to a Verdict."""
+        try:
+            result = self.function(completion, dict(example))
+        except Exception as error:  # noqa: BLE001 - the user's bug, reported, never a silent 0
+            return Verdict.infra_error(f"{type(error).__name__}: {error}")
+        return verdict_from_result(result, self.name, "user function")

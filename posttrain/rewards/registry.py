@@ -2,18 +2,21 @@
 
 Names: `math`, `exact`, `numeric`, `format`, `rg`, `humaneval`, `io`, `stdio`,
 `callable:<dotted.path>`, and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
+`as_verifier` turns what a recipe was given (a Verifier, a plain callable, or nothing and a name)
+into one verifier.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from posttrain.errors import UserError
 from posttrain.rewards.answers import ExactVerifier, MathVerifier, NumericVerifier
 from posttrain.rewards.base import Verifier
 from posttrain.rewards.code import HumanEvalVerifier, IOVerifier, StdioVerifier
-from posttrain.rewards.custom import CallableVerifier
+from posttrain.rewards.custom import CallableVerifier, FunctionVerifier
 from posttrain.rewards.format import FormatVerifier
 from posttrain.rewards.gym import ReasoningGymVerifier
 from posttrain.rewards.sandbox import SandboxConfig
@@ -95,3 +98,17 @@ def get_verifier(name: str, *, sandbox: SandboxConfig | None = None, fraction: b
         return FormatVerifier()
     raise ValueError(f"unknown verifier {name!r}; choose from {', '.join(NAMES)}, "
                      "callable:<dotted.path> or a weighted sum like 0.9*math+0.1*format")
+
+
+def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str) -> Verifier:
+    """The reward a recipe scores with: a `Verifier` as is; a plain callable `fn(completion,
+    example)` as a `FunctionVerifier` (in this process, named `python:<qualname>`); otherwise
+    (None) the verifier called `name`, whose ValueError becomes a one-line `UserError`."""
+    if isinstance(reward, Verifier):
+        return reward
+    if callable(reward):
+        return FunctionVerifier(reward)
+    try:
+        return get_verifier(name)
+    except ValueError as error:
+        raise UserError(f"reward: {error}") from None
