@@ -114,9 +114,28 @@ def _apply(config, values: dict[str, Any], source: str, prefix: str = "") -> Non
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise UserError(f"{source}: '{name}' is a section; give a mapping of its keys")
-            _apply(current, value, source, f"{name}.")
+            if current.__dataclass_params__.frozen:  # an immutable settings type: a checked copy
+                setattr(config, key, _replaced(current, value, source, f"{name}."))
+            else:
+                _apply(current, value, source, f"{name}.")
         else:
             setattr(config, key, _coerce(value, hints[key], f"{source}: {name}"))
+
+
+def _replaced(section, values: dict[str, Any], source: str, prefix: str):
+    """A copy of frozen dataclass `section` with `values` set, types checked; its own
+    `__post_init__` checks the combination (its error gets the source's name)."""
+    hints = typing.get_type_hints(type(section))
+    fields = {f.name for f in dataclasses.fields(section)}
+    changes = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise UserError(f"{source}: unknown key '{prefix}{key}' (known keys under {prefix.rstrip('.')}: {', '.join(sorted(fields))})")
+        changes[key] = _coerce(value, hints[key], f"{source}: {prefix}{key}")
+    try:
+        return dataclasses.replace(section, **changes)
+    except UserError as error:
+        raise UserError(f"{source}: {error}") from None
 
 
 def _nest(dotted: dict[str, Any]) -> dict[str, Any]:
@@ -218,3 +237,26 @@ def describe_fields(cls, prefix: str = "") -> list[tuple[str, str, str]]:
         else:
             rows.append((f"{prefix}{field.name}", repr(value), docs.get(field.name, "")))
     return rows
+
+
+@dataclasses.dataclass
+class RunFields:
+    """The fields every training recipe's config has, declared once (a recipe's config inherits
+    them and may give `max_steps` or `checkpoint_every` another default). The command line gives
+    `output_dir`, `max_steps` and `seed` flags of their own (`posttrain/commands/_recipe.py`)."""
+
+    max_steps: int = 50
+    """Training steps (optimizer steps for SFT and DPO; one batch of rollouts each for GRPO and PPO)."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every N steps (and always at the end)."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation."""
+    output_dir: str | None = None
+    """Run directory (default runs/<recipe>-<time>)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files in <run>/tensorboard (needs `pip install tensorboard`)."""
+
+    def validate(self) -> None:
+        for name in ("max_steps", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")

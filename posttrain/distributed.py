@@ -152,25 +152,10 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     raise UserError(f"parallel.strategy fsdp2: cannot find the decoder layers of {type(model).__name__}")
 
 
-class TrainingForward(torch.nn.Module):
-    """Base of the recipes' training-forward modules (SFT's `ResponseForward`, DPO's `PairForward`,
-    GRPO's `CompletionForward`): one `forward` call = one recipe-defined pass over some rows, so DDP
-    (which syncs per forward) and FSDP2 (which pairs calls across ranks) see one call however many
-    model calls it makes. It holds the model and no parameters of its own; FSDP2 shards the model."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    @property
-    def sharding_root(self) -> torch.nn.Module:
-        return self.model
-
-
 def wrap(model, world: World):
     """The module to train through: the model itself (one process), DDP around it, or the model
     sharded in place with FSDP2 (each decoder layer, then the root: `model.sharding_root` when the
-    model is a parameter-free wrapper). Generation and evaluation use the plain model; under FSDP2
+    model is a parameter-free wrapper such as models.forward.TrainingForward). Generation and evaluation use the plain model; under FSDP2
     inside `full_weights(model)`."""
     if not world.active:
         return model

@@ -21,7 +21,8 @@ from posttrain.data import (
 )
 from posttrain.data.preference import PreferenceBatch
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
-from posttrain.recipes import dpo, preference_data, shared_prefix
+from posttrain.models import forward as model_forward
+from posttrain.recipes import dpo, preference_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -233,7 +234,7 @@ def test_shared_prompt_forward_embeds_each_prompt_once_and_falls_back(monkeypatc
         shapes.clear()
         full = dpo.pair_logprobs(model, batch, full_forward=True)
         assert shapes == [(10, batch.chosen.input_ids.shape[1])]
-        monkeypatch.setattr(shared_prefix, "SUPPORTED_MODEL_TYPES", ())
+        monkeypatch.setattr(model_forward, "SUPPORTED_MODEL_TYPES", ())
         assert preference_data.shared_prompt_sums(model, batch.chosen.input_ids, batch.chosen.attention_mask, batch.chosen.mask) is None
         fallback = dpo.pair_logprobs(model, batch)
     for result in (full, fallback):

@@ -5,7 +5,8 @@ from itertools import combinations
 
 import pytest
 
-from posttrain.evaluation.stats import DivergenceAlarm, paired_difference_ci, pass_at_k, wilson_interval
+from posttrain.evaluation.alarms import DivergenceAlarm
+from posttrain.evaluation.stats import paired_difference_ci, pass_at_k, wilson_interval
 
 
 def test_wilson_by_hand():

@@ -7,7 +7,8 @@ import torch
 
 from posttrain.data import tokenize_prompt_response
 from posttrain.models import LoraSettings, apply_lora, build_tiny_model, lean_mlp
-from posttrain.recipes.sft import ResponseForward, sft_loss
+from posttrain.models.forward import TrainingForward, batch_response_sums
+from posttrain.recipes.sft import sft_loss
 
 PROMPTS = ["12+30=", "7+5=", "101+99=", "3+4="]
 RESPONSES = ["<answer>42</answer>", "<answer>12</answer>", "<answer>200</answer>", "7"]
@@ -34,7 +35,7 @@ def test_response_forward_loss_equals_the_full_logits_nll(lora):
     lean_mlp(model)  # as the recipe does
     batch = tokenize_prompt_response(tokenizer, PROMPTS, RESPONSES)  # right-padded, unequal lengths
     assert batch.attention_mask.sum(-1).unique().numel() > 1
-    loss = sft_loss(ResponseForward(model), batch, slice(None), batch.mask[:, 1:].sum())
+    loss = sft_loss(TrainingForward(model, batch_response_sums), batch, slice(None), batch.mask[:, 1:].sum())
     expected = naive_loss(reference, batch)
     assert torch.allclose(loss, expected, atol=1e-5)
     loss.backward()
@@ -48,7 +49,7 @@ def test_micro_batches_add_up_to_the_batch_loss_and_gradient():
     model, tokenizer = build_tiny_model(seed=6)
     batch = tokenize_prompt_response(tokenizer, PROMPTS, RESPONSES)
     tokens = batch.mask[:, 1:].sum()
-    forward = ResponseForward(model)
+    forward = TrainingForward(model, batch_response_sums)
     whole = sft_loss(forward, batch, slice(None), tokens)
     (whole_grad,) = torch.autograd.grad(whole, model.lm_head.weight)
     parts = [sft_loss(forward, batch, slice(start, start + 3), tokens) for start in (0, 3)]

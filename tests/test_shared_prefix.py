@@ -7,8 +7,8 @@ import torch
 
 from posttrain.algorithms import token_logprobs
 from posttrain.models import apply_lora, load_model, make_reference
-from posttrain.recipes import shared_prefix
-from posttrain.recipes.online import completion_logits, logprobs_of
+from posttrain.models import forward as model_forward
+from posttrain.models.forward import completion_logits, completion_logprobs
 from posttrain.rollout import Rollout, SamplingConfig
 
 B, G = 3, 3
@@ -110,7 +110,7 @@ def test_reference_and_no_grad_logprobs_match():
     for model in (policy, reference):
         with torch.no_grad():
             expected = token_logprobs(plain_logits(model, inputs, slice(None), P, T), rollout.completion_ids, 1.0)
-        got = logprobs_of(model, rollout, inputs, 1.0, micro_batch_size=4)
+        got = completion_logprobs(model, rollout, inputs, 1.0, micro_batch_size=4)
         torch.testing.assert_close(got[rollout.mask], expected[rollout.mask], atol=1e-5, rtol=0)
         assert bool((got[~rollout.mask] == 0).all())
 
@@ -123,8 +123,8 @@ def test_extra_arguments_and_unsupported_models_take_the_plain_path(monkeypatch)
     output, logits = completion_logits(model, inputs, slice(0, 6), 9, 6, output_hidden_states=True)
     assert output.logits.shape[1] == 15 and len(output.hidden_states) == 5
     torch.testing.assert_close(logits, plain_logits(model, inputs, slice(0, 6), 9, 6))
-    monkeypatch.setattr(shared_prefix, "SUPPORTED_MODEL_TYPES", ())
-    assert shared_prefix.shared_prefix_logits(model, inputs, slice(0, 6), 9, 6) is None
+    monkeypatch.setattr(model_forward, "SUPPORTED_MODEL_TYPES", ())
+    assert model_forward.shared_prefix_logits(model, inputs, slice(0, 6), 9, 6) is None
     output, logits = completion_logits(model, inputs, slice(0, 6), 9, 6)
     assert output is not None
     torch.testing.assert_close(logits, plain_logits(model, inputs, slice(0, 6), 9, 6))

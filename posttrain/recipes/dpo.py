@@ -32,10 +32,11 @@ from posttrain.algorithms import PREFERENCE_LOSSES, length_normalized_dpo_loss
 from posttrain.config import save_yaml
 from posttrain.data import PreferenceBatch, TruncationPolicy
 from posttrain.data.examples import derived_seed
-from posttrain.distributed import Parallel, TrainingForward, World, full_weights, gradient_sync, init_world, unwrap, wrap
+from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.models import make_reference
+from posttrain.models.forward import TrainingForward
 from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, load_policy, make_optimizer, restore_training, save_training, seed_everything,
 )
@@ -234,7 +235,7 @@ def run(config: Config, resume: bool = False) -> Path:
         wrap(frozen, world)
     # What forward/backward goes through: one call = pair log-probs of some rows (DDP, FSDP2 or the
     # policy itself); FSDP2 takes the plain forward so the root's shards are gathered.
-    trainer = wrap(PairForward(policy, full_forward=sharded), world)
+    trainer = wrap(TrainingForward(policy, pair_logprobs, full_forward=sharded), world)
     optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
     refreshing = bool(config.loss.reference_refresh_every)
     extra_models = {"reference": reference.model} if refreshing else None  # a refreshed reference is state
@@ -304,22 +305,11 @@ def run(config: Config, resume: bool = False) -> Path:
     return run_dir.path
 
 
-class PairForward(TrainingForward):
-    """The policy as DDP / FSDP2 see it in training: one forward = `pair_logprobs` of some rows."""
-
-    def __init__(self, model, full_forward: bool = False):
-        super().__init__(model)
-        self.full_forward = full_forward
-
-    def forward(self, batch: PreferenceBatch, rows: slice) -> PairLogprobs:
-        return pair_logprobs(self.model, batch, rows, full_forward=self.full_forward)
-
-
 def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBatch, config: Config, world: World | None = None) -> dict[str, float]:
     """Forward/backward over micro-batches; the loss is the batch mean of the per-pair losses plus
     nll_weight * the batch's chosen-token-mean NLL, normalised by the whole batch's counts so the
     gradient does not depend on micro_batch_size or the world size. `trainer` is the policy (or a
-    `PairForward`, possibly in DDP); `ref` is (P, 2) cached reference log-probs or None (then
+    `TrainingForward` over `pair_logprobs`, possibly in DDP); `ref` is (P, 2) cached reference log-probs or None (then
     `reference` runs). Under torchrun each rank takes its block of the pairs, all ranks running as
     many micro-batches (a short rank a zero-weight one). Returns the step's metrics over the whole
     batch (gradients are left in the policy)."""
@@ -341,7 +331,7 @@ def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBa
         else:
             ref_chosen, ref_rejected = ref[rows, 0], ref[rows, 1]
         with gradient_sync(trainer, micro == micro_count - 1):
-            sums = trainer(batch, rows) if isinstance(unwrap(trainer), PairForward) else pair_logprobs(trainer, batch, rows)
+            sums = trainer(batch, rows) if isinstance(unwrap(trainer), TrainingForward) else pair_logprobs(trainer, batch, rows)
             losses, chosen_rewards, rejected_rewards = preference_losses(config.loss, sums, ref_chosen, ref_rejected)
             nll = -sums.chosen.sum() / chosen_tokens  # RPO term: this micro-batch's share of the batch token mean
             loss = losses.sum() / P + (config.loss.nll_weight * nll if config.loss.nll_weight else 0.0)

@@ -29,7 +29,7 @@ from posttrain.data.examples import derived_seed
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, wrap
 from posttrain.errors import UserError
-from posttrain.evaluation.stats import DivergenceAlarm
+from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.models import make_reference
 from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, load_policy, make_optimizer, restore_training, save_training, seed_everything,

@@ -17,12 +17,12 @@ import torch
 
 from posttrain.algorithms import exact_kl, token_logprobs
 from posttrain.data.examples import Example, Task, derived_seed
-from posttrain.distributed import TrainingForward, World, full_weights
+from posttrain.distributed import World, full_weights
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
-from posttrain.evaluation.stats import DivergenceAlarm
+from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.recipes.online_data import Scores, rows_of
-from posttrain.recipes.shared_prefix import shared_prefix_logits
+from posttrain.models.forward import TrainingForward, shared_prefix_logits
 from posttrain.rewards import Verdict, Verifier, get_verifier
 from posttrain.rollout import Rollout, SamplingConfig
 

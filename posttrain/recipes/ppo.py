@@ -33,7 +33,7 @@ from posttrain.data.examples import derived_seed
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, gradient_sync, init_world, wrap
 from posttrain.errors import UserError
-from posttrain.evaluation.stats import DivergenceAlarm
+from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.models import make_critic, make_reference
 from posttrain.recipes.common import (
     Optimization, Timer, default_output_dir, fused_adamw_supported, load_policy, lr_multiplier, restore_training, save_training, seed_everything,

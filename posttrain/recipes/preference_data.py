@@ -26,7 +26,7 @@ from posttrain.distributed import World, full_weights
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, heldout_split
 from posttrain.models import ReferenceModel, make_reference
-from posttrain.recipes.shared_prefix import response_head_logprobs, response_sums, shared_prefix_logits
+from posttrain.models.forward import response_head_logprobs, response_sums, shared_prefix_logits
 from posttrain.runs import RunDirectory, new_card
 
 if TYPE_CHECKING:  # the recipe's config; dpo.py imports this module

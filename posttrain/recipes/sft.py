@@ -23,9 +23,10 @@ from posttrain.config import save_yaml, to_dict
 from posttrain.data import tokenize_prompt_response
 from posttrain.data.examples import Example
 from posttrain.data.tasks import load_splits
-from posttrain.distributed import Parallel, TrainingForward, full_weights, gradient_sync, init_world, is_sharded, wrap
+from posttrain.distributed import Parallel, full_weights, gradient_sync, init_world, is_sharded, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
+from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.recipes.common import (
     Optimization,
     Timer,
@@ -37,7 +38,6 @@ from posttrain.recipes.common import (
     save_training,
     seed_everything,
 )
-from posttrain.recipes.shared_prefix import response_sums
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
 logger = logging.getLogger(__name__)
@@ -107,21 +107,7 @@ def data_order(num_examples: int, seed: int, position: int, count: int) -> list[
     return indices
 
 
-class ResponseForward(TrainingForward):
-    """The model as DDP / FSDP2 see it in SFT: one forward = the (n,) summed response-token log-probs
-    of some rows of a batch (`response_sums`: the LM head only where a response token is predicted,
-    no logits kept for backward; `full_forward`: the model's own forward, which FSDP2 needs)."""
-
-    def __init__(self, model, full_forward: bool = False):
-        super().__init__(model)
-        self.full_forward = full_forward
-
-    def forward(self, batch, rows: slice) -> torch.Tensor:
-        sums, _ = response_sums(self.model, batch.input_ids[rows], batch.attention_mask[rows], batch.mask[rows], self.full_forward)
-        return sums
-
-
-def sft_loss(forward: ResponseForward, batch, rows: slice, global_tokens: torch.Tensor) -> torch.Tensor:
+def sft_loss(forward: TrainingForward, batch, rows: slice, global_tokens: torch.Tensor) -> torch.Tensor:
     """Token-mean NLL of the response tokens of `rows`, normalised by the whole batch's token count
     `global_tokens` (so micro-batches and ranks add up to the batch's token mean)."""
     return -forward(batch, rows).sum() / global_tokens
@@ -148,7 +134,7 @@ def run(config: Config, resume: bool = False) -> Path:
         save_yaml(config, run_dir.path / "config.yaml")
 
     # What forward/backward goes through: DDP, FSDP2 (the model sharded in place) or the wrapper itself.
-    trainer = wrap(ResponseForward(model, full_forward=world.active and world.strategy == "fsdp2"), world)
+    trainer = wrap(TrainingForward(model, batch_response_sums, full_forward=world.active and world.strategy == "fsdp2"), world)
     optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
     start_step = restore_training(run_dir, model, optimizer, scheduler, world=world)["step"] if resume else 0
     card = new_card("sft", config.seed, config=to_dict(config))
@@ -242,7 +228,7 @@ def heldout_nll(model, tokenizer, held_out, config: Config) -> float:
         [config.response_template.format(answer=e.answer) for e in examples], system_prompt=config.system_prompt,
     )
     global_tokens = batch.mask[:, 1:].sum()
-    forward = ResponseForward(model, full_forward=is_sharded(model))
+    forward = TrainingForward(model, batch_response_sums, full_forward=is_sharded(model))
     return sum(
         sft_loss(forward, batch, slice(start, start + config.micro_batch_size), global_tokens).item()
         for start in range(0, len(examples), config.micro_batch_size)

@@ -1,10 +1,17 @@
-"""Training forwards that compute only what the loss needs: each distinct prompt once (GRPO's
-shared prefix, `shared_prefix_logits`), and the LM head only where a response token is predicted
-(`response_sums`, SFT's and DPO's per-row forward).
+"""The ONE place that turns (model, token batch) into what a loss needs: per-token log-probs of
+given tokens, summed response log-probs, and values. Every recipe, test and benchmark goes through
+these functions; `TrainingForward` is the one module DDP / FSDP2 wrap around them.
 
-The G rows of a GRPO group carry the same left-padded prompt (in bench/grpo.py ~51 of ~82 positions
-per row), so a plain forward over prompt + completion computes every prompt G times. Here, for the
-rows of one micro-batch:
+What is computed is only what the loss needs:
+
+* `completion_logits`: the logits that score the completion tokens of rollout rows, each distinct
+  prompt once (`shared_prefix_logits`, below); `completion_logprobs` / `rank_logprobs` turn them
+  into (N, T) log-probs at a temperature (no grad), `completion_values` gives a critic's (N, T) values;
+* `response_sums`: the LM head only where a response token is predicted (SFT's and DPO's per-row forward).
+
+The shared prefix. The G rows of a GRPO group carry the same left-padded prompt (often most of each
+row's positions), so a plain forward over prompt + completion computes every prompt G times. Here,
+for the rows of one micro-batch:
 
 1. find the k distinct prompts among the n rows, by prompt ids *and* mask (no group size needed,
    and any subset of rows works: rows of the same group share, the rest cost what they did);
@@ -25,12 +32,14 @@ and, for DPO, tests/test_dpo.py.
 from __future__ import annotations
 
 import inspect
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
 
 from posttrain.algorithms import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.data import position_ids_from_attention_mask
+from posttrain.distributed import World, full_weights
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 """Architectures checked against the plain forward (tiny and SmolLM2 are Llama)."""
@@ -137,3 +146,111 @@ def response_head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -
     if type(head) is torch.nn.Linear:
         return head_logprobs(hidden, head, targets)
     return token_logprobs(head(hidden), targets)
+
+
+def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, shared_prefix: bool = True, **extra):
+    """Forward prompt + completion rows; returns the model output and the logits (n, T, V) whose
+    position t scores completion token t (see `Rollout.forward_inputs`). Without `extra`, a supported
+    model runs `shared_prefix_logits` (each distinct prompt once) and the output is None, unless
+    `shared_prefix` is False (one plain model call, whatever the rows)."""
+    if not extra and shared_prefix:
+        logits = shared_prefix_logits(model, inputs, rows, prompt_width, T)
+        if logits is not None:
+            return None, logits
+    output = model(
+        input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
+        position_ids=inputs["position_ids"][rows], **extra,
+    )
+    return output, output.logits[:, prompt_width - 1 : prompt_width - 1 + T]
+
+
+def completion_logits_only(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, shared_prefix: bool = True) -> torch.Tensor:
+    """(n, T, V) `completion_logits` without the model output: what the online policy trains through."""
+    return completion_logits(model, inputs, rows, prompt_width, T, shared_prefix=shared_prefix)[1]
+
+
+@torch.no_grad()
+def completion_logprobs(model, rollout, inputs: dict[str, torch.Tensor], temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """(N, T) log-probs of a rollout's sampled tokens under `model` at `temperature` (float32, 0 at
+    padding), no grad, micro-batched."""
+    prompt_width, T = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    pieces = []
+    for start in range(0, rollout.completion_ids.shape[0], micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        _, logits = completion_logits(model, inputs, rows, prompt_width, T)
+        pieces.append(token_logprobs(logits, rollout.completion_ids[rows], temperature))
+    return torch.cat(pieces).masked_fill(~rollout.mask, 0.0)
+
+
+def rank_logprobs(model, rollout, owners: torch.Tensor, world: World, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """(N, T) log-probs of every sampled token under `model` (no grad): each rank computes the rows
+    it owns (`owners` (N,) long) and the pieces are summed across ranks; in one process simply
+    `completion_logprobs`. An FSDP2-sharded model is made whole for the pass, so ranks need not run
+    equally many forwards."""
+    if not world.active:
+        return completion_logprobs(model, rollout, rollout.forward_inputs(), temperature, micro_batch_size)
+    mine = (owners == world.rank).nonzero().squeeze(1)
+    full = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)
+    with full_weights(model):
+        if len(mine):
+            part = rollout.select(mine)
+            full[mine] = completion_logprobs(model, part, part.forward_inputs(), temperature, micro_batch_size)
+    return world.reduce(full)
+
+
+def completion_values(critic, inputs: dict[str, torch.Tensor], P: int, T: int, micro_batch_size: int, rows=None, grad: bool = False) -> torch.Tensor:
+    """(n, T) values V(s_t) of the state before each completion token (the hidden state of the
+    token preceding it, like the logits that score it), micro-batched; no grad unless `grad`."""
+    rows = torch.arange(inputs["input_ids"].shape[0]) if rows is None else rows
+    pieces = []
+    with torch.set_grad_enabled(grad):
+        for start in range(0, len(rows), micro_batch_size):
+            chunk = rows[start : start + micro_batch_size]
+            values = critic(input_ids=inputs["input_ids"][chunk], attention_mask=inputs["attention_mask"][chunk],
+                            position_ids=inputs["position_ids"][chunk])
+            pieces.append(values[:, P - 1 : P - 1 + T])
+    return torch.cat(pieces)
+
+
+def policy_and_critic(models: torch.nn.ModuleDict, inputs: dict[str, torch.Tensor], rows, P: int, T: int,
+                      share_backbone: bool = False, detach_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (n, T, V) logits and (n, T) values of some rows in one pass: the values from the policy's
+    last hidden states through the value head when the critic shares its backbone (hidden states
+    detached when `detach_hidden`: the backbone then gets no value gradient), else from the
+    critic's own forward. `models` holds "policy" and "critic"."""
+    policy, critic = models["policy"], models["critic"]
+    output = policy(input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
+                    position_ids=inputs["position_ids"][rows], output_hidden_states=share_backbone)
+    logits = output.logits[:, P - 1 : P - 1 + T]
+    if share_backbone:
+        hidden = output.hidden_states[-1][:, P - 1 : P - 1 + T]
+        return logits, critic.values_from_hidden(hidden.detach() if detach_hidden else hidden)
+    return logits, completion_values(critic, inputs, P, T, len(rows), rows=rows, grad=True)
+
+
+def batch_response_sums(model, batch, rows, full_forward: bool = False) -> torch.Tensor:
+    """(n,) summed response-token log-probs of `rows` of a token batch with `input_ids`,
+    `attention_mask` and `mask` (L-wide each): `response_sums` on those rows."""
+    sums, _ = response_sums(model, batch.input_ids[rows], batch.attention_mask[rows], batch.mask[rows], full_forward)
+    return sums
+
+
+class TrainingForward(torch.nn.Module):
+    """The one module a recipe trains through: `forward(*args)` = `function(model, *args, **options)`,
+    one recipe-defined pass over some rows, so DDP (which syncs per forward) and FSDP2 (which pairs
+    calls across ranks) see one call however many model calls it makes. It holds the model (a
+    module, or a `ModuleDict` of several) and no parameters of its own; FSDP2 shards the model.
+
+        TrainingForward(policy, completion_logits_only, shared_prefix=True)(inputs, rows, P, T)  # (n, T, V)
+    """
+
+    def __init__(self, model: torch.nn.Module, function: Callable[..., Any], **options: Any):
+        super().__init__()
+        self.model, self.function, self.options = model, function, options
+
+    @property
+    def sharding_root(self) -> torch.nn.Module:
+        return self.model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(self.model, *args, **{**self.options, **kwargs})
