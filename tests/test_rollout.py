@@ -1,6 +1,8 @@
 """The rollout engine on the tiny model: log-probs vs a full forward, greedy vs transformers, layout,
 masks, stop conditions, determinism, chunking, and the sampled frequencies."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -316,3 +318,103 @@ def test_rollout_tensors_are_usable_in_a_training_step(tiny):
     weight = torch.ones((), requires_grad=True)
     (weight * rollout.logprobs * rollout.mask).sum().backward()
     assert weight.grad is not None
+
+
+# --- select / concat / to: sub-rollouts and merged rollouts ---------------------------------------
+def assert_same_rollout(actual: Rollout, expected: Rollout):
+    """Field by field: tensors equal in value, dtype and device; everything else equal."""
+    for field in dataclasses.fields(Rollout):
+        got, want = getattr(actual, field.name), getattr(expected, field.name)
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and got.device == want.device, field.name
+            assert got.shape == want.shape and torch.equal(got, want), field.name
+        else:
+            assert got == want, field.name
+
+
+@pytest.fixture(scope="module")
+def two_rollouts(tiny):
+    """Two real rollouts (G = 2) whose prompt widths P and completion widths T differ."""
+    model, tokenizer = tiny
+    first = generate(model, tokenizer, PROMPTS, group_size=2, sampling=SamplingConfig(max_new_tokens=4), seed=1)
+    second = generate(model, tokenizer, ["Q: what is the sum of 12 and 30, in words?\nA:", "Hi"], group_size=2,
+                      sampling=SamplingConfig(temperature=0.8, max_new_tokens=9), seed=2)
+    assert first.prompt_ids.shape[1] < second.prompt_ids.shape[1]
+    assert first.completion_ids.shape[1] < second.completion_ids.shape[1]
+    return first, second
+
+
+def test_select_keeps_whole_groups_and_renumbers_them(two_rollouts):
+    """Groups 2 then 0 of the first rollout: rows [4, 5, 0, 1], widths kept, prompt_index [0, 0, 1, 1]."""
+    rollout, _ = two_rollouts
+    rows = [4, 5, 0, 1]
+    expected = Rollout(
+        prompt_ids=torch.tensor([rollout.prompt_ids[r].tolist() for r in rows]),
+        prompt_attention_mask=torch.tensor([rollout.prompt_attention_mask[r].tolist() for r in rows]),
+        completion_ids=torch.tensor([rollout.completion_ids[r].tolist() for r in rows]),
+        mask=torch.tensor([rollout.mask[r].tolist() for r in rows]),
+        sampler_logprobs=torch.tensor([rollout.sampler_logprobs[r].tolist() for r in rows]),
+        logprobs=torch.tensor([rollout.logprobs[r].tolist() for r in rows]),
+        finished=torch.tensor([bool(rollout.finished[r]) for r in rows]),
+        truncated=torch.tensor([bool(rollout.truncated[r]) for r in rows]),
+        texts=[rollout.texts[r] for r in rows],
+        prompt_index=torch.tensor([0, 0, 1, 1]),
+        group_size=2, sampling=rollout.sampling, pad_token_id=rollout.pad_token_id,
+    )
+    assert_same_rollout(rollout.select(torch.tensor(rows)), expected)
+
+
+def test_concat_repads_prompts_left_and_completions_right(two_rollouts):
+    """Groups [2, 0] of the first rollout, none of the second, then group [1] of the second: rows
+    first[4, 5, 0, 1] + second[2, 3], each prompt left-padded and each completion right-padded to
+    the second's (wider) P and T, prompt_index [0, 0, 1, 1, 2, 2], settings of the first."""
+    first, second = two_rollouts
+    P, T, pad = second.prompt_ids.shape[1], second.completion_ids.shape[1], first.pad_token_id
+    picked = [(first, 4), (first, 5), (first, 0), (first, 1), (second, 2), (second, 3)]
+
+    def left(rollout, row, name, fill):
+        values = getattr(rollout, name)[row].tolist()
+        return [fill] * (P - len(values)) + values
+
+    def right(rollout, row, name, fill):
+        values = getattr(rollout, name)[row].tolist()
+        return values + [fill] * (T - len(values))
+
+    expected = Rollout(
+        prompt_ids=torch.tensor([left(r, row, "prompt_ids", pad) for r, row in picked]),
+        prompt_attention_mask=torch.tensor([left(r, row, "prompt_attention_mask", False) for r, row in picked]),
+        completion_ids=torch.tensor([right(r, row, "completion_ids", pad) for r, row in picked]),
+        mask=torch.tensor([right(r, row, "mask", False) for r, row in picked]),
+        sampler_logprobs=torch.tensor([right(r, row, "sampler_logprobs", 0.0) for r, row in picked]),
+        logprobs=torch.tensor([right(r, row, "logprobs", 0.0) for r, row in picked]),
+        finished=torch.tensor([bool(r.finished[row]) for r, row in picked]),
+        truncated=torch.tensor([bool(r.truncated[row]) for r, row in picked]),
+        texts=[r.texts[row] for r, row in picked],
+        prompt_index=torch.tensor([0, 0, 1, 1, 2, 2]),
+        group_size=2, sampling=first.sampling, pad_token_id=pad,
+    )
+    merged = Rollout.concat([(first, [2, 0]), (second, []), (second, [1])])
+    assert_same_rollout(merged, expected)
+    # merged row 0 is first's row 4, re-padded on both sides: the same real tokens at the same positions
+    inputs, original = merged.forward_inputs(), first.forward_inputs()
+    real, real_original = inputs["attention_mask"][0].bool(), original["attention_mask"][4].bool()
+    for name in ("input_ids", "position_ids"):
+        assert inputs[name][0][real].tolist() == original[name][4][real_original].tolist(), name
+
+
+def test_concat_of_one_part_with_all_groups_is_the_part(two_rollouts):
+    for rollout in two_rollouts:
+        assert_same_rollout(Rollout.concat([(rollout, range(len(rollout.texts) // rollout.group_size))]), rollout)
+
+
+def test_to_moves_every_tensor_and_nothing_else(two_rollouts):
+    rollout, _ = two_rollouts
+    assert_same_rollout(rollout.to("cpu"), rollout)
+    moved = rollout.to("meta")
+    for field in dataclasses.fields(Rollout):
+        value, original = getattr(moved, field.name), getattr(rollout, field.name)
+        if isinstance(original, torch.Tensor):
+            assert value.device.type == "meta", field.name
+            assert (value.shape, value.dtype) == (original.shape, original.dtype), field.name
+        else:
+            assert value == original, field.name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,3 +69,69 @@ class Rollout:
         attention_mask = torch.cat([self.prompt_attention_mask, self.mask], dim=1).long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+    def select(self, rows: torch.Tensor) -> Rollout:
+        """The sub-rollout of ``rows`` (N',) long, whole groups in order (e.g. the rows one rank trains on).
+
+        Every per-row field is indexed by ``rows``: (N', P), (N', T), (N',) and N' texts, with the
+        widths P and T kept. ``prompt_index`` is renumbered ``0..N'/G - 1``, group j being rows
+        ``j*G .. j*G + G - 1`` of the result; ``group_size``, ``sampling``, ``pad_token_id`` are kept.
+        """
+        G = self.group_size
+        return dataclasses.replace(
+            self, prompt_ids=self.prompt_ids[rows], prompt_attention_mask=self.prompt_attention_mask[rows],
+            completion_ids=self.completion_ids[rows], mask=self.mask[rows],
+            sampler_logprobs=self.sampler_logprobs[rows], logprobs=self.logprobs[rows],
+            finished=self.finished[rows], truncated=self.truncated[rows],
+            texts=[self.texts[i] for i in rows.tolist()], prompt_index=torch.arange(len(rows) // G).repeat_interleave(G),
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[tuple[Rollout, Sequence[int]]]) -> Rollout:
+        """One rollout from chosen whole groups of several: ``parts`` is (rollout, group indices) pairs,
+        e.g. DAPO dynamic sampling's refills. Rows come part after part, group after group.
+
+        With M groups chosen in all: prompts re-padded on the left to the widest chosen P, completions
+        (and their mask and log-probs) on the right to the widest chosen T, so fields are (M*G, P_max),
+        (M*G, T_max), (M*G,). ``prompt_index`` is renumbered so group j is row block j;
+        ``group_size``, ``sampling`` and ``pad_token_id`` are the first part's (a part that chooses no
+        group still sets them when it comes first).
+        """
+        first = parts[0][0]
+        G = first.group_size
+        rows = [[g * G + i for g in groups for i in range(G)] for _, groups in parts]
+        pick = [(rollout, torch.tensor(r, dtype=torch.long)) for (rollout, _), r in zip(parts, rows) if r]
+        P = max(r.prompt_ids.shape[1] for r, _ in pick)
+        T = max(r.completion_ids.shape[1] for r, _ in pick)
+        total_groups = sum(len(groups) for _, groups in parts)
+        return cls(
+            prompt_ids=_pad([r.prompt_ids[i] for r, i in pick], P, first.pad_token_id, left=True),
+            prompt_attention_mask=_pad([r.prompt_attention_mask[i] for r, i in pick], P, False, left=True),
+            completion_ids=_pad([r.completion_ids[i] for r, i in pick], T, first.pad_token_id, left=False),
+            mask=_pad([r.mask[i] for r, i in pick], T, False, left=False),
+            sampler_logprobs=_pad([r.sampler_logprobs[i] for r, i in pick], T, 0.0, left=False),
+            logprobs=_pad([r.logprobs[i] for r, i in pick], T, 0.0, left=False),
+            finished=torch.cat([r.finished[i] for r, i in pick]),
+            truncated=torch.cat([r.truncated[i] for r, i in pick]),
+            texts=[r.texts[j] for r, i in pick for j in i.tolist()],
+            prompt_index=torch.arange(total_groups).repeat_interleave(G),
+            group_size=G,
+            sampling=first.sampling,
+            pad_token_id=first.pad_token_id,
+        )
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same rollout with every tensor field on ``device``; shapes, dtypes, texts and settings
+        unchanged (a tensor already there is the same object)."""
+        moved = {field.name: getattr(self, field.name).to(device) for field in dataclasses.fields(self)
+                 if isinstance(getattr(self, field.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
+
+
+def _pad(tensors: list[torch.Tensor], width: int, value, left: bool) -> torch.Tensor:
+    """Concatenate (n_i, w_i) tensors into (sum n_i, width), filling with ``value`` on the left or right."""
+    padded = []
+    for tensor in tensors:
+        fill = tensor.new_full((tensor.shape[0], width - tensor.shape[1]), value)
+        padded.append(torch.cat([fill, tensor] if left else [tensor, fill], dim=1))
+    return torch.cat(padded)
