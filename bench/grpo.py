@@ -8,8 +8,9 @@ on-policy ones), token-mean loss (TRL: loss_type "dapo"), AdamW at lr 1e-6, grad
 no gradient checkpointing. Both sides use the same reward: 1 if the last number in the completion
 equals the gold answer, else 0 (a plain Python function, scored in-process).
 
-Ours is the loop body of `posttrain.recipes.grpo.run` (sample_and_score, the reference log-probs,
-grpo_advantages, update_policy with its optimizer step), without the run directory's logging,
+Ours is the recipe's own step, `posttrain.recipes.online.sample` + `online.step` (what
+`posttrain grpo` runs each step: sampling and scoring, reference log-probs, the exact-KL metric,
+group advantages, the update with its optimizer step), without the run directory's logging,
 held-out evaluation and checkpoints; TRL is `GRPOTrainer.train()` timed between `on_step_end`
 callbacks. Each side runs in its own process (so its peak RSS is its own): `--warmup` steps, then
 `--steps` timed steps; the median step is reported.
@@ -126,7 +127,7 @@ def floor_flops(shape: dict, prompt_lengths: list[int], completion_lengths: list
 def examples_in_order(total_steps: int):
     """The training examples in the order the recipe's PromptStream hands them out."""
     from posttrain.data.tasks import load_splits
-    from posttrain.recipes.online_data import PromptStream
+    from posttrain.data.stream import PromptStream
 
     train, _ = load_splits(TASK, train_size=TRAIN_SIZE, eval_size=EVAL_SIZE, seed=SEED)
     return PromptStream(train, SEED).take(PROMPTS_PER_STEP * total_steps)
@@ -146,60 +147,41 @@ def step_done() -> None:
 def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | None = None) -> dict:
     import torch
 
-    from posttrain.algorithms import grpo_advantages
-    from posttrain.data.tasks import load_splits
-    from posttrain.models import make_reference
-    from posttrain.recipes import grpo
-    from posttrain.recipes.common import Timer, load_policy, make_optimizer, seed_everything
-    from posttrain.distributed import World
-    from posttrain.recipes.online import CompletionForward, logprobs_of, make_verifier
-    from posttrain.recipes.online_data import PromptStream, sample_and_score
+    from posttrain.config import build_config
+    from posttrain.recipes import online
+    from posttrain.recipes.common import Timer
 
     total = steps + warmup
-    config = grpo.Config(model=model_name, max_steps=total, seed=SEED)
-    config.data.task, config.data.train_size, config.data.eval_size = TASK, TRAIN_SIZE, EVAL_SIZE
-    config.data.prompts_per_step, config.data.group_size = PROMPTS_PER_STEP, GROUP_SIZE
-    config.sampling.temperature, config.sampling.max_new_tokens = TEMPERATURE, MAX_NEW_TOKENS
-    config.loss.kl_beta, config.optim.lr = BETA, LR
-    config.update.epochs, config.update.mini_batches, config.update.micro_batch_size = 1, 1, PROMPTS_PER_STEP * GROUP_SIZE
+    settings = {
+        "model": model_name, "max_steps": total, "seed": SEED,
+        "data": {"task": TASK, "train_size": TRAIN_SIZE, "eval_size": EVAL_SIZE, "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE},
+        "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS},
+        "loss": {"kl_beta": BETA}, "optim": {"lr": LR},
+        "update": {"epochs": 1, "mini_batches": 1, "micro_batch_size": PROMPTS_PER_STEP * GROUP_SIZE},
+    }
     if exact_kl_tokens is not None:
-        config.exact_kl_tokens = exact_kl_tokens
-    config.validate()
-    seed_everything(config.seed)
-    policy, tokenizer = load_policy(config.model)  # as the recipe loads it
-    train, _ = load_splits(TASK, train_size=TRAIN_SIZE, eval_size=EVAL_SIZE, seed=SEED)
-    verifier = make_verifier(lambda completion, example: numeric_reward(completion, example.get("answer")), config.reward)
-    verifier.prepare()
-    reference = make_reference(policy)
-    optimizer, scheduler = make_optimizer(policy.parameters(), config.optim, total)
-    stream = PromptStream(train, config.seed)
-    sampling = config.sampling.engine_config()
-    shape = model_shape(policy)
-    trainer, world = CompletionForward(policy), World()  # one process: what grpo.run trains through
-    policy.train()
+        settings["exact_kl_tokens"] = exact_kl_tokens
+    config = build_config(online.grpo_config, None, settings)
+    # The recipe's own set-up and step (what `posttrain grpo` runs), without the run directory's
+    # logging, held-out evaluation and checkpoints.
+    state = online.setup(config, reward=lambda completion, example: numeric_reward(completion, example.get("answer")))
+    shape = model_shape(state.policy)
+    state.policy.train()
     durations, phases, floors, rewards, prompts = [], [], [], [], []
-    for step in range(total):
+    for _ in range(total):
         step_gate()
         timer = Timer()
         started = time.perf_counter()
-        # The loop body of grpo.run (steps 1-4), with config.loss / config.update as set above.
-        rollout, examples, scores, rendered, _, owners = sample_and_score(policy, tokenizer, stream, verifier, config.data, config.seed, sampling, step, timer)
-        inputs = rollout.forward_inputs()
-        mask = rollout.mask & ~torch.isnan(scores.rewards)[:, None]
-        with timer("reference"):
-            ref_logprobs = logprobs_of(reference, rollout, inputs, sampling.temperature, config.update.micro_batch_size)
-        advantages = grpo_advantages(scores.rewards, GROUP_SIZE, scale=config.loss.advantage_scale, eps=config.loss.advantage_eps,
-                                     unbiased_std=config.loss.unbiased_std)
-        with timer("update"):
-            grpo.exact_kl_metric(policy, reference, rollout, mask, owners, world, sampling.temperature, config.exact_kl_tokens)
-            grpo.update_policy(trainer, optimizer, scheduler, rollout, inputs, mask, advantages, None, ref_logprobs, owners, world, config, step)
+        batch = online.sample(state, timer)
+        online.step(state, batch, timer)
         durations.append(time.perf_counter() - started)
         step_done()
-        phases.append(dict(timer.seconds))
+        phases.append({**timer.seconds, "reference": timer.seconds.get("logprobs", 0.0)})  # the no-grad log-prob forwards
+        rollout = batch.rollout
         prompt_lengths = rollout.prompt_attention_mask.view(-1, GROUP_SIZE, rollout.prompt_ids.shape[1])[:, 0].sum(-1).tolist()
         floors.append(floor_flops(shape, prompt_lengths, rollout.mask.sum(-1).tolist(), GROUP_SIZE))
-        rewards.append(float(scores.rewards.nanmean()))
-        prompts.append([e.id for e in examples])
+        rewards.append(float(batch.scores.rewards.nanmean()))
+        prompts.append([e.id for e in batch.examples])
     return summarise(durations, phases, floors, rewards, prompts, warmup, threads=torch.get_num_threads())
 
 

@@ -204,7 +204,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def build_config(cls, yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None):
-    """Defaults < YAML < overrides, type-checked, then `config.validate()` if the class has it."""
+    """Defaults < YAML < overrides, type-checked, then `config.validate()` if the class has it: the
+    one place a config is validated. `cls` is a config class or a function returning the defaults."""
     config = cls()
     if yaml_path is not None:
         _apply(config, load_yaml(yaml_path), str(yaml_path))
@@ -226,14 +227,15 @@ def save_yaml(config, path: str | Path) -> None:
 
 
 def describe_fields(cls, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, docstring) for every field, nested sections flattened; for --help."""
+    """(dotted key, default, docstring) for every field, nested sections flattened; for --help.
+    `cls` is a config class or a function returning the defaults (an instance is described as is)."""
     rows = []
-    docs = field_docs(cls)
-    instance = cls()
-    for field in dataclasses.fields(cls):
+    instance = cls() if callable(cls) else cls
+    docs = field_docs(type(instance))
+    for field in dataclasses.fields(instance):
         value = getattr(instance, field.name)
         if dataclasses.is_dataclass(value):
-            rows += describe_fields(type(value), f"{prefix}{field.name}.")
+            rows += describe_fields(value, f"{prefix}{field.name}.")
         else:
             rows.append((f"{prefix}{field.name}", repr(value), docs.get(field.name, "")))
     return rows

@@ -281,3 +281,15 @@ def load_optimizer_state(model, optimizer, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state["fsdp2_full"], options=StateDictOptions(full_state_dict=True))
+
+
+def rank_micro_batches(mini: torch.Tensor, owners: torch.Tensor, world: World, micro_batch_size: int):
+    """This rank's micro-batches of the mini-batch `mini` ((m,) global row indices; `owners` (N,)
+    the rank each row belongs to): yields (rows, weight, last). Every rank yields as many as the
+    rank with most rows needs, a short rank a one-row stand-in of weight 0, so the ranks'
+    collectives stay paired; `last`: sync gradients on this one."""
+    mine = mini[owners[mini] == world.rank]
+    count = max(-(-int(n) // micro_batch_size) for n in torch.bincount(owners[mini], minlength=world.size))
+    for micro in range(count):
+        rows = mine[micro * micro_batch_size : (micro + 1) * micro_batch_size]
+        yield (rows, 1.0, micro == count - 1) if len(rows) else (mini[:1], 0.0, micro == count - 1)

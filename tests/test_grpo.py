@@ -14,10 +14,10 @@ import torch
 
 from posttrain.config import build_config, parse_overrides
 from posttrain.errors import UserError
-from posttrain.distributed import World
-from posttrain.recipes import grpo
-from posttrain.recipes.online import CompletionForward, logprobs_of
-from posttrain.recipes.common import make_optimizer
+from posttrain.recipes import online as grpo
+from posttrain.recipes.online_data import ScoredBatch
+from posttrain.rewards import Verdict
+from posttrain.rewards.scores import Scores
 from posttrain.rollout import generate
 from posttrain.models import load_model
 from tests.rewards_for_tests import broken, digits
@@ -30,7 +30,7 @@ SMALL = [
 
 
 def small_config(tmp_path, *extra) -> grpo.Config:
-    config = build_config(grpo.Config, None, parse_overrides(SMALL + list(extra)))
+    config = build_config(grpo.grpo_config, None, parse_overrides(SMALL + list(extra)))
     config.output_dir = str(tmp_path / "run")
     return config
 
@@ -76,26 +76,21 @@ def test_smoke_every_aggregation_and_kl_placement(tmp_path, aggregation, placeme
 
 def test_micro_batch_split_gives_the_same_update(tmp_path):
     """4 micro-batches of 2 vs 1 of 8 (and 8 of 1): with SGD at lr 1 the parameter change is
-    the gradient itself, which the global normaliser makes identical."""
-    config = small_config(tmp_path, "--loss.kl_beta", "0.1", "--loss.aggregation", "token_mean")
+    the gradient itself, which the global normaliser makes identical. Through the public step."""
+    config = small_config(tmp_path, "--loss.kl_beta", "0.1", "--loss.aggregation", "token_mean", "--optim.max_grad_norm", "null")
     policy, tokenizer = load_model("tiny")
-    rollout = generate(policy, tokenizer, ["12+34=", "5+6="], group_size=4,
-                       sampling=config.sampling.engine_config(), seed=3)
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-    advantages = grpo.grpo_advantages(rewards, 4)
-    reference = grpo.make_reference(policy)
-    inputs = rollout.forward_inputs()
-    ref_logprobs = logprobs_of(reference, rollout, inputs, 1.0, 8)
+    rollout = generate(policy, tokenizer, ["12+34=", "5+6="], group_size=4, sampling=config.sampling, seed=3)
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    batch = ScoredBatch(rollout=rollout, examples=[], rendered=[], scores=Scores.of([Verdict.ok(r, "") for r in rewards]),
+                        owners=torch.zeros(8, dtype=torch.long), stats={})
     results = []
     for micro in (8, 2, 1):
-        model = load_model("tiny")[0].train()
         config.update.micro_batch_size = micro
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        config.optim.max_grad_norm = None
-        metrics = grpo.update_policy(CompletionForward(model), optimizer, scheduler, rollout, inputs, rollout.mask, advantages, None,
-                                     ref_logprobs, torch.zeros(8, dtype=torch.long), World(), config, step=0)
-        results.append((weights(model), metrics["loss"]))
+        state = grpo.setup(config, reward=digits)
+        state.optimizer = torch.optim.SGD(state.trainer.parameters(), lr=1.0)
+        state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda step: 1.0)
+        metrics = grpo.step(state, batch)
+        results.append((weights(state.policy), metrics["loss"]))
     for other, loss in results[1:]:
         assert loss == pytest.approx(results[0][1], abs=1e-6)
         for name, value in results[0][0].items():

@@ -208,3 +208,38 @@ def whiten(
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, torch.zeros_like(whitened))
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
+    """Indices of the groups whose valid (non-NaN) raw rewards are not all equal: at least two valid
+    and some spread. Only these carry a policy-gradient signal under group-relative advantages
+    (DAPO dynamic sampling, arXiv:2503.14476 eq. 11).
+
+    Args:
+        rewards: (B * G,) group-contiguous rewards, NaN where a row could not be scored.
+        group_size: G.
+    """
+    grouped = rewards.view(-1, group_size)
+    keep = []
+    for index, group in enumerate(grouped):
+        valid = group[~torch.isnan(group)]
+        if valid.numel() >= 2 and bool(valid.max() > valid.min()):
+            keep.append(index)
+    return keep
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over the counted tokens: how much of the returns'
+    variance the critic explains (1: all, 0: no better than their mean, < 0: worse).
+
+    Args:
+        values: (N, T) critic values; returns: (N, T) GAE returns; mask: (N, T) bool, True = counts.
+    Returns:
+        0-dim float tensor; NaN when no token counts or the returns do not vary.
+    """
+    if not mask.any():
+        return torch.tensor(float("nan"))
+    variance = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    residual = returns - values
+    residual_variance = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return 1 - residual_variance / variance if variance > 0 else torch.tensor(float("nan"))

@@ -124,3 +124,22 @@ def kl_penalized_rewards(
     rows = torch.arange(mask.shape[0], device=mask.device)[has_response]
     token_rewards[rows, last[has_response]] += rewards[has_response].to(kl.dtype)
     return token_rewards
+
+
+def kl_in_reward(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float, per_token: bool) -> torch.Tensor:
+    """The KL-in-reward placement, the one function both online advantage estimators use:
+
+    * `per_token` False (group-relative advantages: one advantage per sequence): each sequence pays
+      beta times the sum of its per-token estimates, `rewards - beta * sum_t kl_t` -> (N,);
+    * `per_token` True (GAE over tokens): every token gets -beta * kl_t and the last counted token
+      also the sequence's reward (`kl_penalized_rewards`, Ouyang et al., arXiv:2203.02155 eq. 2) -> (N, T).
+
+    Args:
+        rewards: (N,) sequence rewards (NaN rows stay NaN in the per-sequence form).
+        kl: (N, T) per-token KL estimates (detached: the penalty is a reward, not a loss).
+        mask: (N, T) bool, True = the token counts (for the per-sequence sum: every sampled token).
+        beta: KL coefficient.
+    """
+    if per_token:
+        return kl_penalized_rewards(rewards, kl, mask, beta)
+    return rewards - beta * (kl.detach() * mask).sum(-1)

@@ -149,3 +149,15 @@ def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
         (N,) sums.
     """
     return (logprobs * mask.to(logprobs.dtype)).sum(dim=-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(...,) entropy H = -sum_v p(v) log p(v) of softmax(logits / temperature) at each position,
+    in float32 and detached (a metric, never a loss term here).
+
+    Args:
+        logits: (..., V) logits, e.g. (n, T, V).
+    """
+    with torch.no_grad():
+        log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+        return -(log_p.exp() * log_p).sum(-1)

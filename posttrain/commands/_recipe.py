@@ -43,10 +43,12 @@ def resolve_config(config_cls, args: argparse.Namespace):
     return build_config(config_cls, args.config, overrides)
 
 
-def register_recipe(subparsers, name: str, module: str, help_text: str) -> None:
+def register_recipe(subparsers, name: str, module: str, help_text: str, config: str = "Config") -> None:
     """Add `posttrain NAME` with the common flags; other `--key value` pairs override config fields.
 
-    `module` (e.g. "posttrain.recipes.sft") must define `Config` and `run(config, resume=False)`.
+    `module` (e.g. "posttrain.recipes.sft") must define `run(config, resume=False)` and `config`, the
+    name of its config class or of a function returning the command's default config (two
+    commands may share a module with different defaults: grpo and ppo).
     It is imported only when the command runs or its --help is shown, so that every other command
     starts without importing torch, transformers and peft.
     """
@@ -56,7 +58,7 @@ def register_recipe(subparsers, name: str, module: str, help_text: str) -> None:
 
     class RecipeParser(subparsers._parser_class):  # the CLI's one-line-error parser, plus a lazy epilog
         def format_help(self) -> str:
-            fields = describe_fields(recipe().Config)
+            fields = describe_fields(getattr(recipe(), config))
             width = max(len(key) for key, _, _ in fields)
             self.epilog = "config fields (as --key value, or in the YAML file):\n" + "\n".join(
                 f"  {key:<{width}}  {doc} [default {default}]" for key, default, doc in fields
@@ -76,8 +78,8 @@ def register_recipe(subparsers, name: str, module: str, help_text: str) -> None:
 
     def handler(args) -> int:
         loaded = recipe()
-        config = resolve_config(loaded.Config, args)
-        run_dir = loaded.run(config, resume=bool(args.resume))
+        settings = resolve_config(getattr(loaded, config), args)
+        run_dir = loaded.run(settings, resume=bool(args.resume))
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone speaks
             return 0
         report = Path(run_dir) / "report.md"

@@ -1,7 +1,8 @@
-"""`posttrain grpo`: GRPO with any verifier as the reward (see posttrain/recipes/grpo.py)."""
+"""`posttrain grpo`: GRPO with any verifier as the reward (see posttrain/recipes/online.py)."""
 
 from posttrain.commands._recipe import register_recipe
 
 
 def register(subparsers) -> None:
-    register_recipe(subparsers, "grpo", "posttrain.recipes.grpo", "GRPO: group-relative advantages, clipped surrogate, no critic")
+    register_recipe(subparsers, "grpo", "posttrain.recipes.online", "GRPO: group-relative advantages, clipped surrogate, no critic",
+                    config="grpo_config")

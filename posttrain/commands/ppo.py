@@ -1,7 +1,9 @@
-"""`posttrain ppo`: PPO with a learned critic and any verifier as the reward (posttrain/recipes/ppo.py)."""
+"""`posttrain ppo`: PPO with a learned critic and any verifier as the reward (posttrain/recipes/online.py,
+`loss.advantage: gae`)."""
 
 from posttrain.commands._recipe import register_recipe
 
 
 def register(subparsers) -> None:
-    register_recipe(subparsers, "ppo", "posttrain.recipes.ppo", "PPO with a learned critic: GAE, clipped surrogate, clipped value loss")
+    register_recipe(subparsers, "ppo", "posttrain.recipes.online", "PPO with a learned critic: GAE, clipped surrogate, clipped value loss",
+                    config="ppo_config")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from posttrain.errors import UserError
 
@@ -102,3 +103,16 @@ def require_examples(task: Task, batch_size: int = 1) -> None:
             f"{task.name} ({task.split}): {len(task.examples)} usable examples, fewer than one batch "
             f"of {batch_size}"
         )
+
+
+def verifier_input(example: Example) -> dict[str, Any]:
+    """The plain mapping a verifier scores against (gold answer, tests, entry point, metadata)."""
+    row: dict[str, Any] = {"id": example.id, "prompt": example.prompt, **example.metadata}
+    if example.answer is not None:
+        row["answer"] = example.answer
+    if example.tests is not None:
+        row["tests"] = example.tests
+        row["test"] = "\n".join(example.tests)
+    if example.entry_point is not None:
+        row["entry_point"] = example.entry_point
+    return row

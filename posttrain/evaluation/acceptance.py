@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from posttrain.data import render_prompt
-from posttrain.data.examples import Example, Task
+from posttrain.data.examples import Example, Task, verifier_input
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
 from posttrain.rewards import Verdict, get_verifier
 from posttrain.rollout import SamplingConfig, generate
@@ -27,19 +27,6 @@ logger = logging.getLogger(__name__)
 
 # The checker used for acceptance when none is named: the strict variant for each kind of task.
 DEFAULT_CHECKERS = {"number": "exact", "math": "math", "reasoning_gym": "rg", "code": "humaneval"}
-
-
-def verifier_input(example: Example) -> dict[str, Any]:
-    """The plain mapping a verifier scores against (gold answer, tests, entry point, metadata)."""
-    row: dict[str, Any] = {"id": example.id, "prompt": example.prompt, **example.metadata}
-    if example.answer is not None:
-        row["answer"] = example.answer
-    if example.tests is not None:
-        row["tests"] = example.tests
-        row["test"] = "\n".join(example.tests)
-    if example.entry_point is not None:
-        row["entry_point"] = example.entry_point
-    return row
 
 
 def resolve_checker(task: Task, checker: str | None):

@@ -164,9 +164,11 @@ def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width
     return output, output.logits[:, prompt_width - 1 : prompt_width - 1 + T]
 
 
-def completion_logits_only(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, shared_prefix: bool = True) -> torch.Tensor:
-    """(n, T, V) `completion_logits` without the model output: what the online policy trains through."""
-    return completion_logits(model, inputs, rows, prompt_width, T, shared_prefix=shared_prefix)[1]
+def policy_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, shared_prefix: bool = True,
+                  detach_hidden: bool = False) -> tuple[torch.Tensor, None]:
+    """The (n, T, V) `completion_logits` of some rows and no values: what a policy without a critic
+    trains through (the same signature as `policy_and_critic`; `detach_hidden` has nothing to detach)."""
+    return completion_logits(model, inputs, rows, prompt_width, T, shared_prefix=shared_prefix)[1], None
 
 
 @torch.no_grad()
@@ -241,7 +243,7 @@ class TrainingForward(torch.nn.Module):
     calls across ranks) see one call however many model calls it makes. It holds the model (a
     module, or a `ModuleDict` of several) and no parameters of its own; FSDP2 shards the model.
 
-        TrainingForward(policy, completion_logits_only, shared_prefix=True)(inputs, rows, P, T)  # (n, T, V)
+        TrainingForward(policy, policy_logits, shared_prefix=True)(inputs, rows, P, T)  # (n, T, V) logits, None
     """
 
     def __init__(self, model: torch.nn.Module, function: Callable[..., Any], **options: Any):

@@ -85,15 +85,22 @@ def fused_adamw_supported(parameters: list[torch.Tensor]) -> bool:
 
 
 def make_optimizer(parameters, optim: Optimization, total_steps: int):
-    """AdamW over the trainable `parameters` and its LambdaLR scheduler.
+    """AdamW over the trainable `parameters` and its LambdaLR scheduler. `parameters` is an
+    iterable of tensors (one group at `optim.lr`) or a list of parameter-group dicts
+    (`{"params": [...], "lr": ...}`, e.g. a policy and a critic at their own rates, one schedule).
 
     The fused kernel where torch has one (the default in Hugging Face's Trainer too): the step
-    allocates no parameter-sized temporaries (the largest, SmolLM2's 113 MB embedding, set the peak
-    memory of a DPO step with the per-tensor kernel) and is faster.
+    allocates no parameter-sized temporaries (the largest tensor, the embedding, would otherwise set
+    the peak memory of a step) and is faster.
     """
-    trainable = [p for p in parameters if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                                  fused=fused_adamw_supported(trainable) or None)
+    parameters = list(parameters)
+    if parameters and isinstance(parameters[0], dict):
+        groups = parameters
+        tensors = [p for group in groups for p in group["params"]]
+    else:
+        groups = tensors = [p for p in parameters if p.requires_grad]
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                                  fused=fused_adamw_supported(tensors) or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, optim.warmup_steps, total_steps, optim.schedule)
     )

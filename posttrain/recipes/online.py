@@ -1,8 +1,19 @@
-"""Pieces shared by the online recipes (GRPO, PPO): config sections, the verifier, the training
-forward pass and log-probs, held-out acceptance with the divergence alarm, metrics and sample
-logging. Sampling and scoring a step's batch is in `online_data.py`.
+"""`posttrain grpo` and `posttrain ppo`: one online recipe, the advantage estimator an argument.
 
-The recipes themselves (`grpo.py`, `ppo.py`) read top to bottom as numbered steps and call these.
+The four links: data = the model's own G completions per prompt; reward = the configured verifier
+(or a Python callable passed to `run`); loss = the clipped surrogate on advantages that are
+group-relative (`loss.advantage: group`, GRPO, DeepSeekMath arXiv:2402.03300 section 4.1, no
+critic) or per-token GAE from a learned critic (`gae`, PPO, Ouyang et al. arXiv:2203.02155), every
+variant an argument; acceptance = held-out prompts scored by a separately configured checker.
+
+Each step: 1. sample, 2. score (`sample`: the data and reward links, refilling zero-signal groups
+when asked), 3. old / reference log-probs (and values), KL in the reward when placed there,
+advantages, 4. update (mu epochs over mini-batches, old log-probs fixed), 5. log, evaluate,
+checkpoint (`run`). Steps 3-4 are `step(state, batch) -> metrics`, public: run(), the tests and
+bench/grpo.py all call it.
+
+    posttrain grpo --config presets/tiny-grpo.yaml --max-steps 20
+    posttrain ppo --config presets/tiny-ppo.yaml --max-steps 20
 """
 
 from __future__ import annotations
@@ -10,23 +21,42 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from tqdm import tqdm
 
-from posttrain.algorithms import exact_kl, token_logprobs
-from posttrain.data.examples import Example, Task, derived_seed
-from posttrain.distributed import World, full_weights
+from posttrain.algorithms import aggregate, clipped_surrogate, clipped_value_loss, exact_kl, gae, grpo_advantages, kl_estimate, masked_mean, token_logprobs, whiten
+from posttrain.algorithms.advantages import explained_variance
+from posttrain.algorithms.kl import kl_in_reward
+from posttrain.algorithms.logprobs import token_entropy
+from posttrain.algorithms.policy import AGGREGATIONS
+from posttrain.config import RunFields, save_yaml, to_dict
+from posttrain.data.examples import Task, derived_seed
+from posttrain.data.stream import PromptStream
+from posttrain.data.tasks import load_splits
+from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, rank_micro_batches, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.evaluation.alarms import DivergenceAlarm
-from posttrain.recipes.online_data import Scores, rows_of
-from posttrain.models.forward import TrainingForward, shared_prefix_logits
-from posttrain.rewards import Verdict, Verifier, get_verifier
-from posttrain.rollout import Rollout, SamplingConfig
+from posttrain.models import make_critic, make_reference
+from posttrain.models.forward import TrainingForward, completion_logits, completion_values, policy_and_critic, policy_logits, rank_logprobs
+from posttrain.recipes.common import Optimization, Timer, default_output_dir, load_policy, make_optimizer, restore_training, save_training, seed_everything
+from posttrain.recipes.online_data import ScoredBatch, sample_and_score
+from posttrain.rewards import Verifier, as_verifier
+from posttrain.rollout import SamplingConfig
+from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
 logger = logging.getLogger(__name__)
+
+PLOTTED = {
+    "group": ["reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "length/mean", "loss", "entropy"],
+    "gae": ["reward/mean", "heldout/pass@1", "kl/estimate", "value_loss", "length/mean", "loss"],
+}
 
 
 @dataclass
@@ -44,39 +74,85 @@ class Data:
     prompts_per_step: int = 8
     """B: prompts sampled per step."""
     group_size: int = 8
-    """G: completions per prompt (>= 2)."""
+    """G: completions per prompt (>= 2 for group advantages; 1 is fine with a critic)."""
     system_prompt: str | None = None
     """Optional system prompt for chat models."""
 
-    def validate(self, min_group_size: int = 2) -> None:
-        if self.group_size < min_group_size:
-            why = " (a group of one has no relative signal)" if min_group_size == 2 else ""
-            raise UserError(f"data.group_size must be at least {min_group_size}{why}, got {self.group_size}")
-        for name in ("train_size", "eval_size", "prompts_per_step"):
-            if getattr(self, name) < 1:
-                raise UserError(f"data.{name} must be at least 1, got {getattr(self, name)}")
+
+@dataclass
+class Loss:
+    """Link 3, loss: every setting that makes two "GRPO"s (or "PPO"s) differ, each named."""
+
+    advantage: Literal["group", "gae"] = "group"
+    """group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO)."""
+    clip_low: float = 0.2
+    """Ratio clipped below at 1 - clip_low."""
+    clip_high: float = 0.2
+    """Ratio clipped above at 1 + clip_high (DAPO clip-higher: 0.28)."""
+    dual_clip: float | None = None
+    """Cap negative-advantage losses at dual_clip * |A| (c > 1; None: off)."""
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    """group advantages: divide by the group std (GRPO), the batch std, or nothing (Dr. GRPO)."""
+    advantage_eps: float = 1e-6
+    """group advantages: added to the std before dividing."""
+    unbiased_std: bool = False
+    """group advantages: False: population std (denominator G, as in the seed); True: G - 1."""
+    gamma: float = 1.0
+    """gae: discount over tokens."""
+    lam: float = 0.95
+    """gae: lambda."""
+    whiten_advantages: bool = True
+    """gae: normalise advantages to zero mean, unit std over the batch's response tokens."""
+    aggregation: str = "token_mean"
+    """token_mean | seq_mean_token_mean (GRPO paper) | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO)."""
+    kl_beta: float = 0.0
+    """KL coefficient; 0 loads no reference model at all."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Sampled KL estimator."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """KL as a loss term, or in the reward: for group advantages each sequence's summed estimate
+    is subtracted from its reward; for gae each token's estimate is a per-token penalty."""
+    reference_refresh_every: int = 0
+    """Copy the policy into the reference every N steps (0: never; recorded in the run card)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
+    max_refill_rounds: int = 3
+    """Dynamic sampling: at most this many extra sampling rounds per step."""
+    mask_truncated: bool = False
+    """Leave completions that hit max_new_tokens out of the loss (DAPO overlong filtering)."""
+
+    def settings(self) -> dict[str, Any]:
+        """The fields that apply to this advantage estimator (for the run card)."""
+        unused = ("gamma", "lam", "whiten_advantages") if self.advantage == "group" else ("advantage_scale", "advantage_eps", "unbiased_std")
+        return {key: value for key, value in dataclasses.asdict(self).items() if key not in unused}
 
 
 @dataclass
-class Sampling:
-    """How completions are drawn (the rollout engine's settings)."""
+class Critic:
+    """The value model (used only with `loss.advantage: gae`)."""
 
-    temperature: float = 1.0
-    """Softmax temperature; the training log-probs use the same one."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1.0: off)."""
-    top_k: int = 0
-    """Top-k sampling (0: off)."""
-    max_new_tokens: int = 32
-    """Completion budget; longer completions are truncated (and flagged)."""
-    stop_strings: list[str] = field(default_factory=list)
-    """Strings that end a completion."""
+    share_backbone: bool = False
+    """True: a value head on the policy's own backbone; False: a separate copy of it."""
+    lr: float = 1e-5
+    """Critic learning rate (value head, and the separate backbone)."""
+    value_clip: float | None = 0.2
+    """Clip new values to old +- value_clip in the value loss (None: off)."""
+    value_coef: float = 0.5
+    """Weight of the value loss in the total loss."""
+    warmup_steps: int = 0
+    """Steps at the start that train only the critic (the policy is left unchanged)."""
 
-    def engine_config(self) -> SamplingConfig:
-        return SamplingConfig(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_new_tokens=self.max_new_tokens, stop_strings=tuple(self.stop_strings),
-        )
+
+@dataclass
+class Update:
+    """How one batch of rollouts is turned into optimizer steps."""
+
+    epochs: int = 1
+    """mu: passes over the batch with the old log-probs fixed (1: on-policy, ratio exactly 1 at first)."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the batch's rows split evenly)."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward; accumulation does not change the gradient (global normalisers)."""
 
 
 @dataclass
@@ -95,166 +171,478 @@ class Acceptance:
     """Divergence alarm: training-reward rise over the window that, without held-out gain, rings it."""
 
 
-class ObjectVerifier(Verifier):
-    """A Python callable object as the reward, scored in this process: `fn(completion, example)`
-    returns a number or a `Verdict`; an exception is an infra_error with its last line."""
+@dataclass
+class Config(RunFields):
+    model: str = "tiny"
+    """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
+    lora_rank: int = 0
+    """LoRA rank (0: train all weights)."""
+    lora_alpha: float = 16.0
+    """LoRA alpha."""
+    data: Data = field(default_factory=Data)
+    """Link 1: prompts and groups."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
+    """Rollout sampling settings (the training log-probs use the same temperature)."""
+    reward: str = "exact"
+    """Link 2: the training verifier (posttrain.rewards name, weighted sum, or callable:<path>)."""
+    loss: Loss = field(default_factory=Loss)
+    """Link 3: the loss settings."""
+    critic: Critic = field(default_factory=Critic)
+    """The value model (loss.advantage gae only)."""
+    update: Update = field(default_factory=Update)
+    """Epochs, mini-batches and micro-batches."""
+    optim: Optimization = field(default_factory=lambda: Optimization(lr=1e-5))
+    """Optimizer and schedule (a critic uses critic.lr with the same schedule)."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    """Link 4: held-out evaluation."""
+    parallel: Parallel = field(default_factory=Parallel)
+    """Under torchrun: DDP or FSDP2 (FSDP2: group advantages only); ignored in one process."""
+    samples_per_step: int = 4
+    """Rows per step written to samples.jsonl."""
+    exact_kl_tokens: int = 64
+    """Tokens per step on which the exact full-vocabulary KL is logged (needs kl_beta > 0)."""
 
-    def __init__(self, function: Callable[[str, dict], Any]):
-        self.function = function
-        self.name = f"python:{getattr(function, '__qualname__', type(function).__name__)}"
-
-    def score(self, completion: str, example) -> Verdict:
-        try:
-            result = self.function(completion, dict(example))
-        except Exception as error:  # noqa: BLE001 - the user's bug, reported, never a silent 0
-            return Verdict.infra_error(f"{type(error).__name__}: {error}")
-        if isinstance(result, Verdict):
-            return result
-        if isinstance(result, (bool, int, float)) and math.isfinite(float(result)):
-            return Verdict.ok(float(result), "user function")
-        return Verdict.infra_error(f"{self.name} returned {result!r}, not a finite number or Verdict")
-
-
-def make_verifier(reward: str | Verifier | Callable | None, name: str) -> Verifier:
-    """The training verifier: a Verifier, a plain callable, or (None) the configured name."""
-    if isinstance(reward, Verifier):
-        return reward
-    if callable(reward):
-        return ObjectVerifier(reward)
-    try:
-        return get_verifier(name)
-    except ValueError as error:
-        raise UserError(f"reward: {error}") from None
-
-
-def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, shared_prefix: bool = True, **extra):
-    """Forward prompt + completion rows; returns the model output and the logits (n, T, V) whose
-    position t scores completion token t (see `Rollout.forward_inputs`). Without `extra`, a supported
-    model runs `shared_prefix_logits` (each distinct prompt once) and the output is None, unless
-    `shared_prefix` is False (one plain model call, whatever the rows)."""
-    if not extra and shared_prefix:
-        logits = shared_prefix_logits(model, inputs, rows, prompt_width, T)
-        if logits is not None:
-            return None, logits
-    output = model(
-        input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
-        position_ids=inputs["position_ids"][rows], **extra,
-    )
-    return output, output.logits[:, prompt_width - 1 : prompt_width - 1 + T]
-
-
-class CompletionForward(TrainingForward):
-    """The policy as DDP / FSDP2 see it in training: one forward = `completion_logits` of some rows,
-    so the shared-prefix forward's two model calls count as one forward (DDP syncs per forward).
-    `forward(inputs, rows, prompt_width, T)` returns the (n, T, V) logits."""
-
-    def __init__(self, model, shared_prefix: bool = True):
-        super().__init__(model)
-        self.shared_prefix = shared_prefix
-
-    def forward(self, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int) -> torch.Tensor:
-        return completion_logits(self.model, inputs, rows, prompt_width, T, shared_prefix=self.shared_prefix)[1]
-
-
-@torch.no_grad()
-def logprobs_of(model, rollout: Rollout, inputs, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """(N, T) log-probs of the sampled tokens under `model` at `temperature`, no grad, micro-batched."""
-    prompt_width, T = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-    pieces = []
-    for start in range(0, rollout.completion_ids.shape[0], micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        _, logits = completion_logits(model, inputs, rows, prompt_width, T)
-        pieces.append(token_logprobs(logits, rollout.completion_ids[rows], temperature))
-    return torch.cat(pieces).masked_fill(~rollout.mask, 0.0)
+    def validate(self) -> None:
+        super().validate()
+        self.optim.validate()
+        self.parallel.validate()
+        data, loss, update, critic = self.data, self.loss, self.update, self.critic
+        gae_mode = loss.advantage == "gae"
+        if data.group_size < (1 if gae_mode else 2):
+            raise UserError(f"data.group_size must be at least 2 (a group of one has no relative signal), got {data.group_size}"
+                            if not gae_mode else f"data.group_size must be at least 1, got {data.group_size}")
+        for name in ("train_size", "eval_size", "prompts_per_step"):
+            if getattr(data, name) < 1:
+                raise UserError(f"data.{name} must be at least 1, got {getattr(data, name)}")
+        if loss.aggregation not in AGGREGATIONS:  # a str, not a Literal: this message names the field the way users read it
+            raise UserError(f"loss.aggregation must be one of {', '.join(AGGREGATIONS)}, got {loss.aggregation!r}")
+        if loss.clip_low < 0 or loss.clip_low >= 1 or loss.clip_high < 0:
+            raise UserError(f"loss.clip_low must be in [0, 1) and clip_high >= 0, got {loss.clip_low}, {loss.clip_high}")
+        if loss.dual_clip is not None and loss.dual_clip <= 1:
+            raise UserError(f"loss.dual_clip must be > 1, got {loss.dual_clip}")
+        if loss.kl_beta < 0 or loss.advantage_eps < 0:
+            raise UserError("loss.kl_beta and loss.advantage_eps must be >= 0")
+        if not 0 <= loss.gamma <= 1 or not 0 <= loss.lam <= 1:
+            raise UserError(f"loss.gamma and loss.lam must be in [0, 1], got {loss.gamma}, {loss.lam}")
+        if loss.reference_refresh_every and loss.kl_beta == 0:
+            raise UserError("loss.reference_refresh_every needs a reference: set loss.kl_beta > 0")
+        if loss.dynamic_sampling and data.group_size < 2:
+            raise UserError("loss.dynamic_sampling needs groups: data.group_size >= 2")
+        if critic.lr <= 0 or critic.value_coef < 0 or critic.warmup_steps < 0:
+            raise UserError("critic.lr must be > 0, critic.value_coef and critic.warmup_steps >= 0")
+        if not gae_mode and critic != Critic():
+            raise UserError("the critic section applies to loss.advantage gae (posttrain ppo) only")
+        rows = data.prompts_per_step * data.group_size
+        if update.epochs < 1 or update.mini_batches < 1 or update.micro_batch_size < 1:
+            raise UserError("update.epochs, update.mini_batches and update.micro_batch_size must be >= 1")
+        if rows % update.mini_batches:
+            raise UserError(f"{rows} rows per step (prompts_per_step x group_size) do not split into {update.mini_batches} mini-batches")
 
 
-def exact_kl_subset(logits, ref_logits, mask, temperature: float, max_tokens: int) -> tuple[float, int]:
-    """Exact full-vocabulary KL(policy || reference) summed over the first `max_tokens` valid tokens
-    of a micro-batch (cheap enough to log every step); returns (sum, count)."""
-    positions = mask.nonzero()[:max_tokens]
-    if positions.numel() == 0:
-        return 0.0, 0
-    rows, columns = positions[:, 0], positions[:, 1]
-    kl = exact_kl(logits[rows, columns].detach(), ref_logits[rows, columns], temperature=temperature)
-    return float(kl.sum()), int(kl.numel())
+def grpo_config() -> Config:
+    """`posttrain grpo`'s defaults: group-relative advantages, no critic, no KL."""
+    return Config()
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(n, T) entropy of softmax(logits / temperature) at each position (detached, for metrics)."""
-    with torch.no_grad():
-        log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
-        return -(log_p.exp() * log_p).sum(-1)
+def ppo_config() -> Config:
+    """`posttrain ppo`'s defaults: GAE from a critic, one sample per prompt, a k1 KL penalty in the reward."""
+    return Config(data=Data(group_size=1), loss=Loss(advantage="gae", kl_beta=0.05, kl_estimator="k1", kl_placement="reward"),
+                  exact_kl_tokens=0)
 
 
-def evaluate_held_out(policy, tokenizer, held_out: Task, config, run_dir, step: int, alarm: DivergenceAlarm, train_reward: float | None) -> dict[str, Any]:
-    """Held-out acceptance (written to eval/step-N.json) and the divergence alarm."""
-    was_training = policy.training
-    policy.eval()
-    result = evaluate_task(
-        policy, tokenizer, held_out, checker=config.acceptance.checker, k=config.acceptance.k,
-        temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens,
-        seed=derived_seed(config.seed, "eval", str(step)), system_prompt=config.data.system_prompt,
-        output_path=run_dir.eval_dir / f"step-{step:06d}.json",
-    )
-    policy.train(was_training)
-    metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": result["pass@1_ci95"][0], "heldout/pass@1_high": result["pass@1_ci95"][1]}
-    if config.acceptance.k > 1:
-        metrics[f"heldout/pass@{config.acceptance.k}"] = result[f"pass@{config.acceptance.k}"]
-    if train_reward is not None and result["pass@1"] is not None:
-        # The alarm compares held-out accuracy with the mean training reward since the previous
-        # evaluation (read back from metrics.jsonl, so a resumed run computes the same).
-        rows = run_dir.read_metrics()
-        last_eval = max([row["step"] for row in rows if row.get("heldout/pass@1") is not None] + [0])
-        recent = [row["reward/mean"] for row in rows if row["step"] > last_eval and row.get("reward/mean") is not None]
-        message = alarm.observe(step, sum(recent + [train_reward]) / (len(recent) + 1), result["pass@1"])
-        if message:
-            logger.warning(message)
+@dataclass
+class State:
+    """Everything an online step reads and changes. `setup` builds it; `step` advances `step`."""
+
+    config: Config
+    world: World
+    policy: Any
+    tokenizer: Any
+    trainer: torch.nn.Module
+    """What forward/backward goes through: a `TrainingForward` (in DDP / FSDP2 under torchrun)."""
+    reference: Any
+    """The frozen reference (None when kl_beta = 0)."""
+    critic: Any
+    """The value model (None for group advantages)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    verifier: Verifier
+    stream: PromptStream
+    train: Task
+    held_out: Task
+    step: int = 0
+    reference_refreshed_at: list[int] = field(default_factory=list)
+
+
+def setup(config: Config, reward: Any = None, world: World | None = None) -> State:
+    """Load the policy (and reference and critic), the data and the verifier, wrap the trainer and
+    make the optimizer: a State at step 0. `reward` may be a Verifier or a callable
+    `fn(completion, example) -> float | Verdict`, used instead of `config.reward`."""
+    world = world or World()
+    seed_everything(config.seed)
+    policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha)
+    critic = make_critic(policy, share_backbone=config.critic.share_backbone) if config.loss.advantage == "gae" else None
+    train, held_out = load_splits(config.data.task, train_size=config.data.train_size, eval_size=config.data.eval_size,
+                                  seed=config.seed, options=config.data.task_options)
+    verifier = as_verifier(reward, config.reward)
+    verifier.prepare()
+    reference = make_reference(policy) if config.loss.kl_beta > 0 else None
+    if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
+        wrap(reference.model, world)  # the frozen copy sharded like the policy
+    total = config.max_steps * config.update.epochs * config.update.mini_batches
+    if critic is None:
+        # FSDP2 pairs every model call across ranks, so it skips the shared-prefix forward, whose
+        # number of model calls depends on the rows.
+        trainer = wrap(TrainingForward(policy, policy_logits, shared_prefix=not (world.active and world.strategy == "fsdp2")), world)
+        optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, total)
+    else:
+        models = torch.nn.ModuleDict({"policy": policy, "critic": critic})
+        trainer = wrap(TrainingForward(models, policy_and_critic, share_backbone=config.critic.share_backbone), world)
+        # Two parameter groups, one schedule; a shared-backbone critic contributes only its value head.
+        optimizer, scheduler = make_optimizer([
+            {"params": [p for p in policy.parameters() if p.requires_grad], "lr": config.optim.lr},
+            {"params": [p for p in critic.parameters() if p.requires_grad], "lr": config.critic.lr},
+        ], config.optim, total)
+    return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
+                 critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier,
+                 stream=PromptStream(train, config.seed), train=train, held_out=held_out)
+
+
+def sample(state: State, timer: Timer) -> ScoredBatch:
+    """Steps 1-2: sample B prompts x G completions with the policy and score them."""
+    config = state.config
+    refill_rounds = config.loss.max_refill_rounds if config.loss.dynamic_sampling else None
+    with full_weights(state.policy):
+        return sample_and_score(
+            state.policy, state.tokenizer, state.stream, state.verifier, prompts=config.data.prompts_per_step,
+            group_size=config.data.group_size, sampling=config.sampling, seed=config.seed, step=state.step, timer=timer,
+            system_prompt=config.data.system_prompt, refill_rounds=refill_rounds, world=state.world,
+        )
+
+
+def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[str, Any]:
+    """Steps 3-4 on a sampled and scored batch: old and reference log-probs (and values), the KL in
+    the reward when placed there, advantages, then the update; advances `state.step` and returns
+    the step's named metrics (floats)."""
+    config, world, rollout = state.config, state.world, batch.rollout
+    loss_cfg, timer = config.loss, timer or Timer()
+    gae_mode, temperature, micro = loss_cfg.advantage == "gae", config.sampling.temperature, config.update.micro_batch_size
+    valid_rows = batch.valid
+    if loss_cfg.mask_truncated:
+        valid_rows = valid_rows & ~rollout.truncated
+    mask = rollout.mask & valid_rows[:, None]  # (N, T): the tokens that reach the loss
+    inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    precompute_old = gae_mode or config.update.epochs > 1 or config.update.mini_batches > 1 or loss_cfg.kl_placement == "reward"
+    metrics: dict[str, Any] = {}
+    with timer("logprobs"):
+        old_logprobs = rank_logprobs(state.policy, rollout, batch.owners, world, temperature, micro) if precompute_old else None
+        ref_logprobs = rank_logprobs(state.reference, rollout, batch.owners, world, temperature, micro) if state.reference else None
+        old_values = returns = None
+        if gae_mode:
+            mine = (batch.owners == world.rank).nonzero().squeeze(1)
+            old_values = torch.zeros(mask.shape)
+            if len(mine):
+                old_values[mine] = completion_values(state.critic, inputs, P, T, micro, rows=mine)
+            old_values = world.reduce(old_values)
+    # 3. Advantages, with the KL in the reward when placed there.
+    in_reward = ref_logprobs is not None and loss_cfg.kl_placement == "reward"
+    if gae_mode:
+        kl = kl_estimate(old_logprobs, ref_logprobs, loss_cfg.kl_estimator) if ref_logprobs is not None else torch.zeros_like(old_logprobs)
+        token_rewards = kl_in_reward(torch.nan_to_num(batch.scores.rewards, nan=0.0), kl, mask, loss_cfg.kl_beta if in_reward else 0.0, per_token=True)
+        advantages, returns = gae(token_rewards, old_values, mask, loss_cfg.gamma, loss_cfg.lam)
+        if loss_cfg.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        ev = explained_variance(old_values, returns, mask)
+        metrics.update({
+            "kl/estimate": float(masked_mean(kl, mask)) if ref_logprobs is not None else None,
+            "values/mean": float(masked_mean(old_values, mask)), "returns/mean": float(masked_mean(returns, mask)),
+            "explained_variance": None if math.isnan(ev) else float(ev),
+        })
+    else:
+        rewards = batch.scores.rewards
+        if in_reward:  # every sampled token of a row pays: the row counts in its group's baseline
+            rewards = kl_in_reward(rewards, kl_estimate(old_logprobs, ref_logprobs, loss_cfg.kl_estimator), rollout.mask, loss_cfg.kl_beta, per_token=False)
+        advantages = grpo_advantages(rewards, config.data.group_size, scale=loss_cfg.advantage_scale, eps=loss_cfg.advantage_eps,
+                                     unbiased_std=loss_cfg.unbiased_std)
+    # 4. Update: mu epochs over mini-batches, old log-probs fixed.
+    with timer("update"):
+        if state.reference is not None and config.exact_kl_tokens > 0:
+            metrics["kl/exact"] = exact_kl_metric(state, rollout, mask, batch.owners)
+        update_metrics = update(state, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, batch.owners,
+                                old_values=old_values, returns=returns)
+    if gae_mode:
+        update_metrics.pop("kl/estimate", None)  # PPO reports the rollout's KL, measured before the update
+    else:
+        update_metrics["advantages/abs_mean"] = float(masked_mean(advantages.abs()[:, None].expand_as(mask), mask))
+    metrics.update(update_metrics)
+    state.step += 1
+    if state.reference is not None and loss_cfg.reference_refresh_every and state.step % loss_cfg.reference_refresh_every == 0:
+        state.reference.refresh(state.policy)
+        state.reference_refreshed_at.append(state.step)
+    metrics["lr"] = state.scheduler.get_last_lr()[0]
+    if gae_mode:
+        metrics["critic_lr"] = state.scheduler.get_last_lr()[1]
     return metrics
 
 
-def rollout_metrics(rollout: Rollout, scores: Scores, timer) -> dict[str, Any]:
-    """Step metrics of the data and reward links, and the step's timings (see docs/metrics.md)."""
-    valid = scores.rewards[~torch.isnan(scores.rewards)]
-    lengths = rollout.lengths.float()
-    return {
-        "reward/mean": float(valid.mean()) if valid.numel() else None,
-        "reward/std": float(valid.std(correction=0)) if valid.numel() else None,
-        **{f"reward/{name}": value for name, value in scores.components.items()},
-        "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
-        "truncated_fraction": float(rollout.truncated.float().mean()),
-        **{f"seconds/{phase}": seconds for phase, seconds in timer.seconds.items()},
-        "tokens_per_second": float(lengths.sum()) / max(1e-9, sum(timer.seconds.values())),
+def update(state: State, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, owners: torch.Tensor,
+           old_values: torch.Tensor | None = None, returns: torch.Tensor | None = None) -> dict[str, Any]:
+    """Step 4: `epochs` passes over `mini_batches` mini-batches, each accumulated over micro-batches
+    with the mini-batch's global token and sequence counts, so the gradient does not depend on the
+    micro-batch size or the world size. With a critic the total loss is the policy loss + value_coef
+    x the (clipped) value loss; during critic warm-up only the value loss (a shared backbone then
+    gets no gradient). Mini-batches are drawn over the global batch; each rank forwards the rows of
+    a mini-batch it owns (`owners`), all ranks running equally many micro-batches (a rank short of
+    rows runs a zero-weight one) with the gradient synced on the last. Returns the step's loss and
+    per-token statistics, summed over ranks.
+
+    Shapes: mask (N, T) bool; advantages (N,) for group advantages or (N, T) for GAE; old_logprobs,
+    ref_logprobs, old_values, returns (N, T) or None (old None: the detached on-policy ones)."""
+    config, world, trainer = state.config, state.world, state.trainer
+    loss_cfg, update_cfg, critic_cfg = config.loss, config.update, config.critic
+    N, T = rollout.completion_ids.shape
+    P = rollout.prompt_ids.shape[1]
+    temperature, max_length = config.sampling.temperature, config.sampling.max_new_tokens
+    critic_only = state.critic is not None and state.step < critic_cfg.warmup_steps
+    names = ["loss", "value_loss", "clip/low", "clip/high", "clip/dual", "clip/value", "ratio", "kl", "entropy", "tokens"]
+    sums = dict.fromkeys(names, 0.0)
+    extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64)  # (min ratio, -max ratio)
+    groups = [group["params"] for group in state.optimizer.param_groups]  # each clipped on its own
+    grad_norms = []
+    generator = torch.Generator().manual_seed(derived_seed(config.seed, "minibatch", str(state.step)))
+    scale = update_cfg.epochs * update_cfg.mini_batches
+    for _ in range(update_cfg.epochs):
+        order = torch.randperm(N, generator=generator) if update_cfg.mini_batches > 1 else torch.arange(N)
+        # Exactly `mini_batches` optimizer steps even when dynamic sampling left the batch short.
+        for mini in torch.tensor_split(order, update_cfg.mini_batches):
+            if len(mini) == 0:
+                continue
+            global_tokens, global_sequences = mask[mini].sum(), len(mini)
+            for rows, weight, last in rank_micro_batches(mini, owners, world, update_cfg.micro_batch_size):
+                micro_mask = mask[rows] & bool(weight)
+                with gradient_sync(trainer, last):
+                    logits, values = trainer(inputs, rows, P, T, detach_hidden=critic_only)
+                    logprobs = token_logprobs(logits, rollout.completion_ids[rows], temperature)
+                    old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()
+                    per_token, stats = clipped_surrogate(logprobs, old, advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)
+                    if ref_logprobs is not None:
+                        kl = kl_estimate(logprobs, ref_logprobs[rows], loss_cfg.kl_estimator)
+                        if loss_cfg.kl_placement == "loss":
+                            per_token = per_token + loss_cfg.kl_beta * kl
+                        sums["kl"] += float((kl.detach() * micro_mask).sum())
+                    policy_loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
+                    loss = policy_loss
+                    if values is not None:
+                        value_per_token, value_clipped = clipped_value_loss(values, old_values[rows], returns[rows], critic_cfg.value_clip)
+                        value_loss = aggregate(value_per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
+                        loss = critic_cfg.value_coef * value_loss if critic_only else critic_cfg.value_coef * value_loss + policy_loss
+                        sums["value_loss"] += weight * float(value_loss.detach()) / scale
+                        sums["clip/value"] += float((value_clipped.float() * micro_mask).sum())
+                    # DDP and FSDP2 average gradients over ranks; the loss is a share of a global sum.
+                    # With a critic every parameter is in the graph each backward (DDP waits for all).
+                    in_graph = 0.0 * logits.sum() if values is not None else 0.0
+                    (loss * (weight * world.size) + in_graph).backward()
+                sums["loss"] += weight * float(loss.detach()) / scale
+                sums["tokens"] += float(micro_mask.sum())
+                for name, key in (("clip/low", "clipped_low"), ("clip/high", "clipped_high"), ("clip/dual", "dual_clipped"), ("ratio", "ratio")):
+                    sums[name] += float((stats[key].float() * micro_mask).sum())
+                sums["entropy"] += float((token_entropy(logits, temperature) * micro_mask).sum())
+                if micro_mask.any():
+                    ratios = stats["ratio"][micro_mask]
+                    extremes = torch.minimum(extremes, torch.tensor([float(ratios.min()), -float(ratios.max())], dtype=torch.float64))
+            if critic_only:
+                for parameter in groups[0]:
+                    parameter.grad = None  # AdamW skips parameters without a gradient
+            max_norm = config.optim.max_grad_norm if config.optim.max_grad_norm is not None else float("inf")
+            norms = [float(torch.nn.utils.clip_grad_norm_([p for p in group if p.grad is not None], max_norm)) for group in groups]
+            grad_norms.append(norms[0])
+            state.optimizer.step()
+            state.scheduler.step()
+            state.optimizer.zero_grad(set_to_none=True)
+    totals = world.reduce(torch.tensor([sums[name] for name in names], dtype=torch.float64)).tolist()
+    sums = dict(zip(names, totals))
+    world.reduce(extremes, "min")
+    tokens = max(1.0, sums["tokens"])
+    metrics = {
+        "loss": sums["loss"],
+        "clip/low": sums["clip/low"] / tokens, "clip/high": sums["clip/high"] / tokens, "clip/dual": sums["clip/dual"] / tokens,
+        "ratio/mean": sums["ratio"] / tokens, "ratio/min": float(extremes[0]) if math.isfinite(extremes[0]) else None,
+        "ratio/max": -float(extremes[1]) if math.isfinite(extremes[1]) else None,
+        "entropy": sums["entropy"] / tokens, "grad_norm": sum(grad_norms) / len(grad_norms),
     }
+    if ref_logprobs is not None:
+        metrics["kl/estimate"] = sums["kl"] / tokens
+    if state.critic is not None:
+        metrics.update({"value_loss": sums["value_loss"], "clip/value": sums["clip/value"] / tokens, "critic_only": critic_only})
+    return metrics
 
 
-def sample_rows(rollout: Rollout, examples: Sequence[Example], scores: Scores, rendered: Sequence[str], limit: int) -> list[dict]:
-    """The first `limit` rows of a step for samples.jsonl: prompt, completion, verdict, reason."""
-    rows = []
-    for row in range(min(limit, len(rollout.texts))):
-        b = int(rollout.prompt_index[row])
-        verdict = scores.verdicts[row]
-        rows.append({
-            "example": examples[b].id, "prompt": rendered[b], "completion": rollout.texts[row],
-            "reward": verdict.reward, "status": verdict.status, "reason": verdict.reason,
-            "truncated": bool(rollout.truncated[row]),
-        })
-    return rows
-
-
-def section_dict(section) -> dict[str, Any]:
-    return dataclasses.asdict(section)
-
-
-def rank_logprobs(model, rollout: Rollout, owners: torch.Tensor, world: World, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """(N, T) log-probs of every sampled token under `model` (no grad): each rank computes the rows
-    it owns and the pieces are summed across ranks; in one process simply `logprobs_of`. An
-    FSDP2-sharded model is made whole for the pass, so ranks need not run equally many forwards."""
-    if not world.active:
-        return logprobs_of(model, rollout, rollout.forward_inputs(), temperature, micro_batch_size)
+@torch.no_grad()
+def exact_kl_metric(state: State, rollout, mask: torch.Tensor, owners: torch.Tensor) -> float | None:
+    """Exact full-vocabulary KL(policy || reference) per token before the update, averaged over the
+    first `exact_kl_tokens` counted tokens of each rank's rows (cheap enough to log every step)."""
+    world, max_tokens, temperature = state.world, state.config.exact_kl_tokens, state.config.sampling.temperature
     mine = (owners == world.rank).nonzero().squeeze(1)
-    full = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)
-    with full_weights(model):
+    mine = mine[: int((mask[mine].sum(-1).cumsum(0) < max_tokens).sum()) + 1]
+    inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    total = torch.zeros(2, dtype=torch.float64)
+    with full_weights(state.policy), full_weights(state.reference):
         if len(mine):
-            part = rows_of(rollout, mine)
-            full[mine] = logprobs_of(model, part, part.forward_inputs(), temperature, micro_batch_size)
-    return world.reduce(full)
+            _, logits = completion_logits(state.policy, inputs, mine, P, T)
+            _, ref_logits = completion_logits(state.reference, inputs, mine, P, T)
+            positions = mask[mine].nonzero()[:max_tokens]
+            if positions.numel():
+                rows, columns = positions[:, 0], positions[:, 1]
+                kl = exact_kl(logits[rows, columns], ref_logits[rows, columns], temperature=temperature)
+                total += torch.tensor([float(kl.sum()), kl.numel()], dtype=torch.float64)
+    kl_sum, count = world.reduce(total).tolist()
+    return kl_sum / count if count else None
+
+
+def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
+    """Train (GRPO or PPO, as `config.loss.advantage` says); returns the run directory. `reward` may
+    be a Verifier or any callable `fn(completion, example) -> float | Verdict`, used instead of
+    `config.reward`. `config` is read, never changed."""
+    # 0. Set-up: everything that can fail on bad input fails before the run directory exists.
+    if config.loss.advantage == "gae" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.parallel.strategy != "ddp":
+        raise UserError("ppo under torchrun supports parallel.strategy ddp only (its critic is not sharded with FSDP2)")
+    world = init_world(config.parallel)
+    state = setup(config, reward, world)
+    recipe = "grpo" if config.loss.advantage == "group" else "ppo"
+    run_dir = RunDirectory(config.output_dir or default_output_dir(recipe, world), resume=resume, writer=world.main, tensorboard=config.tensorboard)
+    if world.main:
+        save_yaml(dataclasses.replace(config, output_dir=str(run_dir.path)), run_dir.path / "config.yaml")
+    # A refreshed reference and a critic are state of their own: checkpointed with the policy, restored exactly.
+    extra_models = {}
+    if state.critic is not None:
+        extra_models["critic"] = state.critic
+    if state.reference is not None and config.loss.reference_refresh_every:
+        extra_models["reference"] = state.reference.model
+    saved = restore_training(run_dir, state.policy, state.optimizer, state.scheduler, extra_models=extra_models, world=world) if resume else {"step": 0}
+    state.step, state.stream.position = saved["step"], saved.get("stream_position", 0)
+    state.reference_refreshed_at = saved.get("reference_refreshed_at", [])
+    alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []))
+    card = make_card(config, state, reward)
+    card["run"]["world_size"] = world.size
+    if world.main:
+        write_run_card(run_dir.path, card)
+
+    if state.step == 0:
+        run_dir.log_metrics(0, evaluate(state, run_dir, alarm, None))
+    state.policy.train()
+    if state.critic is not None:
+        state.critic.train()
+    progress = tqdm(range(state.step, config.max_steps), desc=recipe, initial=state.step, total=config.max_steps, disable=not world.main)
+    for _ in progress:
+        timer, started = Timer(), time.perf_counter()
+        batch = sample(state, timer)  # 1-2
+        metrics = step(state, batch, timer)  # 3-4
+        done = state.step
+        card["run"]["reference_refreshed_at"] = state.reference_refreshed_at
+        # 5. Log, evaluate, checkpoint.
+        metrics.update(batch.metrics(timer.seconds))
+        metrics["seconds/step"] = time.perf_counter() - started  # the whole step before evaluation and logging
+        run_dir.log_samples(done, batch.sample_rows(config.samples_per_step))
+        if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
+            metrics.update(evaluate(state, run_dir, alarm, metrics["reward/mean"]))
+            card["alarms"] = list(alarm.rings)
+            if world.main:
+                write_run_card(run_dir.path, card)
+        run_dir.log_metrics(done, metrics)
+        if "heldout/pass@1" in metrics and world.main:
+            plot_metrics(run_dir.read_metrics(), PLOTTED[config.loss.advantage], run_dir.plots)
+        progress.set_postfix(reward=f"{metrics['reward/mean'] or 0:.3f}")
+        if done % config.checkpoint_every == 0 or done == config.max_steps:
+            save_training(run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
+                          extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history,
+                                       "reference_refreshed_at": state.reference_refreshed_at})
+    if world.main:
+        write_run_card(run_dir.path, card)
+    del state.trainer
+    world.close()
+    return run_dir.path
+
+
+def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_reward: float | None) -> dict[str, Any]:
+    """Held-out acceptance on rank 0, written to eval/step-N.json, and the divergence alarm (the
+    other ranks wait; under FSDP2 every rank lends its shards)."""
+    config, policy, metrics = state.config, state.policy, {}
+    with full_weights(policy):
+        if state.world.main:
+            was_training = policy.training
+            policy.eval()
+            result = evaluate_task(
+                policy, state.tokenizer, state.held_out, checker=config.acceptance.checker, k=config.acceptance.k,
+                temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens,
+                seed=derived_seed(config.seed, "eval", str(state.step)), system_prompt=config.data.system_prompt,
+                output_path=run_dir.eval_dir / f"step-{state.step:06d}.json",
+            )
+            policy.train(was_training)
+            low, high = result["pass@1_ci95"]
+            metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high}
+            if config.acceptance.k > 1:
+                metrics[f"heldout/pass@{config.acceptance.k}"] = result[f"pass@{config.acceptance.k}"]
+            if train_reward is not None and result["pass@1"] is not None:
+                # The alarm compares held-out accuracy with the mean training reward since the previous
+                # evaluation (read back from metrics.jsonl, so a resumed run computes the same).
+                rows = run_dir.read_metrics()
+                last_eval = max([row["step"] for row in rows if row.get("heldout/pass@1") is not None] + [0])
+                recent = [row["reward/mean"] for row in rows if row["step"] > last_eval and row.get("reward/mean") is not None]
+                message = alarm.observe(state.step, sum(recent + [train_reward]) / (len(recent) + 1), result["pass@1"])
+                if message:
+                    logger.warning(message)
+    state.world.barrier()
+    return metrics
+
+
+def kl_placement_meaning(loss: Loss) -> str:
+    """What `loss.kl_placement` does for this advantage estimator, in words (for the run card)."""
+    if loss.kl_beta == 0:
+        return "no KL term (kl_beta = 0)"
+    if loss.kl_placement == "loss":
+        return f"beta x the per-token {loss.kl_estimator} estimate added to each token's loss, aggregated like the policy loss"
+    if loss.advantage == "group":
+        return (f"per-sequence sum: each sequence's reward minus beta x the sum of its per-token {loss.kl_estimator} "
+                "estimates, before the group advantages")
+    return f"per-token penalty: -beta x the {loss.kl_estimator} estimate in each token's reward before GAE (Ouyang et al. eq. 2)"
+
+
+def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
+    """The run card: the four links and every loss setting that applies."""
+    gae_mode, loss = config.loss.advantage == "gae", config.loss
+    recipe = "ppo" if gae_mode else "grpo"
+    train, held_out, reference = state.train, state.held_out, state.reference
+    card = new_card(recipe, config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
+    card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
+    card["links"]["data"] = {
+        "source": "online: the policy's own samples", "task": config.data.task, "options": config.data.task_options,
+        "train_prompts": len(train), "heldout_prompts": len(held_out), "duplicates_removed": train.duplicates_removed,
+        "prompts_per_step": config.data.prompts_per_step,
+        ("samples_per_prompt" if gae_mode else "group_size"): config.data.group_size,
+        "sampling": dataclasses.asdict(config.sampling),
+    }
+    card["links"]["reward"] = {**state.verifier.describe(), "passed_as": "python object" if reward is not None else "config name"}
+    if gae_mode:
+        card["links"]["reward"]["placement"] = "verifier score on the last response token"
+    precomputed = gae_mode or config.update.epochs > 1 or config.update.mini_batches > 1 or loss.kl_placement == "reward"
+    card["links"]["loss"] = {
+        "algorithm": "PPO with a learned critic (GAE advantages, clipped surrogate, clipped value loss)" if gae_mode
+        else "GRPO (group-relative advantages, clipped surrogate, no critic)",
+        **loss.settings(),
+        **({f"critic_{k}": v for k, v in dataclasses.asdict(config.critic).items()} if gae_mode else {}),
+        **dataclasses.asdict(config.update),
+        **({} if gae_mode else {"std": "sample (n-1)" if loss.unbiased_std else "population (n)"}),
+        "kl_placement_meaning": kl_placement_meaning(loss),
+        "reference": "none (kl_beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
+        "old_logprobs": "recomputed by a no-grad forward before the update" if precomputed else "the on-policy forward, detached (ratio exactly 1)",
+        "logprob_distribution": f"softmax(logits / {config.sampling.temperature}) over the full vocabulary"
+        + (" (sampling truncated by top-p/top-k: the sampler's distribution differs)" if config.sampling.truncates else ""),
+    }
+    same = config.acceptance.checker == config.reward
+    card["links"]["acceptance"] = {
+        "heldout": f"{config.data.task} held-out split ({len(held_out)} prompts, disjoint from training)",
+        **dataclasses.asdict(config.acceptance), "checker_is_training_reward": same,
+    }
+    if same and not gae_mode:
+        card["notes"].append("the held-out checker is the training reward itself: acceptance is not independent")
+    return card

@@ -1,0 +1,47 @@
+"""Scores of a rollout: every row's Verdict against its prompt's example, as tensors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from posttrain.rewards.base import Verifier
+from posttrain.rewards.verdict import Verdict
+
+
+@dataclass
+class Scores:
+    """Verdicts of N rows as tensors: NaN rewards for rows that could not be scored."""
+
+    rewards: torch.Tensor
+    """(N,) float32, NaN where status != ok."""
+    verdicts: list[Verdict]
+    infra_errors: int
+    data_errors: int
+    components: dict[str, float]
+    """Mean of each weighted-sum component over the scored rows (for metrics)."""
+
+    @classmethod
+    def of(cls, verdicts: Sequence[Verdict]) -> Scores:
+        """Rewards (NaN unless ok), error counts and component means of a list of verdicts."""
+        rewards = torch.tensor([v.reward if v.status == "ok" else math.nan for v in verdicts], dtype=torch.float32)
+        components: dict[str, list[float]] = {}
+        for verdict in verdicts:
+            for name, value in (verdict.details.get("components") or {}).items():
+                if isinstance(value, (int, float)):
+                    components.setdefault(name, []).append(float(value))
+        return cls(
+            rewards=rewards,
+            verdicts=list(verdicts),
+            infra_errors=sum(v.status == "infra_error" for v in verdicts),
+            data_errors=sum(v.status == "data_error" for v in verdicts),
+            components={name: sum(values) / len(values) for name, values in components.items()},
+        )
+
+
+def score_rows(verifier: Verifier, texts: Sequence[str], rows: Sequence[Mapping[str, Any]], prompt_index: Sequence[int]) -> Scores:
+    """Score completion `texts[i]` against `rows[prompt_index[i]]` (row b*G+g -> rows[b])."""
+    return Scores.of(verifier.batch(list(texts), [rows[b] for b in prompt_index]))
