@@ -148,8 +148,8 @@ def layout_for(weight: torch.Tensor, use_kernels: bool) -> str:
 def build_layers(model: torch.nn.Module, batch_hint: int, use_kernels: bool = True) -> tuple[list[Layer], Linear]:
     """Fuse and (on CPU) pack the weights; reused while the weights and the layout are unchanged.
 
-    oneDNN lays its packed weights out for a batch size: 16 rows decoded with weights packed for 1
-    row ran ~45% slower (measured on SmolLM2), so with oneDNN a different hint repacks (~0.2 s).
+    oneDNN lays its packed weights out for a batch size, and decoding 16 rows with weights packed
+    for 1 row is much slower (docs/rollout.md), so with oneDNN a different hint repacks.
     The kernels' blocked layout serves every batch size."""
     core = unwrap(model)
     layout = layout_for(core.get_output_embeddings().weight, use_kernels)

@@ -4,10 +4,10 @@
  * through ctypes. No torch headers, so the build takes about a second. OpenMP resolves to the
  * libgomp that torch has already loaded, so these loops share torch's thread pool and thread count.
  *
- * Why: at 16 rows a decode step of SmolLM2-135M spends ~36 ms in weight matmuls and ~13 ms in
- * ~20 small ops per layer around them (norms, rope, cache writes, and tiny batched matmuls for
- * attention that run far below memory bandwidth). Here those are two calls per layer, and rows
- * that share a prompt (the G samples of one prompt) read the prompt's keys and values once.
+ * Why: at 16 rows a decode step spends its time in the weight matmuls and in ~20 small ops per
+ * layer around them (norms, rope, cache writes, and tiny batched matmuls for attention that run
+ * far below memory bandwidth; timings in docs/rollout.md). Here those are two calls per layer,
+ * and rows that share a prompt (the G samples of one prompt) read the prompt's keys and values once.
  *
  * Everything is float32, contiguous in the last dimension. Sums run in float32 in another order
  * than torch's, so results agree with the torch path to float32 rounding, not bit for bit.
@@ -44,7 +44,7 @@ void pt_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
  * A block holds 16 output features for every input feature, so a decode step reads each weight once,
  * front to back. 16 rows of x at a time (transposed to (K, 16), zero-padded) give 16 independent
  * accumulators: one weight vector load feeds 16 FMAs. At 16 rows this runs at the FMA peak and near
- * memory bandwidth (~23 ms for SmolLM2-135M's 540 MB vs ~31 ms for oneDNN's packed kernel). */
+ * memory bandwidth, which oneDNN's packed kernel does not (timings in docs/rollout.md). */
 static inline __attribute__((always_inline)) void linear_tile(const float *xt, const float *wb, int64_t K,
                                                               v16 acc[16]) {
     v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};

@@ -10,7 +10,8 @@ against (tests/test_rollout_kernels.py).
 Five kernels:
 
 * ``linear(x, blocked, n, bias, add)``: the decoder's matmuls, with weights from ``pack_blocked``.
-  At 16 rows it runs near this machine's FMA peak, ~25% faster than oneDNN's prepacked kernel.
+  At 16 rows it runs near the FMA peak, which oneDNN's prepacked kernel does not reach
+  (timings in docs/rollout.md).
 * ``rms_norm(x, weight, eps)``: one pass over (n, d) rows.
 * ``silu_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` of the fused gate|up projection.
 * ``sample_cdf(probs, uniforms, block)``: the sampler's two-level inverse CDF

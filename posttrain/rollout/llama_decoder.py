@@ -1,8 +1,9 @@
 """The fast decoder: Llama-family models (Llama, Mistral, Qwen2, Qwen3) decoded by our own loop.
 
-Why not ``model.forward``: one decode step of a 135M model on 2 CPU cores is ~40 ms of matmuls, and
-the Hugging Face forward adds masks, cache bookkeeping and ~30 small ops per layer around them. This
-decoder reads the model's own weights and keeps only what a decode step needs:
+Why not ``model.forward``: a decode step of a small model is a few matmuls per layer, and the
+Hugging Face forward adds masks, cache bookkeeping and ~30 small ops per layer around them, which
+together cost a large share of the step (docs/rollout.md, "The measurements behind these choices").
+This decoder reads the model's own weights and keeps only what a decode step needs:
 
 * one preallocated KV cache ``(L, 2, n, K, S, D)``, each key block stored transposed as ``(D, S)``
   (the decode attention then sums over columns without horizontal adds); all rows are left-padded
@@ -12,11 +13,11 @@ decoder reads the model's own weights and keeps only what a decode step needs:
   and down_proj);
 * on CPU, the C kernels of ``posttrain.rollout.kernels`` for the matmuls (weights copied into their
   blocked layout), norms, rope, attention and SwiGLU; without a C compiler, weights prepacked for
-  oneDNN and torch ops. The weight copy (~0.2 s for 135M parameters, mostly page faults) is kept
-  for the next call while the weights are unchanged. "Unchanged" is checked on every call by each
-  parameter's storage pointer and version counter (optimizer steps, state-dict loads, in-place
-  ops) *and* its float32 sum (~20 ms for 135M parameters), because writes through ``param.data``
-  do not bump the version counter. Elsewhere, plain ``F.linear`` on fused weights.
+  oneDNN and torch ops. The weight copy (mostly page faults) is kept for the next call while the
+  weights are unchanged. "Unchanged" is checked on every call by each parameter's storage pointer
+  and version counter (optimizer steps, state-dict loads, in-place ops) *and* its float32 sum (a
+  small fraction of the copy's cost), because writes through ``param.data`` do not bump the
+  version counter. Elsewhere, plain ``F.linear`` on fused weights.
 
 It is checked against the model's own forward (logits) and against ``model.generate`` (greedy
 tokens) in tests/test_rollout_decoders.py. PEFT LoRA layers are supported by folding the active
@@ -143,7 +144,7 @@ class LlamaDecoder:
         L, K, D = len(self.layers), self.kv_heads, self.head_dim
         capacity = -(-capacity // 16) * 16  # the kernels read keys 16 columns at a time
         # Uninitialised on purpose: a column is always written (prompt or decode step) before any
-        # attention reads it, and zero-filling ~100 MB costs as much as the page faults it causes.
+        # attention reads it, and zero-filling the buffer costs as much as the page faults it causes.
         self.buffer = torch.empty(L, 2, max(B, max_rows), K, capacity, D, dtype=self.embed.dtype,
                                   device=self.embed.device)
         self.kv = self.buffer[:, :, :B]
@@ -209,9 +210,9 @@ class LlamaDecoder:
     def select(self, rows: torch.Tensor) -> None:
         """Keep (and reorder, or repeat) cache rows: new row i is old row ``rows[i]``. rows: (n,) long.
 
-        Done in place in the preallocated buffer when possible (a new 100 MB tensor per compaction
-        would cost ~40 ms of page faults): dropping rows (rows[i] >= i) copies forwards, repeating
-        them (rows[i] <= i) backwards, so no row is overwritten before it is read.
+        Done in place in the preallocated buffer when possible (a new buffer-sized tensor per
+        compaction would pay its page faults again): dropping rows (rows[i] >= i) copies forwards,
+        repeating them (rows[i] <= i) backwards, so no row is overwritten before it is read.
         """
         old, new = rows.tolist(), len(rows)
         forwards = all(j >= i for i, j in enumerate(old))
@@ -260,7 +261,7 @@ class LlamaDecoder:
     def _decode_kernels(self, tokens: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """``decode`` with norms, rope, cache writes, attention and SwiGLU in the C kernels (same result
         to float32 rounding; tests/test_rollout_kernels.py). The loop calls the C functions directly,
-        into reused buffers: at 16 rows a layer's non-matmul work is ~100 us, so wrappers show."""
+        into reused buffers: at 16 rows a layer's non-matmul work is so short that wrappers show."""
         n, column, d, eps = tokens.shape[0], self.column, self.hidden, self.eps
         library = kernels.load()
         norm, attend, swiglu = library.pt_rms_norm, library.pt_decode_attention, library.pt_silu_mul
