@@ -207,14 +207,42 @@ def build_config(cls, yaml_path: str | Path | None = None, overrides: dict[str, 
     """Defaults < YAML < overrides, type-checked, then `config.validate()` if the class has it: the
     one place a config is validated. `cls` is a config class or a function returning the defaults."""
     config = cls()
+    requires: list = []
     if yaml_path is not None:
-        _apply(config, load_yaml(yaml_path), str(yaml_path))
+        values = load_yaml(yaml_path)
+        requires = _requirements(values.pop("requires", []), yaml_path)
+        _apply(config, values, str(yaml_path))
     if overrides:
         _apply(config, overrides, "command line")
+    used = set(_strings(to_dict(config)))
+    for path, command in requires:
+        if path in used and not Path(path).exists():
+            raise UserError(f"{yaml_path}: {path} does not exist yet; make it first with: {command}")
     validate = getattr(config, "validate", None)
     if validate is not None:
         validate()
     return config
+
+
+def _requirements(entries: Any, yaml_path) -> list[tuple[str, str]]:
+    """A preset's `requires:` list: the files an earlier run makes (`path`) and the command that
+    makes each (`command`). Checked only for paths the final config still uses (an override of
+    `model` to another directory lifts the requirement)."""
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and set(e) == {"path", "command"} for e in entries):
+        raise UserError(f"{yaml_path}: 'requires' must be a list of {{path: ..., command: ...}} entries")
+    return [(str(e["path"]), str(e["command"])) for e in entries]
+
+
+def _strings(value: Any):
+    """Every string in a nested structure of dicts and lists."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
 
 
 def to_dict(config) -> dict[str, Any]:
