@@ -148,7 +148,7 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
     import torch
 
     from posttrain.config import build_config
-    from posttrain.recipes import online
+    from posttrain.recipes import online, online_config
     from posttrain.recipes.common import Timer
 
     total = steps + warmup
@@ -161,7 +161,7 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
     }
     if exact_kl_tokens is not None:
         settings["exact_kl_tokens"] = exact_kl_tokens
-    config = build_config(online.grpo_config, None, settings)
+    config = build_config(online_config.grpo_config, None, settings)
     # The recipe's own set-up and step (what `posttrain grpo` runs), without the run directory's
     # logging, held-out evaluation and checkpoints.
     state = online.setup(config, reward=lambda completion, example: numeric_reward(completion, example.get("answer")))

@@ -65,6 +65,8 @@ def _coerce(value: Any, annotation, where: str) -> Any:
                 errors.append(str(error))
         raise UserError(f"{where}: expected {_type_name(annotation)}, got {value!r}")
     if origin is Literal:
+        if value is None and "none" in args:  # `--key none` on the command line reads as null
+            value = "none"
         if value not in args:
             raise UserError(f"{where}: must be one of {', '.join(map(repr, args))}, got {value!r}")
         return value

@@ -92,14 +92,14 @@ def test_field_docs_and_help_rows():
 def test_a_preset_names_the_command_that_makes_what_it_requires(tmp_path):
     """`requires:` entries are checked against the final config: a missing path still in use is one
     line naming the command to run first; an override that no longer uses it lifts the requirement."""
-    from posttrain.recipes import online
+    from posttrain.recipes import online_config
 
     preset = Path(__file__).resolve().parent.parent / "presets" / "tiny-grpo.yaml"
     with pytest.raises(UserError, match=r"runs/tiny-sft/checkpoints/step-000400/model does not exist yet; make it first with: "
                                         r"posttrain sft --config presets/tiny-sft.yaml --output-dir runs/tiny-sft"):
-        build_config(online.grpo_config, preset, {"output_dir": str(tmp_path / "run")})
-    assert build_config(online.grpo_config, preset, {"model": "tiny"}).model == "tiny"
+        build_config(online_config.grpo_config, preset, {"output_dir": str(tmp_path / "run")})
+    assert build_config(online_config.grpo_config, preset, {"model": "tiny"}).model == "tiny"
     bad = tmp_path / "bad.yaml"
     bad.write_text("requires: [runs/x]\n")
     with pytest.raises(UserError, match="'requires' must be a list of"):
-        build_config(online.grpo_config, bad)
+        build_config(online_config.grpo_config, bad)

@@ -15,6 +15,7 @@ import torch
 from posttrain.config import build_config, parse_overrides
 from posttrain.errors import UserError
 from posttrain.recipes import online as grpo
+from posttrain.recipes import online_config
 from posttrain.recipes.online_data import ScoredBatch
 from posttrain.rewards import Verdict
 from posttrain.rewards.scores import Scores
@@ -29,8 +30,8 @@ SMALL = [
 ]
 
 
-def small_config(tmp_path, *extra) -> grpo.Config:
-    config = build_config(grpo.grpo_config, None, parse_overrides(SMALL + list(extra)))
+def small_config(tmp_path, *extra) -> online_config.Config:
+    config = build_config(online_config.grpo_config, None, parse_overrides(SMALL + list(extra)))
     config.output_dir = str(tmp_path / "run")
     return config
 

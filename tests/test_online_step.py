@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from posttrain.algorithms import clipped_surrogate
 from posttrain.config import build_config
 from posttrain.data.examples import derived_seed
-from posttrain.recipes import online
+from posttrain.recipes import online, online_config
 from posttrain.recipes.common import Timer
 from posttrain.rollout import generate
 from posttrain.recipes.online_data import ScoredBatch
@@ -62,7 +62,7 @@ def test_two_epochs_ratio_one_then_moved_and_clipped(monkeypatch):
     update; the first epoch's forward reproduces them (ratio exactly 1, nothing clipped), one AdamW
     step later the second epoch's ratios moved (a large lr: some beyond the clip bounds, and exactly
     those tokens are clipped)."""
-    config = build_config(online.grpo_config, None, {**SMALL, "update": {"epochs": 2, "micro_batch_size": 8}, "optim": {"lr": 3e-2, "max_grad_norm": None}})
+    config = build_config(online_config.grpo_config, None, {**SMALL, "update": {"epochs": 2, "micro_batch_size": 8}, "optim": {"lr": 3e-2, "max_grad_norm": None}})
     state = online.setup(config, reward=digits)
     batch = fixed_batch(state)
     calls = recorded_surrogates(monkeypatch)
@@ -82,7 +82,7 @@ def test_two_mini_batches_second_is_off_policy(monkeypatch):
     """mu = 1, 2 mini-batches of 4 rows (drawn by a seeded permutation): the first mini-batch is
     on-policy (ratio exactly 1), the second follows an optimizer step (ratio moved); two optimizer
     steps in all (the scheduler says so)."""
-    config = build_config(online.grpo_config, None, {**SMALL, "update": {"mini_batches": 2, "micro_batch_size": 8}, "optim": {"lr": 3e-2, "max_grad_norm": None}})
+    config = build_config(online_config.grpo_config, None, {**SMALL, "update": {"mini_batches": 2, "micro_batch_size": 8}, "optim": {"lr": 3e-2, "max_grad_norm": None}})
     state = online.setup(config, reward=digits)
     batch = fixed_batch(state)
     calls = recorded_surrogates(monkeypatch)
@@ -101,7 +101,7 @@ def test_two_mini_batches_second_is_off_policy(monkeypatch):
 def test_lora_two_steps(tmp_path, recipe):
     """GRPO and PPO with LoRA adapters, 2 steps: finite losses, the adapter changed, and the
     checkpoint is the adapter (the base weights are not rewritten)."""
-    factory = online.grpo_config if recipe == "grpo" else online.ppo_config
+    factory = online_config.grpo_config if recipe == "grpo" else online_config.ppo_config
     settings = {**SMALL, "lora_rank": 4, "max_steps": 2, "output_dir": str(tmp_path / recipe), "optim": {"lr": 1e-2}}
     if recipe == "ppo":
         settings["critic"] = {"lr": 1e-3}

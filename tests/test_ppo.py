@@ -10,6 +10,7 @@ import torch
 from posttrain.config import build_config, parse_overrides
 from posttrain.models import load_model
 from posttrain.recipes import online as ppo
+from posttrain.recipes import online_config
 from tests.rewards_for_tests import digits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +21,7 @@ SMALL = [
 
 
 def config_for(tmp_path, name, *extra):
-    config = build_config(ppo.ppo_config, None, parse_overrides(SMALL + list(extra)))
+    config = build_config(online_config.ppo_config, None, parse_overrides(SMALL + list(extra)))
     config.output_dir = str(tmp_path / name)
     return config
 

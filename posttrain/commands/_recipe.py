@@ -1,9 +1,10 @@
-"""Command-line glue shared by the recipe commands (sft, grpo, ppo, dpo, demo).
+"""Command-line glue shared by the commands whose settings are a config dataclass (sft, grpo, ppo,
+dpo, demo, and pairs, which is not a training recipe).
 
-Every recipe command takes `--config FILE`, `--output-dir DIR`, `--max-steps N`, `--seed N`,
-`--resume DIR` and any config field as `--key value` (dotted for sections). The recipe module is
-imported only when its command runs or shows --help, so other commands start without torch's
-heavier dependencies. (Skipped by command discovery: its name starts with an underscore.)
+Every such command takes `--config FILE` and any config field as `--key value` (dotted for
+sections); a recipe command also takes `--output-dir DIR`, `--max-steps N`, `--seed N` and
+`--resume DIR`. The module defining the settings is imported only when its command runs or shows
+--help, so other commands start without torch's heavier dependencies. (Skipped by command discovery: its name starts with an underscore.)
 """
 
 from __future__ import annotations
@@ -43,22 +44,26 @@ def resolve_config(config_cls, args: argparse.Namespace):
     return build_config(config_cls, args.config, overrides)
 
 
-def register_recipe(subparsers, name: str, module: str, help_text: str, config: str = "Config") -> None:
-    """Add `posttrain NAME` with the common flags; other `--key value` pairs override config fields.
+def settings_factory(module: str, config: str):
+    """The config class or defaults function `config` names: an attribute of `module`, or
+    "other.module:name". Imported on call."""
+    where, _, name = config.rpartition(":")
+    return getattr(importlib.import_module(where or module), name)
 
-    `module` (e.g. "posttrain.recipes.sft") must define `run(config, resume=False)` and `config`, the
-    name of its config class or of a function returning the command's default config (two
-    commands may share a module with different defaults: grpo and ppo).
-    It is imported only when the command runs or its --help is shown, so that every other command
-    starts without importing torch, transformers and peft.
+
+def config_command(subparsers, name: str, module: str, help_text: str, config: str = "Config",
+                   description: str | None = None) -> argparse.ArgumentParser:
+    """Add `posttrain NAME --config FILE --key value ...`: any field of the settings named `config` in
+    `module` (a dataclass, or a function returning the defaults) as `--key value`, dotted for
+    sections, and a --help that lists them. The caller adds its own flags and `func`.
+
+    `module` is imported only when --help is shown (or by the caller's `func`), so that every other
+    command starts without importing torch, transformers and peft.
     """
 
-    def recipe():
-        return importlib.import_module(module)
-
-    class RecipeParser(subparsers._parser_class):  # the CLI's one-line-error parser, plus a lazy epilog
+    class ConfigParser(subparsers._parser_class):  # the CLI's one-line-error parser, plus a lazy epilog
         def format_help(self) -> str:
-            fields = describe_fields(getattr(recipe(), config))
+            fields = describe_fields(settings_factory(module, config))
             width = max(len(key) for key, _, _ in fields)
             self.epilog = "config fields (as --key value, or in the YAML file):\n" + "\n".join(
                 f"  {key:<{width}}  {doc} [default {default}]" for key, default, doc in fields
@@ -66,19 +71,32 @@ def register_recipe(subparsers, name: str, module: str, help_text: str, config: 
             return super().format_help()
 
     parser = subparsers.add_parser(
-        name, help=help_text, description=help_text, allow_abbrev=False,
+        name, help=help_text, description=description or help_text, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.__class__ = RecipeParser
+    parser.__class__ = ConfigParser
     parser.add_argument("--config", help="YAML preset; its keys override the defaults")
+    parser.set_defaults(accepts_overrides=True)
+    return parser
+
+
+def register_recipe(subparsers, name: str, module: str, help_text: str, config: str = "Config") -> None:
+    """Add `posttrain NAME` with the common flags; other `--key value` pairs override config fields.
+
+    `module` (e.g. "posttrain.recipes.sft") must define `run(config, resume=False)`; `config` names
+    its config class or a function returning the command's default config, in `module` or as
+    "other.module:name" (two commands may share a recipe with different defaults: grpo and ppo).
+    It is imported only when the command runs or its --help is shown (see `config_command`).
+    """
+    parser = config_command(subparsers, name, module, help_text, config)
     parser.add_argument("--output-dir", help="run directory (default: runs/<recipe>-<time>)")
     parser.add_argument("--max-steps", type=int, help="training steps")
     parser.add_argument("--seed", type=int, help="random seed")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
 
     def handler(args) -> int:
-        loaded = recipe()
-        settings = resolve_config(getattr(loaded, config), args)
+        loaded = importlib.import_module(module)
+        settings = resolve_config(settings_factory(module, config), args)
         run_dir = loaded.run(settings, resume=bool(args.resume))
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone speaks
             return 0
@@ -86,4 +104,4 @@ def register_recipe(subparsers, name: str, module: str, help_text: str, config: 
         print(f"report: {report}" if report.is_file() else f"results: {run_dir}")
         return 0
 
-    parser.set_defaults(func=handler, accepts_overrides=True)
+    parser.set_defaults(func=handler)

@@ -5,4 +5,4 @@ from posttrain.commands._recipe import register_recipe
 
 def register(subparsers) -> None:
     register_recipe(subparsers, "grpo", "posttrain.recipes.online", "GRPO: group-relative advantages, clipped surrogate, no critic",
-                    config="grpo_config")
+                    config="posttrain.recipes.online_config:grpo_config")

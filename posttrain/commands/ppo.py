@@ -6,4 +6,4 @@ from posttrain.commands._recipe import register_recipe
 
 def register(subparsers) -> None:
     register_recipe(subparsers, "ppo", "posttrain.recipes.online", "PPO with a learned critic: GAE, clipped surrogate, clipped value loss",
-                    config="ppo_config")
+                    config="posttrain.recipes.online_config:ppo_config")

@@ -86,7 +86,7 @@ def stage_config(module, values: dict[str, Any]):
 
 def run(config: Config, resume: bool = False) -> Path:
     """Run every stage; returns the demo directory (with report.md and summary.json)."""
-    from posttrain.recipes import dpo, online, pairs, sft
+    from posttrain.recipes import dpo, online, online_config, pairs, sft
 
     if resume:
         raise UserError("the demo always starts over; run it again without --resume")
@@ -122,7 +122,7 @@ def run(config: Config, resume: bool = False) -> Path:
 
     # 3. GRPO with the programmatic verifier.
     clock = time.perf_counter()
-    grpo_dir = online.run(build_config(online.grpo_config, None, {
+    grpo_dir = online.run(build_config(online_config.grpo_config, None, {
         "model": start_model, "reward": "exact", "seed": seed, "max_steps": config.grpo_steps,
         "checkpoint_every": config.grpo_steps, "output_dir": str(out / "grpo"),
         "data": {"task": task, "task_options": options, "eval_size": config.eval_size,

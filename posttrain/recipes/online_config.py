@@ -1,0 +1,229 @@
+"""The settings of the online recipe (`posttrain grpo`, `posttrain ppo`): one section per link,
+the critic and the update, checked in `validate` (called once, by `build_config`), and the two
+commands' default configs. What the recipe does with them is `online.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from posttrain.algorithms.policy import AGGREGATIONS
+from posttrain.config import RunFields
+from posttrain.distributed import Parallel
+from posttrain.errors import UserError
+from posttrain.recipes.common import Optimization
+from posttrain.rollout import SamplingConfig
+
+
+@dataclass
+class Data:
+    """Link 1, data: which prompts, how many per step, and the held-out split kept apart."""
+
+    task: str = "arithmetic"
+    """Task spec: arithmetic | rg:<dataset> | humaneval | a JSONL prompt file."""
+    task_options: dict = field(default_factory=dict)
+    """Task options, e.g. {digits: 2} for arithmetic or a reasoning-gym dataset's config."""
+    train_size: int = 20000
+    """Training prompts (procedural tasks generate this many)."""
+    eval_size: int = 200
+    """Held-out prompts, disjoint from training (checked)."""
+    prompts_per_step: int = 8
+    """B: prompts sampled per step."""
+    group_size: int = 8
+    """G: completions per prompt (>= 2 for group advantages; 1 is fine with a critic)."""
+    system_prompt: str | None = None
+    """Optional system prompt for chat models."""
+
+
+GROUP_ONLY = ("advantage_scale", "advantage_eps", "unbiased_std")
+"""Loss fields of group-relative advantages only."""
+GAE_ONLY = ("gamma", "lam", "whiten_advantages")
+"""Loss fields of GAE only."""
+
+
+@dataclass
+class Loss:
+    """Link 3, loss: every setting that makes two "GRPO"s (or "PPO"s) differ, each named."""
+
+    advantage: Literal["group", "gae"] = "group"
+    """group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO)."""
+    clip_low: float = 0.2
+    """Ratio clipped below at 1 - clip_low."""
+    clip_high: float = 0.2
+    """Ratio clipped above at 1 + clip_high (DAPO clip-higher: 0.28)."""
+    dual_clip: float | None = None
+    """Cap negative-advantage losses at dual_clip * |A| (c > 1; None: off)."""
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    """group advantages: divide by the group std (GRPO), the batch std, or nothing (Dr. GRPO)."""
+    advantage_eps: float = 1e-6
+    """group advantages: added to the std before dividing."""
+    unbiased_std: bool = False
+    """group advantages: False: population std (denominator G, as in the seed); True: G - 1."""
+    gamma: float = 1.0
+    """gae: discount over tokens."""
+    lam: float = 0.95
+    """gae: lambda."""
+    whiten_advantages: bool = True
+    """gae: normalise advantages to zero mean, unit std over the batch's response tokens."""
+    aggregation: str = "token_mean"
+    """token_mean | seq_mean_token_mean (GRPO paper) | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO)."""
+    kl_beta: float = 0.0
+    """KL coefficient; 0 loads no reference model at all."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Sampled KL estimator."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """KL as a loss term, or in the reward: for group advantages each sequence's summed estimate
+    is subtracted from its reward; for gae each token's estimate is a per-token penalty."""
+    reference_refresh_every: int = 0
+    """Copy the policy into the reference every N steps (0: never; recorded in the run card)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
+    max_refill_rounds: int = 3
+    """Dynamic sampling: at most this many extra sampling rounds per step."""
+    mask_truncated: bool = False
+    """Leave completions that hit max_new_tokens out of the loss (DAPO overlong filtering)."""
+
+    def settings(self) -> dict[str, Any]:
+        """The fields that apply to this advantage estimator (for the run card)."""
+        unused = GAE_ONLY if self.advantage == "group" else GROUP_ONLY
+        return {key: value for key, value in dataclasses.asdict(self).items() if key not in unused}
+
+    def kl_meaning(self) -> str:
+        """What `kl_placement` does for this advantage estimator, in words (for the run card)."""
+        if self.kl_beta == 0:
+            return "no KL term (kl_beta = 0)"
+        if self.kl_placement == "loss":
+            return f"beta x the per-token {self.kl_estimator} estimate added to each token's loss, aggregated like the policy loss"
+        if self.advantage == "group":
+            return (f"per-sequence sum: each sequence's reward minus beta x the sum of its per-token {self.kl_estimator} "
+                    "estimates, before the group advantages")
+        return f"per-token penalty: -beta x the {self.kl_estimator} estimate in each token's reward before GAE (Ouyang et al. eq. 2)"
+
+
+@dataclass
+class Critic:
+    """The value model (used only with `loss.advantage: gae`)."""
+
+    share_backbone: bool = False
+    """True: a value head on the policy's own backbone; False: a separate copy of it."""
+    lr: float = 1e-5
+    """Critic learning rate (value head, and the separate backbone)."""
+    value_clip: float | None = 0.2
+    """Clip new values to old +- value_clip in the value loss (None: off)."""
+    value_coef: float = 0.5
+    """Weight of the value loss in the total loss."""
+    warmup_steps: int = 0
+    """Steps at the start that train only the critic (the policy is left unchanged)."""
+
+
+@dataclass
+class Update:
+    """How one batch of rollouts is turned into optimizer steps."""
+
+    epochs: int = 1
+    """mu: passes over the batch with the old log-probs fixed (1: on-policy, ratio exactly 1 at first)."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the batch's rows split evenly)."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward; accumulation does not change the gradient (global normalisers)."""
+
+
+@dataclass
+class Acceptance:
+    """Link 4, acceptance: held-out problems scored by a checker chosen apart from the reward."""
+
+    checker: str | None = None
+    """Held-out checker (a verifier name); None: the task's strict default."""
+    eval_every: int = 10
+    """Evaluate every N steps (0: only at the start and the end)."""
+    k: int = 1
+    """Also report pass@k from k samples per problem (1: greedy pass@1 only)."""
+    alarm_window: int = 3
+    """Divergence alarm: evaluations to look back over."""
+    alarm_reward_rise: float = 0.1
+    """Divergence alarm: training-reward rise over the window that, without held-out gain, rings it."""
+
+
+@dataclass
+class Config(RunFields):
+    model: str = "tiny"
+    """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
+    lora_rank: int = 0
+    """LoRA rank (0: train all weights)."""
+    lora_alpha: float = 16.0
+    """LoRA alpha."""
+    data: Data = field(default_factory=Data)
+    """Link 1: prompts and groups."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
+    """Rollout sampling settings (the training log-probs use the same temperature)."""
+    reward: str = "exact"
+    """Link 2: the training verifier (posttrain.rewards name, weighted sum, or callable:<path>)."""
+    loss: Loss = field(default_factory=Loss)
+    """Link 3: the loss settings."""
+    critic: Critic = field(default_factory=Critic)
+    """The value model (loss.advantage gae only)."""
+    update: Update = field(default_factory=Update)
+    """Epochs, mini-batches and micro-batches."""
+    optim: Optimization = field(default_factory=lambda: Optimization(lr=1e-5))
+    """Optimizer and schedule (a critic uses critic.lr with the same schedule)."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    """Link 4: held-out evaluation."""
+    parallel: Parallel = field(default_factory=Parallel)
+    """Under torchrun: DDP or FSDP2 (FSDP2: group advantages only); ignored in one process."""
+    samples_per_step: int = 4
+    """Rows per step written to samples.jsonl."""
+    exact_kl_tokens: int = 64
+    """Tokens per step on which the exact full-vocabulary KL is logged (needs kl_beta > 0)."""
+
+    def validate(self) -> None:
+        super().validate()
+        self.optim.validate()
+        self.parallel.validate()
+        data, loss, update, critic = self.data, self.loss, self.update, self.critic
+        gae_mode = loss.advantage == "gae"
+        if data.group_size < (1 if gae_mode else 2):
+            raise UserError(f"data.group_size must be at least 2 (a group of one has no relative signal), got {data.group_size}"
+                            if not gae_mode else f"data.group_size must be at least 1, got {data.group_size}")
+        for name in ("train_size", "eval_size", "prompts_per_step"):
+            if getattr(data, name) < 1:
+                raise UserError(f"data.{name} must be at least 1, got {getattr(data, name)}")
+        if loss.aggregation not in AGGREGATIONS:  # a str, not a Literal: this message names the field the way users read it
+            raise UserError(f"loss.aggregation must be one of {', '.join(AGGREGATIONS)}, got {loss.aggregation!r}")
+        if loss.clip_low < 0 or loss.clip_low >= 1 or loss.clip_high < 0:
+            raise UserError(f"loss.clip_low must be in [0, 1) and clip_high >= 0, got {loss.clip_low}, {loss.clip_high}")
+        if loss.dual_clip is not None and loss.dual_clip <= 1:
+            raise UserError(f"loss.dual_clip must be > 1, got {loss.dual_clip}")
+        if loss.kl_beta < 0 or loss.advantage_eps < 0:
+            raise UserError("loss.kl_beta and loss.advantage_eps must be >= 0")
+        if not 0 <= loss.gamma <= 1 or not 0 <= loss.lam <= 1:
+            raise UserError(f"loss.gamma and loss.lam must be in [0, 1], got {loss.gamma}, {loss.lam}")
+        if loss.reference_refresh_every and loss.kl_beta == 0:
+            raise UserError("loss.reference_refresh_every needs a reference: set loss.kl_beta > 0")
+        if loss.dynamic_sampling and data.group_size < 2:
+            raise UserError("loss.dynamic_sampling needs groups: data.group_size >= 2")
+        if critic.lr <= 0 or critic.value_coef < 0 or critic.warmup_steps < 0:
+            raise UserError("critic.lr must be > 0, critic.value_coef and critic.warmup_steps >= 0")
+        if not gae_mode and critic != Critic():
+            raise UserError("the critic section applies to loss.advantage gae (posttrain ppo) only")
+        defaults = Loss()
+        for name in GAE_ONLY if not gae_mode else GROUP_ONLY:
+            if getattr(loss, name) != getattr(defaults, name):
+                raise UserError(f"loss.{name} applies to loss.advantage {'gae' if not gae_mode else 'group'} only (this run: {loss.advantage})")
+        rows = data.prompts_per_step * data.group_size
+        if update.epochs < 1 or update.mini_batches < 1 or update.micro_batch_size < 1:
+            raise UserError("update.epochs, update.mini_batches and update.micro_batch_size must be >= 1")
+        if rows % update.mini_batches:
+            raise UserError(f"{rows} rows per step (prompts_per_step x group_size) do not split into {update.mini_batches} mini-batches")
+
+
+def grpo_config() -> Config:
+    """`posttrain grpo`'s defaults: group-relative advantages, no critic, no KL."""
+    return Config()
+
+
+def ppo_config() -> Config:
+    """`posttrain ppo`'s defaults: GAE from a critic, one sample per prompt, a k1 KL penalty in the reward."""
+    return Config(data=Data(group_size=1), loss=Loss(advantage="gae", kl_beta=0.05, kl_estimator="k1", kl_placement="reward"),
+                  exact_kl_tokens=0)
