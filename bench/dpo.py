@@ -9,9 +9,8 @@ precomputed reference log-probs (the one-off pass is timed separately).
     .venv/bin/python bench/dpo.py [--steps 8] [--warmup 2] [--threads 1] [--model smollm2-135m]
 
 Threads: one torch thread per process by default (`--threads 0`: torch's default, one per core), as in
-bench/grpo.py: on this shared 2-core machine two OpenMP threads collapse when any other process wants
-a core (a 2-thread run at load ~4-6 gave TRL 0.092 steps/s live and 0.015 precomputed), so two-thread
-numbers measure the neighbours.
+bench/grpo.py: on a shared 2-core machine two OpenMP threads collapse when any other process wants a
+core, so two-thread numbers measure the neighbours (docs/dpo.md, "Benchmark", has the run that showed it).
 
 The last line is `RESULT dpo: ours=X peer=Y unit=steps/s ratio=R` (live reference, R = ours/peer).
 """
@@ -52,8 +51,9 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
     import torch
 
     from posttrain.config import build_config
-    from posttrain.data import PreferencePair
+    from posttrain.data import PreferencePair, tokenize_preference_pairs
     from posttrain.models import make_reference
+    from posttrain.models.pair_forward import reference_logprobs
     from posttrain.recipes import dpo
     from posttrain.recipes.common import clip_and_step, load_policy, make_optimizer
 
@@ -65,9 +65,13 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
         "data": {"pairs": "bench", "use_chat_template": False}, "batch_size": BATCH, "micro_batch_size": BATCH,
         "optim": {"lr": 1e-6}, "loss": {"reference": "precomputed" if precomputed else "live"},
     })
+    def encode(rows):  # as the recipe tokenises (no system prompt: the pairs file has no provenance)
+        return tokenize_preference_pairs(tokenizer, rows, truncation=config.data.truncation(), use_chat_template=config.data.use_chat_template)
+
     started = time.perf_counter()
     if precomputed:
-        cache, reference = dpo.reference_logprobs(policy, tokenizer, pairs, config.data, BATCH), None
+        batches = (encode(pairs[start : start + BATCH]) for start in range(0, len(pairs), BATCH))
+        cache, reference = reference_logprobs(policy, batches), None
     else:
         cache, reference = None, make_reference(policy)
     setup_seconds = time.perf_counter() - started
@@ -78,10 +82,10 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
         if step == warmup:
             started = time.perf_counter()
         rows_of_step = slice(step * BATCH, (step + 1) * BATCH)
-        batch = dpo.tokenize(tokenizer, pairs[rows_of_step], config.data)
+        batch = encode(pairs[rows_of_step])
         tokens += int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum()) if step >= warmup else 0
         ref = cache[rows_of_step] if cache is not None else None
-        dpo.train_step(policy, reference, ref, batch, config)
+        dpo.train_step(policy, reference, ref, batch, config.loss, config.micro_batch_size)
         clip_and_step(policy.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
     seconds = time.perf_counter() - started
     return {"steps_per_second": steps / seconds, "tokens_per_step": tokens / steps, "reference_seconds": setup_seconds,

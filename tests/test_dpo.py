@@ -2,6 +2,7 @@
 and right padding, precomputed = live reference, LoRA reference = base model, every loss type by
 hand, micro-batch invariance, the displacement alarm, smoke runs, bad configs, SIGKILL resume."""
 
+import copy
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,14 @@ from posttrain.config import build_config, parse_overrides
 from posttrain.data import (
     PreferencePair, TruncationPolicy, collate_token_ids, encode_prompt, encode_response, tokenize_preference_pairs,
 )
+from posttrain.algorithms import PREFERENCE_LOSSES
 from posttrain.data.preference import PreferenceBatch
+from posttrain.data.provenance import write_with_provenance
+from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
 from posttrain.models import forward as model_forward
-from posttrain.recipes import dpo, preference_data
+from posttrain.models import pair_forward
+from posttrain.recipes import dpo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,8 +64,8 @@ def pairs_of(rows) -> list[PreferencePair]:
     return [PreferencePair(r["id"], r["prompt"], r["chosen"], r["rejected"]) for r in rows]
 
 
-def sums(chosen, rejected, chosen_lengths=(1,), rejected_lengths=(1,)) -> dpo.PairLogprobs:
-    return dpo.PairLogprobs(torch.tensor(chosen), torch.tensor(rejected), torch.tensor(chosen_lengths), torch.tensor(rejected_lengths))
+def sums(chosen, rejected, chosen_lengths=(1,), rejected_lengths=(1,)) -> pair_forward.PairLogprobs:
+    return pair_forward.PairLogprobs(torch.tensor(chosen), torch.tensor(rejected), torch.tensor(chosen_lengths), torch.tensor(rejected_lengths))
 
 
 def test_seed_pair_through_the_recipe_loss():
@@ -95,6 +101,12 @@ def test_each_loss_type_by_hand(loss, expected):
     assert losses.item() == pytest.approx(expected, abs=1e-5)
 
 
+def test_every_loss_type_is_a_row_of_the_one_table():
+    """The config's choices, the loss table and the run card's descriptions name the same losses."""
+    choices = typing.get_args(typing.get_type_hints(dpo.Loss)["type"])
+    assert set(choices) == set(PREFERENCE_LOSSES) == set(dpo.OBJECTIVES)
+
+
 def naive_response_sum(model, prompt_ids, response_ids) -> float:
     """One unpadded sequence, full log-softmax, sum of the response tokens' log-probs."""
     ids = torch.tensor([prompt_ids + response_ids])
@@ -120,7 +132,7 @@ def test_masked_sums_equal_unpadded_sums_with_left_and_right_padding(padding_sid
     batch = PreferenceBatch(chosen=halves[0], rejected=halves[1], kept=[0, 1], counts=None)
     assert (both.attention_mask == 0).any(), "the batch must contain padding"
     with torch.no_grad():
-        result = dpo.pair_logprobs(model, batch)
+        result = pair_forward.pair_logprobs(model, batch)
     for i in range(2):
         assert result.chosen[i].item() == pytest.approx(naive_response_sum(model, prompt_ids[i], chosen_ids[i]), abs=1e-4)
         assert result.rejected[i].item() == pytest.approx(naive_response_sum(model, prompt_ids[i], rejected_ids[i]), abs=1e-4)
@@ -137,19 +149,19 @@ def test_policy_equal_to_reference_gives_ln2_and_precomputed_equals_live(tmp_pat
     pairs = pairs_of(arithmetic_pairs(4))
     batch = tokenize_preference_pairs(tokenizer, pairs)
     reference = make_reference(policy)
-    live = dpo.train_step(policy, reference, None, batch, config)
+    live = dpo.train_step(policy, reference, None, batch, config.loss, config.micro_batch_size)
     live_grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
-    cached = dpo.reference_logprobs(policy, tokenizer, pairs, config.data, micro_batch_size=3)
+    cached = pair_forward.reference_logprobs(policy, (tokenize_preference_pairs(tokenizer, pairs[start : start + 3]) for start in (0, 3)))
     assert cached.shape == (4, 2)
-    precomputed = dpo.train_step(policy, None, cached, batch, config)
+    precomputed = dpo.train_step(policy, None, cached, batch, config.loss, config.micro_batch_size)
     assert live["loss"] == pytest.approx(math.log(2), abs=1e-6) and precomputed["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert live["logps/chosen"] < -5 and live["rewards/accuracy"] == 0.0 and live["logratio/chosen"] == 0.0
     for name, param in policy.named_parameters():
         assert torch.allclose(param.grad, live_grads[name], atol=1e-6), name
     # After an optimizer step the live reference still gives the cached values.
     torch.optim.SGD(policy.parameters(), lr=0.1).step()
-    again = dpo.pair_logprobs(reference, batch)
+    again = pair_forward.pair_logprobs(reference, batch)
     assert torch.allclose(torch.stack([again.chosen, again.rejected], 1), cached, atol=1e-4)
 
 
@@ -166,7 +178,7 @@ def test_lora_reference_is_the_base_model():
     reference = make_reference(policy)
     assert reference.adapter_disabled
     with torch.no_grad():
-        ours, expected, adapted = dpo.pair_logprobs(reference, batch), dpo.pair_logprobs(base, batch), dpo.pair_logprobs(policy, batch)
+        ours, expected, adapted = pair_forward.pair_logprobs(reference, batch), pair_forward.pair_logprobs(base, batch), pair_forward.pair_logprobs(policy, batch)
     assert torch.allclose(ours.chosen, expected.chosen, atol=1e-5) and torch.allclose(ours.rejected, expected.rejected, atol=1e-5)
     assert not torch.allclose(adapted.chosen, expected.chosen, atol=1e-2), "the adapters should change the policy"
 
@@ -203,7 +215,7 @@ def test_shared_prompt_forward_equals_the_concatenated_forward(padding_side, lor
                                        for key in ("input_ids", "attention_mask", "mask"))
     weights = torch.linspace(-1.0, 2.0, input_ids.shape[0])  # a different gradient per row
     results = []
-    for forward in (preference_data.response_sums, preference_data.shared_prompt_sums):
+    for forward in (model_forward.response_sums, pair_forward.shared_prompt_sums):
         model.zero_grad(set_to_none=True)
         sums, lengths = forward(model, input_ids, attention_mask, mask)
         (sums * weights).sum().backward()
@@ -214,7 +226,7 @@ def test_shared_prompt_forward_equals_the_concatenated_forward(padding_side, lor
     for name, grad in plain_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     reference = make_reference(model)  # for LoRA the base model: the adapters go off in both calls
-    shared, plain = dpo.pair_logprobs(reference, batch), dpo.pair_logprobs(reference, batch, full_forward=True)
+    shared, plain = pair_forward.pair_logprobs(reference, batch), pair_forward.pair_logprobs(reference, batch, full_forward=True)
     torch.testing.assert_close(shared.chosen, plain.chosen, atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(shared.rejected, plain.rejected, atol=1e-5, rtol=1e-6)
 
@@ -227,16 +239,16 @@ def test_shared_prompt_forward_embeds_each_prompt_once_and_falls_back(monkeypatc
     shapes = []
     model.get_input_embeddings().register_forward_hook(lambda module, args, output: shapes.append(tuple(args[0].shape)))
     with torch.no_grad():
-        shared = dpo.pair_logprobs(model, batch)
+        shared = pair_forward.pair_logprobs(model, batch)
         P = int((batch.chosen.attention_mask.bool() & ~batch.chosen.mask).sum(-1).max())
         T = int(torch.cat([batch.chosen.mask, batch.rejected.mask]).sum(-1).max())
         assert shapes == [(4, P), (10, T - 1)]
         shapes.clear()
-        full = dpo.pair_logprobs(model, batch, full_forward=True)
+        full = pair_forward.pair_logprobs(model, batch, full_forward=True)
         assert shapes == [(10, batch.chosen.input_ids.shape[1])]
         monkeypatch.setattr(model_forward, "SUPPORTED_MODEL_TYPES", ())
-        assert preference_data.shared_prompt_sums(model, batch.chosen.input_ids, batch.chosen.attention_mask, batch.chosen.mask) is None
-        fallback = dpo.pair_logprobs(model, batch)
+        assert pair_forward.shared_prompt_sums(model, batch.chosen.input_ids, batch.chosen.attention_mask, batch.chosen.mask) is None
+        fallback = pair_forward.pair_logprobs(model, batch)
     for result in (full, fallback):
         torch.testing.assert_close(result.chosen, shared.chosen, atol=1e-5, rtol=1e-6)
         torch.testing.assert_close(result.rejected, shared.rejected, atol=1e-5, rtol=1e-6)
@@ -256,7 +268,7 @@ def test_micro_batch_split_gives_the_same_gradient(tmp_path, pairs_file):
     for micro in (4, 1):
         config = small_config(tmp_path, pairs_file, "--loss.nll_weight", "0.5", "--micro_batch_size", str(micro))
         policy.zero_grad()
-        metrics = dpo.train_step(policy, reference, None, batch, config)
+        metrics = dpo.train_step(policy, reference, None, batch, config.loss, config.micro_batch_size)
         results.append((metrics, {n: p.grad.clone() for n, p in policy.named_parameters()}))
     (first, grads), (second, other) = results
     assert first["loss"] != pytest.approx(math.log(2), abs=1e-3)
@@ -267,14 +279,14 @@ def test_micro_batch_split_gives_the_same_gradient(tmp_path, pairs_file):
 
 
 def test_displacement_alarm_rings_once_when_chosen_falls_while_accuracy_rises():
-    alarm = dpo.DisplacementAlarm(threshold=1.0, window=2)
+    alarm = DisplacementAlarm(threshold=1.0, window=2)
     assert alarm.observe(1, 0.0, 0.0) is None
     assert alarm.observe(2, -0.5, 0.5) is None  # mean over the last 2 steps -0.25: above -1
     # steps 2-3: mean chosen log-ratio -1.75 < -1, accuracy 0.5 > 0.25 (steps 1-2): rings
     message = alarm.observe(3, -3.0, 0.5)
     assert message is not None and "step 3" in message and alarm.rings == [message]
     assert alarm.observe(4, -9.0, 1.0) is None, "rings once"
-    calm = dpo.DisplacementAlarm(threshold=1.0, window=2)
+    calm = DisplacementAlarm(threshold=1.0, window=2)
     for step, (ratio, accuracy) in enumerate([(0.0, 0.5), (-4.0, 0.5), (-5.0, 0.25)], start=1):
         assert calm.observe(step, ratio, accuracy) is None, "accuracy did not rise: no alarm"
 
@@ -292,7 +304,9 @@ LOSS_VARIANTS = [
 @pytest.mark.parametrize("variant", LOSS_VARIANTS, ids=lambda v: v[1])
 def test_smoke_each_loss(tmp_path, pairs_file, variant):
     config = small_config(tmp_path, pairs_file, *variant)
+    before = copy.deepcopy(config)
     run_dir = dpo.run(config)
+    assert config == before, "run() does not change its config"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert rows[0]["heldout/preference_accuracy"] == 0.0 and rows[0]["heldout/margins"] == 0.0
@@ -319,12 +333,10 @@ def test_cli_smoke_and_provenance_in_the_card(tmp_path, pairs_file):
     """Through the CLI, on a file with a `posttrain pairs` sidecar: the card says who labelled the
     pairs, the held-out task accuracy is measured, and the pairs' prompts in the held-out split are
     removed from training."""
-    from posttrain.recipes.pairs import write_atomically
-
     rows = arithmetic_pairs()
     provenance = {"model": "tiny", "verifier": "exact", "task": "arithmetic", "task_options": {}, "eval_size": 4, "seed": 0,
                   "group_size": 4, "sampling": {"temperature": 1.0}, "system_prompt": "Answer in tags."}
-    write_atomically(tmp_path / "verified.jsonl", rows, provenance)
+    write_with_provenance(tmp_path / "verified.jsonl", rows, provenance)
     result = subprocess.run(
         [sys.executable, "-m", "posttrain", "dpo", "--data.pairs", str(tmp_path / "verified.jsonl"), "--max-steps", "1",
          "--batch_size", "2", "--data.heldout_pairs", "0", "--acceptance.max_new_tokens", "4", "--output-dir", str(tmp_path / "run")],

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.data import load_preference_file
-from posttrain.recipes.pairs import file_sha256, pair_up, provenance_path
+from posttrain.data.provenance import file_sha256, provenance_path
+from posttrain.recipes.pairs import pair_up
 from posttrain.rewards import Verdict
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from posttrain.algorithms import (
+    PAIR_METRICS,
     PREFERENCE_LOSSES,
     dpo_loss,
     hinge_loss,
     ipo_loss,
     length_normalized_dpo_loss,
+    pair_columns,
+    pair_metrics,
     robust_dpo_loss,
 )
 
@@ -101,7 +104,36 @@ def test_length_normalized_is_a_different_objective():
 
 def test_registry_returns_per_pair_losses_and_rewards():
     chosen, rejected = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    ones = torch.ones(5, dtype=torch.long)  # one token per response: length_normalized then equals sigmoid
     for name, loss_fn in PREFERENCE_LOSSES.items():
-        losses, chosen_rewards, rejected_rewards = loss_fn(chosen, rejected, chosen * 0.5, rejected * 0.5, beta=0.1)
+        losses, chosen_rewards, rejected_rewards = loss_fn(chosen, rejected, chosen * 0.5, rejected * 0.5, ones, ones, beta=0.1)
         assert losses.shape == chosen_rewards.shape == rejected_rewards.shape == (5,), name
         assert torch.allclose(chosen_rewards, 0.1 * (chosen - chosen * 0.5)), name
+
+
+def test_one_signature_refuses_what_a_loss_does_not_take():
+    """ipo and hinge take no label smoothing; length_normalized needs the lengths."""
+    for name in ("ipo", "hinge", "length_normalized"):
+        with pytest.raises(ValueError, match="label smoothing"):
+            PREFERENCE_LOSSES[name](*SEED, t(4.0), t(2.0), beta=0.2, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="lengths"):
+        PREFERENCE_LOSSES["length_normalized"](*SEED, beta=0.2)
+
+
+def test_pair_metrics_by_hand():
+    """Two pairs. Policy chosen [-2, -1], rejected [-4, -1]; reference chosen [-3, -1], rejected [-3, -2].
+    Log-ratios: chosen [1, 0], rejected [-1, 1]; beta 0.5 -> rewards chosen [0.5, 0], rejected
+    [-0.5, 0.5]; margins [1, -0.5], mean 0.25; accuracy 1/2 (the second pair's chosen reward is lower).
+    Losses softplus(-1) = 0.313262 and softplus(0.5) = 0.974077, mean 0.643669."""
+    chosen, rejected, ref_chosen, ref_rejected = t(-2.0, -1.0), t(-4.0, -1.0), t(-3.0, -1.0), t(-3.0, -2.0)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.5)
+    columns = pair_columns(losses, chosen_rewards, rejected_rewards, chosen, rejected, ref_chosen, ref_rejected)
+    assert columns.shape == (7, 2) and not columns.requires_grad
+    metrics = pair_metrics(columns)
+    assert list(metrics) == list(PAIR_METRICS)
+    expected = {
+        "loss/preference": 0.643669, "rewards/chosen": 0.25, "rewards/rejected": 0.0, "rewards/margins": 0.25,
+        "rewards/accuracy": 0.5, "logps/chosen": -1.5, "logps/rejected": -2.5, "logratio/chosen": 0.5, "logratio/rejected": 0.0,
+    }
+    for key, value in expected.items():
+        assert metrics[key].dim() == 0 and metrics[key].item() == pytest.approx(value, abs=1e-6), key

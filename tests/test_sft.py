@@ -8,7 +8,7 @@ import torch
 from posttrain.data import tokenize_prompt_response
 from posttrain.models import LoraSettings, apply_lora, build_tiny_model, lean_mlp
 from posttrain.models.forward import TrainingForward, batch_response_sums
-from posttrain.recipes.sft import sft_loss
+from posttrain.recipes.sft import sft_loss, train_step
 
 PROMPTS = ["12+30=", "7+5=", "101+99=", "3+4="]
 RESPONSES = ["<answer>42</answer>", "<answer>12</answer>", "<answer>200</answer>", "7"]
@@ -56,3 +56,21 @@ def test_micro_batches_add_up_to_the_batch_loss_and_gradient():
     (parts_grad,) = torch.autograd.grad(sum(parts), model.lm_head.weight)
     assert torch.allclose(sum(parts), whole, atol=1e-6)
     assert torch.allclose(parts_grad, whole_grad, atol=1e-6)
+
+
+def test_train_step_is_the_same_whatever_the_micro_batch():
+    """The public step over 4 rows in one micro-batch and in micro-batches of 3 (3 + 1 rows): the
+    same token-mean loss (the naive full-logits NLL) and the same gradient."""
+    model, tokenizer = build_tiny_model(seed=7)
+    batch = tokenize_prompt_response(tokenizer, PROMPTS, RESPONSES)
+    results = []
+    for micro_batch_size in (4, 3):
+        model.zero_grad(set_to_none=True)
+        metrics = train_step(TrainingForward(model, batch_response_sums), batch, micro_batch_size)
+        results.append((metrics["loss"], {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (whole, whole_grads), (split, split_grads) = results
+    with torch.no_grad():
+        assert whole == pytest.approx(naive_loss(model, batch).item(), abs=1e-5)
+    assert split == pytest.approx(whole, abs=1e-6)
+    for name, grad in whole_grads.items():
+        assert torch.allclose(split_grads[name], grad, atol=1e-6), name

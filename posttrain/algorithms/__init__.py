@@ -16,18 +16,24 @@ from posttrain.algorithms.kl import ESTIMATORS, exact_kl, kl_estimate, kl_penali
 from posttrain.algorithms.logprobs import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss
 from posttrain.algorithms.preference import (
+    LABEL_SMOOTHED,
+    PAIR_METRICS,
     PREFERENCE_LOSSES,
     conservative_dpo_loss,
     dpo_loss,
     hinge_loss,
     ipo_loss,
     length_normalized_dpo_loss,
+    pair_columns,
+    pair_metrics,
     robust_dpo_loss,
 )
 
 __all__ = [
     "AGGREGATIONS",
     "ESTIMATORS",
+    "LABEL_SMOOTHED",
+    "PAIR_METRICS",
     "PREFERENCE_LOSSES",
     "aggregate",
     "clipped_surrogate",
@@ -45,6 +51,8 @@ __all__ = [
     "kl_penalized_rewards",
     "length_normalized_dpo_loss",
     "masked_mean",
+    "pair_columns",
+    "pair_metrics",
     "response_logprobs",
     "rloo_advantages",
     "robust_dpo_loss",

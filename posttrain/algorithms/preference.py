@@ -1,15 +1,22 @@
-"""Preference losses (DPO family) over sequence log-probs of chosen and rejected responses.
+"""Preference losses (DPO family) over sequence log-probs of chosen and rejected responses, and
+the per-pair metrics a DPO step logs.
 
-Every loss takes the summed response log-probs of the policy and of the frozen reference and
-returns `(losses, chosen_rewards, rejected_rewards)`, all (P,) for P pairs. The implicit rewards
-are beta * (log pi - log pi_ref) per response (DPO, arXiv:2305.18290 section 5), detached, for
-metrics. With
+Every loss has one signature,
+
+    loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+         chosen_lengths=None, rejected_lengths=None, *, beta, label_smoothing) -> (losses, chosen_rewards, rejected_rewards)
+
+with the summed response log-probs of the policy and of the frozen reference, all (P,) for P pairs
+(lengths: response tokens per row; only the length-normalised loss uses them, the others ignore
+them). The implicit rewards are beta * (log pi - log pi_ref) per response (DPO, arXiv:2305.18290
+section 5), detached, for metrics. With
 
     h = (chosen - ref_chosen) - (rejected - ref_rejected)
 
 the losses differ only in what they do with beta * h. A sequence log-prob is the *sum* of the
 response tokens' log-probs; the length-normalised objective (token mean) is a different objective
-and has its own name, `length_normalized_dpo_loss`.
+and has its own name, `length_normalized_dpo_loss`. Only the losses in `LABEL_SMOOTHED` take a
+label-noise rate; the others refuse a non-zero one rather than ignore it.
 """
 
 from __future__ import annotations
@@ -26,11 +33,19 @@ def _log_ratios(chosen, rejected, ref_chosen, ref_rejected):
     return chosen - ref_chosen, rejected - ref_rejected
 
 
+def _no_label_smoothing(name: str, label_smoothing: float) -> None:
+    if label_smoothing:
+        raise ValueError(f"{name} takes no label smoothing, got {label_smoothing}")
+
+
 def dpo_loss(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
 ) -> PreferenceOutput:
@@ -44,6 +59,7 @@ def dpo_loss(
     Args:
         chosen_logps, rejected_logps: (P,) policy sequence log-probs (summed over response tokens).
         ref_chosen_logps, ref_rejected_logps: (P,) the reference's.
+        chosen_lengths, rejected_lengths: unused here (every loss takes them; see the module docstring).
         beta: inverse temperature of the implicit reward.
         label_smoothing: e in [0, 0.5).
 
@@ -67,6 +83,9 @@ def conservative_dpo_loss(
     rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
     beta: float = 0.1,
     label_smoothing: float = 0.1,
 ) -> PreferenceOutput:
@@ -78,7 +97,7 @@ def conservative_dpo_loss(
     """
     if not 0.0 < label_smoothing < 0.5:
         raise ValueError(f"conservative DPO needs label_smoothing in (0, 0.5), got {label_smoothing}")
-    return dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta, label_smoothing)
+    return dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=beta, label_smoothing=label_smoothing)
 
 
 def robust_dpo_loss(
@@ -86,6 +105,9 @@ def robust_dpo_loss(
     rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
     beta: float = 0.1,
     label_smoothing: float = 0.1,
 ) -> PreferenceOutput:
@@ -110,7 +132,11 @@ def ipo_loss(
     rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
     beta: float = 0.1,
+    label_smoothing: float = 0.0,
 ) -> PreferenceOutput:
     """IPO (Azar et al., arXiv:2310.12036 eq. 17): (h - 1 / (2 beta))^2, beta playing tau.
 
@@ -119,6 +145,7 @@ def ipo_loss(
     Args: as `dpo_loss`. Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
     Example: h = 2, beta = 0.2 -> (2 - 2.5)^2 = 0.25.
     """
+    _no_label_smoothing("ipo", label_smoothing)
     chosen_ratio, rejected_ratio = _log_ratios(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
     losses = (chosen_ratio - rejected_ratio - 1.0 / (2.0 * beta)) ** 2
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
@@ -129,7 +156,11 @@ def hinge_loss(
     rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
     beta: float = 0.1,
+    label_smoothing: float = 0.0,
 ) -> PreferenceOutput:
     """Hinge loss on the implicit-reward margin (SLiC, Zhao et al., arXiv:2305.10425 eq. 3;
     RSO, arXiv:2309.06657): max(0, 1 - beta h).
@@ -137,6 +168,7 @@ def hinge_loss(
     Args: as `dpo_loss`. Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
     Example: h = 2, beta = 0.2 -> max(0, 1 - 0.4) = 0.6.
     """
+    _no_label_smoothing("hinge", label_smoothing)
     chosen_ratio, rejected_ratio = _log_ratios(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
     losses = torch.relu(1.0 - beta * (chosen_ratio - rejected_ratio))
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
@@ -147,9 +179,11 @@ def length_normalized_dpo_loss(
     rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
-    chosen_lengths: torch.Tensor,
-    rejected_lengths: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
     beta: float = 0.1,
+    label_smoothing: float = 0.0,
 ) -> PreferenceOutput:
     """Length-normalised DPO: the sigmoid loss on per-token *mean* log-probs (Tulu 3's `dpo_norm`,
     arXiv:2411.15124 section 5.1; SimPO's length normalisation, arXiv:2405.14734 eq. 4).
@@ -164,6 +198,9 @@ def length_normalized_dpo_loss(
 
     Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,) (per-token implicit rewards).
     """
+    if chosen_lengths is None or rejected_lengths is None:
+        raise ValueError("length_normalized needs chosen_lengths and rejected_lengths")
+    _no_label_smoothing("length_normalized", label_smoothing)
     chosen_lengths = chosen_lengths.to(chosen_logps.dtype).clamp(min=1)
     rejected_lengths = rejected_lengths.to(rejected_logps.dtype).clamp(min=1)
     return dpo_loss(
@@ -175,11 +212,56 @@ def length_normalized_dpo_loss(
     )
 
 
-# Losses that take the four sequence log-probs and beta (plus their own keyword arguments).
+# Every loss by name, each with the one signature of the module docstring.
 PREFERENCE_LOSSES: dict[str, Callable[..., PreferenceOutput]] = {
     "sigmoid": dpo_loss,
     "conservative": conservative_dpo_loss,
     "robust": robust_dpo_loss,
     "ipo": ipo_loss,
     "hinge": hinge_loss,
+    "length_normalized": length_normalized_dpo_loss,
 }
+LABEL_SMOOTHED = ("sigmoid", "conservative", "robust")
+"""The losses that take a label-noise rate (`label_smoothing`)."""
+
+PAIR_METRICS = (
+    "loss/preference", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy",
+    "logps/chosen", "logps/rejected", "logratio/chosen", "logratio/rejected",
+)
+"""What `pair_metrics` returns, in order."""
+
+
+def pair_columns(
+    losses: torch.Tensor,
+    chosen_rewards: torch.Tensor,
+    rejected_rewards: torch.Tensor,
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+) -> torch.Tensor:
+    """(7, P) detached per-pair values [losses, chosen rewards, rejected rewards, chosen logps,
+    rejected logps, chosen log-ratio, rejected log-ratio]: one tensor, so the columns of several
+    micro-batches (or ranks) concatenate along dim 1 before `pair_metrics` averages them.
+
+    Args: a loss's (P,) outputs, then the (P,) policy and reference sequence log-probs.
+    """
+    chosen, rejected = chosen_logps.detach(), rejected_logps.detach()
+    return torch.stack([
+        losses.detach(), chosen_rewards, rejected_rewards, chosen, rejected, chosen - ref_chosen_logps, rejected - ref_rejected_logps,
+    ])
+
+
+def pair_metrics(columns: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Means over the P pairs of (7, P) `pair_columns`, as 0-dim tensors named by `PAIR_METRICS`.
+
+    The margin is the mean of chosen - rejected reward; the accuracy the fraction of pairs whose
+    chosen reward is strictly higher (a tie counts as wrong, so policy == reference gives 0).
+    Example: rewards chosen [0.2, -0.1], rejected [-0.2, 0.3]: margins mean(0.4, -0.4) = 0, accuracy 0.5.
+    """
+    losses, chosen_rewards, rejected_rewards, chosen, rejected, chosen_ratio, rejected_ratio = columns
+    values = (
+        losses.mean(), chosen_rewards.mean(), rejected_rewards.mean(), (chosen_rewards - rejected_rewards).mean(),
+        (chosen_rewards > rejected_rewards).float().mean(), chosen.mean(), rejected.mean(), chosen_ratio.mean(), rejected_ratio.mean(),
+    )
+    return dict(zip(PAIR_METRICS, values))

@@ -6,13 +6,18 @@ Conversational, implicit prompt (no "prompt" field): "chosen" and "rejected" are
 conversations that share every message but the last, which is the assistant's answer.
 Optional fields: `id`, `metadata`; any other field is kept in metadata. A shared system prompt is
 given to the loader (or the tokeniser), not repeated in every row.
+
+`load_pairs` gives a training run its pairs: the file validated, a held-out set (a second file, or
+whole prompts split off the first, seeded), and the truncation policy applied once to all of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from posttrain.data.examples import Example, derived_seed
 from posttrain.data.tokenize import (
     TokenizedBatch,
     TruncationCounts,
@@ -210,3 +215,81 @@ def tokenize_preference_pairs(
     ]
     return PreferenceBatch(chosen=halves[0], rejected=halves[1], kept=kept, counts=counts)
 
+
+
+def prompt_key(prompt: str | list[dict]) -> str:
+    """The key that identifies a pair's prompt (a string or a message list) across files and tasks."""
+    return (Example("", messages=prompt) if isinstance(prompt, list) else Example("", prompt=prompt)).prompt_key()
+
+
+def split_pairs(pairs: list[PreferencePair], count: int, seed: int) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """(train, held_out): whole prompts go to the held-out side (seeded order) until it has `count`
+    pairs, so no prompt is on both sides. Leaving no training pair is a UserError."""
+    keys = sorted({prompt_key(p.prompt) for p in pairs}, key=lambda k: derived_seed(seed, "heldout-pairs", k))
+    held_keys, held = set(), 0
+    sizes: dict[str, int] = {}
+    for pair in pairs:
+        sizes[prompt_key(pair.prompt)] = sizes.get(prompt_key(pair.prompt), 0) + 1
+    for key in keys:
+        if held >= count:
+            break
+        held_keys.add(key)
+        held += sizes[key]
+    train = [p for p in pairs if prompt_key(p.prompt) not in held_keys]
+    if not train:
+        raise UserError(f"data.heldout_pairs={count} leaves no training pairs out of {len(pairs)}; lower it or give data.heldout_file")
+    return train, [p for p in pairs if prompt_key(p.prompt) in held_keys]
+
+
+@dataclass
+class PairSplits:
+    """A run's training and held-out pairs (each kept by the truncation policy) and their counts."""
+
+    train: list[PreferencePair]
+    heldout: list[PreferencePair]
+    stats: dict[str, Any]
+    """rows_bad, and per split (train, heldout): pairs, prompts_truncated, responses_truncated, dropped."""
+
+
+def load_pairs(
+    path: str | Path,
+    tokenizer,
+    *,
+    heldout_file: str | Path | None = None,
+    heldout_pairs: int = 0,
+    split_seed: int = 0,
+    strict: bool = True,
+    truncation: TruncationPolicy | None = None,
+    system_prompt: str | None = None,
+    use_chat_template: bool | None = None,
+) -> PairSplits:
+    """Validated training and held-out pairs, with the truncation policy applied once to all of them
+    (so a training step never drops a pair) and the counts for the run card.
+
+    Held out: the pairs of `heldout_file`, else `heldout_pairs` pairs split off `path` by prompt
+    (`split_pairs` with `split_seed`), else none. Prompts are rendered as the run renders them
+    (`system_prompt`, `use_chat_template`): a prompt over a limit whose policy is "error" is a bad
+    row, named by file and line.
+    """
+    truncation = truncation or TruncationPolicy()
+    checks = dict(system_prompt=system_prompt, tokenizer=tokenizer, use_chat_template=use_chat_template,
+                  max_prompt_tokens=truncation.max_prompt_tokens if truncation.prompt == "error" else None)
+    loaded = load_preference_file(path, strict=strict, **checks)
+    if heldout_file:
+        train, held = loaded.pairs, load_preference_file(heldout_file, strict=strict, **checks).pairs
+    elif heldout_pairs:
+        train, held = split_pairs(loaded.pairs, heldout_pairs, split_seed)
+    else:
+        train, held = loaded.pairs, []
+    stats: dict[str, Any] = {"rows_bad": loaded.rows_bad}
+    splits = {}
+    for name, pairs in (("train", train), ("heldout", held)):
+        kept, counts = [], [0, 0, 0]
+        for start in range(0, len(pairs), 256):
+            batch = tokenize_preference_pairs(tokenizer, pairs[start : start + 256], truncation=truncation,
+                                              system_prompt=system_prompt, use_chat_template=use_chat_template)
+            kept += [pairs[start + i] for i in batch.kept]
+            counts = [a + b for a, b in zip(counts, (batch.counts.prompts_truncated, batch.counts.responses_truncated, batch.counts.dropped))]
+        splits[name] = kept
+        stats[name] = {"pairs": len(kept), "prompts_truncated": counts[0], "responses_truncated": counts[1], "dropped": counts[2]}
+    return PairSplits(splits["train"], splits["heldout"], stats)

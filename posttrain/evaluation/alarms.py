@@ -1,5 +1,6 @@
 """Alarms that watch a run for the seed's warning, "the reward and the real goal can come apart":
-the divergence alarm (training reward up, held-out accuracy not) for every online recipe.
+the divergence alarm (training reward up, held-out accuracy not) for every online recipe, and the
+likelihood-displacement alarm (DPO wins by pushing both answers down) for the preference recipe.
 """
 
 from __future__ import annotations
@@ -37,4 +38,42 @@ class DivergenceAlarm:
             )
             self.rings.append(message)
             return message
+        return None
+
+
+@dataclass
+class DisplacementAlarm:
+    """Likelihood displacement (the seed: DPO can win by pushing both answers down): rings when the
+    chosen log-ratio log pi(chosen) - log pi_ref(chosen), averaged over the last `window` steps, is
+    below -threshold while the preference accuracy over those steps is above that of the run's first
+    `window` steps.
+
+    Feed it with `observe(step, chosen_logratio, accuracy)` every step; it returns a message when it
+    rings, else None. Rings once; `history` and `rings` are saved in checkpoints (as lists) so a
+    resumed run rings the same.
+    """
+
+    threshold: float = 5.0
+    window: int = 5
+    history: list[tuple[int, float, float]] = field(default_factory=list)
+    rings: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.history = [tuple(h) for h in self.history or []]  # JSON gives the saved tuples back as lists
+        self.rings = list(self.rings or [])
+
+    def observe(self, step: int, chosen_logratio: float, accuracy: float) -> str | None:
+        self.history.append((step, chosen_logratio, accuracy))
+        if self.rings or len(self.history) < 2:
+            return None
+        recent, first = self.history[-self.window :], self.history[: self.window]
+        drop = sum(h[1] for h in recent) / len(recent)
+        accuracy_now, accuracy_start = sum(h[2] for h in recent) / len(recent), sum(h[2] for h in first) / len(first)
+        if drop < -self.threshold and accuracy_now > accuracy_start:
+            self.rings.append(
+                f"likelihood displacement at step {step}: the chosen responses' log-prob is {drop:.3f} nats below the "
+                f"reference's (threshold {self.threshold}) while preference accuracy rose {accuracy_start:.3f} -> "
+                f"{accuracy_now:.3f}: DPO is winning by pushing both answers down"
+            )
+            return self.rings[-1]
         return None

@@ -10,50 +10,64 @@ Each step: 1. the next batch of pairs, 2. reference log-probs (live forward, or 
 3. policy log-probs of chosen and rejected in one forward per micro-batch, each pair's prompt
 computed once for both responses (a shared KV cache), loss, backward (micro-batches share the
 batch's normalisers), 4. log, alarm, refresh the reference, evaluate, checkpoint.
-Loading, splitting and tokenising the pairs, their log-probs, the reference cache and the run card
-live in `posttrain/recipes/preference_data.py`.
+The pieces live where their concept does: loading and splitting the pairs in `posttrain/data/preference.py`,
+their provenance in `posttrain/data/provenance.py`, the pair forward in `posttrain/models/pair_forward.py`,
+the losses and pair metrics in `posttrain/algorithms/preference.py`, the alarm in
+`posttrain/evaluation/alarms.py`; this file is the configuration, the loop and the run card.
 
     posttrain dpo --config presets/tiny-dpo.yaml --data.pairs pairs.jsonl --max-steps 50
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from tqdm import tqdm
 
-from posttrain.algorithms import PREFERENCE_LOSSES, length_normalized_dpo_loss
-from posttrain.config import save_yaml
-from posttrain.data import PreferenceBatch, TruncationPolicy
+from posttrain.algorithms import LABEL_SMOOTHED, PREFERENCE_LOSSES, pair_columns, pair_metrics
+from posttrain.config import RunFields, save_yaml, to_dict
+from posttrain.data import PreferenceBatch, PreferencePair, TruncationPolicy, tokenize_preference_pairs
 from posttrain.data.examples import derived_seed
+from posttrain.data.order import data_order
+from posttrain.data.preference import load_pairs, prompt_key
+from posttrain.data.provenance import read_provenance
 from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import evaluate_task
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task, heldout_split
+from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
 from posttrain.models.forward import TrainingForward
+from posttrain.models.pair_forward import PairLogprobs, pair_logprobs, precomputed_reference
 from posttrain.recipes.common import (
     Optimization, Timer, clip_and_step, default_output_dir, load_policy, make_optimizer, restore_training, save_training, seed_everything,
 )
-from posttrain.recipes.preference_data import (  # noqa: F401 (reference_logprobs, tokenize, REFERENCE_CACHE: used by tests and bench/dpo.py)
-    REFERENCE_CACHE, PairLogprobs, cached_reference, heldout_task, load_pairs, make_card, pair_logprobs, prompt_key,
-    provenance_of, reference_logprobs, tokenize,
-)
-from posttrain.recipes.preference_metrics import DisplacementAlarm, pair_columns, pair_metrics
-from posttrain.recipes.sft import data_order
-from posttrain.runs import RunDirectory, plot_metrics, write_run_card
+from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = ("sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized")
-SMOOTHED = ("sigmoid", "conservative", "robust")  # the losses that take a label-noise rate
+REFERENCE_CACHE = "reference_logprobs.pt"
+"""The precomputed reference's file in the run directory."""
 PLOTTED = ["loss", "rewards/accuracy", "rewards/margins", "logratio/chosen", "logratio/rejected",
            "heldout/preference_accuracy", "heldout/pass@1"]
+OBJECTIVES = {
+    "sigmoid": "DPO sigmoid loss (arXiv:2305.18290 eq. 7)",
+    "conservative": "conservative DPO, label smoothing (Mitchell 2023)",
+    "robust": "robust DPO, unbiased under label noise (arXiv:2403.00409 eq. 8)",
+    "ipo": "IPO squared loss (arXiv:2310.12036 eq. 17) on summed log-ratios",
+    "hinge": "hinge / SLiC (arXiv:2305.10425 eq. 3)",
+    "length_normalized": "length-normalised DPO: sigmoid loss on per-token MEAN log-probs (a different objective)",
+}
+"""What the run card says each `loss.type` is."""
 
 
 @dataclass
@@ -129,7 +143,7 @@ class Acceptance:
 
 
 @dataclass
-class Config:
+class Config(RunFields):
     model: str = "tiny"
     """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
     lora_rank: int = 0
@@ -151,17 +165,9 @@ class Config:
     parallel: Parallel = field(default_factory=Parallel)
     """Under torchrun: DDP or FSDP2 (see posttrain/distributed.py); ignored in one process."""
     max_steps: int = 100
-    """Optimizer steps."""
-    checkpoint_every: int = 50
-    """Save a checkpoint every N steps (and at the end)."""
-    seed: int = 0
-    """Seeds data order, the held-out split of the pairs and initialisation."""
-    output_dir: str | None = None
-    """Run directory (default runs/dpo-<time>)."""
-    tensorboard: bool = False
-    """Also write the metrics as TensorBoard event files in <run>/tensorboard (needs `pip install tensorboard`)."""
 
     def validate(self) -> None:
+        super().validate()
         self.optim.validate()
         self.parallel.validate()
         loss = self.loss
@@ -169,8 +175,8 @@ class Config:
             raise UserError("data.pairs: give the preference JSONL to train on (--data.pairs FILE)")
         if loss.beta <= 0:
             raise UserError(f"loss.beta must be > 0, got {loss.beta}")
-        if loss.type not in SMOOTHED and loss.label_smoothing:
-            raise UserError(f"loss.label_smoothing applies to {', '.join(SMOOTHED)}, not {loss.type}")
+        if loss.type not in LABEL_SMOOTHED and loss.label_smoothing:
+            raise UserError(f"loss.label_smoothing applies to {', '.join(LABEL_SMOOTHED)}, not {loss.type}")
         low = 0.0 if loss.type != "conservative" else 1e-12
         if not low <= loss.label_smoothing < 0.5:
             raise UserError(f"loss.label_smoothing must be in {'(0' if low else '[0'}, 0.5) for {loss.type}, got {loss.label_smoothing}")
@@ -180,7 +186,7 @@ class Config:
             raise UserError("loss.reference_refresh_every needs a live reference (loss.reference: live)")
         if loss.reference_refresh_every and self.lora_rank:
             raise UserError("loss.reference_refresh_every: a LoRA reference is the base model and cannot be refreshed")
-        for name in ("batch_size", "micro_batch_size", "max_steps", "checkpoint_every"):
+        for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.data.heldout_pairs < 0 or self.acceptance.alarm_window < 1 or self.acceptance.max_new_tokens < 1:
@@ -189,43 +195,52 @@ class Config:
 
 def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
     """Per-pair losses and implicit rewards of the configured objective; each (P,)."""
-    if loss.type == "length_normalized":
-        return length_normalized_dpo_loss(
-            policy.chosen, policy.rejected, ref_chosen, ref_rejected, policy.chosen_lengths, policy.rejected_lengths, beta=loss.beta,
-        )
-    options = {"label_smoothing": loss.label_smoothing} if loss.type in SMOOTHED else {}
-    return PREFERENCE_LOSSES[loss.type](policy.chosen, policy.rejected, ref_chosen, ref_rejected, beta=loss.beta, **options)
+    return PREFERENCE_LOSSES[loss.type](
+        policy.chosen, policy.rejected, ref_chosen, ref_rejected, policy.chosen_lengths, policy.rejected_lengths,
+        beta=loss.beta, label_smoothing=loss.label_smoothing,
+    )
+
+
+def step_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[str, float]:
+    """The logged means of (7, P) `pair_columns`, with loss = preference loss + nll_weight * nll."""
+    means = {key: float(value) for key, value in pair_metrics(columns).items()}
+    return {"loss": means["loss/preference"] + nll_weight * nll, "loss/preference": means["loss/preference"], "loss/nll": nll, **means}
 
 
 def run(config: Config, resume: bool = False) -> Path:
-    """Train; returns the run directory."""
+    """Train; returns the run directory. `config` comes checked from `build_config` and is not changed."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
-    config.validate()
     world = init_world(config.parallel)
     seed_everything(config.seed)
     policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha)
-    provenance = provenance_of(config.data.pairs) if os.path.isfile(config.data.pairs) else None  # else load_pairs says so
-    if config.data.system_prompt is None and (provenance or {}).get("system_prompt"):
-        config.data.system_prompt = provenance["system_prompt"]  # the prompts as the pairs were sampled
-        logger.info("system prompt from the pairs' provenance: %r", config.data.system_prompt)
-    train, held_pairs, data_stats = load_pairs(tokenizer, config)
-    held_task, task_spec = heldout_task(config, provenance)
+    data = config.data
+    provenance = read_provenance(data.pairs) if os.path.isfile(data.pairs) else None  # else load_pairs says so
+    if data.system_prompt is None and (provenance or {}).get("system_prompt"):
+        data = dataclasses.replace(data, system_prompt=provenance["system_prompt"])  # the prompts as the pairs were sampled
+        logger.info("system prompt from the pairs' provenance: %r", data.system_prompt)
+    rendering = dict(truncation=data.truncation(), system_prompt=data.system_prompt, use_chat_template=data.use_chat_template)
+    encode = functools.partial(tokenize_preference_pairs, tokenizer, **rendering)
+    splits = load_pairs(data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs,
+                        split_seed=config.seed, strict=data.strict, **rendering)
+    train, held_pairs, data_stats = splits.train, splits.heldout, splits.stats
+    held_task, task_spec = heldout_task(config.acceptance, provenance, config.seed)
     if held_task is not None:  # a training prompt that is also a held-out problem would leak the answer
         held_keys = {e.prompt_key() for e in held_task.examples}
         before = len(train)
         train = [p for p in train if prompt_key(p.prompt) not in held_keys]
         data_stats["removed_heldout_task_overlap"] = before - len(train)
         if not train:
-            raise UserError(f"{config.data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
+            raise UserError(f"{data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
     run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main, tensorboard=config.tensorboard)
-    config.output_dir = str(run_dir.path)
+    # The config as this run resolved it (a copy; the caller's is untouched): config.yaml, the card and a resume read it.
+    config = dataclasses.replace(config, output_dir=str(run_dir.path), data=data)
     if world.main:
         save_yaml(config, run_dir.path / "config.yaml")
 
     # 0b. The reference: live (a frozen copy / the LoRA base), or precomputed once and cached.
     reference, cached = None, None
     if config.loss.reference == "precomputed":
-        cached = cached_reference(run_dir, policy, tokenizer, train, held_pairs, config, world)
+        cached = cached_reference(run_dir, policy, encode, train, held_pairs, config, world)
     else:
         reference = make_reference(policy)
     sharded = world.active and world.strategy == "fsdp2"
@@ -241,7 +256,7 @@ def run(config: Config, resume: bool = False) -> Path:
     extra_models = {"reference": reference.model} if refreshing else None  # a refreshed reference is state
     state = restore_training(run_dir, policy, optimizer, scheduler, extra_models, world=world) if resume else {"step": 0}
     alarm = DisplacementAlarm(config.acceptance.displacement_threshold, config.acceptance.alarm_window,
-                              state.get("alarm_history"), state.get("alarm_rings"))
+                              state.get("alarm_history", []), state.get("alarm_rings", []))
     card = make_card(config, train, held_pairs, data_stats, provenance, task_spec, reference)
     card["run"]["reference_refreshed_at"] = state.get("reference_refreshed_at", [])
     card["alarms"] = list(alarm.rings)
@@ -253,7 +268,7 @@ def run(config: Config, resume: bool = False) -> Path:
 
     def evaluate_on_rank0(step: int) -> dict:
         with full_weights(policy), full_weights(frozen):
-            metrics = evaluate(policy, reference, cached, tokenizer, held_pairs, held_task, config, run_dir, step) if world.main else {}
+            metrics = evaluate(policy, reference, cached, tokenizer, encode, held_pairs, held_task, config, run_dir, step) if world.main else {}
         world.barrier()
         return metrics
 
@@ -266,12 +281,12 @@ def run(config: Config, resume: bool = False) -> Path:
         done, timer, started = step + 1, Timer(), time.perf_counter()
         # 1. The next batch of the seeded pair stream.
         indices = data_order(len(train), config.seed, step * config.batch_size, config.batch_size)
-        batch = tokenize(tokenizer, [train[i] for i in indices], config.data)
+        batch = encode([train[i] for i in indices])
         # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
         with timer("train"):
             ref = cached["train"][indices] if cached is not None else None
             with full_weights(frozen):
-                metrics = train_step(trainer, reference, ref, batch, config, world)
+                metrics = train_step(trainer, reference, ref, batch, config.loss, config.micro_batch_size, world)
             metrics["grad_norm"] = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
         # 4. Log, alarm, refresh, evaluate, checkpoint.
         message = alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"])
@@ -305,7 +320,8 @@ def run(config: Config, resume: bool = False) -> Path:
     return run_dir.path
 
 
-def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBatch, config: Config, world: World | None = None) -> dict[str, float]:
+def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBatch, loss: Loss, micro_batch_size: int,
+               world: World | None = None) -> dict[str, float]:
     """Forward/backward over micro-batches; the loss is the batch mean of the per-pair losses plus
     nll_weight * the batch's chosen-token-mean NLL, normalised by the whole batch's counts so the
     gradient does not depend on micro_batch_size or the world size. `trainer` is the policy (or a
@@ -317,7 +333,7 @@ def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBa
     P = batch.chosen.input_ids.shape[0]
     chosen_tokens = batch.chosen.mask[:, 1:].sum().clamp(min=1)
     parts, nll_total = [torch.zeros(7, 0)], torch.zeros(1, dtype=torch.float64)
-    mine, m = world.block(P), config.micro_batch_size
+    mine, m = world.block(P), micro_batch_size
     micro_count = max(-(-len(block) // m) for block in world.blocks(P))
     for micro in range(micro_count):
         start = mine.start + micro * m
@@ -332,19 +348,20 @@ def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBa
             ref_chosen, ref_rejected = ref[rows, 0], ref[rows, 1]
         with gradient_sync(trainer, micro == micro_count - 1):
             sums = trainer(batch, rows) if isinstance(unwrap(trainer), TrainingForward) else pair_logprobs(trainer, batch, rows)
-            losses, chosen_rewards, rejected_rewards = preference_losses(config.loss, sums, ref_chosen, ref_rejected)
+            losses, chosen_rewards, rejected_rewards = preference_losses(loss, sums, ref_chosen, ref_rejected)
             nll = -sums.chosen.sum() / chosen_tokens  # RPO term: this micro-batch's share of the batch token mean
-            loss = losses.sum() / P + (config.loss.nll_weight * nll if config.loss.nll_weight else 0.0)
-            (loss * (weight * world.size)).backward()  # DDP / FSDP2 average gradients over ranks
+            total = losses.sum() / P + (loss.nll_weight * nll if loss.nll_weight else 0.0)
+            (total * (weight * world.size)).backward()  # DDP / FSDP2 average gradients over ranks
         if weight:
             nll_total += float(nll.detach())
-            parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums, ref_chosen, ref_rejected))
+            parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums.chosen, sums.rejected, ref_chosen, ref_rejected))
     columns = torch.cat([torch.cat(parts, dim=1)] if not world.active else world.gather(torch.cat(parts, dim=1)), dim=1)
-    return pair_metrics(columns, float(world.reduce(nll_total)), config.loss.nll_weight)
+    return step_metrics(columns, float(world.reduce(nll_total)), loss.nll_weight)
 
 
 @torch.no_grad()
-def evaluate(policy, reference, cached, tokenizer, held_pairs, held_task, config: Config, run_dir: RunDirectory, step: int) -> dict:
+def evaluate(policy, reference, cached, tokenizer, encode: Callable[[list[PreferencePair]], PreferenceBatch], held_pairs, held_task,
+             config: Config, run_dir: RunDirectory, step: int) -> dict:
     """Held-out preference accuracy (and loss, margins) and, with a task, held-out task accuracy
     with the configured checker (written to eval/task-step-N.json)."""
     was_training = policy.training
@@ -353,16 +370,17 @@ def evaluate(policy, reference, cached, tokenizer, held_pairs, held_task, config
     if held_pairs:
         parts, nll_sum, nll_tokens = [], 0.0, 0
         for start in range(0, len(held_pairs), config.micro_batch_size):
-            batch = tokenize(tokenizer, held_pairs[start : start + config.micro_batch_size], config.data)
+            batch = encode(held_pairs[start : start + config.micro_batch_size])
             if cached is not None:
                 ref_chosen, ref_rejected = cached["heldout"][start : start + config.micro_batch_size].unbind(1)
             else:
                 ref_sums = pair_logprobs(reference, batch)
                 ref_chosen, ref_rejected = ref_sums.chosen, ref_sums.rejected
             sums = pair_logprobs(policy, batch)
-            parts.append(pair_columns(*preference_losses(config.loss, sums, ref_chosen, ref_rejected), sums, ref_chosen, ref_rejected))
+            losses, chosen_rewards, rejected_rewards = preference_losses(config.loss, sums, ref_chosen, ref_rejected)
+            parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums.chosen, sums.rejected, ref_chosen, ref_rejected))
             nll_sum, nll_tokens = nll_sum - float(sums.chosen.sum()), nll_tokens + int(sums.chosen_lengths.sum())
-        held = pair_metrics(torch.cat(parts, dim=1), nll_sum / max(1, nll_tokens), config.loss.nll_weight)
+        held = step_metrics(torch.cat(parts, dim=1), nll_sum / max(1, nll_tokens), config.loss.nll_weight)
         metrics.update({
             "heldout/preference_accuracy": held["rewards/accuracy"], "heldout/loss": held["loss/preference"],
             "heldout/margins": held["rewards/margins"], "heldout/logratio/chosen": held["logratio/chosen"],
@@ -377,3 +395,90 @@ def evaluate(policy, reference, cached, tokenizer, held_pairs, held_task, config
         metrics.update({"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": result["pass@1_ci95"][0], "heldout/pass@1_high": result["pass@1_ci95"][1]})
     policy.train(was_training)
     return metrics
+
+
+def cached_reference(run_dir: RunDirectory, policy, encode: Callable[[list[PreferencePair]], PreferenceBatch], train, held,
+                     config: Config, world: World | None = None) -> dict[str, torch.Tensor]:
+    """Reference log-probs of every training and held-out pair by the initial policy (the LoRA base
+    with adapters off), computed once and cached in the run directory, keyed by everything that
+    decides them: the pairs, the data settings and the model."""
+    fingerprint = hashlib.sha256(json.dumps(
+        [[p.id, p.prompt, p.chosen, p.rejected] for p in train + held] + [to_dict(config.data), config.model], default=str,
+    ).encode()).hexdigest()
+    model = make_reference(policy) if config.lora_rank else policy
+    return precomputed_reference(run_dir.path / REFERENCE_CACHE, model, {"train": train, "heldout": held}, encode,
+                                 config.micro_batch_size, fingerprint, world)
+
+
+def heldout_task(acceptance: Acceptance, provenance: dict | None, seed: int):
+    """The held-out task split for acceptance (None when the pairs come from no known task), and
+    the spec it was built from: each setting from `acceptance`, else from the pairs' provenance."""
+    origin = provenance or {}
+    task = acceptance.task or origin.get("task")
+    if task is None:
+        return None, None
+    spec = {
+        "task": task,
+        "options": acceptance.task_options if acceptance.task_options is not None else origin.get("task_options", {}),
+        "eval_size": acceptance.eval_size or origin.get("eval_size") or 200,
+        "split_seed": acceptance.split_seed if acceptance.split_seed is not None else origin.get("seed", seed),
+    }
+    held_out = heldout_split(task, spec["eval_size"], spec["split_seed"], spec["options"])
+    spec["checker"] = acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind)
+    return held_out, spec
+
+
+def make_card(config: Config, train, held_pairs, data_stats, provenance, task_spec, reference) -> dict[str, Any]:
+    """The run card: the four links and every loss setting."""
+    card = new_card("dpo", config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
+    card["links"]["data"] = {
+        "source": f"offline: preference pairs from {config.data.pairs}", "train_pairs": len(train),
+        "heldout_pairs": len(held_pairs),
+        "heldout_pairs_from": config.data.heldout_file or f"split off the training file by prompt (seed {config.seed})",
+        **data_stats, "truncation": {key: getattr(config.data, key) for key in ("max_prompt_tokens", "max_response_tokens", "prompt_truncation", "response_truncation")},
+        "system_prompt": config.data.system_prompt, "batch_size": config.batch_size, "micro_batch_size": config.micro_batch_size,
+    }
+    if provenance:
+        card["links"]["data"].update({"sampled_from": provenance.get("model"), "task": provenance.get("task"),
+                                      "group_size": provenance.get("group_size"), "sampling": provenance.get("sampling")})
+        card["links"]["reward"] = {
+            "labels": f"labels came from verifier {provenance.get('verifier')} on samples of model {provenance.get('model')}",
+            "verifier": provenance.get("verifier"), "verifier_settings": provenance.get("verifier_settings"),
+            "correct_threshold": provenance.get("correct_threshold"), "pairs_seed": provenance.get("seed"),
+            "provenance_file_matches": provenance["file_matches"],
+        }
+    else:
+        card["links"]["reward"] = {"labels": f"as given in {config.data.pairs} (who labelled them is not recorded)"}
+    loss = config.loss
+    if reference is None:
+        reference_text = "precomputed once at the start from the initial policy" + (" (LoRA base)" if config.lora_rank else "") + f", cached in {REFERENCE_CACHE}; no reference model in memory"
+    elif reference.adapter_disabled:
+        reference_text = "LoRA base (the policy with adapters disabled; no copy)"
+    else:
+        reference_text = "frozen copy of the initial policy"
+    card["links"]["loss"] = {
+        "objective": OBJECTIVES[loss.type], "type": loss.type, "beta": loss.beta, "label_smoothing": loss.label_smoothing,
+        "sequence_logprob": "sum over response tokens (prompt and padding masked, the ending EOS counted)",
+        "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type == "length_normalized" else "none: summed log-probs",
+        "nll_weight": loss.nll_weight,
+        "nll_term": "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)" if loss.nll_weight else "off",
+        "reference": reference_text, "reference_refresh_every": loss.reference_refresh_every,
+        "reference_refresh": "TR-DPO hard update: the reference becomes the current policy (arXiv:2404.09656)" if loss.reference_refresh_every else "never",
+        "forward": "chosen and rejected concatenated in one forward pass, each prompt computed once for both (a shared KV cache) where the model allows",
+        "reduction": "mean over the batch's pairs",
+        "optimizer": to_dict(config.optim),
+    }
+    card["links"]["acceptance"] = {
+        "heldout_pairs": f"{len(held_pairs)} pairs: preference accuracy (chosen reward > rejected reward)",
+        "heldout_task": (f"{task_spec['task']} held-out split ({task_spec['eval_size']} problems, split seed {task_spec['split_seed']}, "
+                         "disjoint from the pairs' prompts)") if task_spec else "none (the pairs come from no known task)",
+        "checker": task_spec["checker"] if task_spec else None, "displacement_threshold": config.acceptance.displacement_threshold,
+        "alarm_window": config.acceptance.alarm_window,
+    }
+    labeller = (provenance or {}).get("verifier")
+    if task_spec and labeller is not None:
+        card["links"]["acceptance"]["checker_is_labeller"] = task_spec["checker"] == labeller
+        if task_spec["checker"] == labeller:
+            card["notes"].append(f"the held-out checker {labeller!r} is the verifier that labelled the pairs: "
+                                 "held-out problems are new, but the checking logic is not independent")
+    return card

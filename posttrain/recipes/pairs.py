@@ -13,19 +13,15 @@ that evaluates on the held-out split with the same (task, E, S) never trained on
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 from posttrain.data import load_splits, render_prompt
 from posttrain.data.examples import derived_seed
+from posttrain.data.provenance import write_with_provenance
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, verifier_input
 from posttrain.rewards import Verdict, get_verifier
@@ -36,53 +32,49 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PairSettings:
-    """Everything that decides which pairs `build_pairs` writes (recorded in the sidecar)."""
+    """Everything that decides which pairs `build_pairs` writes (recorded in the sidecar). Build it
+    with `posttrain.config.build_config`, which checks it (`validate`)."""
 
-    model: str
-    task: str
-    out: str
+    model: str = ""
+    """Model to sample from: tiny | smollm2-135m | a Hugging Face directory | a hub id (required)."""
+    task: str = ""
+    """Task spec whose training split gives the prompts: arithmetic | rg:<dataset> | humaneval | a JSONL prompt file (required)."""
+    out: str = ""
+    """Output pairs file (.jsonl, required); the sidecar is <name>.meta.json next to it."""
     group_size: int = 8
+    """G answers sampled per prompt."""
     task_options: dict = field(default_factory=dict)
+    """Task options, e.g. {digits: 2} for arithmetic."""
     max_prompts: int = 256
     """Training prompts to sample (the first of the seeded training split)."""
     eval_size: int = 200
     """Held-out problems reserved (never sampled), as in the DPO/GRPO runs that evaluate on them."""
     verifier: str | None = None
-    """None: the task's default checker (arithmetic: exact)."""
+    """Labelling verifier; None: the task's default checker (arithmetic: exact)."""
     pairs_per_prompt: int = 1
     """At most this many (correct, incorrect) pairs per prompt, from distinct answers."""
     correct_threshold: float = 1.0
     """A verdict is correct when its reward is >= this, incorrect below."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 32
-    stop_strings: list[str] = field(default_factory=list)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
+    """How the G answers are sampled (temperature, top_p, top_k, max_new_tokens, stop_strings, ...)."""
     system_prompt: str | None = None
+    """System prompt for chat models."""
     batch_size: int = 16
     """Prompts per generation call."""
     seed: int = 0
+    """Seeds the task split and the sampling."""
 
     def validate(self) -> None:
+        for name in ("model", "task", "out"):
+            if not getattr(self, name):
+                raise UserError(f"--{name}: required (the {name} of `posttrain pairs --model M --task T --out FILE.jsonl`)")
         if self.group_size < 2:
             raise UserError(f"--group-size must be at least 2 (a pair needs two answers), got {self.group_size}")
-        for name in ("max_prompts", "eval_size", "pairs_per_prompt", "max_new_tokens", "batch_size"):
+        for name in ("max_prompts", "eval_size", "pairs_per_prompt", "batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.temperature <= 0:
-            raise UserError(f"--temperature must be > 0, got {self.temperature}")
         if not self.out.endswith(".jsonl"):
             raise UserError(f"--out {self.out}: the pairs file must end in .jsonl")
-
-
-def provenance_path(pairs_path: str | Path) -> Path:
-    """`pairs.jsonl` -> `pairs.meta.json`, next to it."""
-    path = Path(pairs_path)
-    return path.with_name(path.name.removesuffix(".jsonl") + ".meta.json")
-
-
-def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def pair_up(texts: list[str], verdicts: list[Verdict], threshold: float, limit: int) -> tuple[list[tuple[int, int]], str]:
@@ -113,7 +105,6 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     provenance dict (with counts). Raises UserError before writing anything when no pair results."""
     from posttrain.models import load_model
 
-    settings.validate()
     if model is None:
         model, tokenizer = load_model(settings.model)
     model.eval()
@@ -128,15 +119,13 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     except ValueError as error:
         raise UserError(f"--verifier: {error}") from None
     verifier.prepare()
-    sampling = SamplingConfig(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                              max_new_tokens=settings.max_new_tokens, stop_strings=tuple(settings.stop_strings))
     G = settings.group_size
     rows, outcomes = [], {"paired": 0, "all_correct": 0, "all_incorrect": 0, "unscored": 0}
     errors = {"infra_error": 0, "data_error": 0}
     for start in range(0, len(examples), settings.batch_size):
         chunk = examples[start : start + settings.batch_size]
         prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=settings.system_prompt) for e in chunk]
-        rollout = generate(model, tokenizer, prompts, group_size=G, sampling=sampling,
+        rollout = generate(model, tokenizer, prompts, group_size=G, sampling=settings.sampling,
                            seed=derived_seed(settings.seed, "pairs", str(start)))
         verdicts = verifier.batch(rollout.texts, [verifier_input(chunk[b]) for b in rollout.prompt_index.tolist()])
         for verdict in verdicts:
@@ -168,31 +157,11 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
         "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
         "verdict_errors": errors, "correct_threshold": settings.correct_threshold,
         "pairs_per_prompt": settings.pairs_per_prompt, "system_prompt": settings.system_prompt,
-        "sampling": {key: value for key, value in asdict(settings).items()
-                     if key in ("temperature", "top_p", "top_k", "max_new_tokens", "stop_strings")},
+        "sampling": asdict(settings.sampling),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "posttrain": _version(),
     }
-    write_atomically(settings.out, rows, provenance)
+    write_with_provenance(settings.out, rows, provenance)
     return provenance
-
-
-def write_atomically(out: str | Path, rows: list[dict], provenance: dict[str, Any]) -> None:
-    """Pairs file, then its sidecar (holding the file's SHA-256), each temp + fsync + rename."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    provenance["sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    for path, content in ((out, text), (provenance_path(out), json.dumps(provenance, indent=1, default=str) + "\n")):
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as stream:
-                stream.write(content)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
 
 
 def _version() -> str:

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from posttrain.config import save_yaml, to_dict
-from posttrain.data import tokenize_prompt_response
+from posttrain.config import RunFields, save_yaml, to_dict
+from posttrain.data import TokenizedBatch, tokenize_prompt_response
 from posttrain.data.examples import Example
+from posttrain.data.order import data_order
 from posttrain.data.tasks import load_splits
-from posttrain.distributed import Parallel, full_weights, gradient_sync, init_world, is_sharded, wrap
+from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, is_sharded, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.models.forward import TrainingForward, batch_response_sums
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class Config:
+class Config(RunFields):
     model: str = "tiny"
     """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
     task: str = "arithmetic"
@@ -65,29 +65,22 @@ class Config:
     """Optimizer and schedule."""
     parallel: Parallel = dataclasses.field(default_factory=Parallel)
     """Under torchrun: DDP or FSDP2 (see posttrain/distributed.py); ignored in one process."""
-    max_steps: int = 200
-    """Optimizer steps."""
     eval_every: int = 0
     """Evaluate held-out accuracy every N steps (0: only at the end)."""
-    checkpoint_every: int = 100
-    """Save a checkpoint every N steps (and always at the end)."""
     max_new_tokens: int = 24
     """Generation budget of the held-out evaluation (the tiny model writes one character a token)."""
     checker: str | None = None
     """Held-out checker (a verifier name); None: the task's strict default."""
     system_prompt: str | None = None
     """Optional system prompt for chat models."""
-    seed: int = 0
-    """Seeds data order, initialisation and sampling."""
-    output_dir: str | None = None
-    """Run directory (default runs/sft-<time>)."""
-    tensorboard: bool = False
-    """Also write the metrics as TensorBoard event files in <run>/tensorboard (needs `pip install tensorboard`)."""
+    max_steps: int = 200
+    checkpoint_every: int = 100
 
     def validate(self) -> None:
+        super().validate()
         self.optim.validate()
         self.parallel.validate()
-        for name in ("train_size", "eval_size", "batch_size", "micro_batch_size", "max_steps", "max_new_tokens"):
+        for name in ("train_size", "eval_size", "batch_size", "micro_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.batch_size % self.micro_batch_size:
@@ -96,27 +89,38 @@ class Config:
             raise UserError("response_template must contain {answer}")
 
 
-def data_order(num_examples: int, seed: int, position: int, count: int) -> list[int]:
-    """Indices `position .. position + count` of an endless stream of seeded epoch permutations."""
-    indices = []
-    while len(indices) < count:
-        epoch, offset = divmod(position + len(indices), num_examples)
-        permutation = list(range(num_examples))
-        random.Random(seed * 1_000_003 + epoch).shuffle(permutation)
-        indices.extend(permutation[offset : offset + count - len(indices)])
-    return indices
-
-
 def sft_loss(forward: TrainingForward, batch, rows: slice, global_tokens: torch.Tensor) -> torch.Tensor:
     """Token-mean NLL of the response tokens of `rows`, normalised by the whole batch's token count
     `global_tokens` (so micro-batches and ranks add up to the batch's token mean)."""
     return -forward(batch, rows).sum() / global_tokens
 
 
+def train_step(trainer, batch: TokenizedBatch, micro_batch_size: int, world: World | None = None) -> dict[str, float]:
+    """Forward/backward of one batch in micro-batches, each normalised by the whole batch's response
+    tokens, so the gradient (left in the model) does not depend on micro_batch_size or the world
+    size. `trainer` is a `TrainingForward` over `batch_response_sums` (possibly in DDP / FSDP2).
+    Under torchrun each rank takes its block of the rows, all ranks running as many micro-batches
+    (a short rank a zero-weight one). Returns {"loss": the batch's token-mean NLL}."""
+    world = world or World()
+    rows_total = batch.input_ids.shape[0]
+    global_tokens = batch.mask[:, 1:].sum()
+    total_loss = torch.zeros(1, dtype=torch.float64)
+    mine = world.block(rows_total)
+    micro_count = max(-(-len(block) // micro_batch_size) for block in world.blocks(rows_total))
+    for micro in range(micro_count):
+        start = mine.start + micro * micro_batch_size
+        rows = slice(start, min(start + micro_batch_size, mine.stop))
+        weight = 1.0 if rows.stop > rows.start else 0.0
+        with gradient_sync(trainer, micro == micro_count - 1):
+            loss = sft_loss(trainer, batch, rows if weight else slice(0, 1), global_tokens)
+            (loss * weight * world.size).backward()  # DDP / FSDP2 average over ranks
+        total_loss += weight * loss.item()
+    return {"loss": float(world.reduce(total_loss))}
+
+
 def run(config: Config, resume: bool = False) -> Path:
-    """Train; returns the run directory."""
+    """Train; returns the run directory. `config` comes checked from `build_config` and is not changed."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
-    config.validate()
     world = init_world(config.parallel)
     seed_everything(config.seed)
     model, tokenizer = load_policy(config.model)
@@ -129,7 +133,7 @@ def run(config: Config, resume: bool = False) -> Path:
         raise UserError(f"task {config.task}: example {missing[0]} has no answer to train on")
     output_dir = config.output_dir or default_output_dir("sft", world)
     run_dir = RunDirectory(output_dir, resume=resume, writer=world.main, tensorboard=config.tensorboard)
-    config.output_dir = str(run_dir.path)
+    config = dataclasses.replace(config, output_dir=str(run_dir.path))  # a copy: what config.yaml and a resume read
     if world.main:
         save_yaml(config, run_dir.path / "config.yaml")
 
@@ -161,31 +165,18 @@ def run(config: Config, resume: bool = False) -> Path:
             [config.response_template.format(answer=e.answer) for e in examples],
             system_prompt=config.system_prompt,
         )
-        # 2. Forward/backward per micro-batch of this rank's block, normalised by the whole batch's
-        #    tokens; every rank runs as many micro-batches (a short rank a zero-weight one).
+        # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens; optimizer step.
         timer = Timer()
-        global_tokens = batch.mask[:, 1:].sum()
-        total_loss = torch.zeros(1, dtype=torch.float64)
-        mine = world.block(len(examples))
-        micro_count = max(-(-len(block) // config.micro_batch_size) for block in world.blocks(len(examples)))
         with timer("train"):
-            for micro in range(micro_count):
-                start = mine.start + micro * config.micro_batch_size
-                rows = slice(start, min(start + config.micro_batch_size, mine.stop))
-                weight = 1.0 if rows.stop > rows.start else 0.0
-                with gradient_sync(trainer, micro == micro_count - 1):
-                    loss = sft_loss(trainer, batch, rows if weight else slice(0, 1), global_tokens)
-                    (loss * weight * world.size).backward()  # DDP / FSDP2 average over ranks
-                total_loss += weight * loss.item()
+            metrics = train_step(trainer, batch, config.micro_batch_size, world)
             grad_norm = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
-        total_loss = float(world.reduce(total_loss))
         # 3. Log; evaluate and checkpoint on schedule.
         done = step + 1
-        metrics = {
-            "loss": total_loss, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+        metrics.update({
+            "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
             "tokens_per_second": int(batch.attention_mask.sum()) / (time.perf_counter() - started),
             "seconds/train": timer.seconds.get("train", 0.0),
-        }
+        })
         if (config.eval_every and done % config.eval_every == 0) or done == config.max_steps:
             with full_weights(model):  # rank 0 evaluates; under FSDP2 the others lend their shards
                 if world.main:
@@ -193,7 +184,7 @@ def run(config: Config, resume: bool = False) -> Path:
             world.barrier()
             model.train()
         run_dir.log_metrics(done, metrics)
-        progress.set_postfix(loss=f"{total_loss:.3f}")
+        progress.set_postfix(loss=f"{metrics['loss']:.3f}")
         if done % config.checkpoint_every == 0 or done == config.max_steps:
             save_training(run_dir, done, model, tokenizer, optimizer, scheduler, world=world)
     if world.main:

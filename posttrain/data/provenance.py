@@ -1,0 +1,64 @@
+"""A data file's provenance sidecar: `pairs.jsonl` -> `pairs.meta.json`, next to it, saying where the
+rows came from (for `posttrain pairs` files: model, verifier, task, seed, sampling) and holding the
+file's SHA-256, so a reader can tell whether the file is still the one it describes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def provenance_path(data_path: str | Path) -> Path:
+    """`pairs.jsonl` -> `pairs.meta.json`, next to it."""
+    path = Path(data_path)
+    return path.with_name(path.name.removesuffix(".jsonl") + ".meta.json")
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def read_provenance(data_path: str | Path) -> dict[str, Any] | None:
+    """The sidecar next to a data file (None if there is none), with `file_matches` telling whether
+    the file is still the one it describes (a mismatch is logged, not an error)."""
+    sidecar = provenance_path(data_path)
+    if not sidecar.is_file():
+        return None
+    try:
+        meta = json.loads(sidecar.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{sidecar}: not valid JSON (the provenance of {data_path}); fix or delete it") from None
+    meta["file_matches"] = meta.get("sha256") == file_sha256(data_path)
+    if not meta["file_matches"]:
+        logger.warning("%s: the file changed after %s was written; its provenance may not apply", data_path, sidecar)
+    return meta
+
+
+def write_with_provenance(out: str | Path, rows: list[dict], provenance: dict[str, Any]) -> None:
+    """The JSONL file, then its sidecar (`provenance` plus the file's SHA-256, added to the dict),
+    each temp + fsync + rename, so a crash leaves no half-written file under either name."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    provenance["sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    for path, content in ((out, text), (provenance_path(out), json.dumps(provenance, indent=1, default=str) + "\n")):
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as stream:
+                stream.write(content)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
