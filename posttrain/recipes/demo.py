@@ -8,6 +8,9 @@
 5. Acceptance again for both, on the same held-out problems (paired confidence intervals).
 6. A report (`report.md`, `summary.json`, plots) next to the stages' run directories.
 
+Each training stage is a preset (presets/tiny-sft.yaml, tiny-grpo.yaml, tiny-dpo.yaml) plus the few
+overrides written below: the demo's numbers are the presets' numbers.
+
 The seed's point, made concrete: GRPO and DPO changed different links (online vs offline data, the
 same program as reward), and only held-out problems with a separate checker say what improved.
 """
@@ -18,7 +21,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,49 +42,44 @@ from posttrain.runs import read_jsonl  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
+PRESETS = Path(__file__).resolve().parents[2] / "presets"
+"""The repository's presets: each demo stage is one of them plus the overrides below."""
+
+DPO_STAGE = {"loss": {"nll_weight": 0.0}, "optim": {"lr": 3e-5}, "batch_size": 16, "micro_batch_size": 16,
+             "data": {"heldout_pairs": 0}}
+"""The demo's DPO stage is plain DPO (tiny-dpo.yaml is RPO: DPO plus the chosen answers' NLL) on every
+pair, with as many steps as GRPO: "same reward link, different data link", not the best DPO."""
+
+
 @dataclass
 class Config:
     output_dir: str = "runs/demo"
     """Where the stages and the report go (replaced if it holds an earlier demo)."""
     seed: int = 0
     """One seed for every stage."""
-    task_options: dict = field(default_factory=lambda: {"digits": 2})
-    """The arithmetic task."""
     eval_size: int = 500
     """Held-out problems, never trained on, scored by the exact-match checker."""
     sft_steps: int = 400
-    """SFT steps: enough for partial competence (some groups right, some wrong)."""
+    """SFT steps (presets/tiny-sft.yaml): enough for partial competence (some groups right, some wrong)."""
     grpo_steps: int = 50
-    """GRPO steps of prompts_per_step x group_size samples each."""
-    prompts_per_step: int = 16
-    """GRPO prompts per step (B)."""
-    group_size: int = 8
-    """Samples per prompt (G), for GRPO and for the pairs."""
-    grpo_lr: float = 5e-5
-    """GRPO learning rate."""
-    grpo_kl_beta: float = 0.01
-    """GRPO KL coefficient (small: it mostly makes the KL to the start measured and plotted)."""
-    dpo_lr: float = 3e-5
-    """DPO learning rate."""
-    dpo_beta: float = 0.1
-    """DPO beta."""
-    dpo_batch_size: int = 16
-    """Pairs per DPO step."""
-    max_new_tokens: int = 24
-    """Generation budget (the tiny model writes one character per token)."""
+    """GRPO steps (presets/tiny-grpo.yaml), and DPO steps."""
     samples_shown: int = 6
     """Completions quoted in the report."""
     threads: int = 1
     """torch intra-op threads. 1 for the tiny model: two OpenMP threads per process slow a tiny
-    forward ~10x as soon as anything else (a verifier worker, another job) wants a core."""
+    forward many times over as soon as anything else (a verifier worker, another job) wants a core."""
     sft_run: str | None = None
     """Reuse this finished SFT run directory (its step-<sft_steps> checkpoint) instead of training one."""
     max_steps: int | None = None
     """Unused (the stages have their own step counts); accepted for the common flags."""
 
 
-def stage_config(module, values: dict[str, Any]):
-    return build_config(module.Config, None, values)
+def preset(name: str) -> Path:
+    """presets/<name>.yaml of the repository (the demo runs from a clone)."""
+    path = PRESETS / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(f"{path}: the demo's preset is missing (run the demo from a clone of the repository)")
+    return path
 
 
 def run(config: Config, resume: bool = False) -> Path:
@@ -98,56 +96,50 @@ def run(config: Config, resume: bool = False) -> Path:
             raise UserError(f"{out}: holds something other than a finished demo; choose another --output-dir")
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    task, options, seed, budget = "arithmetic", config.task_options, config.seed, config.max_new_tokens
-    timings: dict[str, float] = {}
+    seed, timings = config.seed, {}
 
-    # 1. SFT from scratch to partial competence.
+    # 1. SFT from scratch to partial competence (evaluated once, at the end).
     clock = time.perf_counter()
-    if config.sft_run:
-        sft_dir = Path(config.sft_run)
-    else:
-        sft_dir = sft.run(stage_config(sft, {
-            "model": "tiny", "task": task, "task_options": options, "eval_size": config.eval_size, "seed": seed,
-            "max_steps": config.sft_steps, "checkpoint_every": config.sft_steps, "max_new_tokens": budget,
-            "output_dir": str(out / "sft"),
-        }))
+    sft_config = build_config(sft.Config, preset("tiny-sft"), {
+        "seed": seed, "output_dir": str(out / "sft"), "eval_size": config.eval_size, "max_steps": config.sft_steps,
+        "checkpoint_every": config.sft_steps, "eval_every": 0,
+    })
+    sft_dir = Path(config.sft_run) if config.sft_run else sft.run(sft_config)
     start_model = str(sft_dir / "checkpoints" / f"step-{config.sft_steps:06d}" / "model")
     if not Path(start_model).is_dir():
         raise UserError(f"{start_model}: no SFT checkpoint at step {config.sft_steps}")
     timings["sft"] = time.perf_counter() - clock
+    task, options, budget = sft_config.task, sft_config.task_options, sft_config.max_new_tokens
 
     # 2. Baseline acceptance on the held-out split every stage shares.
     held_out = heldout_split(task, config.eval_size, seed, options)
     before = acceptance(start_model, held_out, budget, seed, out / "eval_sft.json")
 
-    # 3. GRPO with the programmatic verifier.
+    # 3. GRPO with the programmatic verifier: presets/tiny-grpo.yaml from the SFT start.
     clock = time.perf_counter()
-    grpo_dir = online.run(build_config(online_config.grpo_config, None, {
-        "model": start_model, "reward": "exact", "seed": seed, "max_steps": config.grpo_steps,
-        "checkpoint_every": config.grpo_steps, "output_dir": str(out / "grpo"),
-        "data": {"task": task, "task_options": options, "eval_size": config.eval_size,
-                 "prompts_per_step": config.prompts_per_step, "group_size": config.group_size},
-        "sampling": {"max_new_tokens": budget}, "optim": {"lr": config.grpo_lr},
-        "loss": {"kl_beta": config.grpo_kl_beta},
-        "update": {"micro_batch_size": 64}, "acceptance": {"eval_every": max(1, config.grpo_steps // 4)},
-    }))
+    grpo_config = build_config(online_config.grpo_config, preset("tiny-grpo"), {
+        "seed": seed, "model": start_model, "output_dir": str(out / "grpo"), "max_steps": config.grpo_steps,
+        "checkpoint_every": config.grpo_steps, "data": {"eval_size": config.eval_size},
+        "acceptance": {"eval_every": max(1, config.grpo_steps // 4)},
+    })
+    grpo_dir = online.run(grpo_config)
     timings["grpo"] = time.perf_counter() - clock
 
     # 4. Pairs from the SFT model's own samples, as many as GRPO drew, then DPO on them.
     clock = time.perf_counter()
     pairs_file = out / "pairs.jsonl"
-    provenance = pairs.build_pairs(pairs.PairSettings(
-        model=start_model, task=task, out=str(pairs_file), group_size=config.group_size, task_options=options,
-        max_prompts=config.grpo_steps * config.prompts_per_step, eval_size=config.eval_size, verifier="exact",
-        max_new_tokens=budget, seed=seed,
-    ))
+    data = grpo_config.data
+    provenance = pairs.build_pairs(build_config(pairs.PairSettings, None, {
+        "model": start_model, "task": task, "out": str(pairs_file), "group_size": data.group_size, "task_options": options,
+        "max_prompts": config.grpo_steps * data.prompts_per_step, "eval_size": config.eval_size, "verifier": "exact",
+        "sampling": {"max_new_tokens": budget}, "seed": seed,
+    }))
     timings["pairs"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    dpo_dir = dpo.run(stage_config(dpo, {
-        "model": start_model, "seed": seed, "max_steps": config.grpo_steps, "checkpoint_every": config.grpo_steps,
-        "batch_size": config.dpo_batch_size, "micro_batch_size": config.dpo_batch_size, "output_dir": str(out / "dpo"),
-        "data": {"pairs": str(pairs_file), "heldout_pairs": 0}, "loss": {"beta": config.dpo_beta},
-        "optim": {"lr": config.dpo_lr}, "acceptance": {"max_new_tokens": budget},
+    dpo_dir = dpo.run(build_config(dpo.Config, preset("tiny-dpo"), {
+        **DPO_STAGE, "seed": seed, "model": start_model, "output_dir": str(out / "dpo"), "max_steps": config.grpo_steps,
+        "checkpoint_every": config.grpo_steps, "data": {**DPO_STAGE["data"], "pairs": str(pairs_file)},
+        "acceptance": {"max_new_tokens": budget},
     }))
     timings["dpo"] = time.perf_counter() - clock
 
@@ -164,7 +156,7 @@ def run(config: Config, resume: bool = False) -> Path:
         "seconds_after_install": time.perf_counter() - started,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    write_report(out, config, summary, before, after_grpo, after_dpo, (gain, low, high), dpo_gain, provenance,
+    write_report(out, config, grpo_config, summary, before, after_grpo, after_dpo, (gain, low, high), dpo_gain, provenance,
                  timings, {"sft": sft_dir, "grpo": grpo_dir, "dpo": dpo_dir})
     return out
 
@@ -174,7 +166,7 @@ def acceptance(model_dir: str, held_out, budget: int, seed: int, path: Path) -> 
     return evaluate_task(model, tokenizer, held_out, checker="exact", max_new_tokens=budget, seed=seed, output_path=path)
 
 
-def write_report(out: Path, config: Config, summary, before, after_grpo, after_dpo, grpo_gain, dpo_gain, provenance, timings, dirs) -> None:
+def write_report(out: Path, config: Config, grpo_config, summary, before, after_grpo, after_dpo, grpo_gain, dpo_gain, provenance, timings, dirs) -> None:
     """report.md with the before/after table, curves, the run cards side by side and samples."""
     plots = out / "plots"
     plots.mkdir(exist_ok=True)
@@ -230,7 +222,7 @@ def write_report(out: Path, config: Config, summary, before, after_grpo, after_d
         "| stage | held-out accuracy [95% CI] | training reward (last step) | KL to start | mean length | wall time |",
         "|---|---|---|---|---|---|",
         f"| SFT start ({config.sft_steps} steps) | {cell(before)} | n/a | 0 | {before['mean_length']:.1f} | {timings['sft']:.0f} s |",
-        f"| GRPO ({config.grpo_steps} steps x {config.prompts_per_step * config.group_size} samples) | {cell(after_grpo)} | "
+        f"| GRPO ({config.grpo_steps} steps x {grpo_config.data.prompts_per_step * grpo_config.data.group_size} samples) | {cell(after_grpo)} | "
         f"{last(grpo_rows, 'reward/mean')} | {last(grpo_rows, 'kl/exact')} | {after_grpo['mean_length']:.1f} | {timings['grpo']:.0f} s |",
         f"| DPO ({config.grpo_steps} steps on {provenance['pairs']} pairs) | {cell(after_dpo)} | "
         f"{last(dpo_rows, 'rewards/accuracy')} (pair accuracy) | n/a | {after_dpo['mean_length']:.1f} | "

@@ -116,9 +116,10 @@ def setup(config: Config, reward: Any = None, world: World | None = None) -> Sta
                  stream=PromptStream(train, config.seed), train=train, held_out=held_out)
 
 
-def sample(state: State, timer: Timer) -> ScoredBatch:
-    """Steps 1-2: sample B prompts x G completions with the policy and score them."""
-    config = state.config
+def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
+    """Steps 1-2: sample B prompts x G completions with the policy and score them (`timer`
+    collects the generation and scoring seconds)."""
+    config, timer = state.config, timer or Timer()
     refill_rounds = config.loss.max_refill_rounds if config.loss.dynamic_sampling else None
     with full_weights(state.policy):
         return sample_and_score(
