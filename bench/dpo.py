@@ -54,14 +54,15 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
     from posttrain.data import PreferencePair, tokenize_preference_pairs
     from posttrain.models import make_reference
     from posttrain.models.pair_forward import reference_logprobs
-    from posttrain.recipes import dpo
-    from posttrain.recipes.common import clip_and_step, load_policy, make_optimizer
+    from posttrain.recipes import dpo, dpo_config
+    from posttrain.models.loading import load_policy
+    from posttrain.optim import clip_and_step, make_optimizer
 
     policy, tokenizer = load_policy(model_name)  # as the recipe loads it
     total = steps + warmup
     rows = make_rows(BATCH * total)
     pairs = [PreferencePair(r["id"], r["prompt"], r["chosen"], r["rejected"]) for r in rows]
-    config = build_config(dpo.Config, None, {
+    config = build_config(dpo_config.Config, None, {
         "data": {"pairs": "bench", "use_chat_template": False}, "batch_size": BATCH, "micro_batch_size": BATCH,
         "optim": {"lr": 1e-6}, "loss": {"reference": "precomputed" if precomputed else "live"},
     })

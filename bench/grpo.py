@@ -149,7 +149,7 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
 
     from posttrain.config import build_config
     from posttrain.recipes import online, online_config
-    from posttrain.recipes.common import Timer
+    from posttrain.runs.timer import Timer
 
     total = steps + warmup
     settings = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 import sys
 
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("posttrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`posttrain ... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ hand, micro-batch invariance, the displacement alarm, smoke runs, bad configs, S
 import copy
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
 from posttrain.models import forward as model_forward
 from posttrain.models import pair_forward
-from posttrain.recipes import dpo
+from posttrain.recipes import dpo, dpo_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,10 +51,10 @@ def pairs_file(tmp_path) -> Path:
     return write_pairs(tmp_path / "pairs.jsonl", arithmetic_pairs())
 
 
-def small_config(tmp_path, pairs_file, *extra) -> dpo.Config:
+def small_config(tmp_path, pairs_file, *extra) -> dpo_config.Config:
     overrides = ["--data.pairs", str(pairs_file), "--data.heldout_pairs", "2", "--batch_size", "4",
                  "--micro_batch_size", "2", "--optim.lr", "1e-3", "--max-steps", "2", *extra]
-    config = build_config(dpo.Config, None, parse_overrides(overrides))
+    config = build_config(dpo_config.Config, None, parse_overrides(overrides))
     config.output_dir = str(tmp_path / "run")
     return config
 
@@ -72,7 +71,7 @@ def test_seed_pair_through_the_recipe_loss():
     """The seed: policy chosen -2, rejected -4; reference -3, -3; beta 0.2.
     h = (-2 - -3) - (-4 - -3) = 2, logit 0.4, loss = log(1 + e^-0.4) = 0.51302; rewards +0.2 / -0.2."""
     losses, chosen_rewards, rejected_rewards = dpo.preference_losses(
-        dpo.Loss(type="sigmoid", beta=0.2), sums([-2.0], [-4.0]), torch.tensor([-3.0]), torch.tensor([-3.0]))
+        dpo_config.Loss(type="sigmoid", beta=0.2), sums([-2.0], [-4.0]), torch.tensor([-3.0]), torch.tensor([-3.0]))
     assert losses.item() == pytest.approx(math.log(1 + math.exp(-0.4)), abs=1e-6)
     assert losses.item() == pytest.approx(0.5130, abs=5e-5)
     assert chosen_rewards.item() == pytest.approx(0.2) and rejected_rewards.item() == pytest.approx(-0.2)
@@ -82,18 +81,18 @@ def test_seed_pair_through_the_recipe_loss():
     "loss, expected",
     [
         # h = 2, beta = 0.2, beta h = 0.4; softplus(-0.4) = 0.513015, softplus(0.4) = 0.913015.
-        (dpo.Loss(type="sigmoid", beta=0.2), 0.513015),
+        (dpo_config.Loss(type="sigmoid", beta=0.2), 0.513015),
         # cDPO, e = 0.1: 0.9 * 0.513015 + 0.1 * 0.913015 = 0.553015
-        (dpo.Loss(type="conservative", beta=0.2, label_smoothing=0.1), 0.553015),
+        (dpo_config.Loss(type="conservative", beta=0.2, label_smoothing=0.1), 0.553015),
         # robust, e = 0.1: (0.9 * 0.513015 - 0.1 * 0.913015) / 0.8 = 0.463015
-        (dpo.Loss(type="robust", beta=0.2, label_smoothing=0.1), 0.463015),
+        (dpo_config.Loss(type="robust", beta=0.2, label_smoothing=0.1), 0.463015),
         # IPO: (h - 1 / (2 beta))^2 = (2 - 2.5)^2 = 0.25
-        (dpo.Loss(type="ipo", beta=0.2), 0.25),
+        (dpo_config.Loss(type="ipo", beta=0.2), 0.25),
         # hinge: max(0, 1 - beta h) = 0.6
-        (dpo.Loss(type="hinge", beta=0.2), 0.6),
+        (dpo_config.Loss(type="hinge", beta=0.2), 0.6),
         # length-normalised, lengths 2 (chosen) and 4 (rejected): chosen -2/2 - -3/2 = 0.5,
         # rejected -4/4 - -3/4 = -0.25, h = 0.75, beta h = 0.15, softplus(-0.15) = 0.620957
-        (dpo.Loss(type="length_normalized", beta=0.2), 0.620957),
+        (dpo_config.Loss(type="length_normalized", beta=0.2), 0.620957),
     ],
 )
 def test_each_loss_type_by_hand(loss, expected):
@@ -103,8 +102,8 @@ def test_each_loss_type_by_hand(loss, expected):
 
 def test_every_loss_type_is_a_row_of_the_one_table():
     """The config's choices, the loss table and the run card's descriptions name the same losses."""
-    choices = typing.get_args(typing.get_type_hints(dpo.Loss)["type"])
-    assert set(choices) == set(PREFERENCE_LOSSES) == set(dpo.OBJECTIVES)
+    choices = typing.get_args(typing.get_type_hints(dpo_config.Loss)["type"])
+    assert set(choices) == set(PREFERENCE_LOSSES) == set(dpo_config.OBJECTIVES)
 
 
 def naive_response_sum(model, prompt_ids, response_ids) -> float:

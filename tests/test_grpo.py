@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from posttrain.config import build_config, parse_overrides
-from posttrain.errors import UserError
 from posttrain.recipes import online as grpo
 from posttrain.recipes import online_config
 from posttrain.recipes.online_data import ScoredBatch

@@ -14,7 +14,7 @@ from posttrain.algorithms import clipped_surrogate
 from posttrain.config import build_config
 from posttrain.data.examples import derived_seed
 from posttrain.recipes import online, online_config
-from posttrain.recipes.common import Timer
+from posttrain.runs.timer import Timer
 from posttrain.rollout import generate
 from posttrain.recipes.online_data import ScoredBatch
 from posttrain.rewards import Verdict

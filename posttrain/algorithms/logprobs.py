@@ -93,9 +93,9 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Te
     """Log-probs of ``targets`` under ``softmax(head(hidden))`` without keeping any (K, V) logits.
 
     Equal to ``token_logprobs(head(hidden), targets)``, but the logits exist one chunk at a time,
-    in the forward and again (recomputed) in the backward: for a 49k-token vocabulary and ~600
-    response positions that is ~120 MB of saved logits, plus the same again for their gradient, that
-    a training step no longer holds at its peak. The price is one more LM-head matmul in backward.
+    in the forward and again (recomputed) in the backward: K x V saved logits (and as many gradient
+    values) that a training step no longer holds at its peak (sizes in docs/models.md). The price is
+    one more LM-head matmul in backward.
 
     Args:
         hidden: (K, H) final hidden states at the positions that predict ``targets``.

@@ -13,6 +13,7 @@ import math
 import torch
 
 from posttrain.algorithms import (
+    LABEL_SMOOTHED,
     PREFERENCE_LOSSES,
     ESTIMATORS,
     clipped_surrogate,
@@ -132,14 +133,16 @@ def explain_dpo(args) -> int:
     if args.beta <= 0:
         raise UserError(f"--beta must be > 0, got {args.beta}")
     loss_fn = PREFERENCE_LOSSES[args.loss]
-    takes_smoothing = args.loss in ("sigmoid", "conservative", "robust")
-    if args.label_smoothing is not None and not takes_smoothing:
+    if args.label_smoothing is not None and args.loss not in LABEL_SMOOTHED:
         raise UserError(f"--label-smoothing does not apply to --loss {args.loss}")
+    lengths = (args.chosen_length, args.rejected_length)
+    if args.loss == "length_normalized" and None in lengths:
+        raise UserError("--loss length_normalized needs --chosen-length and --rejected-length (response tokens)")
     # None keeps each loss's own default (0 for sigmoid, 0.1 for conservative and robust).
     extra = {"label_smoothing": args.label_smoothing} if args.label_smoothing is not None else {}
     losses, chosen_reward, rejected_reward = loss_fn(
         _tensor([args.chosen]), _tensor([args.rejected]), _tensor([args.ref_chosen]), _tensor([args.ref_rejected]),
-        beta=args.beta, **extra,
+        *(_tensor([length]) if length is not None else None for length in lengths), beta=args.beta, **extra,
     )
     logit = (chosen_reward - rejected_reward).item()
     result = {
@@ -212,6 +215,8 @@ def register(subparsers) -> None:
     dpo.add_argument("--beta", type=float, default=0.1)
     dpo.add_argument("--loss", choices=sorted(PREFERENCE_LOSSES), default="sigmoid")
     dpo.add_argument("--label-smoothing", type=float, default=None, help="label noise rate (default: the loss's own)")
+    dpo.add_argument("--chosen-length", type=float, default=None, help="response tokens of the chosen answer (length_normalized)")
+    dpo.add_argument("--rejected-length", type=float, default=None, help="response tokens of the rejected answer (length_normalized)")
     dpo.set_defaults(func=_library_errors_are_user_errors(explain_dpo))
 
     kl = commands.add_parser("kl", help="exact KL vs the k1/k2/k3 estimators at one prefix")

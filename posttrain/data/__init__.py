@@ -49,6 +49,16 @@ Preference pairs (posttrain.data.preference)
     tokenize_preference_pairs(tokenizer, pairs, *, truncation=None, padding_side="right",
         system_prompt=None, use_chat_template=None) -> PreferenceBatch(chosen, rejected, kept, counts)
         chosen and rejected are TokenizedBatches padded to the same L.
+    load_pairs(path, tokenizer, *, heldout_file, heldout_pairs, split_seed, strict, truncation,
+        system_prompt, use_chat_template) -> PairSplits(train, heldout, stats)
+        a pairs file split by prompt (no prompt on both sides), or a separate held-out file.
+    split_pairs(pairs, count, seed) -> (train, held_out);  prompt_key(prompt) -> str
+
+Provenance and order (posttrain.data.provenance, .order, .stream)
+    provenance_path(path) -> Path (pairs.jsonl -> pairs.meta.json); read_provenance(path) -> dict | None;
+    write_with_provenance(out, rows, provenance) (atomic, with the file's SHA-256); file_sha256(path)
+    data_order(num_examples, seed, position, count) -> list[int]   # SFT / DPO rows, seeded epochs
+    PromptStream(task, seed, position=0).take(count) -> list[Example]  # the online recipes' prompts
 
 Validation (posttrain.data.validation)
     ValidationReport(source, rows_read, problems: list[BadRow]); .lines() -> ["FILE:LINE: field: reason"];

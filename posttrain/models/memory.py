@@ -5,7 +5,7 @@ MLP's width (``intermediate_size``, 2.7x the hidden size in SmolLM2) per token a
 ``gate(x)`` (for silu), ``silu(gate(x))`` and ``up(x)`` (for the product) and the product (for
 ``down``'s weight gradient). The last two are cheap elementwise functions of the first two, so
 ``lean_mlp`` keeps only ``gate(x)`` and ``up(x)`` and recomputes the rest in backward: half the MLP's
-saved activations (~150 MB of a SmolLM2 DPO step's ~780 tokens), for elementwise work in backward.
+saved activations (measured on a SmolLM2 DPO step: docs/models.md), for elementwise work in backward.
 The values and gradients are those of the plain forward (tested in tests/test_models_memory.py).
 
 This is not activation checkpointing: no matmul is recomputed.

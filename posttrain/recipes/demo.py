@@ -84,7 +84,7 @@ def preset(name: str) -> Path:
 
 def run(config: Config, resume: bool = False) -> Path:
     """Run every stage; returns the demo directory (with report.md and summary.json)."""
-    from posttrain.recipes import dpo, online, online_config, pairs, sft
+    from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, sft
 
     if resume:
         raise UserError("the demo always starts over; run it again without --resume")
@@ -136,7 +136,7 @@ def run(config: Config, resume: bool = False) -> Path:
     }))
     timings["pairs"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    dpo_dir = dpo.run(build_config(dpo.Config, preset("tiny-dpo"), {
+    dpo_dir = dpo.run(build_config(dpo_config.Config, preset("tiny-dpo"), {
         **DPO_STAGE, "seed": seed, "model": start_model, "output_dir": str(out / "dpo"), "max_steps": config.grpo_steps,
         "checkpoint_every": config.grpo_steps, "data": {**DPO_STAGE["data"], "pairs": str(pairs_file)},
         "acceptance": {"max_new_tokens": budget},

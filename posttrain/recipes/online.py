@@ -44,11 +44,16 @@ from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.models import make_critic, make_reference
 from posttrain.models.forward import TrainingForward, completion_logits, completion_values, policy_and_critic, policy_logits, rank_logprobs
-from posttrain.recipes.common import Timer, default_output_dir, load_policy, make_optimizer, restore_training, save_training, seed_everything
+from posttrain.models.loading import load_policy
+from posttrain.optim import make_optimizer
 from posttrain.recipes.online_config import Config
 from posttrain.recipes.online_data import ScoredBatch, sample_and_score
 from posttrain.rewards import Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
+from posttrain.runs.checkpoint import seed_everything
+from posttrain.runs.directory import default_output_dir
+from posttrain.runs.timer import Timer
+from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
 

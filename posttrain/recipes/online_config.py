@@ -13,7 +13,7 @@ from posttrain.algorithms.policy import AGGREGATIONS
 from posttrain.config import RunFields
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
-from posttrain.recipes.common import Optimization
+from posttrain.optim import Optimization
 from posttrain.rollout import SamplingConfig
 
 

@@ -27,18 +27,13 @@ from posttrain.distributed import Parallel, World, full_weights, gradient_sync, 
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.models.forward import TrainingForward, batch_response_sums
-from posttrain.recipes.common import (
-    Optimization,
-    Timer,
-    clip_and_step,
-    default_output_dir,
-    load_policy,
-    make_optimizer,
-    restore_training,
-    save_training,
-    seed_everything,
-)
+from posttrain.models.loading import load_policy
+from posttrain.optim import Optimization, clip_and_step, make_optimizer
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
+from posttrain.runs.checkpoint import seed_everything
+from posttrain.runs.directory import default_output_dir
+from posttrain.runs.timer import Timer
+from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
 

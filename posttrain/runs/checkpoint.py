@@ -44,6 +44,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG a CPU run draws from: Python, NumPy and torch (CUDA too when present)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from posttrain.distributed import World
 from posttrain.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -130,3 +132,8 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             logger.warning("%s: ignoring a torn line", path)
     return rows
+
+
+def default_output_dir(recipe: str, world: World | None = None) -> str:
+    """runs/<recipe>-<time>; under torchrun rank 0's name on every rank."""
+    return (world or World()).broadcast(str(Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"))
