@@ -113,3 +113,21 @@ def test_jsonl_task_splits_and_length_limit(tmp_path):
     with pytest.raises(UserError, match="no usable examples \\(40 bad rows dropped\\)"):  # "3+4=" is 23 tokens
         load_task("arithmetic", size=40, options={"digits": 1}, tokenizer=tokenizer, max_prompt_tokens=22,
                   strict=False)
+
+
+def test_the_epoch_stream_is_one_permutation_per_epoch_and_resumes_by_position():
+    """Both seedings go through `epoch_indices`: every epoch visits each row once, a stream read
+    in pieces equals one read whole (so a resumed run continues it), and the two seedings differ."""
+    from posttrain.data.examples import Example, Task
+    from posttrain.data.stream import PromptStream, data_order, epoch_indices
+
+    whole = data_order(7, 3, 0, 21)
+    assert all(sorted(whole[e * 7:(e + 1) * 7]) == list(range(7)) for e in range(3))
+    assert data_order(7, 3, 0, 5) + data_order(7, 3, 5, 9) + data_order(7, 3, 14, 7) == whole
+    assert epoch_indices(7, 0, 21, lambda epoch: 3 * 1_000_003 + epoch) == whole
+    task = Task(name="t", split="train", examples=[Example(id=str(i), prompt=str(i)) for i in range(7)], reward_kind="number")
+    stream = PromptStream(task, 3)
+    pieces = [int(e.id) for count in (5, 9, 7) for e in stream.take(count)]
+    assert stream.position == 21 and pieces == [int(e.id) for e in PromptStream(task, 3).take(21)]
+    assert [int(e.id) for e in PromptStream(task, 3, position=14).take(7)] == pieces[14:]
+    assert pieces != whole  # the online stream's own seeding

@@ -54,7 +54,7 @@ Preference pairs (posttrain.data.preference)
         a pairs file split by prompt (no prompt on both sides), or a separate held-out file.
     split_pairs(pairs, count, seed) -> (train, held_out);  prompt_key(prompt) -> str
 
-Provenance and order (posttrain.data.provenance, .order, .stream)
+Provenance and order (posttrain.data.provenance, .stream: one epoch stream, two seedings)
     provenance_path(path) -> Path (pairs.jsonl -> pairs.meta.json); read_provenance(path) -> dict | None;
     write_with_provenance(out, rows, provenance) (atomic, with the file's SHA-256); file_sha256(path)
     data_order(num_examples, seed, position, count) -> list[int]   # SFT / DPO rows, seeded epochs

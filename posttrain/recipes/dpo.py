@@ -37,7 +37,7 @@ from posttrain.algorithms import PREFERENCE_LOSSES, pair_columns, pair_metrics
 from posttrain.config import save_yaml, to_dict
 from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
 from posttrain.data.examples import derived_seed
-from posttrain.data.order import data_order
+from posttrain.data.stream import data_order
 from posttrain.data.preference import load_pairs, prompt_key
 from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, unwrap, wrap

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from posttrain.config import RunFields, save_yaml, to_dict
 from posttrain.data import TokenizedBatch, tokenize_prompt_response
 from posttrain.data.examples import Example
-from posttrain.data.order import data_order
+from posttrain.data.stream import data_order
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, is_sharded, wrap
 from posttrain.errors import UserError
