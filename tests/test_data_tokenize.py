@@ -118,3 +118,23 @@ def test_prompts_only_and_collate_from_ids():
     collated = collate_token_ids([[5, 6], [7]], [[9, 2], [2]], pad_token_id=2)
     assert collated.input_ids.tolist() == [[5, 6, 9, 2], [7, 2, 2, 2]]
     assert collated.mask.tolist() == [[False, False, True, True], [False, True, False, False]]
+
+
+def test_batch_records_move_to_a_device_at_one_boundary():
+    """`to(device)` moves every tensor of a TokenizedBatch / PreferenceBatch (here to the meta
+    device: shapes and dtypes kept), and nothing else."""
+    from posttrain.data import tokenize_preference_pairs
+    from posttrain.data.preference import PreferencePair
+    from posttrain.models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    pairs = [PreferencePair(id="a", prompt="1+1=", chosen="2", rejected="3"), PreferencePair(id="b", prompt="2+2=", chosen="4", rejected="44")]
+    batch = tokenize_preference_pairs(tokenizer, pairs)
+    moved = batch.to("meta")
+    for side in ("chosen", "rejected"):
+        before, after = getattr(batch, side), getattr(moved, side)
+        for name in ("input_ids", "attention_mask", "mask", "prompt_lengths", "response_lengths"):
+            assert getattr(after, name).device.type == "meta"
+            assert getattr(after, name).shape == getattr(before, name).shape and getattr(after, name).dtype == getattr(before, name).dtype
+        assert after.kept == before.kept and getattr(before, "input_ids").device.type == "cpu"
+    assert moved.kept == batch.kept

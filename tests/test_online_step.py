@@ -4,6 +4,7 @@ bounds), and GRPO / PPO with LoRA through the whole run."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -100,12 +101,15 @@ def test_two_mini_batches_second_is_off_policy(monkeypatch):
 @pytest.mark.parametrize("recipe", ["grpo", "ppo"])
 def test_lora_two_steps(tmp_path, recipe):
     """GRPO and PPO with LoRA adapters, 2 steps: finite losses, the adapter changed, and the
-    checkpoint is the adapter (the base weights are not rewritten)."""
+    checkpoint is the adapter (the base weights are not rewritten); the config is left as it was."""
     factory = online_config.grpo_config if recipe == "grpo" else online_config.ppo_config
     settings = {**SMALL, "lora_rank": 4, "max_steps": 2, "output_dir": str(tmp_path / recipe), "optim": {"lr": 1e-2}}
     if recipe == "ppo":
         settings["critic"] = {"lr": 1e-3}
-    run_dir = online.run(build_config(factory, None, settings), reward=digits)
+    config = build_config(factory, None, settings)
+    before = copy.deepcopy(config)
+    run_dir = online.run(config, reward=digits)
+    assert config == before, "run() treats its config as read-only"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row["step"] > 0]
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(row["loss"])) for row in steps)

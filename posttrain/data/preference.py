@@ -13,9 +13,12 @@ whole prompts split off the first, seeded), and the truncation policy applied on
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from posttrain.data.examples import Example, derived_seed
 from posttrain.data.tokenize import (
@@ -169,6 +172,10 @@ class PreferenceBatch:
     rejected: TokenizedBatch
     kept: list[int]
     counts: TruncationCounts
+
+    def to(self, device: torch.device | str) -> PreferenceBatch:
+        """The same pairs with both sides' tensors on `device`."""
+        return dataclasses.replace(self, chosen=self.chosen.to(device), rejected=self.rejected.to(device))
 
 
 def tokenize_preference_pairs(

@@ -13,6 +13,7 @@ in the returned `TruncationCounts`, so a recipe can put the policy and the count
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Sequence
@@ -69,6 +70,11 @@ class TokenizedBatch:
     kept: list[int] = field(default_factory=list)
     """Index into the inputs of each row (all inputs unless the policy dropped some)."""
     counts: TruncationCounts = field(default_factory=TruncationCounts)
+
+    def to(self, device: torch.device | str) -> TokenizedBatch:
+        """The same batch with every tensor on `device` (the one place a batch moves to a device)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
