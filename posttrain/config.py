@@ -292,3 +292,15 @@ class RunFields:
         for name in ("max_steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class PolicyFields(RunFields):
+    """The run fields plus the policy to train, declared once for the recipes that train with LoRA."""
+
+    model: str = "tiny"
+    """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
+    lora_rank: int = 0
+    """LoRA rank (0: train all weights)."""
+    lora_alpha: float = 16.0
+    """LoRA alpha."""

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -87,7 +85,9 @@ def handle(args) -> int:
     if args.output is None:
         sys.stdout.writelines(lines)
     else:
-        _write_atomically(args.output, "".join(lines))
+        from posttrain.data.provenance import write_text_atomically  # here: the CLI starts without torch
+
+        write_text_atomically(args.output, "".join(lines))
     statuses = Counter(v.status for v in verdicts)
     rewards = [v.reward for v in verdicts if v.status == "ok"]
     mean = sum(rewards) / len(rewards) if rewards else float("nan")
@@ -96,17 +96,3 @@ def handle(args) -> int:
           ", ".join(f"{k}={statuses[k]}" for k in ("ok", "infra_error", "data_error")) +
           f", mean reward (ok rows) {mean:.4f}{unsafe}", file=sys.stderr)
     return 0
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise

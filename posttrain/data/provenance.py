@@ -44,21 +44,28 @@ def read_provenance(data_path: str | Path) -> dict[str, Any] | None:
     return meta
 
 
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """Write `text` to `path` via a temporary file in the same directory, fsync and rename: a crash
+    leaves the old file or the new one, never half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 def write_with_provenance(out: str | Path, rows: list[dict], provenance: dict[str, Any]) -> None:
     """The JSONL file, then its sidecar (`provenance` plus the file's SHA-256, added to the dict),
-    each temp + fsync + rename, so a crash leaves no half-written file under either name."""
+    each written atomically, so a crash leaves no half-written file under either name."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     provenance["sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    for path, content in ((out, text), (provenance_path(out), json.dumps(provenance, indent=1, default=str) + "\n")):
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as stream:
-                stream.write(content)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+    write_text_atomically(out, text)
+    write_text_atomically(provenance_path(out), json.dumps(provenance, indent=1, default=str) + "\n")

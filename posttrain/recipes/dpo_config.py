@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from posttrain.algorithms import LABEL_SMOOTHED
-from posttrain.config import RunFields
+from posttrain.config import PolicyFields
 from posttrain.data import TruncationPolicy
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
@@ -98,13 +98,7 @@ class Acceptance:
 
 
 @dataclass
-class Config(RunFields):
-    model: str = "tiny"
-    """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
-    lora_rank: int = 0
-    """LoRA rank (0: train all weights)."""
-    lora_alpha: float = 16.0
-    """LoRA alpha."""
+class Config(PolicyFields):
     data: Data = field(default_factory=Data)
     """Link 1: the pairs."""
     loss: Loss = field(default_factory=Loss)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.algorithms.policy import AGGREGATIONS
-from posttrain.config import RunFields
+from posttrain.config import PolicyFields
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.optim import Optimization
@@ -147,13 +147,7 @@ class Acceptance:
 
 
 @dataclass
-class Config(RunFields):
-    model: str = "tiny"
-    """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
-    lora_rank: int = 0
-    """LoRA rank (0: train all weights)."""
-    lora_alpha: float = 16.0
-    """LoRA alpha."""
+class Config(PolicyFields):
     data: Data = field(default_factory=Data)
     """Link 1: prompts and groups."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
