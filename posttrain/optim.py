@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import torch
 
@@ -19,7 +20,7 @@ class Optimization:
     """Peak learning rate."""
     warmup_steps: int = 0
     """Linear warm-up from 0 to lr over this many optimizer steps."""
-    schedule: str = "constant"
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
     """After warm-up: constant | cosine (to 10% of lr at max_steps) | linear (to 0 at max_steps)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
