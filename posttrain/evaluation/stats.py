@@ -1,4 +1,4 @@
-"""Statistics of acceptance: confidence intervals, pass@k, paired gains, the divergence alarm."""
+"""Statistics of acceptance: confidence intervals, pass@k, paired gains (the alarms are in alarms.py)."""
 
 from __future__ import annotations
 

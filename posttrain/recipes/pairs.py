@@ -20,10 +20,10 @@ from importlib import metadata
 from typing import Any
 
 from posttrain.data import load_splits, render_prompt
-from posttrain.data.examples import derived_seed
+from posttrain.data.examples import derived_seed, verifier_input
 from posttrain.data.provenance import write_with_provenance
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, verifier_input
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS
 from posttrain.rewards import Verdict, get_verifier
 from posttrain.rollout import SamplingConfig, generate
 
