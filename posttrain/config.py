@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from posttrain.errors import UserError
+from posttrain.hardware import Hardware, Memory
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -287,6 +288,10 @@ class RunFields:
     """Run directory (default runs/<recipe>-<time>)."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard event files in <run>/tensorboard (needs `pip install tensorboard`)."""
+    hardware: Hardware = dataclasses.field(default_factory=Hardware)
+    """Device and precision (posttrain/hardware.py): --hardware.device cuda --hardware.precision bf16-mixed."""
+    memory: Memory = dataclasses.field(default_factory=Memory)
+    """Activation memory: --memory.gradient_checkpointing true."""
 
     def validate(self) -> None:
         for name in ("max_steps", "checkpoint_every"):

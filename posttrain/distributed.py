@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.errors import UserError
+from posttrain.hardware import Placement, cpu_placement
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +123,11 @@ class World:
             dist.destroy_process_group()
 
 
-def init_world(parallel: Parallel | None = None) -> World:
+def init_world(parallel: Parallel | None = None, placement: Placement | None = None) -> World:
     """Join the job torchrun started (RANK / WORLD_SIZE / MASTER_ADDR in the environment), or return
-    a world of one. Backend: gloo (the recipes train on the CPU). Library logging below warnings is
+    a world of one. Backends: `cpu:gloo,cuda:nccl` when the run is on CUDA (NCCL moves the GPU
+    tensors; gloo keeps the CPU ones, e.g. gathered objects, working), gloo on the CPU. Call it after
+    `hardware.resolve` (which makes cuda:$LOCAL_RANK current). Library logging below warnings is
     silenced on ranks other than 0 so a run prints one log, not one per rank."""
     parallel = parallel or Parallel()
     parallel.validate()
@@ -132,9 +135,10 @@ def init_world(parallel: Parallel | None = None) -> World:
     if size <= 1:
         return World(strategy=parallel.strategy)
     if not dist.is_initialized():
-        # The recipes keep models and batches on the CPU (no device placement yet), so the backend is
-        # gloo even where CUDA is present: NCCL only moves CUDA tensors.
-        dist.init_process_group("gloo", timeout=timedelta(seconds=parallel.timeout_seconds))
+        on_cuda = placement is not None and placement.is_cuda
+        options = {"device_id": placement.device} if on_cuda else {}  # binds NCCL to this rank's GPU
+        dist.init_process_group("cpu:gloo,cuda:nccl" if on_cuda else "gloo", timeout=timedelta(seconds=parallel.timeout_seconds),
+                                **options)
     world = World(dist.get_rank(), dist.get_world_size(), parallel.strategy)
     if not world.main:
         logging.getLogger("posttrain").setLevel(logging.WARNING)
@@ -152,27 +156,44 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     raise UserError(f"parallel.strategy fsdp2: cannot find the decoder layers of {type(model).__name__}")
 
 
-def wrap(model, world: World):
+def wrap(model, world: World, placement: Placement | None = None):
     """The module to train through: the model itself (one process), DDP around it, or the model
     sharded in place with FSDP2 (each decoder layer, then the root: `model.sharding_root` when the
-    model is a parameter-free wrapper such as models.forward.TrainingForward). Generation and evaluation use the plain model; under FSDP2
+    model is a parameter-free wrapper such as models.forward.TrainingForward). On CUDA, DDP gets
+    `device_ids=[the rank's GPU]`; FSDP2 gets the `MixedPrecisionPolicy` of the run's precision
+    (bf16-mixed: bf16 all-gathered parameters for compute, float32 gradient reduction and master
+    weights). Generation and evaluation use the plain model; under FSDP2
     inside `full_weights(model)`."""
     if not world.active:
         return model
     if world.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model)  # CPU: no device_ids
+        placement = placement or cpu_placement()
+        return DistributedDataParallel(model, device_ids=[placement.device.index] if placement.is_cuda else None)
     from torch.distributed.fsdp import fully_shard
 
+    options = {"mp_policy": mixed_precision_policy(placement)} if placement is not None else {}
     root = getattr(model, "sharding_root", model)
     for layer in decoder_layers(root):
-        fully_shard(layer)
-    fully_shard(root)
+        fully_shard(layer, **options)
+    fully_shard(root, **options)
     # Settle which unit is the root now: code that calls the decoder directly (DPO's response-only
     # LM head) would otherwise make a layer the root on its first forward.
     root._get_fsdp_state()._lazy_init()
     return model
+
+
+def mixed_precision_policy(placement: Placement):
+    """FSDP2's `MixedPrecisionPolicy` for a precision: bf16-mixed all-gathers bf16 parameters for the
+    forward and backward and reduce-scatters gradients in float32 into float32 shards (the master
+    weights the optimizer steps); fp32 and bf16 compute in the parameters' own dtype. On the CPU
+    (gloo) bf16-mixed keeps the float32 collectives and relies on autocast alone."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if placement.precision == "bf16-mixed" and placement.is_cuda:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def unwrap(module):

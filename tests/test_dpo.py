@@ -419,7 +419,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, pairs_file)
 
     def comparable(path):
         rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in row.items() if not k.startswith("seconds/") and k != "tokens_per_second"} for row in rows]
+        return [{k: v for k, v in row.items() if not k.startswith(("seconds/", "tokens_per_second"))} for row in rows]
 
     assert comparable(interrupted) == comparable(tmp_path / "straight")
     card = json.loads((interrupted / "run_card.json").read_text())

@@ -181,7 +181,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
 
     def comparable(path):
         rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in row.items() if not k.startswith("seconds/") and k != "tokens_per_second"} for row in rows]
+        return [{k: v for k, v in row.items() if not k.startswith(("seconds/", "tokens_per_second"))} for row in rows]
 
     assert comparable(interrupted) == comparable(tmp_path / "straight")
     final_a = load_model(str(tmp_path / "straight" / "checkpoints" / "step-000004" / "model"))[0]

@@ -14,7 +14,7 @@ from posttrain.algorithms.advantages import (
 )
 from posttrain.algorithms.kl import ESTIMATORS, exact_kl, kl_estimate, kl_penalized_rewards
 from posttrain.algorithms.logprobs import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
-from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss
+from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss, sampler_mismatch, truncated_importance_weights
 from posttrain.algorithms.preference import (
     LABEL_SMOOTHED,
     PAIR_METRICS,
@@ -30,6 +30,8 @@ from posttrain.algorithms.preference import (
 )
 
 __all__ = [
+    "sampler_mismatch",
+    "truncated_importance_weights",
     "AGGREGATIONS",
     "ESTIMATORS",
     "LABEL_SMOOTHED",

@@ -50,40 +50,57 @@ def token_logprobs(
 
 class _HeadLogprobs(torch.autograd.Function):
     """log_softmax(hidden @ weight.T + bias)[target], chunk by chunk; backward recomputes each chunk's
-    logits instead of keeping them (the LM-head half of a "fused linear cross-entropy")."""
+    logits instead of keeping them (the LM-head half of a "fused linear cross-entropy").
+
+    The matmuls run in the dtype they would outside this function: under autocast (bf16-mixed) in
+    the autocast dtype, the backward too (it runs outside autocast, so it casts explicitly); the
+    log-softmax is float32 either way."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size):
         dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        kind = hidden.device.type
+        compute = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.promote_types(hidden.dtype, weight.dtype)
         out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
         lse = torch.empty_like(out)
-        for start in range(0, hidden.shape[0], chunk_size):
-            logits = F.linear(hidden[start:start + chunk_size], weight, bias).to(dtype)  # (chunk, V)
-            lse[start:start + chunk_size] = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(-1, targets[start:start + chunk_size, None]).squeeze(-1)
-            out[start:start + chunk_size] = picked - lse[start:start + chunk_size]
+        with torch.autocast(kind, enabled=False):
+            w, b = weight.to(compute), None if bias is None else bias.to(compute)
+            for start in range(0, hidden.shape[0], chunk_size):
+                logits = F.linear(hidden[start:start + chunk_size].to(compute), w, b).to(dtype)  # (chunk, V)
+                lse[start:start + chunk_size] = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(-1, targets[start:start + chunk_size, None]).squeeze(-1)
+                out[start:start + chunk_size] = picked - lse[start:start + chunk_size]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.compute = chunk_size, compute
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        compute = ctx.compute
+        w, b = weight.to(compute), None if bias is None else bias.to(compute)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = torch.zeros_like(bias) if need_bias else None
+        same = hidden.dtype == weight.dtype == compute  # fp32 (or plain bf16): the original in-place kernels
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            h, g = hidden[rows], grad_out[rows].to(lse.dtype)
+            h, g = hidden[rows].to(compute), grad_out[rows].to(lse.dtype)
             # d out_k / d logits_kv = [v == target_k] - softmax_kv
-            grad_logits = F.linear(h, weight, bias).to(lse.dtype).sub_(lse[rows, None]).exp_().mul_(-g[:, None])
+            grad_logits = F.linear(h, w, b).to(lse.dtype).sub_(lse[rows, None]).exp_().mul_(-g[:, None])
             grad_logits.scatter_add_(-1, targets[rows, None], g[:, None])
-            grad_logits = grad_logits.to(hidden.dtype)
-            if need_hidden:
-                torch.matmul(grad_logits, weight, out=grad_hidden[rows])
-            if need_weight:
-                grad_weight.addmm_(grad_logits.T, h)
+            grad_logits = grad_logits.to(compute)
+            if same:
+                if need_hidden:
+                    torch.matmul(grad_logits, w, out=grad_hidden[rows])
+                if need_weight:
+                    grad_weight.addmm_(grad_logits.T, h)
+            else:
+                if need_hidden:
+                    grad_hidden[rows] = grad_logits @ w
+                if need_weight:
+                    grad_weight += grad_logits.T @ h
             if need_bias:
                 grad_bias += grad_logits.sum(0)
         return grad_hidden, grad_weight, grad_bias, None, None

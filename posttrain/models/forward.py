@@ -40,6 +40,7 @@ from transformers import DynamicCache
 from posttrain.algorithms import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.data import position_ids_from_attention_mask
 from posttrain.distributed import World, full_weights
+from posttrain.hardware import Placement, cpu_placement
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 """Architectures checked against the plain forward (tiny and SmolLM2 are Llama)."""
@@ -57,10 +58,24 @@ def _cache_argument(model) -> str | None:
     inner = _transformers_model(model)
     if getattr(getattr(inner, "config", None), "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return None
+    if checkpointing(inner):
+        return None
     parameters = inspect.signature(inner.forward).parameters
     if "logits_to_keep" not in parameters:
         return None
     return "cache" if "cache" in parameters else "past_key_values" if "past_key_values" in parameters else None
+
+
+def checkpointing(model) -> bool:
+    """True when a forward of `model` now would checkpoint its decoder layers (gradient
+    checkpointing on, training mode, gradients enabled). transformers then drops the KV cache a
+    layer is given (a replay in backward would write it twice), so the shared-prefix pass, which
+    reads the prompt's cache, is skipped: the plain forward gives the same logits and gradients."""
+    inner = _transformers_model(model)
+    if not (torch.is_grad_enabled() and getattr(inner, "training", False)):
+        return False
+    name = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(inner, name, False))  # renamed in transformers 5.2x
 
 
 def shared_prefix_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int,
@@ -98,7 +113,8 @@ def shared_prefix_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_wi
     if k == n:  # nothing shared: one forward, LM head on columns P-1 .. P+T-1, the last one dropped
         return forward(T + 1, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)[:, :T]
     # First row of each distinct prompt, (k,): its prompt columns are the ones computed.
-    first = torch.full((k,), n, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(n), reduce="amin")
+    first = torch.full((k,), n, dtype=torch.long, device=inverse.device).scatter_reduce(
+        0, inverse, torch.arange(n, device=inverse.device), reduce="amin")
     cache = DynamicCache(config=_transformers_model(model).config)
     logits = forward(
         1, input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P], position_ids=position_ids[first, :P],
@@ -192,7 +208,7 @@ def rank_logprobs(model, rollout, owners: torch.Tensor, world: World, temperatur
     if not world.active:
         return completion_logprobs(model, rollout, rollout.forward_inputs(), temperature, micro_batch_size)
     mine = (owners == world.rank).nonzero().squeeze(1)
-    full = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)
+    full = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
     with full_weights(model):
         if len(mine):
             part = rollout.select(mine)
@@ -203,7 +219,7 @@ def rank_logprobs(model, rollout, owners: torch.Tensor, world: World, temperatur
 def completion_values(critic, inputs: dict[str, torch.Tensor], P: int, T: int, micro_batch_size: int, rows=None, grad: bool = False) -> torch.Tensor:
     """(n, T) values V(s_t) of the state before each completion token (the hidden state of the
     token preceding it, like the logits that score it), micro-batched; no grad unless `grad`."""
-    rows = torch.arange(inputs["input_ids"].shape[0]) if rows is None else rows
+    rows = torch.arange(inputs["input_ids"].shape[0], device=inputs["input_ids"].device) if rows is None else rows
     pieces = []
     with torch.set_grad_enabled(grad):
         for start in range(0, len(rows), micro_batch_size):
@@ -239,20 +255,22 @@ def batch_response_sums(model, batch, rows, full_forward: bool = False) -> torch
 
 class TrainingForward(torch.nn.Module):
     """The one module a recipe trains through: `forward(*args)` = `function(model, *args, **options)`,
-    one recipe-defined pass over some rows, so DDP (which syncs per forward) and FSDP2 (which pairs
+    one recipe-defined pass over some rows under the run's precision (`placement.autocast()`), so DDP (which syncs per forward) and FSDP2 (which pairs
     calls across ranks) see one call however many model calls it makes. It holds the model (a
     module, or a `ModuleDict` of several) and no parameters of its own; FSDP2 shards the model.
 
         TrainingForward(policy, policy_logits, shared_prefix=True)(inputs, rows, P, T)  # (n, T, V) logits, None
     """
 
-    def __init__(self, model: torch.nn.Module, function: Callable[..., Any], **options: Any):
+    def __init__(self, model: torch.nn.Module, function: Callable[..., Any], placement: Placement | None = None, **options: Any):
         super().__init__()
         self.model, self.function, self.options = model, function, options
+        self.placement = placement or cpu_placement()
 
     @property
     def sharding_root(self) -> torch.nn.Module:
         return self.model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.function(self.model, *args, **{**self.options, **kwargs})
+        with self.placement.autocast():  # bf16-mixed: the forward under autocast; backward outside it
+            return self.function(self.model, *args, **{**self.options, **kwargs})

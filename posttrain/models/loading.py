@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.errors import UserError
+from posttrain.hardware import Placement, cpu_placement
 from posttrain.models.adapters import LoraSettings, apply_lora
 from posttrain.models.memory import lean_mlp
 from posttrain.models.tiny import build_tiny_model
@@ -229,12 +230,29 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_policy(spec: str, lora_rank: int = 0, lora_alpha: float = 16.0):
-    """The model a training recipe trains, and its tokenizer: `load_model(spec)`, its SwiGLU MLPs
-    made lean (`lean_mlp`: the same gradients, half the MLP activations kept for backward), and
-    LoRA adapters when `lora_rank` > 0."""
-    policy, tokenizer = load_model(spec)
+def load_policy(spec: str, lora_rank: int = 0, lora_alpha: float = 16.0, placement: Placement | None = None,
+                gradient_checkpointing: bool = False):
+    """The model a training recipe trains, and its tokenizer: `load_model(spec)` on the placement's
+    device in its parameter dtype (float32 unless `hardware.precision` is bf16), its SwiGLU MLPs made
+    lean (`lean_mlp`: the same gradients, half the MLP activations kept for backward), activation
+    checkpointing per decoder layer when asked (transformers' `gradient_checkpointing_enable`,
+    non-reentrant), and LoRA adapters when `lora_rank` > 0."""
+    placement = placement or cpu_placement()
+    policy, tokenizer = load_model(spec, dtype=placement.param_dtype, device=placement.device)
     lean_mlp(policy)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
     if lora_rank:
         policy = apply_lora(policy, LoraSettings(rank=lora_rank, alpha=lora_alpha))
     return policy, tokenizer
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward (non-reentrant `torch.utils.checkpoint`, which
+    composes with LoRA, `lean_mlp` and FSDP2's hooks). With a LoRA model the embeddings' output is
+    made to require grad so that the checkpointed layers see an input that does.
+    UserError if the model cannot (no `supports_gradient_checkpointing`)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(inner, "supports_gradient_checkpointing", False):
+        raise UserError(f"memory.gradient_checkpointing: {type(inner).__name__} does not support gradient checkpointing")
+    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

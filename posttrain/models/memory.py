@@ -32,11 +32,15 @@ class _SwiGLUDown(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias):
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
+        kind = gate.device.type
+        ctx.compute = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None  # bf16-mixed
         return F.linear(F.silu(gate) * up, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
+        if ctx.compute is not None:  # the forward ran under autocast: the backward's matmuls in its dtype
+            weight, grad_out = weight.to(ctx.compute), grad_out.to(ctx.compute)
         activated = F.silu(gate)
         grad_product = grad_out @ weight  # (..., I)
         grad_weight = grad_bias = None

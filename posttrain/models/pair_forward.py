@@ -142,7 +142,7 @@ def precomputed_reference(path: Path, model, pairs: dict[str, list[PreferencePai
         block, m = rows[mine.start : mine.stop], micro_batch_size
         with full_weights(root):
             part = reference_logprobs(model, (encode(block[s : s + m]) for s in range(0, len(block), m))) if block else torch.zeros(0, 2)
-        return torch.cat(world.gather(part))
+        return torch.cat(world.gather(part.cpu()))  # the table lives on the CPU (the cache file too)
 
     cache = {name: table(rows) for name, rows in pairs.items()}
     cache["fingerprint"] = fingerprint

@@ -20,8 +20,8 @@ the losses and pair metrics in `posttrain/algorithms/preference.py`, the alarm i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -42,6 +42,7 @@ from posttrain.data.preference import load_pairs, prompt_key
 from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
+from posttrain.hardware import resolve
 from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task, heldout_split
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
@@ -81,16 +82,20 @@ def step_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[s
 def run(config: Config, resume: bool = False) -> Path:
     """Train; returns the run directory. `config` comes checked from `build_config` and is not changed."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
-    world = init_world(config.parallel)
+    placement = resolve(config.hardware)
+    world = init_world(config.parallel, placement)
     seed_everything(config.seed)
-    policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha)
+    policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha, placement,
+                                    gradient_checkpointing=config.memory.gradient_checkpointing)
     data = config.data
     provenance = read_provenance(data.pairs) if os.path.isfile(data.pairs) else None  # else load_pairs says so
     if data.system_prompt is None and (provenance or {}).get("system_prompt"):
         data = dataclasses.replace(data, system_prompt=provenance["system_prompt"])  # the prompts as the pairs were sampled
         logger.info("system prompt from the pairs' provenance: %r", data.system_prompt)
     rendering = dict(truncation=data.truncation(), system_prompt=data.system_prompt, use_chat_template=data.use_chat_template)
-    encode = functools.partial(tokenize_preference_pairs, tokenizer, **rendering)
+    def encode(pairs: list[PreferencePair]) -> PreferenceBatch:  # tokenised, on the run's device: the one boundary
+        return tokenize_preference_pairs(tokenizer, pairs, **rendering).to(placement.device)
+
     splits = load_pairs(data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs,
                         split_seed=config.seed, strict=data.strict, **rendering)
     train, held_pairs, data_stats = splits.train, splits.heldout, splits.stats
@@ -111,17 +116,18 @@ def run(config: Config, resume: bool = False) -> Path:
     # 0b. The reference: live (a frozen copy / the LoRA base), or precomputed once and cached.
     reference, cached = None, None
     if config.loss.reference == "precomputed":
-        cached = cached_reference(run_dir, policy, encode, train, held_pairs, config, world)
+        with placement.autocast():
+            cached = cached_reference(run_dir, policy, encode, train, held_pairs, config, world)
     else:
         reference = make_reference(policy)
     sharded = world.active and world.strategy == "fsdp2"
     # The frozen copy sharded like the policy; made whole (by every rank) around each use.
     frozen = reference.model if reference is not None and not reference.adapter_disabled else None
     if frozen is not None and sharded:
-        wrap(frozen, world)
+        wrap(frozen, world, placement)
     # What forward/backward goes through: one call = pair log-probs of some rows (DDP, FSDP2 or the
     # policy itself); FSDP2 takes the plain forward so the root's shards are gathered.
-    trainer = wrap(TrainingForward(policy, pair_logprobs, full_forward=sharded), world)
+    trainer = wrap(TrainingForward(policy, pair_logprobs, placement, full_forward=sharded), world, placement)
     optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
     refreshing = bool(config.loss.reference_refresh_every)
     extra_models = {"reference": reference.model} if refreshing else None  # a refreshed reference is state
@@ -132,13 +138,14 @@ def run(config: Config, resume: bool = False) -> Path:
     card["run"]["reference_refreshed_at"] = state.get("reference_refreshed_at", [])
     card["alarms"] = list(alarm.rings)
     card["run"]["world_size"] = world.size
+    card["run"]["hardware"] = {**placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
 
     def write_card() -> None:
         if world.main:
             write_run_card(run_dir.path, card)
 
     def evaluate_on_rank0(step: int) -> dict:
-        with full_weights(policy), full_weights(frozen):
+        with full_weights(policy), full_weights(frozen), placement.autocast():
             metrics = evaluate(policy, reference, cached, tokenizer, encode, held_pairs, held_task, config, run_dir, step) if world.main else {}
         world.barrier()
         return metrics
@@ -149,13 +156,14 @@ def run(config: Config, resume: bool = False) -> Path:
     policy.train()
     progress = tqdm(range(state["step"], config.max_steps), desc="dpo", initial=state["step"], total=config.max_steps, disable=not world.main)
     for step in progress:
-        done, timer, started = step + 1, Timer(), time.perf_counter()
+        done, timer, started = step + 1, Timer(placement.synchronize), time.perf_counter()
+        placement.reset_peak_memory()
         # 1. The next batch of the seeded pair stream.
         indices = data_order(len(train), config.seed, step * config.batch_size, config.batch_size)
         batch = encode([train[i] for i in indices])
         # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
         with timer("train"):
-            ref = cached["train"][indices] if cached is not None else None
+            ref = cached["train"][indices].to(placement.device) if cached is not None else None
             with full_weights(frozen):
                 metrics = train_step(trainer, reference, ref, batch, config.loss, config.micro_batch_size, world)
             metrics["grad_norm"] = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
@@ -173,7 +181,10 @@ def run(config: Config, resume: bool = False) -> Path:
         metrics.update({
             "lr": scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},
             "tokens_per_second": tokens / (time.perf_counter() - started),
+            "tokens_per_second/training": tokens / max(1e-9, timer.seconds.get("train", 0.0)),
         })
+        if placement.is_cuda:
+            metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
         if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
             metrics.update(evaluate_on_rank0(done))
         run_dir.log_metrics(done, metrics)
@@ -203,7 +214,10 @@ def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBa
     world = world or World()
     P = batch.chosen.input_ids.shape[0]
     chosen_tokens = batch.chosen.mask[:, 1:].sum().clamp(min=1)
-    parts, nll_total = [torch.zeros(7, 0)], torch.zeros(1, dtype=torch.float64)
+    device = batch.chosen.input_ids.device
+    parts, nll_total = [torch.zeros(7, 0, device=device)], torch.zeros(1, dtype=torch.float64, device=device)
+    forward = unwrap(trainer)
+    autocast = forward.placement.autocast if isinstance(forward, TrainingForward) else contextlib.nullcontext
     mine, m = world.block(P), micro_batch_size
     micro_count = max(-(-len(block) // m) for block in world.blocks(P))
     for micro in range(micro_count):
@@ -213,7 +227,8 @@ def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBa
         rows = rows if weight else slice(0, 1)  # a zero-weight stand-in keeps the ranks' collectives paired
         if ref is None:
             # The same LM-head path as the policy's, so policy == reference gives rewards of exactly 0.
-            reference_sums = pair_logprobs(reference, batch, rows, full_forward=getattr(unwrap(trainer), "full_forward", False))
+            with autocast():  # the policy's precision
+                reference_sums = pair_logprobs(reference, batch, rows, full_forward=getattr(unwrap(trainer), "full_forward", False))
             ref_chosen, ref_rejected = reference_sums.chosen, reference_sums.rejected
         else:
             ref_chosen, ref_rejected = ref[rows, 0], ref[rows, 1]
@@ -224,9 +239,11 @@ def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBa
             total = losses.sum() / P + (loss.nll_weight * nll if loss.nll_weight else 0.0)
             (total * (weight * world.size)).backward()  # DDP / FSDP2 average gradients over ranks
         if weight:
-            nll_total += float(nll.detach())
+            nll_total += nll.detach().double()
             parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums.chosen, sums.rejected, ref_chosen, ref_rejected))
-    columns = torch.cat([torch.cat(parts, dim=1)] if not world.active else world.gather(torch.cat(parts, dim=1)), dim=1)
+    columns = torch.cat(parts, dim=1)
+    if world.active:  # through the CPU: a pickled CUDA tensor would unpickle onto the sender's GPU
+        columns = torch.cat([part.to(device) for part in world.gather(columns.cpu())], dim=1)
     return step_metrics(columns, float(world.reduce(nll_total)), loss.nll_weight)
 
 
@@ -243,7 +260,7 @@ def evaluate(policy, reference, cached, tokenizer, encode: Callable[[list[Prefer
         for start in range(0, len(held_pairs), config.micro_batch_size):
             batch = encode(held_pairs[start : start + config.micro_batch_size])
             if cached is not None:
-                ref_chosen, ref_rejected = cached["heldout"][start : start + config.micro_batch_size].unbind(1)
+                ref_chosen, ref_rejected = cached["heldout"][start : start + config.micro_batch_size].to(batch.chosen.input_ids.device).unbind(1)
             else:
                 ref_sums = pair_logprobs(reference, batch)
                 ref_chosen, ref_rejected = ref_sums.chosen, ref_sums.rejected

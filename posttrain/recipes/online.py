@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from posttrain.algorithms import aggregate, clipped_surrogate, clipped_value_loss, exact_kl, gae, grpo_advantages, kl_estimate, masked_mean, token_logprobs, whiten
+from posttrain.algorithms import sampler_mismatch, truncated_importance_weights
 from posttrain.algorithms.advantages import explained_variance
 from posttrain.algorithms.kl import kl_in_reward
 from posttrain.algorithms.logprobs import token_entropy
@@ -40,6 +41,7 @@ from posttrain.data.stream import PromptStream
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, rank_micro_batches, wrap
 from posttrain.errors import UserError
+from posttrain.hardware import Placement, cpu_placement, resolve
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.models import make_critic, make_reference
@@ -85,15 +87,20 @@ class State:
     held_out: Task
     step: int = 0
     reference_refreshed_at: list[int] = field(default_factory=list)
+    placement: Placement = field(default_factory=cpu_placement)
+    """The device and precision every model, batch and forward of the run uses."""
 
 
-def setup(config: Config, reward: Any = None, world: World | None = None) -> State:
-    """Load the policy (and reference and critic), the data and the verifier, wrap the trainer and
+def setup(config: Config, reward: Any = None, world: World | None = None, placement: Placement | None = None) -> State:
+    """Load the policy (and reference and critic) on the run's device and precision
+    (`config.hardware`, or `placement` when given), the data and the verifier, wrap the trainer and
     make the optimizer: a State at step 0. `reward` may be a Verifier or a callable
     `fn(completion, example) -> float | Verdict`, used instead of `config.reward`."""
     world = world or World()
+    placement = placement or resolve(config.hardware)
     seed_everything(config.seed)
-    policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha)
+    policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha, placement,
+                                    gradient_checkpointing=config.memory.gradient_checkpointing)
     critic = make_critic(policy, share_backbone=config.critic.share_backbone) if config.loss.advantage == "gae" else None
     train, held_out = load_splits(config.data.task, train_size=config.data.train_size, eval_size=config.data.eval_size,
                                   seed=config.seed, options=config.data.task_options)
@@ -101,16 +108,16 @@ def setup(config: Config, reward: Any = None, world: World | None = None) -> Sta
     verifier.prepare()
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
-        wrap(reference.model, world)  # the frozen copy sharded like the policy
+        wrap(reference.model, world, placement)  # the frozen copy sharded like the policy
     total = config.max_steps * config.update.epochs * config.update.mini_batches
     if critic is None:
         # FSDP2 pairs every model call across ranks, so it skips the shared-prefix forward, whose
         # number of model calls depends on the rows.
-        trainer = wrap(TrainingForward(policy, policy_logits, shared_prefix=not (world.active and world.strategy == "fsdp2")), world)
+        trainer = wrap(TrainingForward(policy, policy_logits, placement, shared_prefix=not (world.active and world.strategy == "fsdp2")), world, placement)
         optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, total)
     else:
         models = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-        trainer = wrap(TrainingForward(models, policy_and_critic, share_backbone=config.critic.share_backbone), world)
+        trainer = wrap(TrainingForward(models, policy_and_critic, placement, share_backbone=config.critic.share_backbone), world, placement)
         # Two parameter groups, one schedule; a shared-backbone critic contributes only its value head.
         optimizer, scheduler = make_optimizer([
             {"params": [p for p in policy.parameters() if p.requires_grad], "lr": config.optim.lr},
@@ -118,15 +125,15 @@ def setup(config: Config, reward: Any = None, world: World | None = None) -> Sta
         ], config.optim, total)
     return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
                  critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier,
-                 stream=PromptStream(train, config.seed), train=train, held_out=held_out)
+                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, placement=placement)
 
 
 def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
     """Steps 1-2: sample B prompts x G completions with the policy and score them (`timer`
     collects the generation and scoring seconds)."""
-    config, timer = state.config, timer or Timer()
+    config, timer = state.config, timer or Timer(state.placement.synchronize)
     refill_rounds = config.loss.max_refill_rounds if config.loss.dynamic_sampling else None
-    with full_weights(state.policy):
+    with full_weights(state.policy), state.placement.autocast():
         return sample_and_score(
             state.policy, state.tokenizer, state.stream, state.verifier, prompts=config.data.prompts_per_step,
             group_size=config.data.group_size, sampling=config.sampling, seed=config.seed, step=state.step, timer=timer,
@@ -138,8 +145,9 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     """Steps 3-4 on a sampled and scored batch: old and reference log-probs (and values), the KL in
     the reward when placed there, advantages, then the update; advances `state.step` and returns
     the step's named metrics (floats)."""
-    config, world, rollout = state.config, state.world, batch.rollout
-    loss_cfg, timer = config.loss, timer or Timer()
+    batch = batch.to(state.placement.device)  # the step's one host-to-device boundary
+    config, world, rollout, placement = state.config, state.world, batch.rollout, state.placement
+    loss_cfg, timer = config.loss, timer or Timer(placement.synchronize)
     gae_mode, temperature, micro = loss_cfg.advantage == "gae", config.sampling.temperature, config.update.micro_batch_size
     valid_rows = batch.valid
     if loss_cfg.mask_truncated:
@@ -148,13 +156,13 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
     precompute_old = gae_mode or config.update.epochs > 1 or config.update.mini_batches > 1 or loss_cfg.kl_placement == "reward"
     metrics: dict[str, Any] = {}
-    with timer("logprobs"):
+    with timer("logprobs"), placement.autocast():
         old_logprobs = rank_logprobs(state.policy, rollout, batch.owners, world, temperature, micro) if precompute_old else None
         ref_logprobs = rank_logprobs(state.reference, rollout, batch.owners, world, temperature, micro) if state.reference else None
         old_values = returns = None
         if gae_mode:
             mine = (batch.owners == world.rank).nonzero().squeeze(1)
-            old_values = torch.zeros(mask.shape)
+            old_values = torch.zeros(mask.shape, device=mask.device)
             if len(mine):
                 old_values[mine] = completion_values(state.critic, inputs, P, T, micro, rows=mine)
             old_values = world.reduce(old_values)
@@ -182,8 +190,12 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     with timer("update"):
         if state.reference is not None and config.exact_kl_tokens > 0:
             metrics["kl/exact"] = exact_kl_metric(state, rollout, mask, batch.owners)
-        update_metrics = update(state, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, batch.owners,
-                                old_values=old_values, returns=returns)
+        update_metrics, trainer_logprobs = update(state, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, batch.owners,
+                                                  old_values=old_values, returns=returns)
+    # The sampler-trainer mismatch: the rollout engine's log-probs of the sampled tokens vs the
+    # training forward's, before the update (the precomputed old log-probs, else the first forward's).
+    mismatch = sampler_mismatch(old_logprobs if old_logprobs is not None else trainer_logprobs, rollout.logprobs, mask)
+    metrics.update({f"mismatch/{name}": float(value) for name, value in mismatch.items()})
     if gae_mode:
         update_metrics.pop("kl/estimate", None)  # PPO reports the rollout's KL, measured before the update
     else:
@@ -211,21 +223,28 @@ def update(state: State, rollout, inputs, mask, advantages, old_logprobs, ref_lo
     per-token statistics, summed over ranks.
 
     Shapes: mask (N, T) bool; advantages (N,) for group advantages or (N, T) for GAE; old_logprobs,
-    ref_logprobs, old_values, returns (N, T) or None (old None: the detached on-policy ones)."""
+    ref_logprobs, old_values, returns (N, T) or None (old None: the detached on-policy ones).
+    Returns (metrics, the (N, T) log-probs of the first forward of each row, detached: with old None
+    these are the trainer's log-probs before the update, for the sampler-trainer mismatch)."""
     config, world, trainer = state.config, state.world, state.trainer
     loss_cfg, update_cfg, critic_cfg = config.loss, config.update, config.critic
     N, T = rollout.completion_ids.shape
     P = rollout.prompt_ids.shape[1]
     temperature, max_length = config.sampling.temperature, config.sampling.max_new_tokens
     critic_only = state.critic is not None and state.step < critic_cfg.warmup_steps
-    names = ["loss", "value_loss", "clip/low", "clip/high", "clip/dual", "clip/value", "ratio", "kl", "entropy", "tokens"]
-    sums = dict.fromkeys(names, 0.0)
-    extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64)  # (min ratio, -max ratio)
+    device = mask.device
+    names = ["loss", "value_loss", "clip/low", "clip/high", "clip/dual", "clip/value", "ratio", "kl", "entropy", "tokens",
+             "tis/weight", "tis/capped"]
+    # Sums stay on the device (float64) until the end: no host synchronisation per micro-batch.
+    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
+    extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64, device=device)  # (min ratio, -max ratio)
+    first_logprobs = torch.zeros(N, T, device=device)  # each row's log-probs at its first forward
+    tis = loss_cfg.sampler_correction == "tis"
     groups = [group["params"] for group in state.optimizer.param_groups]  # each clipped on its own
     grad_norms = []
     generator = torch.Generator().manual_seed(derived_seed(config.seed, "minibatch", str(state.step)))
     scale = update_cfg.epochs * update_cfg.mini_batches
-    for _ in range(update_cfg.epochs):
+    for epoch in range(update_cfg.epochs):
         order = torch.randperm(N, generator=generator) if update_cfg.mini_batches > 1 else torch.arange(N)
         # Exactly `mini_batches` optimizer steps even when dynamic sampling left the batch short.
         for mini in torch.tensor_split(order, update_cfg.mini_batches):
@@ -239,31 +258,39 @@ def update(state: State, rollout, inputs, mask, advantages, old_logprobs, ref_lo
                     logprobs = token_logprobs(logits, rollout.completion_ids[rows], temperature)
                     old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()
                     per_token, stats = clipped_surrogate(logprobs, old, advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)
+                    if tis:  # truncated importance sampling: the sampler drew these tokens, not the trainer's policy
+                        weights = truncated_importance_weights(old, rollout.sampler_logprobs[rows], loss_cfg.sampler_correction_cap)
+                        per_token = per_token * weights
+                        sums["tis/weight"] += (weights * micro_mask).sum(dtype=torch.float64)
+                        sums["tis/capped"] += ((weights >= loss_cfg.sampler_correction_cap) & micro_mask).sum(dtype=torch.float64)
                     if ref_logprobs is not None:
                         kl = kl_estimate(logprobs, ref_logprobs[rows], loss_cfg.kl_estimator)
                         if loss_cfg.kl_placement == "loss":
                             per_token = per_token + loss_cfg.kl_beta * kl
-                        sums["kl"] += float((kl.detach() * micro_mask).sum())
+                        sums["kl"] += (kl.detach() * micro_mask).sum(dtype=torch.float64)
                     policy_loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
                     loss = policy_loss
                     if values is not None:
                         value_per_token, value_clipped = clipped_value_loss(values, old_values[rows], returns[rows], critic_cfg.value_clip)
                         value_loss = aggregate(value_per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
                         loss = critic_cfg.value_coef * value_loss if critic_only else critic_cfg.value_coef * value_loss + policy_loss
-                        sums["value_loss"] += weight * float(value_loss.detach()) / scale
-                        sums["clip/value"] += float((value_clipped.float() * micro_mask).sum())
+                        sums["value_loss"] += weight * value_loss.detach().double() / scale
+                        sums["clip/value"] += (value_clipped.float() * micro_mask).sum(dtype=torch.float64)
                     # DDP and FSDP2 average gradients over ranks; the loss is a share of a global sum.
                     # With a critic every parameter is in the graph each backward (DDP waits for all).
                     in_graph = 0.0 * logits.sum() if values is not None else 0.0
                     (loss * (weight * world.size) + in_graph).backward()
-                sums["loss"] += weight * float(loss.detach()) / scale
-                sums["tokens"] += float(micro_mask.sum())
+                sums["loss"] += weight * loss.detach().double() / scale
+                sums["tokens"] += micro_mask.sum(dtype=torch.float64)
                 for name, key in (("clip/low", "clipped_low"), ("clip/high", "clipped_high"), ("clip/dual", "dual_clipped"), ("ratio", "ratio")):
-                    sums[name] += float((stats[key].float() * micro_mask).sum())
-                sums["entropy"] += float((token_entropy(logits, temperature) * micro_mask).sum())
-                if micro_mask.any():
-                    ratios = stats["ratio"][micro_mask]
-                    extremes = torch.minimum(extremes, torch.tensor([float(ratios.min()), -float(ratios.max())], dtype=torch.float64))
+                    sums[name] += (stats[key].float() * micro_mask).sum(dtype=torch.float64)
+                sums["entropy"] += (token_entropy(logits, temperature) * micro_mask).sum(dtype=torch.float64)
+                ratios = stats["ratio"].double()
+                low = ratios.masked_fill(~micro_mask, float("inf")).min()
+                high = ratios.masked_fill(~micro_mask, float("-inf")).max()
+                extremes = torch.minimum(extremes, torch.stack([low, -high]))
+                if epoch == 0 and weight:  # every row is in exactly one micro-batch of an epoch
+                    first_logprobs[rows] = logprobs.detach()
             if critic_only:
                 for parameter in groups[0]:
                     parameter.grad = None  # AdamW skips parameters without a gradient
@@ -273,9 +300,10 @@ def update(state: State, rollout, inputs, mask, advantages, old_logprobs, ref_lo
             state.optimizer.step()
             state.scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
-    totals = world.reduce(torch.tensor([sums[name] for name in names], dtype=torch.float64)).tolist()
+    totals = world.reduce(torch.stack([sums[name] for name in names])).tolist()
     sums = dict(zip(names, totals))
     world.reduce(extremes, "min")
+    extremes = extremes.tolist()
     tokens = max(1.0, sums["tokens"])
     metrics = {
         "loss": sums["loss"],
@@ -288,7 +316,9 @@ def update(state: State, rollout, inputs, mask, advantages, old_logprobs, ref_lo
         metrics["kl/estimate"] = sums["kl"] / tokens
     if state.critic is not None:
         metrics.update({"value_loss": sums["value_loss"], "clip/value": sums["clip/value"] / tokens, "critic_only": critic_only})
-    return metrics
+    if tis:
+        metrics.update({"tis/weight_mean": sums["tis/weight"] / tokens, "tis/capped_fraction": sums["tis/capped"] / tokens})
+    return metrics, world.reduce(first_logprobs.masked_fill(~mask, 0.0))
 
 
 @torch.no_grad()
@@ -299,8 +329,8 @@ def exact_kl_metric(state: State, rollout, mask: torch.Tensor, owners: torch.Ten
     mine = (owners == world.rank).nonzero().squeeze(1)
     mine = mine[: int((mask[mine].sum(-1).cumsum(0) < max_tokens).sum()) + 1]
     inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-    total = torch.zeros(2, dtype=torch.float64)
-    with full_weights(state.policy), full_weights(state.reference):
+    total = torch.zeros(2, dtype=torch.float64, device=mask.device)
+    with full_weights(state.policy), full_weights(state.reference), state.placement.autocast():
         if len(mine):
             _, logits = completion_logits(state.policy, inputs, mine, P, T)
             _, ref_logits = completion_logits(state.reference, inputs, mine, P, T)
@@ -308,7 +338,7 @@ def exact_kl_metric(state: State, rollout, mask: torch.Tensor, owners: torch.Ten
             if positions.numel():
                 rows, columns = positions[:, 0], positions[:, 1]
                 kl = exact_kl(logits[rows, columns], ref_logits[rows, columns], temperature=temperature)
-                total += torch.tensor([float(kl.sum()), kl.numel()], dtype=torch.float64)
+                total += torch.stack([kl.sum(dtype=torch.float64), kl.new_tensor(kl.numel(), dtype=torch.float64)])
     kl_sum, count = world.reduce(total).tolist()
     return kl_sum / count if count else None
 
@@ -320,8 +350,9 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     # 0. Set-up: everything that can fail on bad input fails before the run directory exists.
     if config.loss.advantage == "gae" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.parallel.strategy != "ddp":
         raise UserError("ppo under torchrun supports parallel.strategy ddp only (its critic is not sharded with FSDP2)")
-    world = init_world(config.parallel)
-    state = setup(config, reward, world)
+    placement = resolve(config.hardware)
+    world = init_world(config.parallel, placement)
+    state = setup(config, reward, world, placement)
     recipe = "grpo" if config.loss.advantage == "group" else "ppo"
     run_dir = RunDirectory(config.output_dir or default_output_dir(recipe, world), resume=resume, writer=world.main, tensorboard=config.tensorboard)
     if world.main:
@@ -348,7 +379,8 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         state.critic.train()
     progress = tqdm(range(state.step, config.max_steps), desc=recipe, initial=state.step, total=config.max_steps, disable=not world.main)
     for _ in progress:
-        timer, started = Timer(), time.perf_counter()
+        timer, started = Timer(placement.synchronize), time.perf_counter()
+        placement.reset_peak_memory()
         batch = sample(state, timer)  # 1-2
         metrics = step(state, batch, timer)  # 3-4
         done = state.step
@@ -356,6 +388,8 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         # 5. Log, evaluate, checkpoint.
         metrics.update(batch.metrics(timer.seconds))
         metrics["seconds/step"] = time.perf_counter() - started  # the whole step before evaluation and logging
+        if placement.is_cuda:
+            metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
         run_dir.log_samples(done, batch.sample_rows(config.samples_per_step))
         if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
             metrics.update(evaluate(state, run_dir, alarm, metrics["reward/mean"]))
@@ -381,7 +415,7 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
     """Held-out acceptance on rank 0, written to eval/step-N.json, and the divergence alarm (the
     other ranks wait; under FSDP2 every rank lends its shards)."""
     config, policy, metrics = state.config, state.policy, {}
-    with full_weights(policy):
+    with full_weights(policy), state.placement.autocast():
         if state.world.main:
             was_training = policy.training
             policy.eval()
@@ -416,6 +450,7 @@ def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
     train, held_out, reference = state.train, state.held_out, state.reference
     card = new_card(recipe, config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
+    card["run"]["hardware"] = {**state.placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
     card["links"]["data"] = {
         "source": "online: the policy's own samples", "task": config.data.task, "options": config.data.task_options,
         "train_prompts": len(train), "heldout_prompts": len(held_out), "duplicates_removed": train.duplicates_removed,
@@ -439,6 +474,8 @@ def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
         "old_logprobs": "recomputed by a no-grad forward before the update" if precomputed else "the on-policy forward, detached (ratio exactly 1)",
         "logprob_distribution": f"softmax(logits / {config.sampling.temperature}) over the full vocabulary"
         + (" (sampling truncated by top-p/top-k: the sampler's distribution differs)" if config.sampling.truncates else ""),
+        "sampler_correction_meaning": (f"truncated importance sampling: each token's surrogate x min(exp(old - sampler log-prob), {loss.sampler_correction_cap})"
+                                       if loss.sampler_correction == "tis" else "none: the tokens are treated as drawn from the trainer's old policy (mismatch/* measures how far they are not)"),
     }
     same = config.acceptance.checker == config.reward
     card["links"]["acceptance"] = {

@@ -84,6 +84,10 @@ class Loss:
     """Dynamic sampling: at most this many extra sampling rounds per step."""
     mask_truncated: bool = False
     """Leave completions that hit max_new_tokens out of the loss (DAPO overlong filtering)."""
+    sampler_correction: Literal["none", "tis"] = "none"
+    """none, or tis: weight each token's surrogate by min(exp(old - sampler log-prob), cap), correcting for the rollout engine's numerics (bf16) and top-p/top-k truncation."""
+    sampler_correction_cap: float = 2.0
+    """tis: the truncation C of the importance weight."""
 
     def settings(self) -> dict[str, Any]:
         """The fields that apply to this advantage estimator (for the run card)."""
@@ -195,6 +199,10 @@ class Config(PolicyFields):
             raise UserError(f"loss.gamma and loss.lam must be in [0, 1], got {loss.gamma}, {loss.lam}")
         if loss.reference_refresh_every and loss.kl_beta == 0:
             raise UserError("loss.reference_refresh_every needs a reference: set loss.kl_beta > 0")
+        if loss.sampler_correction_cap <= 0:
+            raise UserError(f"loss.sampler_correction_cap must be > 0, got {loss.sampler_correction_cap}")
+        if loss.sampler_correction == "tis" and self.sampling.greedy:
+            raise UserError("loss.sampler_correction tis needs sampled rollouts (sampling.greedy is true: there is no sampler distribution)")
         if loss.dynamic_sampling and data.group_size < 2:
             raise UserError("loss.dynamic_sampling needs groups: data.group_size >= 2")
         if critic.lr <= 0 or critic.value_coef < 0 or critic.warmup_steps < 0:

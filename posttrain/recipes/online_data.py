@@ -5,6 +5,7 @@ each rank's share so every rank holds the same global batch. The result is one r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,12 @@ class ScoredBatch:
     stats: dict[str, Any]
     """Group statistics of the sampling (dropped / refilled / trained groups, errors, rounds)."""
 
+    def to(self, device: torch.device | str) -> ScoredBatch:
+        """The same batch with the rollout and the rewards on `device` (the step's one boundary);
+        `owners` stays on the CPU (row bookkeeping, which indexes device tensors)."""
+        scores = dataclasses.replace(self.scores, rewards=self.scores.rewards.to(device))
+        return dataclasses.replace(self, rollout=self.rollout.to(device), scores=scores)
+
     @property
     def valid(self) -> torch.Tensor:
         """(N,) bool: rows with a reward (infra and data errors never reach the loss)."""
@@ -56,7 +63,21 @@ class ScoredBatch:
             "truncated_fraction": float(self.rollout.truncated.float().mean()),
             **{f"seconds/{phase}": value for phase, value in seconds.items()},
             "tokens_per_second": float(lengths.sum()) / max(1e-9, sum(seconds.values())),
+            **self._throughput(seconds),
         }
+
+    def _throughput(self, seconds: dict[str, float]) -> dict[str, float]:
+        """Generation: sampled tokens per second of generation. Training: real (prompt + completion)
+        positions of the batch per second of the training forwards and backwards (logprobs + update)."""
+        generated = float(self.rollout.mask.sum())
+        positions = float(self.rollout.prompt_attention_mask.sum()) + generated
+        rates = {}
+        if seconds.get("generation"):
+            rates["tokens_per_second/generation"] = generated / seconds["generation"]
+        training = seconds.get("logprobs", 0.0) + seconds.get("update", 0.0)
+        if training:
+            rates["tokens_per_second/training"] = positions / training
+        return rates
 
     def sample_rows(self, limit: int) -> list[dict[str, Any]]:
         """The first `limit` rows for samples.jsonl: prompt, completion, verdict, reason."""
@@ -101,8 +122,10 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
                 rows = [verifier_input(e) for e in examples[mine.start:mine.stop]]
                 scores = score_rows(verifier, rollout.texts, rows, rollout.prompt_index.tolist())
         owners = torch.arange(world.size).repeat_interleave(torch.tensor([len(b) for b in world.blocks(len(examples))]) * G)
-        if world.active:  # every rank gets the whole round, in global row order
-            gathered = [part for part in world.gather((rollout, scores.verdicts if scores else [])) if part[0] is not None]
+        if world.active:  # every rank gets the whole round, in global row order (through the CPU: a pickled
+            # CUDA tensor would unpickle onto the sender's GPU index)
+            local = rollout.to("cpu") if rollout is not None else None
+            gathered = [part for part in world.gather((local, scores.verdicts if scores else [])) if part[0] is not None]
             rollout = Rollout.concat([(part, list(range(part.prompt_ids.shape[0] // G))) for part, _ in gathered])
             scores = Scores.of([verdict for _, verdicts in gathered for verdict in verdicts])
         infra_errors, data_errors = infra_errors + scores.infra_errors, data_errors + scores.data_errors

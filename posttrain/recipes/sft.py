@@ -25,6 +25,7 @@ from posttrain.data.stream import data_order
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, is_sharded, wrap
 from posttrain.errors import UserError
+from posttrain.hardware import resolve
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
@@ -84,6 +85,10 @@ class Config(RunFields):
             raise UserError("response_template must contain {answer}")
 
 
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 def sft_loss(forward: TrainingForward, batch, rows: slice, global_tokens: torch.Tensor) -> torch.Tensor:
     """Token-mean NLL of the response tokens of `rows`, normalised by the whole batch's token count
     `global_tokens` (so micro-batches and ranks add up to the batch's token mean)."""
@@ -99,7 +104,7 @@ def train_step(trainer, batch: TokenizedBatch, micro_batch_size: int, world: Wor
     world = world or World()
     rows_total = batch.input_ids.shape[0]
     global_tokens = batch.mask[:, 1:].sum()
-    total_loss = torch.zeros(1, dtype=torch.float64)
+    total_loss = torch.zeros(1, dtype=torch.float64, device=batch.input_ids.device)
     mine = world.block(rows_total)
     micro_count = max(-(-len(block) // micro_batch_size) for block in world.blocks(rows_total))
     for micro in range(micro_count):
@@ -109,16 +114,17 @@ def train_step(trainer, batch: TokenizedBatch, micro_batch_size: int, world: Wor
         with gradient_sync(trainer, micro == micro_count - 1):
             loss = sft_loss(trainer, batch, rows if weight else slice(0, 1), global_tokens)
             (loss * weight * world.size).backward()  # DDP / FSDP2 average over ranks
-        total_loss += weight * loss.item()
+        total_loss += weight * loss.detach().double()
     return {"loss": float(world.reduce(total_loss))}
 
 
 def run(config: Config, resume: bool = False) -> Path:
     """Train; returns the run directory. `config` comes checked from `build_config` and is not changed."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
-    world = init_world(config.parallel)
+    placement = resolve(config.hardware)
+    world = init_world(config.parallel, placement)
     seed_everything(config.seed)
-    model, tokenizer = load_policy(config.model)
+    model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
     train, held_out = load_splits(
         config.task, train_size=config.train_size, eval_size=config.eval_size, seed=config.seed,
         options=config.task_options,
@@ -133,7 +139,7 @@ def run(config: Config, resume: bool = False) -> Path:
         save_yaml(config, run_dir.path / "config.yaml")
 
     # What forward/backward goes through: DDP, FSDP2 (the model sharded in place) or the wrapper itself.
-    trainer = wrap(TrainingForward(model, batch_response_sums, full_forward=world.active and world.strategy == "fsdp2"), world)
+    trainer = wrap(TrainingForward(model, batch_response_sums, placement, full_forward=world.active and world.strategy == "fsdp2"), world, placement)
     optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
     start_step = restore_training(run_dir, model, optimizer, scheduler, world=world)["step"] if resume else 0
     card = new_card("sft", config.seed, config=to_dict(config))
@@ -146,6 +152,7 @@ def run(config: Config, resume: bool = False) -> Path:
     card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True}
     card["links"]["acceptance"] = {"heldout": f"{config.task} eval split", "checker": config.checker or "task default (strict)"}
     card["run"]["world_size"] = world.size
+    card["run"]["hardware"] = {**placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
     if world.main:
         write_run_card(run_dir.path, card)
 
@@ -159,9 +166,10 @@ def run(config: Config, resume: bool = False) -> Path:
             tokenizer, [e.prompt_input for e in examples],
             [config.response_template.format(answer=e.answer) for e in examples],
             system_prompt=config.system_prompt,
-        )
+        ).to(placement.device)  # the step's one host-to-device boundary
         # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens; optimizer step.
-        timer = Timer()
+        timer = Timer(placement.synchronize)
+        placement.reset_peak_memory()
         with timer("train"):
             metrics = train_step(trainer, batch, config.micro_batch_size, world)
             grad_norm = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
@@ -171,9 +179,12 @@ def run(config: Config, resume: bool = False) -> Path:
             "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
             "tokens_per_second": int(batch.attention_mask.sum()) / (time.perf_counter() - started),
             "seconds/train": timer.seconds.get("train", 0.0),
+            "tokens_per_second/training": int(batch.attention_mask.sum()) / max(1e-9, timer.seconds.get("train", 0.0)),
         })
+        if placement.is_cuda:
+            metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
         if (config.eval_every and done % config.eval_every == 0) or done == config.max_steps:
-            with full_weights(model):  # rank 0 evaluates; under FSDP2 the others lend their shards
+            with full_weights(model), placement.autocast():  # rank 0 evaluates; under FSDP2 the others lend their shards
                 if world.main:
                     metrics.update(evaluate_and_plot(model, tokenizer, held_out, config, run_dir, done))
             world.barrier()
@@ -213,8 +224,9 @@ def heldout_nll(model, tokenizer, held_out, config: Config) -> float:
         tokenizer, [e.prompt_input for e in examples],
         [config.response_template.format(answer=e.answer) for e in examples], system_prompt=config.system_prompt,
     )
+    batch = batch.to(_device_of(model))
     global_tokens = batch.mask[:, 1:].sum()
-    forward = TrainingForward(model, batch_response_sums, full_forward=is_sharded(model))
+    forward = TrainingForward(model, batch_response_sums, full_forward=is_sharded(model))  # under the caller's autocast
     return sum(
         sft_loss(forward, batch, slice(start, start + config.micro_batch_size), global_tokens).item()
         for start in range(0, len(examples), config.micro_batch_size)

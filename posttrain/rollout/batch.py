@@ -83,7 +83,8 @@ class Rollout:
             completion_ids=self.completion_ids[rows], mask=self.mask[rows],
             sampler_logprobs=self.sampler_logprobs[rows], logprobs=self.logprobs[rows],
             finished=self.finished[rows], truncated=self.truncated[rows],
-            texts=[self.texts[i] for i in rows.tolist()], prompt_index=torch.arange(len(rows) // G).repeat_interleave(G),
+            texts=[self.texts[i] for i in rows.tolist()],
+            prompt_index=torch.arange(len(rows) // G, device=self.prompt_index.device).repeat_interleave(G),
         )
 
     @classmethod
@@ -114,7 +115,7 @@ class Rollout:
             finished=torch.cat([r.finished[i] for r, i in pick]),
             truncated=torch.cat([r.truncated[i] for r, i in pick]),
             texts=[r.texts[j] for r, i in pick for j in i.tolist()],
-            prompt_index=torch.arange(total_groups).repeat_interleave(G),
+            prompt_index=torch.arange(total_groups, device=first.prompt_index.device).repeat_interleave(G),
             group_size=G,
             sampling=first.sampling,
             pad_token_id=first.pad_token_id,

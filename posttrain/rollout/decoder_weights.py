@@ -135,7 +135,9 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple:
     with torch.no_grad():
         adapters = tuple((m.disable_adapters, m.merged, tuple(m.active_adapters))
                          for m in model.modules() if hasattr(m, "get_delta_weight"))  # PEFT LoRA switches
-        return tuple((p.data_ptr(), p._version, p.sum().item()) for p in model.parameters()) + adapters
+        parameters = list(model.parameters())
+        sums = torch.stack([p.sum(dtype=torch.float32) for p in parameters]).tolist() if parameters else []  # one sync on a GPU
+        return tuple((p.data_ptr(), p._version, total) for p, total in zip(parameters, sums)) + adapters
 
 
 def layout_for(weight: torch.Tensor, use_kernels: bool) -> str:
@@ -145,15 +147,19 @@ def layout_for(weight: torch.Tensor, use_kernels: bool) -> str:
     return "onednn" if can_pack(weight) else "plain"
 
 
-def build_layers(model: torch.nn.Module, batch_hint: int, use_kernels: bool = True) -> tuple[list[Layer], Linear]:
+def build_layers(model: torch.nn.Module, batch_hint: int, use_kernels: bool = True,
+                 dtype: torch.dtype | None = None) -> tuple[list[Layer], Linear]:
     """Fuse and (on CPU) pack the weights; reused while the weights and the layout are unchanged.
+    `dtype`: keep the copy in this dtype (bf16 for a bf16-mixed rollout on a GPU; None: the model's).
 
     oneDNN lays its packed weights out for a batch size, and decoding 16 rows with weights packed
     for 1 row is much slower (docs/rollout.md), so with oneDNN a different hint repacks.
     The kernels' blocked layout serves every batch size."""
     core = unwrap(model)
-    layout = layout_for(core.get_output_embeddings().weight, use_kernels)
-    fingerprint = (weights_fingerprint(model), layout, batch_hint if layout == "onednn" else None)
+    head = core.get_output_embeddings().weight
+    cast = (lambda weight: weight.to(dtype)) if dtype is not None and dtype != head.dtype else (lambda weight: weight)
+    layout = layout_for(cast(head[:1]), use_kernels)
+    fingerprint = (weights_fingerprint(model), layout, batch_hint if layout == "onednn" else None, dtype)
     cached = PACKED.get(model)
     if cached is not None and cached[0] == fingerprint:
         return cached[1], cached[2]
@@ -162,22 +168,22 @@ def build_layers(model: torch.nn.Module, batch_hint: int, use_kernels: bool = Tr
     with torch.no_grad():
         head_weight, head_bias = linear_weights(core.get_output_embeddings())
         for layer in core.model.layers:
-            (q, q_bias), (k, k_bias), (v, v_bias), o, gate, up, down = (
-                linear_weights(m) for m in projections(layer))
+            (q, q_bias), (k, k_bias), (v, v_bias), (o, o_bias), (gate, gate_bias), (up, up_bias), (down, down_bias) = (
+                (cast(weight), None if bias is None else cast(bias)) for weight, bias in map(linear_weights, projections(layer)))
             q_norm = getattr(layer.self_attn, "q_norm", None)
             k_norm = getattr(layer.self_attn, "k_norm", None)
             layers.append(Layer(
-                input_norm=layer.input_layernorm.weight.detach(),
+                input_norm=cast(layer.input_layernorm.weight.detach()),
                 qkv=Linear(torch.cat([q, k, v]), cat_biases((q, q_bias), (k, k_bias), (v, v_bias)), layout,
                            batch_hint),
-                q_norm=None if q_norm is None else q_norm.weight.detach(),
-                k_norm=None if k_norm is None else k_norm.weight.detach(),
-                o=Linear(*o, layout, batch_hint),
-                post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=Linear(torch.cat([gate[0], up[0]]), cat_biases(gate, up), layout, batch_hint),
-                down=Linear(*down, layout, batch_hint),
+                q_norm=None if q_norm is None else cast(q_norm.weight.detach()),
+                k_norm=None if k_norm is None else cast(k_norm.weight.detach()),
+                o=Linear(o, o_bias, layout, batch_hint),
+                post_norm=cast(layer.post_attention_layernorm.weight.detach()),
+                gate_up=Linear(torch.cat([gate, up]), cat_biases((gate, gate_bias), (up, up_bias)), layout, batch_hint),
+                down=Linear(down, down_bias, layout, batch_hint),
             ))
-        lm_head = Linear(head_weight, head_bias, layout, batch_hint)
+        lm_head = Linear(cast(head_weight), None if head_bias is None else cast(head_bias), layout, batch_hint)
     logger.debug("fast decoder: %d layers prepared (%s weights)", len(layers), layout)
     PACKED[model] = (fingerprint, layers, lm_head)
     return layers, lm_head

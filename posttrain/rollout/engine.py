@@ -69,6 +69,12 @@ def _left_pad(id_lists: list[list[int]], pad_id: int, width: int) -> tuple[torch
     return ids, mask
 
 
+def _device_of(model) -> torch.device:
+    """The device of the model's weights (where the rollout runs and its tensors live)."""
+    parameter = next(iter(model.parameters()), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
 def _make_decoder(model, backend: str, capacity: int, batch_hint: int):
     if backend == "hf":
         return HFDecoder(model)
@@ -104,19 +110,24 @@ class _StopStrings:
 
 
 def _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, uniforms, eos_ids, stops, pad_id):
-    """Sample G completions for each of the chunk's B prompts. Returns per-row tensors (n = B * G)."""
+    """Sample G completions for each of the chunk's B prompts. Returns per-row tensors (n = B * G) on
+    the prompts' device. One host synchronisation per decode step: the (n,) "done" flags (with the
+    tokens, when stop strings are checked on the host)."""
     B, P = prompt_ids.shape
+    device = prompt_ids.device
     n, T = B * group_size, sampling.max_new_tokens
-    completions = torch.full((n, T), pad_id, dtype=torch.long)
-    sampler_logprobs = torch.zeros(n, T)
-    logprobs = torch.zeros(n, T)
-    lengths = torch.zeros(n, dtype=torch.long)
-    finished = torch.zeros(n, dtype=torch.bool)
+    completions = torch.full((n, T), pad_id, dtype=torch.long, device=device)
+    host_completions = torch.full((n, T), pad_id, dtype=torch.long) if stops is not None else None
+    sampler_logprobs = torch.zeros(n, T, device=device)
+    logprobs = torch.zeros(n, T, device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
     logits = decoder.prefill(prompt_ids, prompt_mask, P + T, max_rows=n)  # (B, V)
     expand = torch.arange(B).repeat_interleave(group_size)  # prompt b -> rows b*G .. b*G+G-1
     decoder.select(expand)
-    logits = logits.index_select(0, expand)  # (n, V)
-    active = torch.arange(n)  # chunk rows still generating, in cache order
+    logits = logits.index_select(0, expand.to(device))  # (n, V)
+    active_host = torch.arange(n)  # chunk rows still generating, in cache order
+    active = active_host.to(device)
     for step in range(T):
         banned = eos_ids if step < sampling.min_new_tokens else None
         tokens, step_sampler, step_logprobs = sample_step(logits, sampling, uniforms[active, step], banned)
@@ -126,14 +137,19 @@ def _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, unif
         lengths[active] = step + 1
         done = torch.isin(tokens, eos_ids)
         if stops is not None:
-            done |= stops.hits(completions, active, step + 1)
-        finished[active[done]] = True
-        if step == T - 1 or bool(done.all()):
+            tokens_host, done_host = torch.stack([tokens, done.long()]).cpu()  # the step's one synchronisation
+            host_completions[active_host, step] = tokens_host
+            done_host = done_host.bool() | stops.hits(host_completions, active_host, step + 1)
+        else:
+            done_host = done.cpu()  # the step's one synchronisation (a no-op on the CPU)
+        finished[active_host[done_host].to(device)] = True
+        if step == T - 1 or bool(done_host.all()):
             break
-        if bool(done.any()):  # compact: ended rows leave the cache and stop costing compute
-            keep = (~done).nonzero().squeeze(1)
-            active, tokens = active[keep], tokens[keep]
-            decoder.select(keep)
+        if bool(done_host.any()):  # compact: ended rows leave the cache and stop costing compute
+            keep_host = (~done_host).nonzero().squeeze(1)
+            keep = keep_host.to(device)
+            active_host, active, tokens = active_host[keep_host], active[keep], tokens[keep]
+            decoder.select(keep_host)
         logits = decoder.decode(tokens)
     return completions, sampler_logprobs, logprobs, lengths, finished
 
@@ -142,6 +158,7 @@ def _run_chunk(decoder, id_lists, first, count, sampling, uniforms, eos_ids, sto
     """Prompts ``first .. first + count`` (whole groups): left-pad them and sample their rows."""
     chunk = id_lists[first:first + count]
     prompt_ids, prompt_mask = _left_pad(chunk, pad_id, max(len(ids) for ids in chunk))
+    prompt_ids, prompt_mask = prompt_ids.to(eos_ids.device), prompt_mask.to(eos_ids.device)
     rows = slice(first * group_size, (first + len(chunk)) * group_size)
     return _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, uniforms[rows], eos_ids, stops,
                            pad_id)
@@ -174,7 +191,11 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
             exactly what it would in the whole batch.
 
     Returns:
-        a ``Rollout`` with N = B * G rows; see its field docs for shapes and meanings.
+        a ``Rollout`` with N = B * G rows on the model's device; see its field docs for shapes and
+        meanings. On a GPU the KV cache, the sampling and the bookkeeping stay on the device (one
+        host synchronisation per decode step); under ``torch.autocast`` (bf16-mixed) the fast
+        decoder keeps its weight copy and cache in bfloat16. The uniforms are drawn on the CPU, so
+        the same seed gives the same draws on every device.
     """
     sampling = sampling or SamplingConfig()
     if backend not in BACKENDS:
@@ -189,7 +210,8 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
 
         return generate_vllm(model, tokenizer, id_lists, group_size=group_size, sampling=sampling, seed=seed,
                              pad_id=pad_id)
-    eos_ids = torch.tensor(stop_token_ids(model, tokenizer, sampling), dtype=torch.long)
+    device = _device_of(model)
+    eos_ids = torch.tensor(stop_token_ids(model, tokenizer, sampling), dtype=torch.long, device=device)
     stops = _StopStrings(tokenizer, sampling.stop_strings) if sampling.stop_strings else None
     B, G, T = len(id_lists), group_size, sampling.max_new_tokens
     generator = torch.Generator().manual_seed(seed)
@@ -197,7 +219,7 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     if first < 0 or first + B > total:
         raise UserError(f"shard {shard} does not hold {B} prompts")
     uniforms = torch.rand(total * G, T, generator=generator, dtype=torch.float64)  # (N, T), row-owned
-    uniforms = uniforms[first * G:(first + B) * G]
+    uniforms = uniforms[first * G:(first + B) * G].to(device)  # drawn on the CPU: the same draws on every device
     prompts_per_chunk = max(1, max_batch_size // G)
     started = time.perf_counter()
     was_training = model.training
@@ -212,12 +234,13 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
         model.train(was_training)
     completions, sampler_logprobs, logprobs, lengths, finished = (torch.cat(parts) for parts in zip(*pieces))
     width = int(lengths.max())
-    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # (N, T)
+    mask = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)  # (N, T)
     completions = completions[:, :width]
     prompt_width = max(len(ids) for ids in id_lists)
     prompt_ids, prompt_mask = _left_pad([ids for ids in id_lists for _ in range(G)], pad_id, prompt_width)
     texts = tokenizer.batch_decode([row[:length] for row, length in zip(completions.tolist(), lengths.tolist())],
                                    skip_special_tokens=True)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     if stops is not None:
         texts = [stops.cut(text) if done else text for text, done in zip(texts, finished.tolist())]
     elapsed = time.perf_counter() - started
@@ -227,4 +250,4 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
         prompt_ids=prompt_ids, prompt_attention_mask=prompt_mask, completion_ids=completions, mask=mask,
         sampler_logprobs=sampler_logprobs[:, :width] * mask, logprobs=logprobs[:, :width] * mask,
         finished=finished, truncated=~finished, texts=texts,
-        prompt_index=torch.arange(B).repeat_interleave(G), group_size=G, sampling=sampling, pad_token_id=pad_id)
+        prompt_index=torch.arange(B, device=device).repeat_interleave(G), group_size=G, sampling=sampling, pad_token_id=pad_id)

@@ -56,6 +56,7 @@ class HFDecoder:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep (and reorder, or repeat) cache rows: new row i is old row ``rows[i]``. rows: (n,) long."""
+        rows = rows.to(self.attention_mask.device)
         self.cache.reorder_cache(rows)
         self.attention_mask = self.attention_mask.index_select(0, rows)
         self.positions = self.positions.index_select(0, rows)
@@ -69,7 +70,7 @@ class HFDecoder:
         Returns:
             (n, V) float32 logits.
         """
-        ones = torch.ones(tokens.shape[0], 1, dtype=self.attention_mask.dtype)
+        ones = torch.ones(tokens.shape[0], 1, dtype=self.attention_mask.dtype, device=tokens.device)
         self.attention_mask = torch.cat([self.attention_mask, ones], dim=1)
         logits = self._forward(tokens.unsqueeze(1), self.attention_mask, self.positions.unsqueeze(1))
         self.positions = self.positions + 1

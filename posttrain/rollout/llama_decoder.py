@@ -29,6 +29,7 @@ the sequence) goes to ``HFDecoder``.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,19 @@ def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
     return None
 
 
+def _without_cpu_autocast(method):
+    """Run a decoder method with CPU autocast off when the C kernels are in use: they read and write
+    float32 buffers, and a bf16 tensor from an autocast op would be read as float32 (bf16-mixed on
+    the CPU therefore samples in float32, like the kernels always do)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if not self.kernels:
+            return method(self, *args, **kwargs)
+        with torch.autocast("cpu", enabled=False):
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class LlamaDecoder:
     """Decoding Llama-family models with a static KV cache; same interface as ``HFDecoder``."""
 
@@ -73,13 +87,18 @@ class LlamaDecoder:
         """use_kernels: run the matmuls, norms, rope, attention and SwiGLU in the C kernels
         (posttrain/rollout/kernels.py); None = whenever they build here and the model is float32 on
         CPU; False = torch ops and oneDNN-prepacked weights (the reference path)."""
-        self.layers, self.lm_head = build_layers(model, batch_hint, use_kernels is not False)
+        embed = unwrap(model).get_input_embeddings().weight
+        # Under CUDA autocast (bf16-mixed) the copy of the weights and the cache are kept in the
+        # autocast dtype: a decode step then reads half the bytes and casts nothing.
+        dtype = torch.get_autocast_dtype("cuda") if embed.is_cuda and torch.is_autocast_enabled("cuda") else None
+        self.layers, self.lm_head = build_layers(model, batch_hint, use_kernels is not False, dtype=dtype)
         model = unwrap(model)
         config = model.config
         self.model = model
-        self.embed = model.get_input_embeddings().weight
+        cast = (lambda weight: weight.detach().to(dtype)) if dtype is not None else (lambda weight: weight)
+        self.embed = cast(embed)
         self.rotary = model.model.rotary_emb
-        self.final_norm = model.model.norm.weight
+        self.final_norm = cast(model.model.norm.weight)
         self.eps = model.model.norm.variance_epsilon
         self.hidden = config.hidden_size
         self.heads = config.num_attention_heads
@@ -129,6 +148,7 @@ class LlamaDecoder:
         return qk[..., :H, :], qk[..., H:, :], qkv[..., H + K:, :]
 
     @torch.inference_mode()
+    @_without_cpu_autocast
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, capacity: int,
                 max_rows: int = 0) -> torch.Tensor:
         """Run the left-padded prompts, fill the cache; see ``HFDecoder.prefill``.
@@ -215,6 +235,7 @@ class LlamaDecoder:
         repeating them (rows[i] <= i) backwards, so no row is overwritten before it is read.
         """
         old, new = rows.tolist(), len(rows)
+        rows = rows.to(self.buffer.device)
         forwards = all(j >= i for i, j in enumerate(old))
         if new <= self.buffer.shape[2] and (forwards or all(j <= i for i, j in enumerate(old))):
             order = range(new) if forwards else range(new - 1, -1, -1)
@@ -233,6 +254,7 @@ class LlamaDecoder:
         self._make_views()
 
     @torch.inference_mode()
+    @_without_cpu_autocast
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row; return the next-token logits. tokens: (n,) long -> (n, V) float32."""
         n, column = tokens.shape[0], self.column

@@ -134,7 +134,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torc
     if overflow.any():  # target rounded up to the total: the last block with mass
         block = torch.where(overflow, _last_positive(blocks.sum(-1)), block)
     before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
-    inside = blocks[torch.arange(n), block]  # (n, 128)
+    inside = blocks[torch.arange(n, device=block.device), block]  # (n, 128)
     offset = torch.searchsorted(inside.to(torch.float64).cumsum(-1), (target - before).unsqueeze(-1),
                                 right=True).squeeze(-1)
     overflow = offset >= CDF_BLOCK
@@ -180,7 +180,7 @@ def sample_step(logits: torch.Tensor, config: SamplingConfig, uniforms: torch.Te
     banned = banned_ids is not None and banned_ids.numel() > 0
     if config.greedy:
         tokens = (scaled.index_fill(-1, banned_ids, float("-inf")) if banned else scaled).argmax(-1)
-        return tokens, torch.zeros(tokens.shape), gather_logprobs(scaled, tokens)
+        return tokens, torch.zeros(tokens.shape, device=tokens.device), gather_logprobs(scaled, tokens)
     if config.truncates:
         masked = scaled.index_fill(-1, banned_ids, float("-inf")) if banned else scaled
         weights = torch.softmax(sampler_logits(masked, config.top_k, config.top_p), dim=-1)

@@ -6,19 +6,24 @@ import time
 
 
 class Timer:
-    """Accumulates wall seconds per phase: `with timer("generation"): ...`; `timer.seconds`."""
+    """Accumulates wall seconds per phase: `with timer("generation"): ...`; `timer.seconds`.
+    `synchronize` (e.g. `Placement.synchronize`) is called as a phase starts and ends, so that work
+    a GPU still has queued is counted in the phase that queued it."""
 
-    def __init__(self):
+    def __init__(self, synchronize=None):
         self.seconds: dict[str, float] = {}
+        self.synchronize = synchronize or (lambda: None)
 
     def __call__(self, phase: str):
         timer = self
 
         class _Phase:
             def __enter__(self):
+                timer.synchronize()
                 self.start = time.perf_counter()
 
             def __exit__(self, *exc):
+                timer.synchronize()
                 timer.seconds[phase] = timer.seconds.get(phase, 0.0) + time.perf_counter() - self.start
 
         return _Phase()
