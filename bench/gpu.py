@@ -31,7 +31,8 @@ prompt has exactly the same number of tokens, so no side pads. Both are saved wi
    is a plain Python function, the same on both sides. Ours: `posttrain.recipes.online.setup(config,
    reward)` from `build_config(online_config.grpo_config, overrides)` with `hardware: {device: cuda,
    precision: bf16-mixed}`, then `online.sample(state)` + `online.step(state, batch)` timed (the
-   recipe's step, without run-directory logging, evaluation and checkpoints, as bench/grpo.py);
+   recipe's step, without run-directory logging, evaluation and checkpoints, as bench/grpo.py; the
+   recipe's other defaults stay, e.g. its exact-KL metric on 64 tokens, loss.sampler_correction none);
    TRL: `GRPOTrainer.train()` (its own transformers generation, no vLLM) timed between
    `on_step_end` callbacks. Both sides see the same prompts in the same order.
 2. DPO, one step = 16 pairs, prompt 256 + chosen / rejected 256 tokens each (+ EOS), sigmoid loss,
@@ -76,6 +77,7 @@ import os
 import platform
 import random
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -556,6 +558,8 @@ def main() -> None:
         print("bench/gpu.py: no CUDA device here; it runs where a GPU is lent (bash bench/gpu_check.sh), "
               "or on the CPU as a test: --device cpu --small. Skipped.")
         return
+    # A timeout's SIGTERM (bench/gpu_check.sh) becomes SystemExit, so subprocess.run kills the running side.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     lines = [name.strip() for name in arguments.only.split(",") if name.strip()]
     shape, model = SHAPES[arguments.size], MODELS[arguments.size]
     deadline = time.monotonic() + arguments.budget
