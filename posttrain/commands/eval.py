@@ -16,6 +16,7 @@ from posttrain.errors import UserError
 
 def handle(args) -> int:
     from posttrain.evaluation.acceptance import evaluate_task, heldout_split, resolve_checker
+    from posttrain.hardware import Hardware, resolve
     from posttrain.models import load_model
 
     try:
@@ -34,13 +35,16 @@ def handle(args) -> int:
         resolve_checker(held_out, args.checker)  # a bad checker name fails before anything is written
     except ValueError as error:
         raise UserError(f"--checker: {error}") from None
-    model, tokenizer = load_model(args.model)
+    placement = resolve(Hardware(device=args.device, precision=args.precision))
+    model, tokenizer = load_model(args.model, dtype=placement.param_dtype, device=placement.device)
     output_dir.mkdir(parents=True, exist_ok=True)
-    summary = evaluate_task(
-        model, tokenizer, held_out, checker=args.checker, k=args.k, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
-        output_path=output_dir / "eval.json",
-    )
+    with placement.autocast():
+        summary = evaluate_task(
+            model, tokenizer, held_out, checker=args.checker, k=args.k, temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
+            output_path=output_dir / "eval.json",
+        )
+    summary["hardware"] = placement.describe()
     (output_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "correct"}, indent=1) + "\n")
     low, high = summary["pass@1_ci95"]
     print(f"{args.model} on {args.task} held-out ({summary['n']} problems, checker {summary['checker'].get('verifier')}):")
@@ -65,4 +69,6 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the training run's seed (it chose the split)")
     parser.add_argument("--system-prompt", default=None)
     parser.add_argument("--output-dir", required=True, help="where eval.json and summary.json go")
+    parser.add_argument("--hardware.device", dest="device", default="auto", help="auto | cpu | cuda | cuda:N (as in the recipes' hardware section)")
+    parser.add_argument("--hardware.precision", dest="precision", default="auto", help="auto | fp32 | bf16-mixed | bf16")
     parser.set_defaults(func=handle)

@@ -255,4 +255,7 @@ def enable_gradient_checkpointing(model) -> None:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(inner, "supports_gradient_checkpointing", False):
         raise UserError(f"memory.gradient_checkpointing: {type(inner).__name__} does not support gradient checkpointing")
-    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(inner, "activation_checkpointing_enable"):  # the name since transformers 5.2x
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

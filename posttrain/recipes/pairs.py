@@ -23,6 +23,7 @@ from posttrain.data import load_splits, render_prompt
 from posttrain.data.examples import derived_seed, verifier_input
 from posttrain.data.provenance import write_with_provenance
 from posttrain.errors import UserError
+from posttrain.hardware import Hardware, resolve
 from posttrain.evaluation.acceptance import DEFAULT_CHECKERS
 from posttrain.rewards import Verdict, get_verifier
 from posttrain.rollout import SamplingConfig, generate
@@ -63,6 +64,8 @@ class PairSettings:
     """Prompts per generation call."""
     seed: int = 0
     """Seeds the task split and the sampling."""
+    hardware: Hardware = field(default_factory=Hardware)
+    """Device and precision of the sampling (--hardware.device cuda --hardware.precision bf16-mixed)."""
 
     def validate(self) -> None:
         for name in ("model", "task", "out"):
@@ -105,8 +108,9 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     provenance dict (with counts). Raises UserError before writing anything when no pair results."""
     from posttrain.models import load_model
 
+    placement = resolve(settings.hardware)
     if model is None:
-        model, tokenizer = load_model(settings.model)
+        model, tokenizer = load_model(settings.model, dtype=placement.param_dtype, device=placement.device)
     model.eval()
     train, _ = load_splits(settings.task, train_size=settings.max_prompts, eval_size=settings.eval_size,
                            seed=settings.seed, options=settings.task_options)
@@ -125,8 +129,9 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     for start in range(0, len(examples), settings.batch_size):
         chunk = examples[start : start + settings.batch_size]
         prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=settings.system_prompt) for e in chunk]
-        rollout = generate(model, tokenizer, prompts, group_size=G, sampling=settings.sampling,
-                           seed=derived_seed(settings.seed, "pairs", str(start)))
+        with placement.autocast():
+            rollout = generate(model, tokenizer, prompts, group_size=G, sampling=settings.sampling,
+                               seed=derived_seed(settings.seed, "pairs", str(start)))
         verdicts = verifier.batch(rollout.texts, [verifier_input(chunk[b]) for b in rollout.prompt_index.tolist()])
         for verdict in verdicts:
             if verdict.status in errors:
@@ -157,7 +162,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
         "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
         "verdict_errors": errors, "correct_threshold": settings.correct_threshold,
         "pairs_per_prompt": settings.pairs_per_prompt, "system_prompt": settings.system_prompt,
-        "sampling": asdict(settings.sampling),
+        "sampling": asdict(settings.sampling), "hardware": placement.describe(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "posttrain": _version(),
     }
     write_with_provenance(settings.out, rows, provenance)
