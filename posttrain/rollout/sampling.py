@@ -130,16 +130,17 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torc
     block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (n, nb)
     target = uniforms.to(torch.float64) * block_cdf[:, -1]  # (n,)
     block = torch.searchsorted(block_cdf, target.unsqueeze(-1), right=True).squeeze(-1)  # first cdf > target
+    # Rounding can put the target at the very total (block = nb) or past a block's own sum: then the
+    # last block / token with mass. Applied unconditionally: a data-dependent branch would cost a
+    # host synchronisation per decode step on a GPU.
     overflow = block >= block_cdf.shape[-1]
-    if overflow.any():  # target rounded up to the total: the last block with mass
-        block = torch.where(overflow, _last_positive(blocks.sum(-1)), block)
+    block = torch.where(overflow, _last_positive(blocks.sum(-1)), block)
     before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
     inside = blocks[torch.arange(n, device=block.device), block]  # (n, 128)
     offset = torch.searchsorted(inside.to(torch.float64).cumsum(-1), (target - before).unsqueeze(-1),
                                 right=True).squeeze(-1)
     overflow = offset >= CDF_BLOCK
-    if overflow.any():  # rounding between the two levels: the block's last token with mass
-        offset = torch.where(overflow, _last_positive(inside), offset)
+    offset = torch.where(overflow, _last_positive(inside), offset)
     return block * CDF_BLOCK + offset, block_cdf[:, -1]
 
 
