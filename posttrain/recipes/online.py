@@ -261,13 +261,13 @@ def update(state: State, rollout, inputs, mask, advantages, old_logprobs, ref_lo
                     if tis:  # truncated importance sampling: the sampler drew these tokens, not the trainer's policy
                         weights = truncated_importance_weights(old, rollout.sampler_logprobs[rows], loss_cfg.sampler_correction_cap)
                         per_token = per_token * weights
-                        sums["tis/weight"] += (weights * micro_mask).sum(dtype=torch.float64)
-                        sums["tis/capped"] += ((weights >= loss_cfg.sampler_correction_cap) & micro_mask).sum(dtype=torch.float64)
+                        sums["tis/weight"] += (weights * micro_mask).sum().double()
+                        sums["tis/capped"] += ((weights >= loss_cfg.sampler_correction_cap) & micro_mask).sum().double()
                     if ref_logprobs is not None:
                         kl = kl_estimate(logprobs, ref_logprobs[rows], loss_cfg.kl_estimator)
                         if loss_cfg.kl_placement == "loss":
                             per_token = per_token + loss_cfg.kl_beta * kl
-                        sums["kl"] += (kl.detach() * micro_mask).sum(dtype=torch.float64)
+                        sums["kl"] += (kl.detach() * micro_mask).sum().double()
                     policy_loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
                     loss = policy_loss
                     if values is not None:
@@ -275,16 +275,16 @@ def update(state: State, rollout, inputs, mask, advantages, old_logprobs, ref_lo
                         value_loss = aggregate(value_per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
                         loss = critic_cfg.value_coef * value_loss if critic_only else critic_cfg.value_coef * value_loss + policy_loss
                         sums["value_loss"] += weight * value_loss.detach().double() / scale
-                        sums["clip/value"] += (value_clipped.float() * micro_mask).sum(dtype=torch.float64)
+                        sums["clip/value"] += (value_clipped.float() * micro_mask).sum().double()
                     # DDP and FSDP2 average gradients over ranks; the loss is a share of a global sum.
                     # With a critic every parameter is in the graph each backward (DDP waits for all).
                     in_graph = 0.0 * logits.sum() if values is not None else 0.0
                     (loss * (weight * world.size) + in_graph).backward()
                 sums["loss"] += weight * loss.detach().double() / scale
-                sums["tokens"] += micro_mask.sum(dtype=torch.float64)
+                sums["tokens"] += micro_mask.sum().double()
                 for name, key in (("clip/low", "clipped_low"), ("clip/high", "clipped_high"), ("clip/dual", "dual_clipped"), ("ratio", "ratio")):
-                    sums[name] += (stats[key].float() * micro_mask).sum(dtype=torch.float64)
-                sums["entropy"] += (token_entropy(logits, temperature) * micro_mask).sum(dtype=torch.float64)
+                    sums[name] += (stats[key].float() * micro_mask).sum().double()
+                sums["entropy"] += (token_entropy(logits, temperature) * micro_mask).sum().double()
                 ratios = stats["ratio"].double()
                 low = ratios.masked_fill(~micro_mask, float("inf")).min()
                 high = ratios.masked_fill(~micro_mask, float("-inf")).max()
@@ -338,7 +338,7 @@ def exact_kl_metric(state: State, rollout, mask: torch.Tensor, owners: torch.Ten
             if positions.numel():
                 rows, columns = positions[:, 0], positions[:, 1]
                 kl = exact_kl(logits[rows, columns], ref_logits[rows, columns], temperature=temperature)
-                total += torch.stack([kl.sum(dtype=torch.float64), kl.new_tensor(kl.numel(), dtype=torch.float64)])
+                total += torch.stack([kl.sum().double(), kl.new_tensor(kl.numel(), dtype=torch.float64)])
     kl_sum, count = world.reduce(total).tolist()
     return kl_sum / count if count else None
 
