@@ -350,3 +350,41 @@ def test_rollout_on_the_cpu_is_float32_under_bf16_mixed():
     with CPU_BF16.autocast():
         b = generate(model, tokenizer, ["12+3="], group_size=4, sampling=sampling, seed=2)
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_bf16_weights_with_lora_sample_and_train():
+    """bf16 parameters with float32 LoRA adapters (PEFT's default): the fast decoder folds the
+    adapters in float32 and keeps the base dtype; the step trains the adapters."""
+    state = online_state("grpo", "hardware.precision", "bf16")
+    assert state.placement.param_dtype == torch.bfloat16
+    state = online.setup(dataclasses_replace(state.config, lora_rank=4), reward=parity_reward)
+    before = {name: p.detach().clone() for name, p in state.policy.named_parameters() if p.requires_grad}
+    metrics = online.step(state, online.sample(state))
+    assert math.isfinite(metrics["loss"])
+    assert any(not torch.equal(p, before[name]) for name, p in state.policy.named_parameters() if p.requires_grad)
+
+
+def dataclasses_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_torchrun_bf16_mixed_two_processes_equal_one(tmp_path, strategy):
+    """DDP runs the same bf16 forwards as one process: the same steps to 1e-5. FSDP2 takes the
+    plain forward instead of the shared-prefix one (see online.setup), which under bf16 rounds
+    differently: the first step's sampling and loss agree, the second's loss to bf16 precision."""
+    from tests.test_distributed import GRPO, assert_same_run, metrics, run
+
+    args = [*GRPO, "--max-steps", "2", "--hardware.precision", "bf16-mixed"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    run([*args, "--parallel.strategy", strategy, "--output-dir", str(tmp_path / "two")], 2)
+    if strategy == "ddp":
+        assert_same_run(tmp_path / "one", tmp_path / "two", 2, atol=1e-4)
+        return
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    assert one[1]["reward/mean"] == two[1]["reward/mean"] and one[1]["loss"] == pytest.approx(two[1]["loss"], rel=1e-2, abs=1e-4)
+    assert one[2]["loss"] == pytest.approx(two[2]["loss"], rel=2e-2, abs=1e-4)
+    assert json.loads((tmp_path / "two" / "run_card.json").read_text())["run"]["hardware"]["precision"] == "bf16-mixed"

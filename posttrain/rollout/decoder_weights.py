@@ -49,16 +49,17 @@ def linear_problem(module: torch.nn.Module) -> str | None:
 
 
 def linear_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) that a supported ``module`` applies; LoRA adapters folded in (W + B @ A * scaling,
-    computed here: the model is not changed)."""
+    """(weight, bias) that a supported ``module`` applies, in the base layer's dtype; LoRA adapters
+    folded in (W + B @ A * scaling, computed here in float32: the model is not changed)."""
     if type(module) is torch.nn.Linear:
         return module.weight.detach(), module.bias
-    weight = module.base_layer.weight.detach()
+    base = module.base_layer.weight.detach()
+    weight = base.float()  # adapters (float32 even on a bf16 base, PEFT's default) folded in float32
     if not (module.disable_adapters or module.merged):
         for name in module.active_adapters:
             if name in module.lora_A:
-                weight = weight + module.get_delta_weight(name)
-    return weight, module.base_layer.bias
+                weight = weight + module.get_delta_weight(name).float()
+    return weight.to(base.dtype), module.base_layer.bias
 
 
 def projections(layer) -> tuple:
