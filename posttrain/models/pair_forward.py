@@ -129,7 +129,7 @@ def precomputed_reference(path: Path, model, pairs: dict[str, list[PreferencePai
     made whole for the pass."""
     world = world or World()
     if path.is_file():
-        cache = torch.load(path, weights_only=True)
+        cache = torch.load(path, weights_only=True, map_location="cpu")
         if cache.get("fingerprint") == fingerprint:
             return cache
         raise UserError(f"{path}: cached reference log-probs belong to other pairs or settings; delete it to recompute")

@@ -160,5 +160,7 @@ def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    """The trainer state saved with a checkpoint (contains Python/NumPy RNG states: trusted files only)."""
-    return torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    """The trainer state saved with a checkpoint (contains Python/NumPy RNG states: trusted files only),
+    its tensors on the CPU whatever device saved them (the optimizer's `load_state_dict` moves its
+    state to the parameters' device)."""
+    return torch.load(checkpoint / "trainer_state.pt", weights_only=False, map_location="cpu")  # any device resumes it

@@ -87,7 +87,7 @@ def restore_training(run_dir, model, optimizer, scheduler, extra_models: dict[st
     state = load_trainer_state(checkpoint)
     _load_weights(model, checkpoint / "model")
     for name, extra in (extra_models or {}).items():
-        load_model_state(extra, torch.load(checkpoint / f"{name}.pt", weights_only=True))
+        load_model_state(extra, torch.load(checkpoint / f"{name}.pt", weights_only=True, map_location="cpu"))
     load_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rngs = state.get("rng_by_rank", [state["rng"]])
