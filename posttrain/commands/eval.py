@@ -25,6 +25,14 @@ def handle(args) -> int:
         raise UserError(f"--task-options: not JSON ({error.msg})") from None
     if not isinstance(options, dict):
         raise UserError("--task-options must be a JSON object, e.g. '{\"digits\": 2}'")
+    try:
+        columns = json.loads(args.columns) if args.columns else None
+    except json.JSONDecodeError as error:
+        raise UserError(f"--columns: not JSON ({error.msg})") from None
+    if columns is not None and not isinstance(columns, dict):
+        raise UserError("--columns must be a JSON object, e.g. '{\"prompt\": \"question\"}'")
+    extra = {"format": args.format, "columns": columns, "split": args.split}
+    options.update({key: value for key, value in extra.items() if value})
     if args.k < 1 or args.eval_size < 1 or args.max_new_tokens < 1:
         raise UserError("--k, --eval-size and --max-new-tokens must be at least 1")
     output_dir = Path(args.output_dir)
@@ -59,8 +67,11 @@ def handle(args) -> int:
 def register(subparsers) -> None:
     parser = subparsers.add_parser("eval", help="held-out acceptance of a model or checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model spec or checkpoint directory")
-    parser.add_argument("--task", required=True, help="arithmetic | rg:<dataset> | humaneval | a JSONL prompt file")
+    parser.add_argument("--task", required=True, help="arithmetic | rg:<dataset> | humaneval | a data file (.jsonl .parquet .csv .json .arrow) | a saved dataset directory | a cached owner/name")
     parser.add_argument("--task-options", default="{}", help="task options as JSON, e.g. '{\"digits\": 2}'")
+    parser.add_argument("--format", default=None, help="a data file's public layout: gsm8k | math | trl_prompt (as data.format)")
+    parser.add_argument("--columns", default=None, help="our column names -> the file's, as JSON (as data.columns)")
+    parser.add_argument("--split", default=None, help="the split of a saved or cached dataset (as data.split)")
     parser.add_argument("--checker", default=None, help="verifier name (default: the task's strict checker)")
     parser.add_argument("--k", type=int, default=1, help="also report pass@k from k samples per problem")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")

@@ -1,6 +1,8 @@
-"""JSONL prompt files: one example per line, for online training and evaluation.
+"""Prompt files: one example per row, for online training and evaluation. JSONL (one object per
+line), or any file `posttrain.data.files` reads (Parquet, CSV, JSON, Arrow, a `save_to_disk`
+directory, a cached dataset name), with the user's columns mapped to ours (`columns`, `data_format`).
 
-Schema (one JSON object per line; blank lines are skipped):
+Schema (after the mapping; blank JSONL lines are skipped):
 
     prompt       string, the user's text                        } exactly one of the two
     messages     list of {"role", "content"} chat messages      }
@@ -16,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.data.examples import Example, Task, require_examples
+from posttrain.data.files import FORMATS, check_columns, column_names, map_row, read_rows, resolve_columns
 from posttrain.data.validation import (
     ValidationReport,
     check_answer,
@@ -24,32 +27,51 @@ from posttrain.data.validation import (
     check_prompt_length,
     check_tests,
     check_text,
-    read_jsonl,
     type_name,
 )
 
 KNOWN_FIELDS = {"prompt", "messages", "answer", "tests", "entry_point", "id", "metadata"}
+REWARD_KINDS = {"math": "math", "gsm8k": "math", "boxed": "math", "number": "math", "text": "text"}
+"""The task kind (and so the default training reward and held-out checker) of each gold format:
+numbers and math expressions are compared by math-verify; free text exactly."""
+
+
+def resolve_answer_format(answer_format: str | None, data_format: str | None) -> str:
+    """The declared gold format: explicit, else the named layout's, else `math`."""
+    if answer_format is not None:
+        return answer_format
+    return (FORMATS.get(data_format) or {}).get("answer_format") or "math"
 
 
 def validate_prompt_file(
     path: str | Path,
     *,
-    answer_format: str = "math",
+    answer_format: str | None = None,
+    data_format: str | None = None,
+    columns: dict | None = None,
+    source_split: str | None = None,
     tokenizer=None,
     max_prompt_tokens: int | None = None,
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
 ) -> tuple[list[tuple[int, Example]], ValidationReport]:
-    """Read and check the whole file; returns `(line, Example)` for every valid row and the report
-    of every problem in the others.
+    """Read and check the whole file; returns `(row number, Example)` for every valid row and the
+    report of every problem in the others.
 
-    answer_format: how `answer` must parse (`math`, `number` or `text`; see `check_answer`).
+    answer_format: how `answer` must parse (`math`, `number`, `text`, `gsm8k`, `boxed`; see
+    `check_answer`); None: the format's (gsm8k: gsm8k, math: boxed), else `math`.
+    data_format, columns: a named public layout and/or an explicit mapping of our column names to
+    the file's (`posttrain.data.files`); a mapped column the file lacks is a UserError.
+    source_split: the split of a saved or cached dataset with several.
     tokenizer + max_prompt_tokens: also report prompts longer than the limit after the chat template.
     """
+    answer_format = resolve_answer_format(answer_format, data_format)
+    mapping = resolve_columns(data_format, columns)
+    check_columns(str(path), column_names(path, source_split), mapping)
     report = ValidationReport(str(path))
     examples, first_line_of_id = [], {}
-    for line, row in read_jsonl(path, report):
-        example = parse_prompt_row(report, line, row, Path(path).name, answer_format)
+    for line, row in read_rows(path, report, source_split):
+        example = parse_prompt_row(report, line, map_row(row, mapping), Path(path).name, answer_format)
         if example is None:
             continue
         if example.id in first_line_of_id:
@@ -74,9 +96,14 @@ def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all
     report.enforce(strict)
     examples = [example for _, example in parsed]
     has_tests = any(example.tests for example in examples)
+    answer_format = resolve_answer_format(checks.get("answer_format"), checks.get("data_format"))
+    options = {"answer_format": answer_format}
+    for key, option in (("data_format", "format"), ("columns", "columns"), ("source_split", "split")):
+        if checks.get(key):
+            options[option] = checks[key]
     task = Task(
-        name=str(path), split=split, examples=examples, reward_kind="code" if has_tests else "math",
-        rows_bad=report.rows_bad, options={"answer_format": checks.get("answer_format", "math")},
+        name=str(path), split=split, examples=examples, reward_kind="code" if has_tests else REWARD_KINDS[answer_format],
+        rows_bad=report.rows_bad, options=options,
     )
     require_examples(task)
     return task

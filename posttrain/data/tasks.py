@@ -4,7 +4,8 @@
     load_splits(spec, train_size=..., eval_size=...)  train and held-out sets that cannot overlap
 
 Specs: `arithmetic` (options: digits, operation), `rg:<dataset>` (options: the dataset's config
-fields), `humaneval`, or a path to a JSONL prompt file (see `posttrain.data.prompts`).
+fields), `humaneval`, or a data file / saved dataset / cached dataset name (see
+`posttrain.data.prompts` and `posttrain.data.files`; options: answer_format, format, columns, split).
 Splits are disjoint by construction (procedural tasks draw each split from its own derived seed;
 fixed sets put disjoint ids in each split) and then checked: training prompts identical to a
 held-out prompt are removed and counted in `Task.duplicates_removed`.
@@ -20,11 +21,16 @@ import random
 from pathlib import Path
 
 from posttrain.data.examples import Example, Task, check_disjoint, derived_seed, remove_overlap, require_examples
+from posttrain.data.files import is_data_source
 from posttrain.data.prompts import load_prompt_file
 from posttrain.data.validation import ValidationReport, check_prompt_length
 from posttrain.errors import UserError
 
 ARITHMETIC_OPERATIONS = {"add": "+", "sub": "-", "mul": "*"}
+GENERATED_TRAIN_SIZE = 20000
+"""Training examples drawn from a generated task when no train_size is given."""
+FILE_OPTIONS = ("answer_format", "format", "columns", "split")
+"""Options of a data file or dataset name (the recipes' data.format / data.columns / data.split)."""
 
 
 def load_task(
@@ -56,16 +62,18 @@ def load_task(
     elif spec == "humaneval":
         _reject_options(spec, options, known=())
         examples, kind = humaneval_examples()[:size], "code"
-    elif spec.endswith((".jsonl", ".json")) or Path(spec).exists():
-        _reject_options(spec, options, known=("answer_format",))
+    elif is_data_source(spec):
+        _reject_options(spec, options, known=FILE_OPTIONS)
         task = load_prompt_file(
             spec, strict=strict, split=split, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
-            system_prompt=system_prompt, **options,
+            system_prompt=system_prompt, answer_format=options.get("answer_format"), data_format=options.get("format"),
+            columns=options.get("columns"), source_split=options.get("split"),
         )
         task.examples = task.examples[:size]
         return task
     else:
-        raise UserError(f"task {spec!r}: unknown (use arithmetic, rg:<dataset>, humaneval, or a .jsonl file)")
+        raise UserError(f"task {spec!r}: unknown (use arithmetic, rg:<dataset>, humaneval, a data file "
+                        "(.jsonl, .parquet, .csv, .json, .arrow), a saved dataset directory or a cached owner/name)")
     task = Task(name=spec, split=split, examples=examples, reward_kind=kind, options=options)
     _check_lengths(task, strict, tokenizer, max_prompt_tokens, system_prompt)
     require_examples(task)
@@ -82,13 +90,15 @@ def load_splits(
 ) -> tuple[Task, Task]:
     """Training and held-out tasks from one spec, with no prompt in both.
 
-    Procedural specs draw each split from its own seed; HumanEval and JSONL files are shuffled with
-    `seed` and split by position (held-out first). The held-out split depends only on
+    Procedural specs draw each split from its own seed (train_size None: GENERATED_TRAIN_SIZE);
+    HumanEval and data files are shuffled with `seed` and split by position (held-out first;
+    train_size None: every other row). The held-out split depends only on
     (spec, seed, eval_size), never on train_size. Other arguments as in `load_task`.
     """
     if spec == "arithmetic" or spec.startswith("rg:"):
         held_out = load_task(spec, size=eval_size, seed=seed, split="eval", **load_options)
-        train = load_task(spec, size=train_size, seed=seed, split="train", **load_options)
+        train = load_task(spec, size=GENERATED_TRAIN_SIZE if train_size is None else train_size, seed=seed, split="train",
+                          **load_options)
     else:
         everything = load_task(spec, seed=seed, **load_options)
         examples = list(everything.examples)

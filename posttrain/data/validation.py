@@ -154,7 +154,8 @@ def check_answer(report: ValidationReport, line: int, value, answer_format: str)
     """The gold answer as a string, or None after reporting why it cannot be used.
 
     answer_format: `math` (math-verify must parse it, as the math verifier will), `number` (a
-    decimal number, commas allowed), `text` (any non-empty string).
+    decimal number, commas allowed), `text` (any non-empty string), `gsm8k` (the number after the
+    last `####`: `parse_gsm8k_gold`), `boxed` (the last `\\boxed{...}` of a solution: `last_boxed`).
     """
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         report.add(line, "answer", f"wrong type: expected a string or number, got {type_name(value)}")
@@ -163,6 +164,16 @@ def check_answer(report: ValidationReport, line: int, value, answer_format: str)
     if not answer.strip():
         report.add(line, "answer", "empty or whitespace-only")
         return None
+    if answer_format == "gsm8k":
+        gold = parse_gsm8k_gold(answer)
+        if gold is None:
+            report.add(line, "answer", f"unparseable GSM8K gold: no number after '####' in {_tail(answer)!r}")
+        return gold
+    if answer_format == "boxed":
+        gold = last_boxed(answer)
+        if gold is None:
+            report.add(line, "answer", f"unparseable MATH gold: no \\boxed{{...}} in {_tail(answer)!r}")
+        return gold
     if answer_format == "number" and not _is_number(answer):
         report.add(line, "answer", f"unparseable gold answer {answer!r}: not a number")
         return None
@@ -170,6 +181,34 @@ def check_answer(report: ValidationReport, line: int, value, answer_format: str)
         report.add(line, "answer", f"unparseable gold answer {answer!r}: math-verify finds no expression")
         return None
     return answer
+
+
+def parse_gsm8k_gold(text: str) -> str | None:
+    """GSM8K's gold: the text after the last `####`, with thousands commas, a `$` and a trailing
+    `.` removed, as GSM8K graders do; None unless that is a number. `"... #### 1,234."` -> `"1234"`."""
+    if "####" not in text:
+        return None
+    gold = text.rsplit("####", 1)[1].strip().replace(",", "").replace("$", "").rstrip(".").strip()
+    return gold if _is_number(gold) else None
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced; None if
+    there is none or it is empty. `"so \\boxed{\\frac{1}{2}}."` -> `"\\frac{1}{2}"`."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    index = text.index("{", start) + 1
+    depth, begin = 1, index
+    while index < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        index += 1
+    content = text[begin:index - 1].strip() if depth == 0 else ""
+    return content or None
+
+
+def _tail(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else "..." + text[-width:]
 
 
 def check_tests(report: ValidationReport, line: int, value) -> list[str] | None:

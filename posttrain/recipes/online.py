@@ -42,7 +42,7 @@ from posttrain.data.tasks import load_splits
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, rank_micro_batches, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement, resolve
-from posttrain.evaluation.acceptance import evaluate_task
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task
 from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.models import make_critic, make_reference
 from posttrain.models.forward import TrainingForward, completion_logits, completion_values, policy_and_critic, policy_logits, rank_logprobs
@@ -103,8 +103,11 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
                                     gradient_checkpointing=config.memory.gradient_checkpointing)
     critic = make_critic(policy, share_backbone=config.critic.share_backbone) if config.loss.advantage == "gae" else None
     train, held_out = load_splits(config.data.task, train_size=config.data.train_size, eval_size=config.data.eval_size,
-                                  seed=config.seed, options=config.data.task_options)
-    verifier = as_verifier(reward, config.reward)
+                                  seed=config.seed, options=config.data.load_options())
+    verifier = as_verifier(reward, training_reward(config, train))
+    if reward is None:
+        logger.info("training reward %s, held-out checker %s (task %s, gold format %s)", verifier.name,
+                    config.acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind), config.data.task, train.reward_kind)
     verifier.prepare()
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
@@ -343,6 +346,16 @@ def exact_kl_metric(state: State, rollout, mask: torch.Tensor, owners: torch.Ten
     return kl_sum / count if count else None
 
 
+def training_reward(config: Config, train: Task) -> str:
+    """`config.reward`, or with `auto` the default checker of the task's gold format (the held-out
+    checker's default too): exact for arithmetic, math for math / GSM8K / MATH golds, humaneval for code."""
+    if config.reward != "auto":
+        return config.reward
+    if train.reward_kind not in DEFAULT_CHECKERS:
+        raise UserError(f"task {config.data.task}: no default reward for its kind {train.reward_kind!r}; set --reward")
+    return DEFAULT_CHECKERS[train.reward_kind]
+
+
 def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     """Train (GRPO or PPO, as `config.loss.advantage` says); returns the run directory. `reward` may
     be a Verifier or any callable `fn(completion, example) -> float | Verdict`, used instead of
@@ -452,7 +465,7 @@ def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
     card["run"]["hardware"] = {**state.placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
     card["links"]["data"] = {
-        "source": "online: the policy's own samples", "task": config.data.task, "options": config.data.task_options,
+        "source": "online: the policy's own samples", "task": config.data.task, "options": config.data.load_options(),
         "train_prompts": len(train), "heldout_prompts": len(held_out), "duplicates_removed": train.duplicates_removed,
         "prompts_per_step": config.data.prompts_per_step,
         ("samples_per_prompt" if gae_mode else "group_size"): config.data.group_size,
@@ -477,10 +490,13 @@ def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
         "sampler_correction_meaning": (f"truncated importance sampling: each token's surrogate x min(exp(old - sampler log-prob), {loss.sampler_correction_cap})"
                                        if loss.sampler_correction == "tis" else "none: the tokens are treated as drawn from the trainer's old policy (mismatch/* measures how far they are not)"),
     }
-    same = config.acceptance.checker == config.reward
+    checker = config.acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind)
+    same = reward is None and checker == training_reward(config, train)
+    card["links"]["reward"]["resolved_from"] = (f"the task's gold format ({train.reward_kind})" if config.reward == "auto" and reward is None
+                                                else "set by the user")
     card["links"]["acceptance"] = {
         "heldout": f"{config.data.task} held-out split ({len(held_out)} prompts, disjoint from training)",
-        **dataclasses.asdict(config.acceptance), "checker_is_training_reward": same,
+        **dataclasses.asdict(config.acceptance), "checker_resolved": checker, "checker_is_training_reward": same,
     }
     if same and not gae_mode:
         card["notes"].append("the held-out checker is the training reward itself: acceptance is not independent")

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from posttrain.algorithms.policy import AGGREGATIONS
 from posttrain.config import PolicyFields
+from posttrain.data.files import resolve_columns
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.optim import Optimization
@@ -22,11 +23,17 @@ class Data:
     """Link 1, data: which prompts, how many per step, and the held-out split kept apart."""
 
     task: str = "arithmetic"
-    """Task spec: arithmetic | rg:<dataset> | humaneval | a JSONL prompt file."""
+    """Task spec: arithmetic | rg:<dataset> | humaneval | a data file (.jsonl, .parquet, .csv, .json, .arrow) | a save_to_disk directory | a cached owner/name."""
     task_options: dict = field(default_factory=dict)
-    """Task options, e.g. {digits: 2} for arithmetic or a reasoning-gym dataset's config."""
-    train_size: int = 20000
-    """Training prompts (procedural tasks generate this many)."""
+    """Task options, e.g. {digits: 2} for arithmetic, a reasoning-gym dataset's config, {answer_format: gsm8k} for a file."""
+    format: str | None = None
+    """A data file's public layout: gsm8k | math | trl_prompt (its column mapping and gold format; docs/data.md)."""
+    columns: dict = field(default_factory=dict)
+    """Our column names -> the file's, e.g. {prompt: question, answer: answer} (overrides the format's)."""
+    split: str | None = None
+    """The split of a saved or cached dataset with several (default train)."""
+    train_size: int | None = None
+    """Training prompts; None: 20000 for a generated task (arithmetic, rg:), every row not held out for a file."""
     eval_size: int = 200
     """Held-out prompts, disjoint from training (checked)."""
     prompts_per_step: int = 8
@@ -35,6 +42,12 @@ class Data:
     """G: completions per prompt (>= 2 for group advantages; 1 is fine with a critic)."""
     system_prompt: str | None = None
     """Optional system prompt for chat models."""
+
+
+    def load_options(self) -> dict[str, Any]:
+        """The options `load_splits` takes: task_options plus the file's format, columns and split."""
+        extra = {"format": self.format, "columns": self.columns or None, "split": self.split}
+        return {**self.task_options, **{key: value for key, value in extra.items() if value}}
 
 
 GROUP_ONLY = ("advantage_scale", "advantage_eps", "unbiased_std")
@@ -156,8 +169,8 @@ class Config(PolicyFields):
     """Link 1: prompts and groups."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
     """Rollout sampling settings (the training log-probs use the same temperature)."""
-    reward: str = "exact"
-    """Link 2: the training verifier (posttrain.rewards name, weighted sum, or callable:<path>)."""
+    reward: str = "auto"
+    """Link 2: the training verifier (posttrain.rewards name, weighted sum, or callable:<path>); auto: the task's gold format decides (exact for arithmetic, math for math/GSM8K/MATH golds, humaneval for code), the same one the held-out checker defaults to."""
     loss: Loss = field(default_factory=Loss)
     """Link 3: the loss settings."""
     critic: Critic = field(default_factory=Critic)
@@ -184,8 +197,10 @@ class Config(PolicyFields):
         if data.group_size < (1 if gae_mode else 2):
             raise UserError(f"data.group_size must be at least 2 (a group of one has no relative signal), got {data.group_size}"
                             if not gae_mode else f"data.group_size must be at least 1, got {data.group_size}")
+        if data.format is not None or data.columns:
+            resolve_columns(data.format, data.columns)
         for name in ("train_size", "eval_size", "prompts_per_step"):
-            if getattr(data, name) < 1:
+            if getattr(data, name) is not None and getattr(data, name) < 1:
                 raise UserError(f"data.{name} must be at least 1, got {getattr(data, name)}")
         if loss.aggregation not in AGGREGATIONS:  # a str, not a Literal: this message names the field the way users read it
             raise UserError(f"loss.aggregation must be one of {', '.join(AGGREGATIONS)}, got {loss.aggregation!r}")

@@ -1,0 +1,165 @@
+"""Users' data files as rows: JSONL (our own reader, which numbers every bad line), and through
+Hugging Face `datasets` Parquet, CSV, JSON, Arrow files, a directory saved with `save_to_disk`, or a
+dataset name already in the local Hugging Face cache; plus the column mapping and the named public
+layouts (`data.format`) that turn a user's columns into ours.
+
+    rows = read_rows("gsm8k-train.parquet", report, split=None)          # (row number, dict) pairs
+    mapping = resolve_columns("gsm8k", {"prompt": "question"})            # ours -> theirs
+    row = map_row(row, mapping)                                            # keys renamed to ours
+
+Row numbers count from 1 in file order (for JSONL, the line number), so a bad row is reported as
+`<file>:<row>: <field>: <problem>`, whatever the file type.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from posttrain.data.validation import ValidationReport, read_jsonl
+from posttrain.errors import UserError
+
+CANONICAL_COLUMNS = ("prompt", "messages", "answer", "tests", "entry_point", "id", "chosen", "rejected", "completion",
+                     "inputs", "outputs")
+"""The names our loaders read; `data.columns` maps each to a column of the user's file."""
+
+FORMATS: dict[str, dict[str, Any]] = {
+    "gsm8k": {"columns": {"prompt": "question", "answer": "answer"}, "answer_format": "gsm8k",
+              "about": "GSM8K: `question`, `answer` whose gold follows `####` (commas, $, a trailing . dropped)"},
+    "math": {"columns": {"prompt": "problem", "answer": "solution"}, "answer_format": "boxed",
+             "about": "MATH (Hendrycks): `problem`, `solution` whose gold is its last \\boxed{...}"},
+    "trl_prompt": {"columns": {"prompt": "prompt"}, "answer_format": None,
+                   "about": "TRL's prompt-only layout: `prompt` (a string or chat messages), plus `answer` or `tests`"},
+}
+"""Named public layouts: the column mapping and how the gold answer is written."""
+
+FILE_TYPES = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".arrow": "arrow"}
+"""Extensions read through `datasets` (.jsonl has its own line-numbering reader)."""
+
+
+def is_data_source(spec: str) -> bool:
+    """True for something `read_rows` can try: an existing path, a data file name, or a dataset
+    name of the hub's `owner/name` form."""
+    return Path(spec).expanduser().exists() or spec.endswith((".jsonl", *FILE_TYPES)) or spec.count("/") == 1
+
+
+def read_rows(source: str | Path, report: ValidationReport, split: str | None = None) -> Iterator[tuple[int, dict]]:
+    """`(row number, row)` for every row of `source`: a .jsonl file (bad lines go to `report`), a
+    .parquet / .csv / .json / .arrow file, a `save_to_disk` directory, or a cached dataset name
+    (`split`, default `train`, picks the split of a dataset with several). A missing file, an
+    unreadable file or a name not in the local cache is one UserError line."""
+    path = Path(source).expanduser()
+    if str(source).endswith(".jsonl") or (path.is_file() and path.suffix not in FILE_TYPES):
+        if split not in (None, "train"):
+            raise UserError(f"{source}: a JSONL file has one split; drop --data.split {split}")
+        yield from read_jsonl(path, report)
+        return
+    dataset = _open_dataset(str(source), path, split)
+    report.rows_read += len(dataset)
+    for number, row in enumerate(dataset, start=1):
+        yield number, dict(row)
+
+
+def column_names(source: str | Path, split: str | None = None) -> list[str] | None:
+    """The columns of a `datasets`-read source (None for JSONL, whose rows may differ)."""
+    path = Path(source).expanduser()
+    if str(source).endswith(".jsonl") or (path.is_file() and path.suffix not in FILE_TYPES):
+        return None
+    return list(_open_dataset(str(source), path, split).column_names)
+
+
+def _open_dataset(source: str, path: Path, split: str | None):
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+        elif path.suffix in FILE_TYPES:
+            if not path.is_file():
+                raise UserError(f"{source}: no such file")
+            loaded = datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
+        elif path.exists():
+            raise UserError(f"{source}: not a data file (.jsonl, .parquet, .csv, .json, .arrow) or a saved dataset directory")
+        else:
+            loaded = _cached_dataset(source, split)
+    except UserError:
+        raise
+    except FileNotFoundError as error:
+        raise UserError(f"{source}: {_first_line(error)}") from None
+    except Exception as error:  # pyarrow / datasets parse errors: name the file, one line
+        raise UserError(f"{source}: cannot be read as {FILE_TYPES.get(path.suffix, 'a dataset')} ({type(error).__name__}: {_first_line(error)})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        chosen = split or ("train" if "train" in loaded else None)
+        if chosen not in loaded:
+            raise UserError(f"{source}: no split {chosen!r} (splits: {', '.join(loaded)}); choose one with --data.split")
+        return loaded[chosen]
+    if split not in (None, "train") and split != getattr(loaded, "split", None):
+        raise UserError(f"{source}: a single-split dataset; drop --data.split {split}")
+    return loaded
+
+
+def _cached_dataset(name: str, split: str | None):
+    """A hub dataset from the local Hugging Face cache only (offline: never a network wait)."""
+    import datasets
+
+    previous = os.environ.get("HF_DATASETS_OFFLINE")
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    try:
+        return datasets.load_dataset(name, split=split or "train")
+    except Exception as error:
+        raise UserError(f"dataset {name!r}: not a local file or directory and not in the local Hugging Face cache "
+                        f"({_first_line(error)})") from None
+    finally:
+        if previous is None:
+            os.environ.pop("HF_DATASETS_OFFLINE", None)
+        else:
+            os.environ["HF_DATASETS_OFFLINE"] = previous
+
+
+def resolve_columns(data_format: str | None, columns: dict | None) -> dict[str, str]:
+    """Our column name -> the user's, from a named format overridden by explicit `columns`
+    (identity for every name neither mentions). Unknown names are one UserError line."""
+    if data_format is not None and data_format not in FORMATS:
+        raise UserError(f"data.format {data_format!r}: unknown (known: {', '.join(FORMATS)})")
+    mapping = dict(FORMATS[data_format]["columns"]) if data_format else {}
+    for ours, theirs in (columns or {}).items():
+        if ours not in CANONICAL_COLUMNS:
+            raise UserError(f"data.columns: unknown key {ours!r} (known: {', '.join(CANONICAL_COLUMNS)})")
+        if not isinstance(theirs, str) or not theirs:
+            raise UserError(f"data.columns.{ours}: expected a column name, got {theirs!r}")
+        mapping[ours] = theirs
+    return mapping
+
+
+def check_columns(source: str, present: list[str] | None, mapping: dict[str, str]) -> None:
+    """Every mapped column must be in the file: else one line naming the file and the column."""
+    if present is None:  # JSONL: checked row by row (a missing field is reported with its line)
+        return
+    for ours, theirs in mapping.items():
+        if theirs not in present:
+            raise UserError(f"{source}: no column {theirs!r} (mapped to {ours}; the file has: {', '.join(present)})")
+
+
+def map_row(row: dict, mapping: dict[str, str]) -> dict:
+    """The row with the user's mapped columns renamed to ours (unmapped columns kept as they are;
+    a column of ours that the mapping sends elsewhere is not read as ours)."""
+    if not mapping:
+        return row
+    renamed = {theirs: ours for ours, theirs in mapping.items()}
+    mapped: dict[str, Any] = {}
+    for key, value in row.items():
+        if key in renamed:
+            mapped[renamed[key]] = value
+        elif key in mapping and mapping[key] != key:
+            mapped[f"source_{key}"] = value  # e.g. a file's own `answer` column when answer maps elsewhere
+        else:
+            mapped.setdefault(key, value)
+    return mapped
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,186 @@
+"""Users' data through Hugging Face `datasets`: Parquet, CSV, JSON, a save_to_disk directory, a
+dataset name (cache only), column mapping and the named layouts (gsm8k, math, trl_prompt), the
+GSM8K and MATH gold parsing, one-line errors; a GRPO run on a GSM8K-layout Parquet file whose
+training reward and held-out checker both come from the declared format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+
+from posttrain.config import build_config
+from posttrain.data import load_splits, load_task
+from posttrain.data.files import map_row, resolve_columns
+from posttrain.data.validation import last_boxed, parse_gsm8k_gold
+from posttrain.errors import UserError
+from posttrain.recipes import online, online_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("text, gold", [
+    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
+    ("... #### 1,234", "1234"),
+    ("#### $18.", "18"),
+    ("#### -3.5", "-3.5"),
+    ("the answer is 5", None),
+    ("#### five", None),
+    ("#### 7 #### 8", "8"),
+])
+def test_gsm8k_gold(text, gold):
+    assert parse_gsm8k_gold(text) == gold
+
+
+@pytest.mark.parametrize("text, gold", [
+    (r"so $x = \boxed{\frac{1}{2}}$.", r"\frac{1}{2}"),
+    (r"\boxed{3} first, finally \boxed{ 4 }", "4"),
+    (r"\fbox{x^{2}}", "x^{2}"),
+    (r"\boxed{}", None),
+    (r"\boxed{unclosed", None),
+    ("no box at all", None),
+])
+def test_math_boxed_gold(text, gold):
+    assert last_boxed(text) == gold
+
+
+def gsm8k_rows(count: int = 12) -> dict[str, list]:
+    questions = [f"Tom has {i} apples and buys {i + 2} more. How many apples does he have?" for i in range(count)]
+    answers = [f"{i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2:,}" for i in range(count)]
+    return {"question": questions, "answer": answers}
+
+
+@pytest.fixture
+def gsm8k_parquet(tmp_path) -> Path:
+    path = tmp_path / "gsm8k.parquet"
+    datasets.Dataset.from_dict(gsm8k_rows()).to_parquet(str(path))
+    return path
+
+
+def test_gsm8k_parquet_with_the_format(gsm8k_parquet):
+    task = load_task(str(gsm8k_parquet), options={"format": "gsm8k"})
+    assert len(task.examples) == 12 and task.reward_kind == "math"
+    assert task.examples[3].prompt.startswith("Tom has 3 apples") and task.examples[3].answer == "8"
+    assert task.examples[3].id == "gsm8k.parquet:4"
+    assert task.options == {"answer_format": "gsm8k", "format": "gsm8k"}
+
+
+def test_the_same_mapping_by_columns_from_csv_and_json(tmp_path):
+    rows = gsm8k_rows(4)
+    datasets.Dataset.from_dict(rows).to_csv(str(tmp_path / "g.csv"))
+    (tmp_path / "g.json").write_text(json.dumps([{"question": q, "answer": a} for q, a in zip(rows["question"], rows["answer"])]))
+    for name in ("g.csv", "g.json"):
+        task = load_task(str(tmp_path / name), options={"columns": {"prompt": "question"}, "answer_format": "gsm8k"})
+        assert [e.answer for e in task.examples] == ["2", "4", "6", "8"], name
+
+
+def test_a_saved_dataset_directory_and_its_splits(tmp_path):
+    rows = gsm8k_rows(6)
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({k: v[:4] for k, v in rows.items()}),
+        "test": datasets.Dataset.from_dict({k: v[4:] for k, v in rows.items()}),
+    }).save_to_disk(str(tmp_path / "saved"))
+    assert len(load_task(str(tmp_path / "saved"), options={"format": "gsm8k"}).examples) == 4
+    test = load_task(str(tmp_path / "saved"), options={"format": "gsm8k", "split": "test"})
+    assert [e.answer for e in test.examples] == ["10", "12"]
+    with pytest.raises(UserError, match=r"no split 'dev' \(splits: train, test\)"):
+        load_task(str(tmp_path / "saved"), options={"format": "gsm8k", "split": "dev"})
+
+
+def test_math_layout_keeps_the_files_own_answer_column(tmp_path):
+    path = tmp_path / "math.jsonl"
+    rows = [{"problem": "What is 1/2 + 1/2?", "solution": r"It is $\boxed{1}$.", "answer": "1", "level": "Level 1"},
+            {"problem": "Simplify x/x.", "solution": r"So \boxed{1} for x != 0", "answer": "1"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = load_task(str(path), options={"format": "math"})
+    assert [e.answer for e in task.examples] == ["1", "1"]
+    assert task.examples[0].metadata["source_answer"] == "1" and task.examples[0].metadata["level"] == "Level 1"
+
+
+def test_bad_gold_rows_name_the_file_row_and_field(tmp_path):
+    rows = gsm8k_rows(5)
+    rows["answer"][2] = "forgot the marker"
+    path = tmp_path / "bad.parquet"
+    datasets.Dataset.from_dict(rows).to_parquet(str(path))
+    with pytest.raises(UserError) as error:
+        load_task(str(path), options={"format": "gsm8k"})
+    assert f"{path}:3: answer: unparseable GSM8K gold: no number after '####'" in str(error.value)
+    lenient = load_task(str(path), options={"format": "gsm8k"}, strict=False)
+    assert len(lenient.examples) == 4 and lenient.rows_bad == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"format": "gsm8k", "columns": {"prompt": "text"}}, "no column 'text' (mapped to prompt; the file has: question, answer)"),
+    ({"format": "alpaca"}, "data.format 'alpaca': unknown (known: gsm8k, math, trl_prompt)"),
+    ({"columns": {"query": "question"}}, "data.columns: unknown key 'query'"),
+    ({"format": "gsm8k", "digits": 2}, "unknown option 'digits'"),
+])
+def test_mapping_errors_are_one_line(gsm8k_parquet, options, message):
+    with pytest.raises(UserError) as error:
+        load_task(str(gsm8k_parquet), options=options)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_dataset_name_not_in_the_cache_fails_fast(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    started = time.monotonic()
+    with pytest.raises(UserError, match="dataset 'openai/gsm8k': not a local file or directory and not in the local Hugging Face cache"):
+        load_task("openai/gsm8k", options={"format": "gsm8k"})
+    assert time.monotonic() - started < 30
+
+
+def test_an_unreadable_file_is_one_line(tmp_path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"not parquet at all")
+    with pytest.raises(UserError, match=f"{path}: cannot be read as parquet"):
+        load_task(str(path), options={"format": "gsm8k"})
+
+
+def test_map_row_renames_and_keeps_the_rest():
+    mapping = resolve_columns("math", {"id": "unique_id"})
+    row = map_row({"problem": "p", "solution": "s", "answer": "a", "unique_id": "u1", "level": 3}, mapping)
+    assert row == {"prompt": "p", "answer": "s", "source_answer": "a", "id": "u1", "level": 3}
+
+
+def test_splits_of_a_parquet_task_are_disjoint_and_seeded(gsm8k_parquet):
+    train, held_out = load_splits(str(gsm8k_parquet), eval_size=4, seed=1, options={"format": "gsm8k"})
+    assert len(train.examples) == 8 and len(held_out.examples) == 4
+    assert not {e.id for e in train.examples} & {e.id for e in held_out.examples}
+
+
+def digit_reward(completion: str, example) -> float:
+    return float(any(ch.isdigit() for ch in completion))
+
+
+def test_grpo_on_a_gsm8k_parquet_file_resolves_reward_and_checker_from_the_format(tmp_path, gsm8k_parquet):
+    overrides = {
+        "data": {"task": str(gsm8k_parquet), "format": "gsm8k", "eval_size": 4, "train_size": None, "prompts_per_step": 2,
+                 "group_size": 2},
+        "sampling": {"max_new_tokens": 6}, "max_steps": 2, "output_dir": str(tmp_path / "run"), "acceptance": {"eval_every": 0},
+    }
+    config = build_config(online_config.grpo_config, None, overrides)
+    run_dir = online.run(config)
+    card = json.loads((run_dir / "run_card.json").read_text())
+    assert card["links"]["reward"]["verifier"] == "math"
+    assert card["links"]["reward"]["resolved_from"] == "the task's gold format (math)"
+    assert card["links"]["acceptance"]["checker_resolved"] == "math"
+    assert card["links"]["data"]["options"] == {"format": "gsm8k"}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and rows[-1]["heldout/pass@1"] is not None
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and "Tom has" in samples[0]["prompt"]  # rendered with the chat template
+
+
+def test_eval_command_reads_the_same_file(tmp_path, gsm8k_parquet):
+    out = tmp_path / "eval"
+    result = subprocess.run([sys.executable, "-m", "posttrain", "eval", "--model", "tiny", "--task", str(gsm8k_parquet),
+                             "--format", "gsm8k", "--eval-size", "4", "--max-new-tokens", "4", "--output-dir", str(out)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 4 and summary["checker"]["verifier"] == "math"
