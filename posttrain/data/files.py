@@ -30,6 +30,8 @@ FORMATS: dict[str, dict[str, Any]] = {
               "about": "GSM8K: `question`, `answer` whose gold follows `####` (commas, $, a trailing . dropped)"},
     "math": {"columns": {"prompt": "problem", "answer": "solution"}, "answer_format": "boxed",
              "about": "MATH (Hendrycks): `problem`, `solution` whose gold is its last \\boxed{...}"},
+    "trl_sft": {"columns": {}, "answer_format": None,
+                "about": "TRL's SFT layouts: `messages` (a conversation), or `prompt` + `completion` (strings or messages)"},
     "trl_prompt": {"columns": {"prompt": "prompt"}, "answer_format": None,
                    "about": "TRL's prompt-only layout: `prompt` (a string or chat messages), plus `answer` or `tests`"},
 }

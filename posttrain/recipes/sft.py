@@ -12,19 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
 
 from posttrain.config import RunFields, save_yaml, to_dict
 from posttrain.data import TokenizedBatch, tokenize_prompt_response
-from posttrain.data.examples import Example
+from posttrain.data.examples import Task, derived_seed
 from posttrain.data.stream import data_order
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, is_sharded, wrap
 from posttrain.errors import UserError
+from posttrain.data.files import is_data_source, resolve_columns
+from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
 from posttrain.hardware import resolve
 from posttrain.evaluation.acceptance import evaluate_task
 from posttrain.models.forward import TrainingForward, batch_response_sums
@@ -44,7 +48,15 @@ class Config(RunFields):
     model: str = "tiny"
     """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
     task: str = "arithmetic"
-    """Task spec: arithmetic | rg:<dataset> | a JSONL prompt file with answers."""
+    """Task spec: arithmetic | rg:<dataset> | a data file of prompts with answers | a data file of SFT rows (messages, or prompt + completion; docs/data.md)."""
+    format: str | None = None
+    """A data file's public layout: gsm8k | math | trl_prompt | trl_sft."""
+    columns: dict = dataclasses.field(default_factory=dict)
+    """Our column names -> the file's, e.g. {prompt: instruction, completion: output}."""
+    split: str | None = None
+    """The split of a saved or cached dataset with several (default train)."""
+    loss_on: str = "assistant"
+    """SFT rows: assistant (every assistant turn; a prompt/completion row's completion) | completion (the last assistant turn) | all (every token)."""
     task_options: dict = dataclasses.field(default_factory=dict)
     """Task options, e.g. {digits: 2} for arithmetic."""
     response_template: str = "<answer>{answer}</answer>"
@@ -83,6 +95,68 @@ class Config(RunFields):
             raise UserError(f"batch_size {self.batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
         if "{answer}" not in self.response_template:
             raise UserError("response_template must contain {answer}")
+        if self.loss_on not in LOSS_ON:
+            raise UserError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
+        if self.format is not None or self.columns:
+            resolve_columns(self.format, self.columns)
+
+    def load_options(self) -> dict:
+        """task_options plus the file's format, columns and split (as `load_splits` takes them)."""
+        extra = {"format": self.format, "columns": self.columns or None, "split": self.split}
+        return {**self.task_options, **{key: value for key, value in extra.items() if value}}
+
+
+@dataclasses.dataclass
+class SFTData:
+    """What a run imitates: a task's gold answers written into `response_template` (held-out
+    accuracy can then be measured), or a file's SFT rows (held-out NLL only). `encode` turns items
+    (Examples or SFTRows) into a `TokenizedBatch`."""
+
+    train: list
+    held_out: list
+    encode: Callable[[list], TokenizedBatch]
+    task: Task | None
+    """The held-out task of the gold-answer form (None for SFT rows)."""
+    card: dict
+
+
+def load_data(config: Config, tokenizer) -> SFTData:
+    """The run's data, checked before anything is written (one UserError line on bad input)."""
+    options = config.load_options()
+    if is_data_source(config.task) and is_sft_file(config.task, config.format, config.columns or None, config.split):
+        rows, report = load_sft_rows(config.task, data_format=config.format, columns=config.columns or None,
+                                     source_split=config.split)
+        rows = list(rows)
+        random.Random(derived_seed(config.seed, "split")).shuffle(rows)
+        if config.eval_size >= len(rows):
+            raise UserError(f"task {config.task}: eval_size={config.eval_size} leaves no training rows out of {len(rows)}")
+        held, train = rows[: config.eval_size], rows[config.eval_size :][: config.train_size]
+
+        def encode(items):
+            return tokenize_sft(tokenizer, items, loss_on=config.loss_on, system_prompt=config.system_prompt)
+
+        encode(train[:1] + held[:1])  # a template that cannot mask fails here, before the run directory exists
+        chats = sum(row.is_chat for row in train)
+        card = {"task": config.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
+                "conversations": chats, "prompt_completion_rows": len(train) - chats, "loss_on": config.loss_on,
+                "rows_bad": report.rows_bad}
+        return SFTData(train, held, encode, None, card)
+    train, held_out = load_splits(config.task, train_size=config.train_size, eval_size=config.eval_size, seed=config.seed,
+                                  options=options)
+    missing = [e.id for e in train.examples if e.answer is None]
+    if missing:
+        raise UserError(f"task {config.task}: example {missing[0]} has no answer to train on")
+    if config.loss_on == "all":
+        raise UserError("loss_on all applies to SFT rows (messages, prompt + completion); a task's gold answers train the response only")
+
+    def encode(examples):
+        return tokenize_prompt_response(tokenizer, [e.prompt_input for e in examples],
+                                        [config.response_template.format(answer=e.answer) for e in examples],
+                                        system_prompt=config.system_prompt)
+
+    card = {"task": config.task, "options": options, "train_examples": len(train), "heldout_examples": len(held_out),
+            "duplicates_removed": train.duplicates_removed, "response_template": config.response_template}
+    return SFTData(train.examples, held_out.examples, encode, held_out, card)
 
 
 def _device_of(model) -> torch.device:
@@ -125,13 +199,7 @@ def run(config: Config, resume: bool = False) -> Path:
     world = init_world(config.parallel, placement)
     seed_everything(config.seed)
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
-    train, held_out = load_splits(
-        config.task, train_size=config.train_size, eval_size=config.eval_size, seed=config.seed,
-        options=config.task_options,
-    )
-    missing = [e.id for e in train.examples if e.answer is None]
-    if missing:
-        raise UserError(f"task {config.task}: example {missing[0]} has no answer to train on")
+    data = load_data(config, tokenizer)
     output_dir = config.output_dir or default_output_dir("sft", world)
     run_dir = RunDirectory(output_dir, resume=resume, writer=world.main, tensorboard=config.tensorboard)
     config = dataclasses.replace(config, output_dir=str(run_dir.path))  # a copy: what config.yaml and a resume read
@@ -143,14 +211,12 @@ def run(config: Config, resume: bool = False) -> Path:
     optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
     start_step = restore_training(run_dir, model, optimizer, scheduler, world=world)["step"] if resume else 0
     card = new_card("sft", config.seed, config=to_dict(config))
-    card["links"]["data"] = {
-        "task": config.task, "options": config.task_options, "train_examples": len(train),
-        "heldout_examples": len(held_out), "duplicates_removed": train.duplicates_removed,
-        "response_template": config.response_template,
-    }
-    card["links"]["reward"] = {"kind": "none (imitation of gold answers)"}
-    card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True}
-    card["links"]["acceptance"] = {"heldout": f"{config.task} eval split", "checker": config.checker or "task default (strict)"}
+    card["links"]["data"] = data.card
+    card["links"]["reward"] = {"kind": "none (imitation of " + ("gold answers)" if data.task is not None else "the rows' completions)")}
+    card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True,
+                             "loss_on": config.loss_on if data.task is None else "the response (gold answer in response_template)"}
+    card["links"]["acceptance"] = ({"heldout": f"{config.task} eval split", "checker": config.checker or "task default (strict)"}
+                                   if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {config.task}", "metric": "token-mean NLL"})
     card["run"]["world_size"] = world.size
     card["run"]["hardware"] = {**placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
     if world.main:
@@ -161,12 +227,8 @@ def run(config: Config, resume: bool = False) -> Path:
     for step in progress:
         started = time.perf_counter()
         # 1. The next batch of the seeded data stream.
-        examples: list[Example] = [train.examples[i] for i in data_order(len(train), config.seed, step * config.batch_size, config.batch_size)]
-        batch = tokenize_prompt_response(
-            tokenizer, [e.prompt_input for e in examples],
-            [config.response_template.format(answer=e.answer) for e in examples],
-            system_prompt=config.system_prompt,
-        ).to(placement.device)  # the step's one host-to-device boundary
+        items = [data.train[i] for i in data_order(len(data.train), config.seed, step * config.batch_size, config.batch_size)]
+        batch = data.encode(items).to(placement.device)  # the step's one host-to-device boundary
         # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens; optimizer step.
         timer = Timer(placement.synchronize)
         placement.reset_peak_memory()
@@ -186,7 +248,7 @@ def run(config: Config, resume: bool = False) -> Path:
         if (config.eval_every and done % config.eval_every == 0) or done == config.max_steps:
             with full_weights(model), placement.autocast():  # rank 0 evaluates; under FSDP2 the others lend their shards
                 if world.main:
-                    metrics.update(evaluate_and_plot(model, tokenizer, held_out, config, run_dir, done))
+                    metrics.update(evaluate_and_plot(model, tokenizer, data, config, run_dir, done))
             world.barrier()
             model.train()
         run_dir.log_metrics(done, metrics)
@@ -200,9 +262,15 @@ def run(config: Config, resume: bool = False) -> Path:
     return run_dir.path
 
 
-def evaluate_and_plot(model, tokenizer, held_out, config: Config, run_dir: RunDirectory, step: int) -> dict:
-    """Held-out accuracy (greedy, the task's checker) written to eval/, and refreshed plots."""
+def evaluate_and_plot(model, tokenizer, data: SFTData, config: Config, run_dir: RunDirectory, step: int) -> dict:
+    """Held-out accuracy (greedy, the task's checker) written to eval/ when the data is a task's,
+    the held-out NLL always, and refreshed plots."""
     model.eval()
+    if data.task is None:
+        metrics = {"heldout/nll": heldout_nll(model, data.encode(data.held_out), config.micro_batch_size)}
+        plot_metrics(run_dir.read_metrics() + [{"step": step, **metrics}], ["loss", "heldout/nll"], run_dir.plots)
+        return metrics
+    held_out = data.task
     result = evaluate_task(
         model, tokenizer, held_out, checker=config.checker, k=1, max_new_tokens=config.max_new_tokens,
         seed=config.seed, system_prompt=config.system_prompt, output_path=run_dir.eval_dir / f"step-{step:06d}.json",
@@ -210,24 +278,20 @@ def evaluate_and_plot(model, tokenizer, held_out, config: Config, run_dir: RunDi
     low, high = result["pass@1_ci95"]
     metrics = {
         "heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high,
-        "heldout/nll": heldout_nll(model, tokenizer, held_out, config),
+        "heldout/nll": heldout_nll(model, data.encode(data.held_out), config.micro_batch_size),
     }
     plot_metrics(run_dir.read_metrics() + [{"step": step, **metrics}], ["loss", "heldout/pass@1", "heldout/nll"], run_dir.plots)
     return metrics
 
 
 @torch.no_grad()
-def heldout_nll(model, tokenizer, held_out, config: Config) -> float:
-    """Token-mean NLL of the gold responses on the held-out split."""
-    examples = held_out.examples
-    batch = tokenize_prompt_response(
-        tokenizer, [e.prompt_input for e in examples],
-        [config.response_template.format(answer=e.answer) for e in examples], system_prompt=config.system_prompt,
-    )
+def heldout_nll(model, batch: TokenizedBatch, micro_batch_size: int) -> float:
+    """Token-mean NLL of the masked (response) tokens of a held-out batch."""
+    rows = batch.input_ids.shape[0]
     batch = batch.to(_device_of(model))
     global_tokens = batch.mask[:, 1:].sum()
     forward = TrainingForward(model, batch_response_sums, full_forward=is_sharded(model))  # under the caller's autocast
     return sum(
-        sft_loss(forward, batch, slice(start, start + config.micro_batch_size), global_tokens).item()
-        for start in range(0, len(examples), config.micro_batch_size)
+        sft_loss(forward, batch, slice(start, start + micro_batch_size), global_tokens).item()
+        for start in range(0, rows, micro_batch_size)
     )

@@ -1,0 +1,173 @@
+"""SFT on users' rows: prompt/completion pairs and chat conversations (TRL's SFT layouts), read like
+every data file (`posttrain.data.files`) and tokenised with the loss on the tokens `loss_on` names.
+
+Row layouts (after the column mapping):
+
+    {"prompt": "2+2=", "completion": "4"}                         standard prompt / completion
+    {"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}]}   conversational
+    {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}         a conversation
+
+`loss_on`:
+* `assistant` (default): every assistant turn of a conversation (each turn's content and the
+  end-of-turn token the template writes after it, not the template's own role headers); for
+  prompt / completion rows, the completion;
+* `completion`: the completion, or a conversation's last assistant turn only;
+* `all`: every real token (prompt included).
+
+The masks come from character spans of the rendered chat text: turn i's span is what
+`apply_chat_template(messages[: i + 1])` adds after `apply_chat_template(messages[: i],
+add_generation_prompt=True)`, trailing whitespace excluded, and a token counts when its first
+character lies in a span (a fast tokenizer's offsets). A template whose rendering of a prefix of the
+conversation is not a prefix of the whole rendering (templates that rewrite earlier turns) is
+refused with one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+import torch
+
+from posttrain.data.files import check_columns, column_names, map_row, read_rows, resolve_columns
+from posttrain.data.tokenize import TokenizedBatch, has_chat_template, tokenize_prompt_response
+from posttrain.data.validation import ValidationReport, check_messages, check_text, type_name
+from posttrain.errors import UserError
+
+LOSS_ON = ("assistant", "completion", "all")
+
+
+@dataclass
+class SFTRow:
+    """One training row: a prompt and completion string, or a conversation whose messages from
+    `train_from` on may carry the loss (the completion's, for a conversational prompt / completion
+    row; 0 for a whole conversation)."""
+
+    id: str
+    prompt: str | None = None
+    completion: str | None = None
+    messages: list[dict] | None = None
+    train_from: int = 0
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+def is_sft_file(path: str, data_format: str | None = None, columns: dict | None = None, split: str | None = None) -> bool:
+    """True when the file's (mapped) first row has `messages` or `completion`: SFT rows, not a task."""
+    mapping = resolve_columns(data_format, columns)
+    report = ValidationReport(str(path))
+    for _, row in read_rows(path, report, split):
+        row = map_row(row, mapping)
+        return "completion" in row or ("messages" in row and "answer" not in row and "tests" not in row)
+    return False
+
+
+def load_sft_rows(path: str | Path, *, data_format: str | None = None, columns: dict | None = None,
+                  source_split: str | None = None, strict: bool = True) -> tuple[list[SFTRow], ValidationReport]:
+    """Every valid row of an SFT file, and the report of the others (a UserError listing them when
+    `strict`, as for every data file; an empty result is a UserError either way)."""
+    mapping = resolve_columns(data_format, columns)
+    check_columns(str(path), column_names(path, source_split), mapping)
+    report = ValidationReport(str(path))
+    rows = []
+    for line, row in read_rows(path, report, source_split):
+        parsed = parse_sft_row(report, line, map_row(row, mapping), Path(path).name)
+        if parsed is not None:
+            rows.append(parsed)
+    report.enforce(strict)
+    if not rows:
+        raise UserError(f"{path}: no usable SFT rows")
+    return rows, report
+
+
+def parse_sft_row(report: ValidationReport, line: int, row: dict, file_name: str) -> SFTRow | None:
+    row_id = str(row.get("id", f"{file_name}:{line}"))
+    extra = {k: v for k, v in row.items() if k not in ("prompt", "completion", "messages", "id")}
+    if "messages" in row:
+        if not check_messages(report, line, "messages", row["messages"]):
+            return None
+        if not any(m["role"] == "assistant" for m in row["messages"]):
+            report.add(line, "messages", "no assistant message to train on")
+            return None
+        return SFTRow(row_id, messages=list(row["messages"]), metadata=extra)
+    if "prompt" not in row or "completion" not in row:
+        report.add(line, "completion" if "prompt" in row else "prompt",
+                   "missing field (an SFT row has `messages`, or `prompt` and `completion`)")
+        return None
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        ok = check_text(report, line, "prompt", prompt)
+        ok = check_text(report, line, "completion", completion) and ok
+        return SFTRow(row_id, prompt=prompt, completion=completion, metadata=extra) if ok else None
+    if isinstance(prompt, list) and isinstance(completion, list):
+        ok = check_messages(report, line, "prompt", prompt)
+        ok = check_messages(report, line, "completion", completion) and ok
+        if ok and not any(m["role"] == "assistant" for m in completion):
+            report.add(line, "completion", "no assistant message to train on")
+            ok = False
+        return SFTRow(row_id, messages=list(prompt) + list(completion), train_from=len(prompt), metadata=extra) if ok else None
+    report.add(line, "completion", f"prompt and completion must both be strings or both message lists, got "
+                                   f"{type_name(prompt)} and {type_name(completion)}")
+    return None
+
+
+def chat_token_mask(tokenizer, messages: list[dict], loss_on: str = "assistant", train_from: int = 0) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per token, whether it carries the loss."""
+    if not has_chat_template(tokenizer):
+        raise UserError("chat SFT rows need a tokenizer with a chat template (this model has none); "
+                        "use prompt/completion string rows")
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
+    if loss_on == "completion":
+        assistant = assistant[-1:]
+    spans = []
+    for i in assistant:
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise UserError("this chat template renders earlier turns differently once later ones follow; "
+                            "train on prompt/completion rows (or loss_on: all) instead")
+        turn = through[len(before):]
+        spans.append((len(before), len(before) + len(turn.rstrip())))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    if loss_on == "all":
+        return ids, [True] * len(ids)
+    mask = [any(start <= first < end for start, end in spans) for first, _ in encoded["offset_mapping"]]
+    return ids, mask
+
+
+def tokenize_sft(tokenizer, rows: list[SFTRow], *, loss_on: str = "assistant", system_prompt: str | None = None) -> TokenizedBatch:
+    """A right-padded `TokenizedBatch` of SFT rows with the loss mask `loss_on` asks for (module doc).
+    prompt_lengths: tokens before the first loss token of each row."""
+    if loss_on not in LOSS_ON:
+        raise UserError(f"sft loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pieces: list[tuple[list[int], list[bool]]] = []
+    for row in rows:
+        if row.is_chat:
+            messages = row.messages
+            offset = 0
+            if system_prompt and messages[0]["role"] != "system":
+                messages, offset = [{"role": "system", "content": system_prompt}] + messages, 1
+            pieces.append(chat_token_mask(tokenizer, messages, loss_on, row.train_from + offset))
+        else:
+            batch = tokenize_prompt_response(tokenizer, [row.prompt], [row.completion], system_prompt=system_prompt)
+            length = int(batch.attention_mask[0].sum())
+            ids = batch.input_ids[0, :length].tolist()
+            mask = [True] * length if loss_on == "all" else batch.mask[0, :length].tolist()
+            pieces.append((ids, mask))
+    width = max(len(ids) for ids, _ in pieces)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for index, (ids, loss) in enumerate(pieces):
+        input_ids[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[index, : len(ids)] = 1
+        mask[index, : len(ids)] = torch.tensor(loss, dtype=torch.bool)
+    first = [loss.index(True) if True in loss else len(loss) for _, loss in pieces]
+    return TokenizedBatch(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
+                          prompt_lengths=torch.tensor(first, dtype=torch.long),
+                          response_lengths=mask.sum(-1), kept=list(range(len(rows))))
