@@ -184,3 +184,25 @@ def test_eval_command_reads_the_same_file(tmp_path, gsm8k_parquet):
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["n"] == 4 and summary["checker"]["verifier"] == "math"
+
+
+def test_data_check_reads_every_kind_and_format(tmp_path):
+    rows = gsm8k_rows(3)
+    rows["answer"][1] = "nope"
+    parquet = tmp_path / "g.parquet"
+    datasets.Dataset.from_dict(rows).to_parquet(str(parquet))
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"prompt": "x"}\n')
+
+    def check(*args):
+        return subprocess.run([sys.executable, "-m", "posttrain", "data", "check", *args], capture_output=True, text=True, cwd=ROOT)
+
+    result = check("--kind", "prompt", str(parquet), "--format", "gsm8k")
+    assert result.returncode == 1
+    assert result.stdout.splitlines()[:2] == [f"{parquet}:2: answer: unparseable GSM8K gold: no number after '####' in 'nope'",
+                                              f"{parquet}: 3 rows read, 1 bad"]
+    result = check("--kind", "sft", str(sft))
+    assert result.returncode == 1 and result.stdout.splitlines() == [
+        f"{sft}:2: completion: missing field (an SFT row has `messages`, or `prompt` and `completion`)", f"{sft}: 2 rows read, 1 bad"]
+    result = check("--kind", "preference", str(parquet), "--format", "gsm8k")
+    assert result.returncode == 2 and "apply to --kind prompt and sft" in result.stderr

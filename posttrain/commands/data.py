@@ -1,6 +1,14 @@
-"""`posttrain data check`: validate a prompt or preference JSONL file and print every bad row."""
+"""`posttrain data check`: validate a prompt, preference or SFT file and print every bad row.
+
+    posttrain data check --kind prompt gsm8k-train.parquet --format gsm8k
+    posttrain data check --kind sft conversations.jsonl
+"""
 
 from __future__ import annotations
+
+import json
+
+from posttrain.errors import UserError
 
 
 def register(subparsers) -> None:
@@ -8,15 +16,19 @@ def register(subparsers) -> None:
     actions = parser.add_subparsers(dest="data_command", metavar="ACTION", parser_class=type(parser))
     check = actions.add_parser(
         "check",
-        help="validate a JSONL file: rows read, rows bad, each bad row as FILE:LINE: field: reason",
+        help="validate a data file: rows read, rows bad, each bad row as FILE:ROW: field: reason",
         description="Exit 0 when every row is valid, 1 when any row is bad.",
     )
     check.add_argument("file", metavar="FILE")
-    check.add_argument("--kind", choices=("prompts", "preference"), default="prompts", help="default: prompts")
+    check.add_argument("--kind", choices=("prompt", "prompts", "preference", "sft"), default="prompt",
+                       help="prompt (default; `prompts` is the same), preference or sft")
     check.add_argument(
-        "--answer-format", choices=("math", "number", "text"), default="math",
-        help="prompts: how `answer` must parse (default: math, as math-verify reads it)",
+        "--answer-format", choices=("math", "number", "text", "gsm8k", "boxed"), default=None,
+        help="prompt: how `answer` must parse (default: the format's, else math, as math-verify reads it)",
     )
+    check.add_argument("--format", default=None, help="prompt, sft: a public layout (gsm8k | math | trl_prompt | trl_sft)")
+    check.add_argument("--columns", default=None, help="prompt, sft: our column names -> the file's, as JSON")
+    check.add_argument("--split", default=None, help="the split of a saved or cached dataset")
     check.add_argument("--model", metavar="SPEC", help="tokenizer for the prompt-length check (with --max-prompt-tokens)")
     check.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt, after the chat template")
     check.add_argument("--system-prompt", help="shared system prompt counted in prompt lengths")
@@ -33,13 +45,25 @@ def check_file(args) -> int:
 
         _, tokenizer = load_model(args.model)
     lengths = {"tokenizer": tokenizer, "max_prompt_tokens": args.max_prompt_tokens, "system_prompt": args.system_prompt}
-    if args.kind == "prompts":
-        _, report = validate_prompt_file(args.file, answer_format=args.answer_format, **lengths)
+    try:
+        columns = json.loads(args.columns) if args.columns else None
+    except json.JSONDecodeError as error:
+        raise UserError(f"--columns: not JSON ({error.msg})") from None
+    if args.kind in ("prompt", "prompts"):
+        _, report = validate_prompt_file(args.file, answer_format=args.answer_format, data_format=args.format, columns=columns,
+                                         source_split=args.split, **lengths)
+    elif args.kind == "sft":
+        from posttrain.data.sft_data import load_sft_rows
+
+        _, report = load_sft_rows(args.file, data_format=args.format, columns=columns, source_split=args.split, strict=False,
+                                  allow_empty=True)
     else:
+        if args.format or columns or args.split:
+            raise UserError("--format, --columns and --split apply to --kind prompt and sft (preference files are JSONL as docs/data.md describes)")
         _, report = validate_preference_file(args.file, **lengths)
     for line in report.lines():
         print(line)
     print(report.summary())
-    if tokenizer is None:
+    if tokenizer is None and args.kind != "sft":
         print("prompt lengths not checked (give --model SPEC and --max-prompt-tokens N)")
     return 1 if report.problems else 0

@@ -65,9 +65,9 @@ def is_sft_file(path: str, data_format: str | None = None, columns: dict | None 
 
 
 def load_sft_rows(path: str | Path, *, data_format: str | None = None, columns: dict | None = None,
-                  source_split: str | None = None, strict: bool = True) -> tuple[list[SFTRow], ValidationReport]:
+                  source_split: str | None = None, strict: bool = True, allow_empty: bool = False) -> tuple[list[SFTRow], ValidationReport]:
     """Every valid row of an SFT file, and the report of the others (a UserError listing them when
-    `strict`, as for every data file; an empty result is a UserError either way)."""
+    `strict`, as for every data file; an empty result is a UserError unless `allow_empty`)."""
     mapping = resolve_columns(data_format, columns)
     check_columns(str(path), column_names(path, source_split), mapping)
     report = ValidationReport(str(path))
@@ -76,8 +76,9 @@ def load_sft_rows(path: str | Path, *, data_format: str | None = None, columns: 
         parsed = parse_sft_row(report, line, map_row(row, mapping), Path(path).name)
         if parsed is not None:
             rows.append(parsed)
-    report.enforce(strict)
-    if not rows:
+    if not allow_empty:  # allow_empty: a check that reports every row (posttrain data check), no enforcing
+        report.enforce(strict)
+    if not rows and not allow_empty:
         raise UserError(f"{path}: no usable SFT rows")
     return rows, report
 
