@@ -116,7 +116,7 @@ def test_bad_gold_rows_name_the_file_row_and_field(tmp_path):
 
 @pytest.mark.parametrize("options, message", [
     ({"format": "gsm8k", "columns": {"prompt": "text"}}, "no column 'text' (mapped to prompt; the file has: question, answer)"),
-    ({"format": "alpaca"}, "data.format 'alpaca': unknown (known: gsm8k, math, trl_sft, trl_prompt)"),
+    ({"format": "alpaca"}, "data.format 'alpaca': unknown (known: gsm8k, math, mbpp, humaneval, code_contests, trl_sft, trl_prompt)"),
     ({"columns": {"query": "question"}}, "data.columns: unknown key 'query'"),
     ({"format": "gsm8k", "digits": 2}, "unknown option 'digits'"),
 ])

@@ -27,7 +27,7 @@ def write_lines(path, lines):
 PROMPT_CASES = [  # (row, expected "field: reason" for that line)
     ({"prompt": "   ", "answer": "1"}, "prompt: empty or whitespace-only"),
     ({"answer": "1"}, "prompt: missing field (need `prompt` or `messages`)"),
-    ({"prompt": "2+2="}, "answer: missing field (need `answer` or `tests`)"),
+    ({"prompt": "2+2="}, "answer: missing field (need `answer`, `tests`, or `inputs` and `outputs`)"),
     ({"prompt": 7, "answer": "1"}, "prompt: wrong type: expected a string, got number"),
     (b'{"prompt": "2+2=", "answer": 4', "row: invalid JSON: Expecting ',' delimiter (column 31)"),
     (b'{"prompt": "caf\xe9", "answer": "1"}', "row: non-UTF-8 bytes (byte 0xe9 at column 16)"),

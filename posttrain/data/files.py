@@ -30,6 +30,12 @@ FORMATS: dict[str, dict[str, Any]] = {
               "about": "GSM8K: `question`, `answer` whose gold follows `####` (commas, $, a trailing . dropped)"},
     "math": {"columns": {"prompt": "problem", "answer": "solution"}, "answer_format": "boxed",
              "about": "MATH (Hendrycks): `problem`, `solution` whose gold is its last \\boxed{...}"},
+    "mbpp": {"columns": {"prompt": "text", "tests": "test_list", "id": "task_id"}, "answer_format": None,
+             "about": "MBPP: `text` (the task in words), `test_list` (assert lines; the function name is read from them), `task_id`"},
+    "humaneval": {"columns": {"prompt": "prompt", "tests": "test", "entry_point": "entry_point", "id": "task_id"},
+                  "answer_format": None, "about": "HumanEval: `prompt` (signature + docstring), `test` (check(candidate)), `entry_point`, `task_id`"},
+    "code_contests": {"columns": {"prompt": "description"}, "answer_format": None,
+                      "about": "CodeContests: `description`, stdin/stdout cases from `public_tests` + `private_tests` ({input: [...], output: [...]}), or `inputs` / `outputs` lists"},
     "trl_sft": {"columns": {}, "answer_format": None,
                 "about": "TRL's SFT layouts: `messages` (a conversation), or `prompt` + `completion` (strings or messages)"},
     "trl_prompt": {"columns": {"prompt": "prompt"}, "answer_format": None,
@@ -143,6 +149,23 @@ def check_columns(source: str, present: list[str] | None, mapping: dict[str, str
     for ours, theirs in mapping.items():
         if theirs not in present:
             raise UserError(f"{source}: no column {theirs!r} (mapped to {ours}; the file has: {', '.join(present)})")
+
+
+CONTEST_TESTS = ("public_tests", "private_tests")
+"""CodeContests' case columns, each {"input": [...], "output": [...]} (generated_tests are left out)."""
+
+
+def contest_cases(row: dict) -> dict:
+    """A CodeContests-style row with its case columns flattened into `inputs` / `outputs` lists
+    (rows that already have `inputs` are returned as they are)."""
+    if "inputs" in row or not any(isinstance(row.get(key), dict) for key in CONTEST_TESTS):
+        return row
+    inputs, outputs = [], []
+    for key in CONTEST_TESTS:
+        tests = row.get(key) or {}
+        inputs += list(tests.get("input") or [])
+        outputs += list(tests.get("output") or [])
+    return {**{k: v for k, v in row.items() if k not in CONTEST_TESTS}, "inputs": inputs, "outputs": outputs}
 
 
 def map_row(row: dict, mapping: dict[str, str]) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from posttrain.data.examples import Example, Task, require_examples
-from posttrain.data.files import FORMATS, check_columns, column_names, map_row, read_rows, resolve_columns
+from posttrain.data.files import FORMATS, check_columns, column_names, contest_cases, map_row, read_rows, resolve_columns
 from posttrain.data.validation import (
     ValidationReport,
     check_answer,
@@ -34,6 +34,20 @@ KNOWN_FIELDS = {"prompt", "messages", "answer", "tests", "entry_point", "id", "m
 REWARD_KINDS = {"math": "math", "gsm8k": "math", "boxed": "math", "number": "math", "text": "text"}
 """The task kind (and so the default training reward and held-out checker) of each gold format:
 numbers and math expressions are compared by math-verify; free text exactly."""
+
+
+def code_kind(examples: list[Example], data_format: str | None) -> str | None:
+    """The code layout of a task, which decides its default reward and checker: `stdio` (cases of
+    stdin / stdout), `mbpp` (assert lines, the prompt in words), `code` (HumanEval's
+    check(candidate) after a code prompt); None for answer tasks."""
+    if any("cases" in example.metadata for example in examples):
+        return "stdio"
+    tested = [example for example in examples if example.tests]
+    if not tested:
+        return None
+    if data_format == "mbpp" or not any("def check(" in test for example in tested for test in example.tests):
+        return "mbpp"
+    return "code"
 
 
 def resolve_answer_format(answer_format: str | None, data_format: str | None) -> str:
@@ -71,7 +85,7 @@ def validate_prompt_file(
     report = ValidationReport(str(path))
     examples, first_line_of_id = [], {}
     for line, row in read_rows(path, report, source_split):
-        example = parse_prompt_row(report, line, map_row(row, mapping), Path(path).name, answer_format)
+        example = parse_prompt_row(report, line, contest_cases(map_row(row, mapping)), Path(path).name, answer_format)
         if example is None:
             continue
         if example.id in first_line_of_id:
@@ -95,18 +109,32 @@ def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all
     parsed, report = validate_prompt_file(path, **checks)
     report.enforce(strict)
     examples = [example for _, example in parsed]
-    has_tests = any(example.tests for example in examples)
     answer_format = resolve_answer_format(checks.get("answer_format"), checks.get("data_format"))
     options = {"answer_format": answer_format}
     for key, option in (("data_format", "format"), ("columns", "columns"), ("source_split", "split")):
         if checks.get(key):
             options[option] = checks[key]
     task = Task(
-        name=str(path), split=split, examples=examples, reward_kind="code" if has_tests else REWARD_KINDS[answer_format],
+        name=str(path), split=split, examples=examples, reward_kind=code_kind(examples, checks.get("data_format")) or REWARD_KINDS[answer_format],
         rows_bad=report.rows_bad, options=options,
     )
     require_examples(task)
     return task
+
+
+def check_cases(report: ValidationReport, line: int, inputs, outputs) -> list[dict] | None:
+    """stdin / stdout cases from parallel `inputs` / `outputs` lists of strings (non-empty, equal lengths)."""
+    for name, value in (("inputs", inputs), ("outputs", outputs)):
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            report.add(line, name, f"wrong type: expected a list of strings, got {type_name(value)}")
+            return None
+    if not inputs:
+        report.add(line, "inputs", "empty case list (an empty test list proves nothing)")
+        return None
+    if len(inputs) != len(outputs):
+        report.add(line, "outputs", f"{len(outputs)} outputs for {len(inputs)} inputs")
+        return None
+    return [{"stdin": stdin, "stdout": stdout} for stdin, stdout in zip(inputs, outputs)]
 
 
 def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: str, answer_format: str):
@@ -125,9 +153,13 @@ def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: 
     else:
         report.add(line, "prompt", "missing field (need `prompt` or `messages`)")
         ok = False
-    if "answer" not in row and "tests" not in row:
-        report.add(line, "answer", "missing field (need `answer` or `tests`)")
+    if "answer" not in row and "tests" not in row and "inputs" not in row:
+        report.add(line, "answer", "missing field (need `answer`, `tests`, or `inputs` and `outputs`)")
         ok = False
+    cases = None
+    if "inputs" in row or "outputs" in row:
+        cases = check_cases(report, line, row.get("inputs"), row.get("outputs"))
+        ok = ok and cases is not None
     if "answer" in row:
         answer = check_answer(report, line, row["answer"], answer_format)
         ok = ok and answer is not None
@@ -147,7 +179,9 @@ def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: 
         ok = False
     if not ok:
         return None
-    extra = {key: value for key, value in row.items() if key not in KNOWN_FIELDS}
+    extra = {key: value for key, value in row.items() if key not in KNOWN_FIELDS | {"inputs", "outputs"}}
+    if cases is not None:
+        extra["cases"] = cases
     return Example(
         id=str(row_id), prompt=prompt, messages=messages, answer=answer, tests=tests,
         entry_point=entry_point, metadata={**metadata, **extra, "source": file_name, "line": line},

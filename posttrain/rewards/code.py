@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import textwrap
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -372,3 +373,57 @@ class HumanEvalVerifier(_CodeVerifier):
         verdict = self._reward(counts["passed"], counts["total"], failure)
         verdict.details["time_s"] = round(time.monotonic() - started, 4)
         return verdict
+
+
+def mbpp_entry_point(tests: list[str]) -> str | None:
+    """The function an MBPP-style test list calls: the first called name in its asserts that is not
+    a builtin (`assert remove_Occ("hello", "l") == "heo"` -> `remove_Occ`); None if there is none."""
+    import builtins
+
+    for test in tests:
+        try:
+            tree = ast.parse(test)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not hasattr(builtins, node.func.id):
+                return node.func.id
+    return None
+
+
+class MBPPVerifier(HumanEvalVerifier):
+    """MBPP format: a natural-language prompt (never executed), the completion's code (the last
+    fenced block by default) defines the function, and each assert of `tests` (MBPP's `test_list`)
+    must hold. The asserts run in the judge, outside the sandbox, against a proxy of the candidate's
+    function (type-strict comparisons, as for HumanEval); `entry_point` is taken from the tests when
+    the row does not name it.
+
+    Row: {"completion", "tests": ["assert f(1) == 2", ...], "entry_point" (optional)}.
+    """
+
+    name = "mbpp"
+
+    def score(self, completion: str, example: Mapping) -> Verdict:
+        tests = example.get("tests")
+        if isinstance(tests, str):
+            tests = [tests]
+        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
+            return Verdict.data_error("field 'tests' must be a non-empty list of assert lines (an empty test list proves nothing)")
+        entry_point = example.get("entry_point") or mbpp_entry_point(tests)
+        if not isinstance(entry_point, str) or not entry_point.isidentifier():
+            return Verdict.data_error("no function name: the tests call none, and the row names no 'entry_point'")
+        source = "def check(candidate):\n" + "".join(
+            textwrap.indent(test.strip(), "    ") + "\n" for test in tests)
+        try:
+            tree, asserts = _rewrite_test(source)
+        except SyntaxError as error:
+            return Verdict.data_error(f"field 'tests' does not parse: {error.msg} (line {error.lineno})")
+        if asserts == 0:
+            return Verdict.data_error("field 'tests' has no assert: an empty test proves nothing")
+        judge: dict[str, Any] = {"__name__": "__judge__"}
+        try:
+            exec(compile(tree, "<tests>", "exec"), judge)
+        except Exception as error:  # noqa: BLE001 - dataset text that does not run
+            return Verdict.data_error(f"tests do not run: {type(error).__name__}: {error}")
+        code = extract_code(completion, self.code_policy)
+        return _with_slot(self.sandbox, lambda slot: self._run(slot, code, entry_point, judge))

@@ -1,6 +1,6 @@
 """Verifiers by name, and weighted composition.
 
-Names: `math`, `exact`, `numeric`, `format`, `rg`, `humaneval`, `io`, `stdio`,
+Names: `math`, `exact`, `numeric`, `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
 `callable:<dotted.path>`, and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
 `as_verifier` turns what a recipe was given (a Verifier, a plain callable, or nothing and a name)
 into one verifier.
@@ -15,14 +15,14 @@ from typing import Any
 from posttrain.errors import UserError
 from posttrain.rewards.answers import ExactVerifier, MathVerifier, NumericVerifier
 from posttrain.rewards.base import Verifier
-from posttrain.rewards.code import HumanEvalVerifier, IOVerifier, StdioVerifier
+from posttrain.rewards.code import HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
 from posttrain.rewards.custom import CallableVerifier, FunctionVerifier
 from posttrain.rewards.format import FormatVerifier
 from posttrain.rewards.gym import ReasoningGymVerifier
 from posttrain.rewards.sandbox import SandboxConfig
 from posttrain.rewards.verdict import Verdict
 
-CODE_VERIFIERS = {"humaneval": HumanEvalVerifier, "io": IOVerifier, "stdio": StdioVerifier}
+CODE_VERIFIERS = {"humaneval": HumanEvalVerifier, "mbpp": MBPPVerifier, "io": IOVerifier, "stdio": StdioVerifier}
 ANSWER_VERIFIERS = {"math": MathVerifier, "exact": ExactVerifier, "numeric": NumericVerifier,
                     "rg": ReasoningGymVerifier}
 NAMES = (*ANSWER_VERIFIERS, "format", *CODE_VERIFIERS)

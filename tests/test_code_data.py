@@ -1,0 +1,136 @@
+"""Code problems from users' files: the MBPP layout (a prompt in words, assert lines, the function
+name read from them), stdin/stdout cases (CodeContests' nested tests or plain inputs / outputs), each
+verified in the sandbox with honest-passes / exploit-fails rows, and a GRPO run that trains on
+tests/data/mbpp_small.jsonl with sandboxed rewards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import build_config
+from posttrain.data import load_splits, load_task
+from posttrain.data.examples import verifier_input
+from posttrain.errors import UserError
+from posttrain.recipes import online, online_config
+from posttrain.rewards import get_verifier
+from posttrain.rewards.code import mbpp_entry_point
+from posttrain.rewards.sandbox import check_isolation
+
+MBPP = Path(__file__).parent / "data" / "mbpp_small.jsonl"
+
+
+def sandbox_available() -> bool:
+    try:
+        check_isolation()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_sandbox = pytest.mark.skipif(not sandbox_available(), reason="needs bubblewrap (installed by .ci/run)")
+
+
+def fenced(code: str) -> str:
+    return f"Here it is:\n```python\n{code}\n```"
+
+
+def test_mbpp_layout_loads_with_the_format():
+    task = load_task(str(MBPP), options={"format": "mbpp"})
+    assert len(task.examples) == 24 and task.reward_kind == "mbpp"
+    first = task.examples[0]
+    assert first.id == "1" and first.prompt.startswith("Write a function add_one") and first.tests[0] == "assert add_one(1) == 2"
+    assert first.metadata["code"].startswith("def add_one")  # the reference, for audits; never in the prompt
+
+
+def test_entry_point_from_the_tests():
+    assert mbpp_entry_point(["assert remove_Occ('hello', 'l') == 'heo'"]) == "remove_Occ"
+    assert mbpp_entry_point(["assert len(set(f([1]))) == 1"]) == "f"
+    assert mbpp_entry_point(["assert 1 == 1"]) is None
+
+
+@needs_sandbox
+@pytest.mark.parametrize("completion, reward, reason", [
+    (fenced("def add_one(x):\n    return x + 1"), 1.0, "all tests passed"),
+    (fenced("def add_one(x):\n    return 2"), 0.0, "2 of 3 tests failed"),
+    (fenced("class Yes:\n    def __eq__(self, other):\n        return True\ndef add_one(x):\n    return Yes()"), 0.0, "cannot cross the sandbox boundary"),
+    (fenced("def add_one(x):\n    return float(x + 1)"), 0.0, "tests failed"),  # 2.0 == 2 is not type-strict equal
+    (fenced("import sys\nsys.exit(0)"), 0.0, ""),
+    (fenced("def add_one(x):\n    while True:\n        pass"), 0.0, "timed out"),
+    (fenced("def add_one(x):\n    return open('/etc/passwd').read()"), 0.0, ""),
+])
+def test_mbpp_verifier_honest_passes_exploits_fail(completion, reward, reason):
+    example = verifier_input(load_task(str(MBPP), options={"format": "mbpp"}).examples[0])
+    verdict = get_verifier("mbpp").batch([completion], [example])[0]
+    assert verdict.status == "ok" and verdict.reward == reward, verdict
+    assert reason in verdict.reason
+
+
+def test_mbpp_rows_without_tests_are_data_errors():
+    verdict = get_verifier("mbpp").batch([fenced("def f(): pass")], [{"tests": []}])[0]
+    assert verdict.status == "data_error" and "an empty test list proves nothing" in verdict.reason
+
+
+@pytest.fixture
+def stdio_file(tmp_path) -> Path:
+    rows = [
+        {"name": "sum", "description": "Read two integers and print their sum.",
+         "public_tests": {"input": ["1 2\n"], "output": ["3\n"]}, "private_tests": {"input": ["10 -4\n"], "output": ["6\n"]}},
+        {"name": "echo", "description": "Print the input line reversed.", "inputs": ["abc\n", "xy\n"], "outputs": ["cba\n", "yx\n"]},
+        {"name": "hello", "description": "Print hello.", "inputs": ["\n"], "outputs": ["hello\n"]},
+    ]
+    path = tmp_path / "contests.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_stdio_cases_from_code_contests_layouts(stdio_file):
+    task = load_task(str(stdio_file), options={"format": "code_contests"})
+    assert task.reward_kind == "stdio"
+    assert task.examples[0].metadata["cases"] == [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "10 -4\n", "stdout": "6\n"}]
+    assert len(task.examples[1].metadata["cases"]) == 2
+
+
+def test_bad_cases_are_reported(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "inputs": ["1"], "outputs": ["1", "2"]}) + "\n"
+                    + json.dumps({"prompt": "q", "inputs": [], "outputs": []}) + "\n")
+    with pytest.raises(UserError) as error:
+        load_task(str(path))
+    assert f"{path}:1: outputs: 2 outputs for 1 inputs" in str(error.value)
+    assert f"{path}:2: inputs: empty case list" in str(error.value)
+
+
+@needs_sandbox
+def test_stdio_verifier_on_those_cases(stdio_file):
+    examples = [verifier_input(e) for e in load_task(str(stdio_file), options={"format": "code_contests"}).examples]
+    honest = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    constant = fenced("print(3)")  # passes the visible public case only
+    verdicts = get_verifier("stdio").batch([honest, constant, fenced("print(input()[::-1])")], [examples[0], examples[0], examples[1]])
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 1.0] and all(v.status == "ok" for v in verdicts)
+
+
+@needs_sandbox
+def test_grpo_trains_on_a_code_set_with_sandboxed_rewards(tmp_path):
+    overrides = {
+        "data": {"task": str(MBPP), "format": "mbpp", "eval_size": 4, "prompts_per_step": 2, "group_size": 2},
+        "sampling": {"max_new_tokens": 8}, "max_steps": 2, "output_dir": str(tmp_path / "run"), "acceptance": {"eval_every": 0},
+    }
+    run_dir = online.run(build_config(online_config.grpo_config, None, overrides))
+    card = json.loads((run_dir / "run_card.json").read_text())
+    assert card["links"]["reward"]["verifier"] == "mbpp" and card["links"]["reward"]["sandbox"] == "bubblewrap"
+    assert card["links"]["acceptance"]["checker_resolved"] == "mbpp"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and rows[-1]["errors/infra"] == 0 and rows[-1]["errors/data"] == 0
+    assert rows[-1]["heldout/pass@1"] is not None
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["status"] == "ok" for s in samples)  # judged in the sandbox (the tiny model's code fails)
+    held = json.loads(sorted((run_dir / "eval").glob("step-*.json"))[-1].read_text())
+    assert held["summary"]["checker"]["verifier"] == "mbpp" and held["summary"]["data_errors"] == 0
+
+
+def test_splits_of_the_code_set(tmp_path):
+    train, held_out = load_splits(str(MBPP), eval_size=4, seed=0, options={"format": "mbpp"})
+    assert len(train.examples) == 20 and len(held_out.examples) == 4 and train.reward_kind == "mbpp"
