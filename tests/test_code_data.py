@@ -134,3 +134,45 @@ def test_grpo_trains_on_a_code_set_with_sandboxed_rewards(tmp_path):
 def test_splits_of_the_code_set(tmp_path):
     train, held_out = load_splits(str(MBPP), eval_size=4, seed=0, options={"format": "mbpp"})
     assert len(train.examples) == 20 and len(held_out.examples) == 4 and train.reward_kind == "mbpp"
+
+
+@needs_sandbox
+def test_reward_options_reach_the_training_reward_and_the_checker():
+    overrides = {
+        "data": {"task": str(MBPP), "format": "mbpp", "eval_size": 4, "prompts_per_step": 2, "group_size": 2},
+        "reward_options": {"timeout_s": 3.0, "memory_mb": 512, "partial_credit": True, "extraction": "fenced"},
+    }
+    state = online.setup(build_config(online_config.grpo_config, None, overrides))
+    assert state.verifier.describe()["fraction"] is True and state.checker.describe()["fraction"] is False
+    for verifier in (state.verifier, state.checker):
+        settings = verifier.describe()
+        assert (settings["timeout_s"], settings["memory_mb"], settings["code_policy"]) == (3.0, 512, "fenced")
+    example = verifier_input(state.train.examples[0])
+    name = example["tests"][0].split("(")[0].removeprefix("assert ")
+    half = fenced(f"def {name}(*args):\n    return None")
+    verdict = state.verifier.batch([half], [example])[0]
+    assert verdict.status == "ok" and verdict.reward == 0.0 and verdict.details["tests_total"] == 3
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"timeout_s": 0}, "reward_options: timeout_s must be > 0"),
+    ({"extraction": "last_line"}, "reward_options.extraction 'last_line': a code verifier takes one of auto, raw, fenced"),
+])
+def test_bad_reward_options_are_one_line(options, message):
+    overrides = {"data": {"task": str(MBPP), "format": "mbpp", "eval_size": 4}, "reward_options": options}
+    with pytest.raises(UserError, match=message):
+        online.setup(build_config(online_config.grpo_config, None, overrides))
+
+
+def test_unsafe_no_sandbox_is_loud(tmp_path, caplog):
+    overrides = {
+        "data": {"task": str(MBPP), "format": "mbpp", "eval_size": 4, "prompts_per_step": 2, "group_size": 2},
+        "unsafe_no_sandbox": True,
+    }
+    config = build_config(online_config.grpo_config, None, overrides)
+    with caplog.at_level("WARNING"):
+        state = online.setup(config)
+    assert any("UNSAFE" in record.message for record in caplog.records)
+    assert state.verifier.describe()["sandbox"] == "none (--unsafe-no-sandbox)"
+    card = online.make_card(config, state, None)
+    assert card["notes"][0].startswith("UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox")

@@ -20,7 +20,7 @@ import torch
 from posttrain.data import render_prompt
 from posttrain.data.examples import Example, Task, verifier_input
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
-from posttrain.rewards import Verdict, get_verifier
+from posttrain.rewards import Verdict, Verifier, get_verifier
 from posttrain.rollout import SamplingConfig, generate
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,10 @@ DEFAULT_CHECKERS = {"number": "exact", "math": "math", "text": "exact", "reasoni
                     "mbpp": "mbpp", "stdio": "stdio"}
 
 
-def resolve_checker(task: Task, checker: str | None):
-    """The named verifier, or the task kind's strict default."""
+def resolve_checker(task: Task, checker):
+    """The checker: a Verifier as given, the named verifier, or the task kind's strict default."""
+    if isinstance(checker, Verifier):
+        return checker
     name = checker or DEFAULT_CHECKERS.get(task.reward_kind)
     if name is None:
         raise ValueError(f"task {task.name}: no default checker for kind {task.reward_kind!r}; name one")

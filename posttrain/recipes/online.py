@@ -82,6 +82,8 @@ class State:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     verifier: Verifier
+    checker: Verifier
+    """The held-out checker (the same sandbox settings, never partial credit)."""
     stream: PromptStream
     train: Task
     held_out: Task
@@ -104,11 +106,17 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     critic = make_critic(policy, share_backbone=config.critic.share_backbone) if config.loss.advantage == "gae" else None
     train, held_out = load_splits(config.data.task, train_size=config.data.train_size, eval_size=config.data.eval_size,
                                   seed=config.seed, options=config.data.load_options())
-    verifier = as_verifier(reward, training_reward(config, train))
+    verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox)
+    checker = as_verifier(None, config.acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind, "exact"),
+                          config.reward_options, config.unsafe_no_sandbox, for_checker=True)
+    if config.unsafe_no_sandbox:
+        logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
+                       "(resource limits only). Use this only on a machine you can lose.")
     if reward is None:
         logger.info("training reward %s, held-out checker %s (task %s, gold format %s)", verifier.name,
                     config.acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind), config.data.task, train.reward_kind)
     verifier.prepare()
+    checker.prepare()
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy
@@ -127,7 +135,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
             {"params": [p for p in critic.parameters() if p.requires_grad], "lr": config.critic.lr},
         ], config.optim, total)
     return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
-                 critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier,
+                 critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
                  stream=PromptStream(train, config.seed), train=train, held_out=held_out, placement=placement)
 
 
@@ -433,7 +441,7 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
             was_training = policy.training
             policy.eval()
             result = evaluate_task(
-                policy, state.tokenizer, state.held_out, checker=config.acceptance.checker, k=config.acceptance.k,
+                policy, state.tokenizer, state.held_out, checker=state.checker, k=config.acceptance.k,
                 temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens,
                 seed=derived_seed(config.seed, "eval", str(state.step)), system_prompt=config.data.system_prompt,
                 output_path=run_dir.eval_dir / f"step-{state.step:06d}.json",
@@ -500,4 +508,6 @@ def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
     }
     if same and not gae_mode:
         card["notes"].append("the held-out checker is the training reward itself: acceptance is not independent")
+    if config.unsafe_no_sandbox:
+        card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
     return card

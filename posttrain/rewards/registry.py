@@ -9,13 +9,14 @@ into one verifier.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from posttrain.errors import UserError
 from posttrain.rewards.answers import ExactVerifier, MathVerifier, NumericVerifier
 from posttrain.rewards.base import Verifier
-from posttrain.rewards.code import HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
+from posttrain.rewards.code import CODE_POLICIES, HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
 from posttrain.rewards.custom import CallableVerifier, FunctionVerifier
 from posttrain.rewards.format import FormatVerifier
 from posttrain.rewards.gym import ReasoningGymVerifier
@@ -100,15 +101,50 @@ def get_verifier(name: str, *, sandbox: SandboxConfig | None = None, fraction: b
                      "callable:<dotted.path> or a weighted sum like 0.9*math+0.1*format")
 
 
-def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str) -> Verifier:
+@dataclass(frozen=True)
+class RewardOptions:
+    """A recipe's `reward_options` section: the settings of the verifier it builds by name."""
+
+    timeout_s: float = 10.0
+    """Code verifiers: wall-clock seconds for one completion (all its tests)."""
+    memory_mb: int = 1024
+    """Code verifiers: the candidate's address-space limit."""
+    partial_credit: bool = False
+    """Code verifiers: reward = tests passed / total instead of all-or-nothing (training reward only)."""
+    extraction: str | None = None
+    """Answer verifiers: how the answer is taken from a completion (None: the verifier's default); code verifiers: auto | fenced | raw."""
+
+    def __post_init__(self):
+        if self.timeout_s <= 0 or self.memory_mb < 64:
+            raise UserError(f"reward_options: timeout_s must be > 0 and memory_mb >= 64, got {self.timeout_s}, {self.memory_mb}")
+
+    def sandbox(self, unsafe_no_sandbox: bool = False) -> SandboxConfig:
+        return SandboxConfig(timeout_s=self.timeout_s, memory_mb=self.memory_mb, unsafe_no_sandbox=unsafe_no_sandbox)
+
+
+def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str, options: RewardOptions | None = None,
+                unsafe_no_sandbox: bool = False, *, for_checker: bool = False) -> Verifier:
     """The reward a recipe scores with: a `Verifier` as is; a plain callable `fn(completion,
     example)` as a `FunctionVerifier` (in this process, named `python:<qualname>`); otherwise
-    (None) the verifier called `name`, whose ValueError becomes a one-line `UserError`."""
+    (None) the verifier called `name` with `options` (a held-out checker, `for_checker`, never takes
+    partial credit), whose ValueError becomes a one-line `UserError`."""
     if isinstance(reward, Verifier):
         return reward
     if callable(reward):
         return FunctionVerifier(reward)
+    options = options or RewardOptions()
     try:
-        return get_verifier(name)
-    except ValueError as error:
-        raise UserError(f"reward: {error}") from None
+        verifier = get_verifier(name, sandbox=options.sandbox(unsafe_no_sandbox),
+                                fraction=options.partial_credit and not for_checker,
+                                extraction=None if _is_code(name) else options.extraction)
+    except (ValueError, TypeError) as error:
+        raise UserError(f"{'acceptance.checker' if for_checker else 'reward'}: {error}") from None
+    if options.extraction and _is_code(name):
+        if options.extraction not in CODE_POLICIES:
+            raise UserError(f"reward_options.extraction {options.extraction!r}: a code verifier takes one of {', '.join(CODE_POLICIES)}")
+        verifier.code_policy = options.extraction
+    return verifier
+
+
+def _is_code(name: str) -> bool:
+    return name.strip() in CODE_VERIFIERS
