@@ -176,3 +176,25 @@ def test_unsafe_no_sandbox_is_loud(tmp_path, caplog):
     assert state.verifier.describe()["sandbox"] == "none (--unsafe-no-sandbox)"
     card = online.make_card(config, state, None)
     assert card["notes"][0].startswith("UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox")
+
+
+@needs_sandbox
+def test_posttrain_verify_reads_public_layouts(tmp_path):
+    import subprocess
+    import sys
+
+    rows = [
+        {"text": "add one", "test_list": ["assert add_one(1) == 2"], "completion": fenced("def add_one(x):\n    return x + 1")},
+        {"text": "add one", "test_list": ["assert add_one(1) == 2"], "completion": fenced("def add_one(x):\n    return 5")},
+    ]
+    mbpp = tmp_path / "mbpp.jsonl"
+    mbpp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    contests = tmp_path / "contests.jsonl"
+    contests.write_text(json.dumps({"description": "sum", "public_tests": {"input": ["1 2\n"], "output": ["3\n"]},
+                                    "completion": fenced("print(sum(map(int, input().split())))")}) + "\n")
+    root = Path(__file__).resolve().parent.parent
+    for verifier, layout, path, rewards in (("mbpp", "mbpp", mbpp, [1.0, 0.0]), ("stdio", "code_contests", contests, [1.0])):
+        result = subprocess.run([sys.executable, "-m", "posttrain", "verify", "--verifier", verifier, "--format", layout,
+                                 "--input", str(path)], capture_output=True, text=True, cwd=root)
+        assert result.returncode == 0, result.stderr
+        assert [json.loads(line)["reward"] for line in result.stdout.splitlines()] == rewards

@@ -15,10 +15,13 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify", help="score completions with a verifier; writes one JSON verdict per input row")
     parser.add_argument("--verifier", required=True,
-                        help="math, exact, numeric, format, rg, humaneval, io, stdio, "
+                        help="math, exact, numeric, format, rg, humaneval, mbpp, io, stdio, "
                              "callable:<dotted.path>, or a sum like 0.9*math+0.1*format")
     parser.add_argument("--input", required=True, type=Path, help="JSONL rows with a 'completion' field")
     parser.add_argument("--output", type=Path, default=None, help="JSONL verdicts (default: stdout)")
+    parser.add_argument("--format", choices=("mbpp", "code_contests", "humaneval"), default=None,
+                        help="the rows hold the problem in this public layout (MBPP: text, test_list; CodeContests: "
+                             "inputs/outputs or public_tests/private_tests; HumanEval: prompt, test, entry_point)")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPUs)")
     parser.add_argument("--fraction", action="store_true",
                         help="code rewards are tests passed / total instead of all-or-nothing")
@@ -55,6 +58,21 @@ def read_rows(path: Path) -> tuple[list[str], list[dict]]:
     return completions, examples
 
 
+def public_layout(row: dict, layout: str) -> dict:
+    """A row in a public layout as the code verifiers read it: MBPP's `test_list` as `tests`,
+    stdin / stdout `inputs` / `outputs` (or CodeContests' public / private tests) as `cases`."""
+    from posttrain.data.files import contest_cases, map_row, resolve_columns
+
+    mapped = contest_cases(map_row(row, {k: v for k, v in resolve_columns(layout, None).items() if k != "prompt"}))
+    if "inputs" in mapped and "cases" not in mapped:
+        inputs, outputs = mapped.pop("inputs"), mapped.pop("outputs", None)
+        if isinstance(inputs, list) and isinstance(outputs, list) and len(inputs) == len(outputs):
+            mapped["cases"] = [{"stdin": i, "stdout": o} for i, o in zip(inputs, outputs)]
+    if layout == "humaneval" and isinstance(mapped.get("tests"), str):
+        mapped["test"] = mapped["tests"]
+    return mapped
+
+
 def handle(args) -> int:
     """Score every row; write verdicts atomically; print a one-line summary to stderr."""
     from posttrain.rewards import SandboxConfig, SandboxUnavailable, get_verifier
@@ -70,6 +88,8 @@ def handle(args) -> int:
     except ValueError as error:
         raise UserError(f"--verifier/--extraction: {error}") from None
     completions, examples = read_rows(args.input)
+    if args.format:
+        examples = [public_layout(row, args.format) for row in examples]
     try:
         verdicts = verifier.batch(completions, examples, workers=args.workers)
     except SandboxUnavailable as error:
