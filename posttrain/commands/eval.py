@@ -16,6 +16,7 @@ from posttrain.errors import UserError
 
 def handle(args) -> int:
     from posttrain.evaluation.acceptance import evaluate_task, heldout_split, resolve_checker
+    from posttrain.data.files import task_load_options
     from posttrain.hardware import Hardware, resolve
     from posttrain.models import load_model
 
@@ -31,8 +32,7 @@ def handle(args) -> int:
         raise UserError(f"--columns: not JSON ({error.msg})") from None
     if columns is not None and not isinstance(columns, dict):
         raise UserError("--columns must be a JSON object, e.g. '{\"prompt\": \"question\"}'")
-    extra = {"format": args.format, "columns": columns, "split": args.split}
-    options.update({key: value for key, value in extra.items() if value})
+    options = task_load_options(options, args.format, columns, args.split)
     if args.k < 1 or args.eval_size < 1 or args.max_new_tokens < 1:
         raise UserError("--k, --eval-size and --max-new-tokens must be at least 1")
     output_dir = Path(args.output_dir)

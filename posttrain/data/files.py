@@ -127,6 +127,14 @@ def _cached_dataset(name: str, split: str | None):
             os.environ["HF_DATASETS_OFFLINE"] = previous
 
 
+def task_load_options(task_options: dict | None, data_format: str | None = None, columns: dict | None = None,
+                      split: str | None = None) -> dict[str, Any]:
+    """The options `load_splits` / `load_task` take: a task's own options plus, when set, a data
+    file's `format`, `columns` and `split` (how every recipe and `posttrain eval` spell them)."""
+    extra = {"format": data_format, "columns": columns or None, "split": split}
+    return {**(task_options or {}), **{key: value for key, value in extra.items() if value}}
+
+
 def resolve_columns(data_format: str | None, columns: dict | None) -> dict[str, str]:
     """Our column name -> the user's, from a named format overridden by explicit `columns`
     (identity for every name neither mentions). Unknown names are one UserError line."""

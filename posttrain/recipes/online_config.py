@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from posttrain.algorithms.policy import AGGREGATIONS
 from posttrain.config import PolicyFields
-from posttrain.data.files import resolve_columns
+from posttrain.data.files import resolve_columns, task_load_options
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.optim import Optimization
@@ -45,10 +45,9 @@ class Data:
     """Optional system prompt for chat models."""
 
 
-    def load_options(self) -> dict[str, Any]:
-        """The options `load_splits` takes: task_options plus the file's format, columns and split."""
-        extra = {"format": self.format, "columns": self.columns or None, "split": self.split}
-        return {**self.task_options, **{key: value for key, value in extra.items() if value}}
+    def load_options(self) -> dict:
+        """The options `load_splits` takes (`data.files.task_load_options`)."""
+        return task_load_options(self.task_options, self.format, self.columns, self.split)
 
 
 GROUP_ONLY = ("advantage_scale", "advantage_eps", "unbiased_std")

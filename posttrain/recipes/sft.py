@@ -27,7 +27,7 @@ from posttrain.data.stream import data_order
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, is_sharded, wrap
 from posttrain.errors import UserError
-from posttrain.data.files import is_data_source, resolve_columns
+from posttrain.data.files import is_data_source, resolve_columns, task_load_options
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
 from posttrain.hardware import resolve
 from posttrain.evaluation.acceptance import evaluate_task
@@ -101,9 +101,8 @@ class Config(RunFields):
             resolve_columns(self.format, self.columns)
 
     def load_options(self) -> dict:
-        """task_options plus the file's format, columns and split (as `load_splits` takes them)."""
-        extra = {"format": self.format, "columns": self.columns or None, "split": self.split}
-        return {**self.task_options, **{key: value for key, value in extra.items() if value}}
+        """The options `load_splits` takes (`data.files.task_load_options`)."""
+        return task_load_options(self.task_options, self.format, self.columns, self.split)
 
 
 @dataclasses.dataclass
