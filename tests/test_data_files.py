@@ -16,10 +16,12 @@ import pytest
 
 from posttrain.config import build_config
 from posttrain.data import load_splits, load_task
-from posttrain.data.files import map_row, resolve_columns
+from posttrain.data.files import FORMATS, map_row, resolve_columns
+from posttrain.data.prompts import validate_prompt_file
 from posttrain.data.validation import last_boxed, parse_gsm8k_gold
 from posttrain.errors import UserError
 from posttrain.recipes import online, online_config
+from posttrain.rewards.answers import choice_letter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,7 +118,8 @@ def test_bad_gold_rows_name_the_file_row_and_field(tmp_path):
 
 @pytest.mark.parametrize("options, message", [
     ({"format": "gsm8k", "columns": {"prompt": "text"}}, "no column 'text' (mapped to prompt; the file has: question, answer)"),
-    ({"format": "alpaca"}, "data.format 'alpaca': unknown (known: gsm8k, math, mbpp, humaneval, code_contests, trl_sft, trl_prompt)"),
+    ({"format": "alpaca"}, "data.format 'alpaca': unknown (known: " + ", ".join(FORMATS) + ")"),
+    ({"answer_format": "letters"}, "answer_format: unknown 'letters' (choose from math, number, text, gsm8k, boxed, choice)"),
     ({"columns": {"query": "question"}}, "data.columns: unknown key 'query'"),
     ({"format": "gsm8k", "digits": 2}, "unknown option 'digits'"),
 ])
@@ -145,6 +148,47 @@ def test_map_row_renames_and_keeps_the_rest():
     mapping = resolve_columns("math", {"id": "unique_id"})
     row = map_row({"problem": "p", "solution": "s", "answer": "a", "unique_id": "u1", "level": 3}, mapping)
     assert row == {"prompt": "p", "answer": "s", "source_answer": "a", "id": "u1", "level": 3}
+
+
+@pytest.mark.parametrize("text, letter", [
+    ("B", "B"), ("(b)", "B"), ("B.", "B"), ("B)", "B"), ("B: Paris", "B"), ("Option B", "B"), ("answer: c", "C"),
+    ("\\text{(D)}", "D"), (" E ", "E"), ("A cat", None), ("AB", None), ("42", None), ("", None), ("B Paris", None),
+])
+def test_choice_letter(text, letter):
+    assert choice_letter(text) == letter
+
+
+MMLU = {"question": ["Capital of France?", "2+2?", "Largest planet?", "Bad index?", "Letter past the options?", "No options"],
+        "choices": [["Berlin", "Paris", "Rome"], ["3", "4"], ["Mars", "Jupiter", "Venus", "Earth"], ["x", "y"], ["x", "y"], []],
+        "answer": ["1", "B", "(b)", "5", "C", "A"]}
+
+
+def test_multiple_choice_golds_from_an_mmlu_layout(tmp_path):
+    rows = {**MMLU, "answer": [1, 1, 1, 5, 0, 0]}  # MMLU: a 0-based index
+    path = tmp_path / "mmlu.parquet"
+    datasets.Dataset.from_dict(rows).to_parquet(str(path))
+    with pytest.raises(UserError) as error:
+        load_task(str(path), options={"format": "mmlu"})
+    assert str(error.value).splitlines()[1:] == [
+        f"{path}:4: answer: option index 5 out of range for 2 choices",
+        f"{path}:6: choices: 0 options (need 2 to 26)",
+    ]
+    task = load_task(str(path), options={"format": "mmlu"}, strict=False)
+    assert [e.answer for e in task.examples] == ["B", "B", "B", "A"] and task.rows_bad == 2
+    assert task.reward_kind == "choice"
+    assert task.examples[0].prompt == "Capital of France?\n\nA. Berlin\nB. Paris\nC. Rome"
+
+
+def test_multiple_choice_letter_golds_from_jsonl(tmp_path):
+    path = tmp_path / "mc.jsonl"
+    path.write_text("".join(json.dumps({"prompt": q, "choices": c, "answer": a}) + "\n"
+                            for q, c, a in zip(MMLU["question"][:5], MMLU["choices"], ["B", "b", "(B)", "C", "D"])))
+    parsed, report = validate_prompt_file(path, answer_format="choice")
+    assert [e.answer for _, e in parsed] == ["B", "B", "B"]
+    assert report.lines() == [f"{path}:4: answer: option C but only 2 choices", f"{path}:5: answer: option D but only 2 choices"]
+    _, report = validate_prompt_file(path)  # options without the choice gold format
+    assert report.lines()[0] == (f"{path}:1: choices: options given but the gold format is 'math': "
+                                 "set task_options {answer_format: choice} (or data.format mmlu)")
 
 
 def test_splits_of_a_parquet_task_are_disjoint_and_seeded(gsm8k_parquet):

@@ -22,7 +22,7 @@ from posttrain.data.validation import ValidationReport, read_jsonl
 from posttrain.errors import UserError
 
 CANONICAL_COLUMNS = ("prompt", "messages", "answer", "tests", "entry_point", "id", "chosen", "rejected", "completion",
-                     "inputs", "outputs")
+                     "inputs", "outputs", "choices")
 """The names our loaders read; `data.columns` maps each to a column of the user's file."""
 
 FORMATS: dict[str, dict[str, Any]] = {
@@ -30,6 +30,8 @@ FORMATS: dict[str, dict[str, Any]] = {
               "about": "GSM8K: `question`, `answer` whose gold follows `####` (commas, $, a trailing . dropped)"},
     "math": {"columns": {"prompt": "problem", "answer": "solution"}, "answer_format": "boxed",
              "about": "MATH (Hendrycks): `problem`, `solution` whose gold is its last \\boxed{...}"},
+    "mmlu": {"columns": {"prompt": "question", "choices": "choices", "answer": "answer"}, "answer_format": "choice",
+             "about": "MMLU-style multiple choice: `question`, `choices` (option texts, shown as A. B. ...), `answer` (0-based index or letter)"},
     "mbpp": {"columns": {"prompt": "text", "tests": "test_list", "id": "task_id"}, "answer_format": None,
              "about": "MBPP: `text` (the task in words), `test_list` (assert lines; the function name is read from them), `task_id`"},
     "humaneval": {"columns": {"prompt": "prompt", "tests": "test", "entry_point": "entry_point", "id": "task_id"},

@@ -7,6 +7,8 @@ Schema (after the mapping; blank JSONL lines are skipped):
     prompt       string, the user's text                        } exactly one of the two
     messages     list of {"role", "content"} chat messages      }
     answer       string or number: the gold answer              } at least one of the two
+    choices      optional list of option texts (multiple choice): shown after the prompt as
+                 `A. ...` lines; a number `answer` is then a 0-based index into them
     tests        list of Python test sources (or one string)    }
     entry_point  optional string: the function the tests call
     id           optional string or number, unique in the file (default: "<file name>:<line>")
@@ -20,6 +22,7 @@ from pathlib import Path
 from posttrain.data.examples import Example, Task, require_examples
 from posttrain.data.files import FORMATS, check_columns, column_names, contest_cases, map_row, read_rows, resolve_columns
 from posttrain.data.validation import (
+    ANSWER_FORMATS,
     ValidationReport,
     check_answer,
     check_entry_point,
@@ -29,11 +32,14 @@ from posttrain.data.validation import (
     check_text,
     type_name,
 )
+from posttrain.errors import UserError
 
-KNOWN_FIELDS = {"prompt", "messages", "answer", "tests", "entry_point", "id", "metadata"}
-REWARD_KINDS = {"math": "math", "gsm8k": "math", "boxed": "math", "number": "math", "text": "text"}
+KNOWN_FIELDS = {"prompt", "messages", "answer", "tests", "entry_point", "id", "metadata", "choices"}
+REWARD_KINDS = {"math": "math", "gsm8k": "math", "boxed": "math", "number": "math", "text": "text", "choice": "choice"}
 """The task kind (and so the default training reward and held-out checker) of each gold format:
-numbers and math expressions are compared by math-verify; free text exactly."""
+numbers and math expressions are compared by math-verify; free text exactly; option letters by
+the `choice` verifier."""
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def code_kind(examples: list[Example], data_format: str | None) -> str | None:
@@ -53,6 +59,8 @@ def code_kind(examples: list[Example], data_format: str | None) -> str | None:
 def resolve_answer_format(answer_format: str | None, data_format: str | None) -> str:
     """The declared gold format: explicit, else the named layout's, else `math`."""
     if answer_format is not None:
+        if answer_format not in ANSWER_FORMATS:
+            raise UserError(f"answer_format: unknown {answer_format!r} (choose from {', '.join(ANSWER_FORMATS)})")
         return answer_format
     return (FORMATS.get(data_format) or {}).get("answer_format") or "math"
 
@@ -137,10 +145,38 @@ def check_cases(report: ValidationReport, line: int, inputs, outputs) -> list[di
     return [{"stdin": stdin, "stdout": stdout} for stdin, stdout in zip(inputs, outputs)]
 
 
+def check_choices(report: ValidationReport, line: int, value, answer_format: str) -> list[str] | None:
+    """Multiple-choice options: 2 to 26 non-empty strings, under the `choice` gold format."""
+    if answer_format != "choice":
+        report.add(line, "choices", f"options given but the gold format is {answer_format!r}: set "
+                                    "task_options {answer_format: choice} (or data.format mmlu)")
+        return None
+    if not isinstance(value, list) or not all(isinstance(item, str) and item.strip() for item in value):
+        report.add(line, "choices", f"wrong type: expected a list of non-empty strings, got {type_name(value)}")
+        return None
+    if not 2 <= len(value) <= len(LETTERS):
+        report.add(line, "choices", f"{len(value)} options (need 2 to {len(LETTERS)})")
+        return None
+    return value
+
+
+def _with_options(prompt: str | None, messages: list[dict] | None, options: list[str]):
+    """The prompt (or the last user message) followed by the lettered options."""
+    block = "\n\n" + "\n".join(f"{LETTERS[i]}. {option.strip()}" for i, option in enumerate(options))
+    if prompt is not None:
+        return prompt + block, messages
+    if messages:
+        last = max(i for i, message in enumerate(messages) if message.get("role") == "user") \
+            if any(message.get("role") == "user" for message in messages) else len(messages) - 1
+        messages = [dict(message) for message in messages]
+        messages[last]["content"] = str(messages[last]["content"]) + block
+    return prompt, messages
+
+
 def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: str, answer_format: str):
     """One row as an Example, or None after reporting each of its problems."""
     ok = True
-    prompt = messages = answer = tests = entry_point = None
+    prompt = messages = answer = tests = entry_point = options = None
     if "prompt" in row and "messages" in row:
         report.add(line, "prompt", "give `prompt` or `messages`, not both")
         ok = False
@@ -160,9 +196,25 @@ def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: 
     if "inputs" in row or "outputs" in row:
         cases = check_cases(report, line, row.get("inputs"), row.get("outputs"))
         ok = ok and cases is not None
-    if "answer" in row:
-        answer = check_answer(report, line, row["answer"], answer_format)
+    gold = row.get("answer")
+    if "choices" in row:
+        options = check_choices(report, line, row["choices"], answer_format)
+        if options is None:
+            ok, gold = False, None  # the gold names an option of a list that is not there
+        else:
+            prompt, messages = _with_options(prompt, messages, options)
+            if isinstance(gold, int) and not isinstance(gold, bool):
+                if not 0 <= gold < len(options):
+                    report.add(line, "answer", f"option index {gold} out of range for {len(options)} choices")
+                    ok = False
+                gold = LETTERS[gold] if 0 <= gold < len(options) else None
+    if "answer" in row and gold is not None:
+        answer = check_answer(report, line, gold, answer_format)
         ok = ok and answer is not None
+        if answer is not None and answer_format == "choice" and "choices" in row and options is not None \
+                and LETTERS.index(answer) >= len(options):
+            report.add(line, "answer", f"option {answer} but only {len(options)} choices")
+            ok = False
     if "tests" in row:
         tests = check_tests(report, line, row["tests"])
         ok = ok and tests is not None

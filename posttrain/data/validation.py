@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import keyword
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,12 +151,18 @@ def check_messages(report: ValidationReport, line: int, name: str, value, *, rol
     return ok
 
 
+ANSWER_FORMATS = ("math", "number", "text", "gsm8k", "boxed", "choice")
+"""How a gold `answer` is written (see `check_answer`)."""
+
+
 def check_answer(report: ValidationReport, line: int, value, answer_format: str) -> str | None:
     """The gold answer as a string, or None after reporting why it cannot be used.
 
     answer_format: `math` (math-verify must parse it, as the math verifier will), `number` (a
     decimal number, commas allowed), `text` (any non-empty string), `gsm8k` (the number after the
-    last `####`: `parse_gsm8k_gold`), `boxed` (the last `\\boxed{...}` of a solution: `last_boxed`).
+    last `####`: `parse_gsm8k_gold`), `boxed` (the last `\\boxed{...}` of a solution: `last_boxed`),
+    `choice` (one option letter, `B` or `(B)`, stored upper-cased; a row's `choices` turns a 0-based
+    index into its letter before this check).
     """
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         report.add(line, "answer", f"wrong type: expected a string or number, got {type_name(value)}")
@@ -174,6 +181,12 @@ def check_answer(report: ValidationReport, line: int, value, answer_format: str)
         if gold is None:
             report.add(line, "answer", f"unparseable MATH gold: no \\boxed{{...}} in {_tail(answer)!r}")
         return gold
+    if answer_format == "choice":
+        match = re.fullmatch(r"\(?([A-Za-z])\)?", answer.strip())
+        if match is None:
+            report.add(line, "answer", f"unparseable multiple-choice gold {answer!r}: not one option letter")
+            return None
+        return match.group(1).upper()
     if answer_format == "number" and not _is_number(answer):
         report.add(line, "answer", f"unparseable gold answer {answer!r}: not a number")
         return None

@@ -26,7 +26,7 @@ from posttrain.rollout import SamplingConfig, generate
 logger = logging.getLogger(__name__)
 
 # The checker used for acceptance when none is named: the strict variant for each kind of task.
-DEFAULT_CHECKERS = {"number": "exact", "math": "math", "text": "exact", "reasoning_gym": "rg", "code": "humaneval",
+DEFAULT_CHECKERS = {"number": "exact", "math": "math", "text": "exact", "choice": "choice", "reasoning_gym": "rg", "code": "humaneval",
                     "mbpp": "mbpp", "stdio": "stdio"}
 
 

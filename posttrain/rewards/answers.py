@@ -1,4 +1,5 @@
-"""Answer verifiers: `math` (math-verify equivalence), `exact` and `numeric` match.
+"""Answer verifiers: `math` (math-verify equivalence), `exact` and `numeric` match, `choice`
+(a multiple-choice letter).
 
 Row fields: `answer` (the gold answer). All three extract the completion's final answer with an
 explicit policy (`extract.py`); several different final answers or a hedge (`3 or 4`, `±3`, a
@@ -130,6 +131,34 @@ class NumericVerifier(_AnswerVerifier):
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""
         return {**super().describe(), "rel_tol": self.rel_tol, "abs_tol": self.abs_tol}
+
+
+_CHOICE = re.compile(r"(?:(?:option|answer|choice)\s*:?\s*)?\(?([A-Za-z])\)?(?:[.:)]\s.*|[.:)])?", re.IGNORECASE | re.DOTALL)
+
+
+def choice_letter(text: str) -> str | None:
+    """The option letter an answer names, upper-cased, or None: `B`, `(b)`, `B.`, `B)`,
+    `B: Paris`, `Option B`, `\\text{(B)}` -> `B`; `A cat`, `AB`, `42` -> None."""
+    match = _CHOICE.fullmatch(normalize_text(text))
+    return match.group(1).upper() if match else None
+
+
+class ChoiceVerifier(_AnswerVerifier):
+    """Multiple choice: the extracted answer names the gold option letter (`choice_letter`, case
+    ignored, `(B)` / `B.` / `B: text` accepted); naming two options is a hedge and scores 0."""
+
+    name = "choice"
+
+    def parse_gold(self, gold: str) -> str | None:
+        """Gold must be one letter (`B`, `(B)`)."""
+        return choice_letter(gold)
+
+    def compare(self, answer: str, gold: str) -> tuple[bool, str]:
+        """Letter equality."""
+        letter = choice_letter(answer)
+        if letter is None:
+            return False, "answer names no option letter"
+        return letter == gold, "same option" if letter == gold else f"option {letter}, not {gold}"
 
 
 class MathVerifier(_AnswerVerifier):

@@ -256,6 +256,28 @@ def answer_cases(verifier: str) -> list[Case]:
     return cases
 
 
+def choice_cases() -> list[Case]:
+    """The exploit/honest table for `choice` (gold option B)."""
+    example = {"answer": "B"}
+    exploits = [
+        ("two letters boxed", r"\boxed{A} \boxed{B}"),
+        ("hedge: or", r"\boxed{A or B}"),
+        ("hedge: list", r"\boxed{A, B}"),
+        ("hedge: both letters", r"\boxed{AB}"),
+        ("hedge: and", r"\boxed{A and B}"),
+        ("all of the above", r"\boxed{all of the above}"),
+        ("answer only in the reasoning", "The answer is B."),
+        ("empty box", r"\boxed{}"),
+        ("wrong letter", r"\boxed{C}"),
+        ("option text without its letter", r"\boxed{Paris}"),
+    ]
+    honest = [r"\boxed{B}", r"<answer>(B)</answer>", r"\boxed{B. Paris}", r"\boxed{b}", "<answer>Option B</answer>"]
+    cases = [Case(name, "exploit", text, example) for name, text in exploits]
+    cases += [Case(f"honest: {text}", "honest", text, example) for text in honest]
+    cases.append(Case("gold that is not a letter", "malformed", r"\boxed{B}", {"answer": "42"}))
+    return cases
+
+
 def rg_cases() -> list[Case]:
     """The exploit/honest table for `rg` on a reasoning-gym chain_sum entry."""
     import reasoning_gym
@@ -301,6 +323,7 @@ SUITES = {
     "math": lambda: answer_cases("math"),
     "exact": lambda: answer_cases("exact"),
     "numeric": lambda: answer_cases("numeric"),
+    "choice": choice_cases,
     "rg": rg_cases,
     "format": format_cases,
 }

@@ -1,6 +1,6 @@
 """Verifiers by name, and weighted composition.
 
-Names: `math`, `exact`, `numeric`, `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
+Names: `math`, `exact`, `numeric`, `choice`, `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
 `callable:<dotted.path>`, and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
 `as_verifier` turns what a recipe was given (a Verifier, a plain callable, or nothing and a name)
 into one verifier.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from posttrain.errors import UserError
-from posttrain.rewards.answers import ExactVerifier, MathVerifier, NumericVerifier
+from posttrain.rewards.answers import ChoiceVerifier, ExactVerifier, MathVerifier, NumericVerifier
 from posttrain.rewards.base import Verifier
 from posttrain.rewards.code import CODE_POLICIES, HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
 from posttrain.rewards.custom import CallableVerifier, FunctionVerifier
@@ -25,7 +25,7 @@ from posttrain.rewards.verdict import Verdict
 
 CODE_VERIFIERS = {"humaneval": HumanEvalVerifier, "mbpp": MBPPVerifier, "io": IOVerifier, "stdio": StdioVerifier}
 ANSWER_VERIFIERS = {"math": MathVerifier, "exact": ExactVerifier, "numeric": NumericVerifier,
-                    "rg": ReasoningGymVerifier}
+                    "choice": ChoiceVerifier, "rg": ReasoningGymVerifier}
 NAMES = (*ANSWER_VERIFIERS, "format", *CODE_VERIFIERS)
 
 
