@@ -2,6 +2,7 @@
 
     posttrain data check --kind prompt gsm8k-train.parquet --format gsm8k
     posttrain data check --kind sft conversations.jsonl
+    posttrain data check --kind preference prefs.parquet --format trl_preference
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ def register(subparsers) -> None:
         "--answer-format", choices=("math", "number", "text", "gsm8k", "boxed"), default=None,
         help="prompt: how `answer` must parse (default: the format's, else math, as math-verify reads it)",
     )
-    check.add_argument("--format", default=None, help="prompt, sft: a public layout (gsm8k | math | trl_prompt | trl_sft)")
-    check.add_argument("--columns", default=None, help="prompt, sft: our column names -> the file's, as JSON")
+    check.add_argument("--format", default=None,
+                       help="a public layout (prompt: gsm8k | math | trl_prompt ...; sft: trl_sft; preference: trl_preference)")
+    check.add_argument("--columns", default=None, help="our column names -> the file's, as JSON")
     check.add_argument("--split", default=None, help="the split of a saved or cached dataset")
     check.add_argument("--model", metavar="SPEC", help="tokenizer for the prompt-length check (with --max-prompt-tokens)")
     check.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt, after the chat template")
@@ -58,9 +60,7 @@ def check_file(args) -> int:
         _, report = load_sft_rows(args.file, data_format=args.format, columns=columns, source_split=args.split, strict=False,
                                   allow_empty=True)
     else:
-        if args.format or columns or args.split:
-            raise UserError("--format, --columns and --split apply to --kind prompt and sft (preference files are JSONL as docs/data.md describes)")
-        _, report = validate_preference_file(args.file, **lengths)
+        _, report = validate_preference_file(args.file, data_format=args.format, columns=columns, source_split=args.split, **lengths)
     for line in report.lines():
         print(line)
     print(report.summary())

@@ -42,6 +42,9 @@ FORMATS: dict[str, dict[str, Any]] = {
                 "about": "TRL's SFT layouts: `messages` (a conversation), or `prompt` + `completion` (strings or messages)"},
     "trl_prompt": {"columns": {"prompt": "prompt"}, "answer_format": None,
                    "about": "TRL's prompt-only layout: `prompt` (a string or chat messages), plus `answer` or `tests`"},
+    "trl_preference": {"columns": {"chosen": "chosen", "rejected": "rejected"}, "answer_format": None,
+                       "about": "TRL's preference layouts: `prompt`, `chosen`, `rejected` (strings, or chat messages), or no `prompt` "
+                                "and whole conversations sharing every message but the last"},
 }
 """Named public layouts: the column mapping and how the gold answer is written."""
 

@@ -1,4 +1,6 @@
-"""Preference pairs for DPO, from JSONL in the formats TRL users already have.
+"""Preference pairs for DPO, in the formats TRL users already have: JSONL (one pair per line), or
+any file `posttrain.data.files` reads (Parquet, CSV, JSON, Arrow, a `save_to_disk` directory, a
+cached dataset name), with the user's columns mapped to ours (`columns`, `data_format`).
 
 Standard:                {"prompt": "...", "chosen": "...", "rejected": "..."}
 Conversational:          {"prompt": [messages], "chosen": [one assistant message], "rejected": [...]}
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from posttrain.data.examples import Example, derived_seed
+from posttrain.data.files import check_columns, column_names, map_row, read_rows, resolve_columns
 from posttrain.data.tokenize import (
     TokenizedBatch,
     TruncationCounts,
@@ -35,12 +38,13 @@ from posttrain.data.validation import (
     check_messages,
     check_prompt_length,
     check_text,
-    read_jsonl,
     type_name,
 )
 from posttrain.errors import UserError
 
 KNOWN_FIELDS = {"prompt", "chosen", "rejected", "id", "metadata"}
+REQUIRED_COLUMNS = {"chosen": "chosen", "rejected": "rejected"}
+"""Every preference source has these (after the mapping): a file without one is one line, not a bad row each."""
 
 
 @dataclass
@@ -67,16 +71,27 @@ class PreferenceData:
 def validate_preference_file(
     path: str | Path,
     *,
+    data_format: str | None = None,
+    columns: dict | None = None,
+    source_split: str | None = None,
     tokenizer=None,
     max_prompt_tokens: int | None = None,
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
 ) -> tuple[list[tuple[int, PreferencePair]], ValidationReport]:
-    """Read and check the whole file: the valid `(line, pair)`s and the report of every problem."""
+    """Read and check the whole file: the valid `(row number, pair)`s and the report of every problem.
+
+    data_format, columns: a named public layout (`trl_preference`) and/or an explicit mapping of our
+    column names to the file's (`posttrain.data.files`); a mapped column the file lacks is a UserError.
+    source_split: the split of a saved or cached dataset with several.
+    tokenizer + max_prompt_tokens: also report prompts longer than the limit after the chat template.
+    """
+    mapping = resolve_columns(data_format, columns)
+    check_columns(str(path), column_names(path, source_split), {**REQUIRED_COLUMNS, **mapping})
     report = ValidationReport(str(path))
     pairs = []
-    for line, row in read_jsonl(path, report):
-        pair = parse_preference_row(report, line, row, Path(path).name)
+    for line, row in read_rows(path, report, source_split):
+        pair = parse_preference_row(report, line, map_row(row, mapping), Path(path).name)
         if pair is not None and check_prompt_length(
             report, line, pair.prompt, tokenizer, max_prompt_tokens,
             system_prompt=system_prompt, use_chat_template=use_chat_template,
@@ -269,6 +284,9 @@ def load_pairs(
     truncation: TruncationPolicy | None = None,
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
+    data_format: str | None = None,
+    columns: dict | None = None,
+    source_split: str | None = None,
 ) -> PairSplits:
     """Validated training and held-out pairs, with the truncation policy applied once to all of them
     (so a training step never drops a pair) and the counts for the run card.
@@ -276,11 +294,13 @@ def load_pairs(
     Held out: the pairs of `heldout_file`, else `heldout_pairs` pairs split off `path` by prompt
     (`split_pairs` with `split_seed`), else none. Prompts are rendered as the run renders them
     (`system_prompt`, `use_chat_template`): a prompt over a limit whose policy is "error" is a bad
-    row, named by file and line.
+    row, named by file and line. `data_format`, `columns` and `source_split` say how to read both
+    files (see `validate_preference_file`).
     """
     truncation = truncation or TruncationPolicy()
     checks = dict(system_prompt=system_prompt, tokenizer=tokenizer, use_chat_template=use_chat_template,
-                  max_prompt_tokens=truncation.max_prompt_tokens if truncation.prompt == "error" else None)
+                  max_prompt_tokens=truncation.max_prompt_tokens if truncation.prompt == "error" else None,
+                  data_format=data_format, columns=columns, source_split=source_split)
     loaded = load_preference_file(path, strict=strict, **checks)
     if heldout_file:
         train, held = loaded.pairs, load_preference_file(heldout_file, strict=strict, **checks).pairs

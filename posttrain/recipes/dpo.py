@@ -97,7 +97,8 @@ def run(config: Config, resume: bool = False) -> Path:
         return tokenize_preference_pairs(tokenizer, pairs, **rendering).to(placement.device)
 
     splits = load_pairs(data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs,
-                        split_seed=config.seed, strict=data.strict, **rendering)
+                        split_seed=config.seed, strict=data.strict, data_format=data.format, columns=data.columns,
+                        source_split=data.split, **rendering)
     train, held_pairs, data_stats = splits.train, splits.heldout, splits.stats
     held_task, task_spec = heldout_task(config.acceptance, provenance, config.seed)
     if held_task is not None:  # a training prompt that is also a held-out problem would leak the answer
@@ -323,6 +324,7 @@ def make_card(config: Config, train, held_pairs, data_stats, provenance, task_sp
         "source": f"offline: preference pairs from {config.data.pairs}", "train_pairs": len(train),
         "heldout_pairs": len(held_pairs),
         "heldout_pairs_from": config.data.heldout_file or f"split off the training file by prompt (seed {config.seed})",
+        "format": config.data.format, "columns": config.data.columns, "split": config.data.split,
         **data_stats, "truncation": {key: getattr(config.data, key) for key in ("max_prompt_tokens", "max_response_tokens", "prompt_truncation", "response_truncation")},
         "system_prompt": config.data.system_prompt, "batch_size": config.batch_size, "micro_batch_size": config.micro_batch_size,
     }

@@ -10,6 +10,7 @@ from typing import Literal
 from posttrain.algorithms import LABEL_SMOOTHED
 from posttrain.config import PolicyFields
 from posttrain.data import TruncationPolicy
+from posttrain.data.files import resolve_columns
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.optim import Optimization
@@ -30,11 +31,19 @@ class Data:
     """Link 1, data: the pairs, the held-out pairs, and how over-long rows are handled."""
 
     pairs: str = ""
-    """Preference JSONL (TRL standard or conversational format) to train on."""
+    """Preference pairs to train on (TRL standard or conversational format): a .jsonl, .parquet, .csv,
+    .json or .arrow file, a `save_to_disk` directory, or a dataset name in the local Hugging Face cache."""
     heldout_file: str | None = None
-    """Held-out pairs file; None: split `heldout_pairs` off `pairs` (by prompt, seeded)."""
+    """Held-out pairs, read like `pairs` (the same format, columns and split); None: split
+    `heldout_pairs` off `pairs` (by prompt, seeded)."""
     heldout_pairs: int = 32
     """Pairs split off `pairs` for held-out preference accuracy when no heldout_file (0: none)."""
+    format: str | None = None
+    """The pairs' public layout: trl_preference (prompt, chosen, rejected; docs/data.md)."""
+    columns: dict = field(default_factory=dict)
+    """Our column names -> the file's, e.g. {chosen: better, rejected: worse} (overrides the format's)."""
+    split: str | None = None
+    """The split of a saved or cached dataset with several (default train)."""
     strict: bool = True
     """A bad row stops the run (false: bad rows are dropped and counted)."""
     system_prompt: str | None = None
@@ -122,6 +131,8 @@ class Config(PolicyFields):
         loss = self.loss
         if not self.data.pairs:
             raise UserError("data.pairs: give the preference JSONL to train on (--data.pairs FILE)")
+        if self.data.format is not None or self.data.columns:
+            resolve_columns(self.data.format, self.data.columns)
         if loss.beta <= 0:
             raise UserError(f"loss.beta must be > 0, got {loss.beta}")
         if loss.type not in LABEL_SMOOTHED and loss.label_smoothing:
