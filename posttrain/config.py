@@ -112,7 +112,10 @@ def _apply(config, values: dict[str, Any], source: str, prefix: str = "") -> Non
         name = f"{prefix}{key}"
         if key not in fields:
             known = ", ".join(sorted(fields))
-            raise UserError(f"{source}: unknown key '{name}' (known keys{' under ' + prefix.rstrip('.') if prefix else ''}: {known})")
+            sections = [f"{prefix}{f.name}.{key}" for f in dataclasses.fields(config) if dataclasses.is_dataclass(getattr(config, f.name))
+                        and key in {g.name for g in dataclasses.fields(getattr(config, f.name))}]
+            hint = f"; did you mean {sections[0]}?" if sections else ""
+            raise UserError(f"{source}: unknown key '{name}' (known keys{' under ' + prefix.rstrip('.') if prefix else ''}: {known}){hint}")
         current = getattr(config, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

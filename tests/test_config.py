@@ -57,6 +57,8 @@ def test_precedence_and_types(tmp_path):
     [
         ("lrr: 1\n", [], "preset.yaml: unknown key 'lrr'"),
         ("", ["--sampling.tempreature", "1"], "unknown key 'sampling.tempreature'"),
+        ("temperature: 0.5\n", [], "preset.yaml: unknown key 'temperature' (known keys: eval_every, group_size, lr, model, "
+                                   "sampling, scale, stop); did you mean sampling.temperature?"),
         ("group_size: 2.5\n", [], "group_size: expected an integer, got 2.5"),
         ("", ["--scale", "rank"], "scale: must be one of 'group', 'batch', 'none'"),
         ("", ["--lr", "fast"], "lr: expected a number"),

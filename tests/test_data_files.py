@@ -249,4 +249,4 @@ def test_data_check_reads_every_kind_and_format(tmp_path):
     assert result.returncode == 1 and result.stdout.splitlines() == [
         f"{sft}:2: completion: missing field (an SFT row has `messages`, or `prompt` and `completion`)", f"{sft}: 2 rows read, 1 bad"]
     result = check("--kind", "preference", str(parquet), "--format", "gsm8k")
-    assert result.returncode == 2 and "apply to --kind prompt and sft" in result.stderr
+    assert result.returncode == 2 and "no column 'chosen'" in result.stderr

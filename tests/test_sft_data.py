@@ -106,7 +106,7 @@ def test_sft_recipe_trains_on_chat_rows(tmp_path):
     rows += [{"prompt": f"{a}*2=", "completion": str(2 * a)} for a in range(6)]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    overrides = parse_overrides(["--task", str(path), "--eval-size", "4", "--max-steps", "3", "--batch-size", "4",
+    overrides = parse_overrides(["--data.task", str(path), "--data.eval_size", "4", "--max-steps", "3", "--batch-size", "4",
                                  "--micro-batch-size", "2", "--output-dir", str(tmp_path / "run")])
     run_dir = sft.run(build_config(sft.Config, None, overrides))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -123,8 +123,8 @@ def test_loss_on_all_is_for_sft_rows_only():
     from posttrain.config import build_config
     from posttrain.recipes import sft
 
-    config = build_config(sft.Config, None, {"loss_on": "all", "max_steps": 1, "train_size": 40, "eval_size": 4})
+    config = build_config(sft.Config, None, {"data": {"loss_on": "all", "train_size": 40, "eval_size": 4}, "max_steps": 1})
     with pytest.raises(UserError, match="loss_on all applies to SFT rows"):
         sft.run(config)
     with pytest.raises(UserError, match="loss_on must be one of assistant, completion, all"):
-        build_config(sft.Config, None, {"loss_on": "prompt"})
+        build_config(sft.Config, None, {"data": {"loss_on": "prompt"}})

@@ -29,12 +29,13 @@ Prompt tasks (posttrain.data.tasks, .examples, .prompts)
         .prompt_input -> str | list[dict] (what render_prompt takes). reasoning-gym rows carry
         metadata["rg_dataset"], ["rg_options"], ["entry"]; HumanEval rows carry tests=[check source],
         entry_point and metadata["canonical_solution"].
-    Task(name, split, examples, reward_kind: "number" | "math" | "reasoning_gym" | "code",
+    Task(name, split, examples, reward_kind: "number" | "math" | "text" | "choice" | "reasoning_gym" | "code" | "mbpp" | "stdio",
         rows_bad, duplicates_removed, options)
     load_task(spec, *, size=None, seed=0, split="all", options=None, strict=True, tokenizer=None,
         max_prompt_tokens=None, system_prompt=None) -> Task
         spec: "arithmetic" (options digits=2, operation="add"|"sub"|"mul") | "rg:<dataset>" (options:
-        the dataset's config) | "humaneval" | path to a JSONL prompt file (options answer_format).
+        the dataset's config) | "humaneval" | a data file, save_to_disk directory or cached dataset name
+        (options answer_format, format, columns, split).
     load_splits(spec, *, train_size=None, eval_size, seed=0, **load_task_options) -> (train, held_out)
         disjoint by construction and checked; the held-out split depends only on (spec, seed, eval_size).
     score_reasoning_gym(example, answer: str | None) -> float    # the dataset's own scorer, 0..1
@@ -44,13 +45,14 @@ Prompt tasks (posttrain.data.tasks, .examples, .prompts)
 
 Preference pairs (posttrain.data.preference)
     PreferencePair(id, prompt: str | list[dict], chosen: str, rejected: str, metadata={})
-    load_preference_file(path, *, strict=True, system_prompt=None, tokenizer=None,
-        max_prompt_tokens=None, use_chat_template=None) -> PreferenceData(source, pairs, rows_bad, system_prompt)
+    load_preference_file(path, *, strict=True, system_prompt=None, tokenizer=None, max_prompt_tokens=None,
+        use_chat_template=None, data_format=None, columns=None, source_split=None)
+        -> PreferenceData(source, pairs, rows_bad, system_prompt); path: any source data.files reads
     tokenize_preference_pairs(tokenizer, pairs, *, truncation=None, padding_side="right",
         system_prompt=None, use_chat_template=None) -> PreferenceBatch(chosen, rejected, kept, counts)
         chosen and rejected are TokenizedBatches padded to the same L.
     load_pairs(path, tokenizer, *, heldout_file, heldout_pairs, split_seed, strict, truncation,
-        system_prompt, use_chat_template) -> PairSplits(train, heldout, stats)
+        system_prompt, use_chat_template, data_format, columns, source_split) -> PairSplits(train, heldout, stats)
         a pairs file split by prompt (no prompt on both sides), or a separate held-out file.
     split_pairs(pairs, count, seed) -> (train, held_out);  prompt_key(prompt) -> str
 

@@ -101,7 +101,7 @@ def run(config: Config, resume: bool = False) -> Path:
     # 1. SFT from scratch to partial competence (evaluated once, at the end).
     clock = time.perf_counter()
     sft_config = build_config(sft.Config, preset("tiny-sft"), {
-        "seed": seed, "output_dir": str(out / "sft"), "eval_size": config.eval_size, "max_steps": config.sft_steps,
+        "seed": seed, "output_dir": str(out / "sft"), "data": {"eval_size": config.eval_size}, "max_steps": config.sft_steps,
         "checkpoint_every": config.sft_steps, "eval_every": 0,
     })
     sft_dir = Path(config.sft_run) if config.sft_run else sft.run(sft_config)
@@ -109,7 +109,7 @@ def run(config: Config, resume: bool = False) -> Path:
     if not Path(start_model).is_dir():
         raise UserError(f"{start_model}: no SFT checkpoint at step {config.sft_steps}")
     timings["sft"] = time.perf_counter() - clock
-    task, options, budget = sft_config.task, sft_config.task_options, sft_config.max_new_tokens
+    task, options, budget = sft_config.data.task, sft_config.data.task_options, sft_config.max_new_tokens
 
     # 2. Baseline acceptance on the held-out split every stage shares.
     held_out = heldout_split(task, config.eval_size, seed, options)

@@ -44,27 +44,52 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class Config(RunFields):
-    model: str = "tiny"
-    """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
+class Data:
+    """Link 1, data: the task or file to imitate, how its columns map, and the held-out split."""
+
     task: str = "arithmetic"
     """Task spec: arithmetic | rg:<dataset> | a data file of prompts with answers | a data file of SFT rows (messages, or prompt + completion; docs/data.md)."""
+    task_options: dict = dataclasses.field(default_factory=dict)
+    """Task options, e.g. {digits: 2} for arithmetic."""
     format: str | None = None
-    """A data file's public layout: gsm8k | math | trl_prompt | trl_sft."""
+    """A data file's public layout: gsm8k | math | mmlu | trl_prompt | trl_sft."""
     columns: dict = dataclasses.field(default_factory=dict)
     """Our column names -> the file's, e.g. {prompt: instruction, completion: output}."""
     split: str | None = None
     """The split of a saved or cached dataset with several (default train)."""
     loss_on: str = "assistant"
     """SFT rows: assistant (every assistant turn; a prompt/completion row's completion) | completion (the last assistant turn) | all (every token)."""
-    task_options: dict = dataclasses.field(default_factory=dict)
-    """Task options, e.g. {digits: 2} for arithmetic."""
     response_template: str = "<answer>{answer}</answer>"
     """How a gold answer becomes the training response."""
     train_size: int = 20000
-    """Training examples (procedural tasks generate this many)."""
+    """Training examples (procedural tasks generate this many; a file's rows are capped at it)."""
     eval_size: int = 200
     """Held-out examples, disjoint from training."""
+    system_prompt: str | None = None
+    """Optional system prompt for chat models."""
+
+    def validate(self) -> None:
+        for name in ("train_size", "eval_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"data.{name} must be at least 1, got {getattr(self, name)}")
+        if "{answer}" not in self.response_template:
+            raise UserError("data.response_template must contain {answer}")
+        if self.loss_on not in LOSS_ON:
+            raise UserError(f"data.loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
+        if self.format is not None or self.columns:
+            resolve_columns(self.format, self.columns)
+
+    def load_options(self) -> dict:
+        """The options `load_splits` takes (`data.files.task_load_options`)."""
+        return task_load_options(self.task_options, self.format, self.columns, self.split)
+
+
+@dataclasses.dataclass
+class Config(RunFields):
+    model: str = "tiny"
+    """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
+    data: Data = dataclasses.field(default_factory=Data)
+    """What to imitate (task or file, format, columns, split, loss_on, sizes)."""
     batch_size: int = 32
     """Examples per optimizer step."""
     micro_batch_size: int = 32
@@ -79,8 +104,6 @@ class Config(RunFields):
     """Generation budget of the held-out evaluation (the tiny model writes one character a token)."""
     checker: str | None = None
     """Held-out checker (a verifier name); None: the task's strict default."""
-    system_prompt: str | None = None
-    """Optional system prompt for chat models."""
     max_steps: int = 200
     checkpoint_every: int = 100
 
@@ -88,21 +111,12 @@ class Config(RunFields):
         super().validate()
         self.optim.validate()
         self.parallel.validate()
-        for name in ("train_size", "eval_size", "batch_size", "micro_batch_size", "max_new_tokens"):
+        self.data.validate()
+        for name in ("batch_size", "micro_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.batch_size % self.micro_batch_size:
             raise UserError(f"batch_size {self.batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
-        if "{answer}" not in self.response_template:
-            raise UserError("response_template must contain {answer}")
-        if self.loss_on not in LOSS_ON:
-            raise UserError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
-        if self.format is not None or self.columns:
-            resolve_columns(self.format, self.columns)
-
-    def load_options(self) -> dict:
-        """The options `load_splits` takes (`data.files.task_load_options`)."""
-        return task_load_options(self.task_options, self.format, self.columns, self.split)
 
 
 @dataclasses.dataclass
@@ -119,42 +133,40 @@ class SFTData:
     card: dict
 
 
-def load_data(config: Config, tokenizer) -> SFTData:
+def load_data(data: Data, seed: int, tokenizer) -> SFTData:
     """The run's data, checked before anything is written (one UserError line on bad input)."""
-    options = config.load_options()
-    if is_data_source(config.task) and is_sft_file(config.task, config.format, config.columns or None, config.split):
-        rows, report = load_sft_rows(config.task, data_format=config.format, columns=config.columns or None,
-                                     source_split=config.split)
+    options = data.load_options()
+    if is_data_source(data.task) and is_sft_file(data.task, data.format, data.columns or None, data.split):
+        rows, report = load_sft_rows(data.task, data_format=data.format, columns=data.columns or None, source_split=data.split)
         rows = list(rows)
-        random.Random(derived_seed(config.seed, "split")).shuffle(rows)
-        if config.eval_size >= len(rows):
-            raise UserError(f"task {config.task}: eval_size={config.eval_size} leaves no training rows out of {len(rows)}")
-        held, train = rows[: config.eval_size], rows[config.eval_size :][: config.train_size]
+        random.Random(derived_seed(seed, "split")).shuffle(rows)
+        if data.eval_size >= len(rows):
+            raise UserError(f"data.task {data.task}: eval_size={data.eval_size} leaves no training rows out of {len(rows)}")
+        held, train = rows[: data.eval_size], rows[data.eval_size :][: data.train_size]
 
         def encode(items):
-            return tokenize_sft(tokenizer, items, loss_on=config.loss_on, system_prompt=config.system_prompt)
+            return tokenize_sft(tokenizer, items, loss_on=data.loss_on, system_prompt=data.system_prompt)
 
         encode(train[:1] + held[:1])  # a template that cannot mask fails here, before the run directory exists
         chats = sum(row.is_chat for row in train)
-        card = {"task": config.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
-                "conversations": chats, "prompt_completion_rows": len(train) - chats, "loss_on": config.loss_on,
+        card = {"task": data.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
+                "conversations": chats, "prompt_completion_rows": len(train) - chats, "loss_on": data.loss_on,
                 "rows_bad": report.rows_bad}
         return SFTData(train, held, encode, None, card)
-    train, held_out = load_splits(config.task, train_size=config.train_size, eval_size=config.eval_size, seed=config.seed,
-                                  options=options)
+    train, held_out = load_splits(data.task, train_size=data.train_size, eval_size=data.eval_size, seed=seed, options=options)
     missing = [e.id for e in train.examples if e.answer is None]
     if missing:
-        raise UserError(f"task {config.task}: example {missing[0]} has no answer to train on")
-    if config.loss_on == "all":
-        raise UserError("loss_on all applies to SFT rows (messages, prompt + completion); a task's gold answers train the response only")
+        raise UserError(f"data.task {data.task}: example {missing[0]} has no answer to train on")
+    if data.loss_on == "all":
+        raise UserError("data.loss_on all applies to SFT rows (messages, prompt + completion); a task's gold answers train the response only")
 
     def encode(examples):
         return tokenize_prompt_response(tokenizer, [e.prompt_input for e in examples],
-                                        [config.response_template.format(answer=e.answer) for e in examples],
-                                        system_prompt=config.system_prompt)
+                                        [data.response_template.format(answer=e.answer) for e in examples],
+                                        system_prompt=data.system_prompt)
 
-    card = {"task": config.task, "options": options, "train_examples": len(train), "heldout_examples": len(held_out),
-            "duplicates_removed": train.duplicates_removed, "response_template": config.response_template}
+    card = {"task": data.task, "options": options, "train_examples": len(train), "heldout_examples": len(held_out),
+            "duplicates_removed": train.duplicates_removed, "response_template": data.response_template}
     return SFTData(train.examples, held_out.examples, encode, held_out, card)
 
 
@@ -198,7 +210,7 @@ def run(config: Config, resume: bool = False) -> Path:
     world = init_world(config.parallel, placement)
     seed_everything(config.seed)
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
-    data = load_data(config, tokenizer)
+    data = load_data(config.data, config.seed, tokenizer)
     output_dir = config.output_dir or default_output_dir("sft", world)
     run_dir = RunDirectory(output_dir, resume=resume, writer=world.main, tensorboard=config.tensorboard)
     config = dataclasses.replace(config, output_dir=str(run_dir.path))  # a copy: what config.yaml and a resume read
@@ -213,9 +225,9 @@ def run(config: Config, resume: bool = False) -> Path:
     card["links"]["data"] = data.card
     card["links"]["reward"] = {"kind": "none (imitation of " + ("gold answers)" if data.task is not None else "the rows' completions)")}
     card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True,
-                             "loss_on": config.loss_on if data.task is None else "the response (gold answer in response_template)"}
-    card["links"]["acceptance"] = ({"heldout": f"{config.task} eval split", "checker": config.checker or "task default (strict)"}
-                                   if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {config.task}", "metric": "token-mean NLL"})
+                             "loss_on": config.data.loss_on if data.task is None else "the response (gold answer in response_template)"}
+    card["links"]["acceptance"] = ({"heldout": f"{config.data.task} eval split", "checker": config.checker or "task default (strict)"}
+                                   if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {config.data.task}", "metric": "token-mean NLL"})
     card["run"]["world_size"] = world.size
     card["run"]["hardware"] = {**placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
     if world.main:
@@ -272,7 +284,7 @@ def evaluate_and_plot(model, tokenizer, data: SFTData, config: Config, run_dir: 
     held_out = data.task
     result = evaluate_task(
         model, tokenizer, held_out, checker=config.checker, k=1, max_new_tokens=config.max_new_tokens,
-        seed=config.seed, system_prompt=config.system_prompt, output_path=run_dir.eval_dir / f"step-{step:06d}.json",
+        seed=config.seed, system_prompt=config.data.system_prompt, output_path=run_dir.eval_dir / f"step-{step:06d}.json",
     )
     low, high = result["pass@1_ci95"]
     metrics = {
