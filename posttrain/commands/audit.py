@@ -1,26 +1,59 @@
-"""`posttrain audit --verifier NAME`: the exploit suite; non-zero exit if the verifier is fooled."""
+"""`posttrain audit`: two checks before training on a reward.
+
+    posttrain audit --verifier NAME                       the exploit suite; non-zero exit if the verifier is fooled
+    posttrain audit --data PATH_OR_NAME --format LAYOUT   the dataset's tests: do its reference solutions pass,
+                                                          and do they reject trivial programs?
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 from posttrain.errors import UserError
+
+DATA_LAYOUTS = {"mbpp": "mbpp", "humaneval": "humaneval", "code_contests": "stdio"}
+"""--format -> the completion layout (and the verifier) of its problems."""
+DATA_TIMEOUT_S = 10.0  # per-sample budget under --data: reference solutions take real time
 
 
 def register(subparsers) -> None:
     """Add the `audit` command."""
     parser = subparsers.add_parser(
         "audit", help="try to fool a verifier with known exploits (each must score 0) and honest "
-                      "answers (each must score 1)")
-    parser.add_argument("--verifier", required=True,
-                        help="math, exact, numeric, format, rg, humaneval, io or stdio")
+                      "answers (each must score 1); or, with --data, check a code dataset's tests")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--verifier", help="math, exact, numeric, format, rg, humaneval, io or stdio")
+    mode.add_argument("--data", help="a code data file (.jsonl .parquet .csv .json .arrow), a saved dataset "
+                                     "directory, a cached owner/name, or humaneval (the packaged set)")
+    parser.add_argument("--format", choices=tuple(DATA_LAYOUTS), default=None,
+                        help="--data's layout: mbpp (text, test_list, code), humaneval (prompt, test, entry_point, "
+                             "canonical_solution) or code_contests (description, public/private tests)")
+    parser.add_argument("--columns", default=None, help="--data: our column names -> the file's, as JSON (as data.columns)")
+    parser.add_argument("--split", default=None, help="--data: the split of a saved or cached dataset (as data.split)")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPUs)")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="per-sample budget of code verifiers in seconds (default 3)")
+                        help="per-sample budget of code verifiers in seconds (default 3; 10 with --data)")
     parser.add_argument("--unsafe-no-sandbox", action="store_true",
-                        help="audit code verifiers without bubblewrap (not isolated!)")
+                        help="run code without bubblewrap (not isolated!)")
     parser.set_defaults(func=handle)
 
 
 def handle(args) -> int:
+    """--verifier: the exploit table; --data: the dataset's references and test strength."""
+    if args.workers is not None and args.workers < 1:
+        raise UserError("--workers must be at least 1")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UserError("--timeout must be positive")
+    if args.data is not None:
+        return audit_data(args)
+    if args.format or args.columns or args.split:
+        raise UserError("--format, --columns and --split go with --data, not --verifier")
+    return audit_verifier(args)
+
+
+def audit_verifier(args) -> int:
     """Run the suite, print the table, return 1 if any case failed."""
     from posttrain.rewards.audit import AUDIT_TIMEOUT_S, SUITES, format_table, run_audit
     from posttrain.rewards.sandbox import SandboxUnavailable
@@ -28,8 +61,6 @@ def handle(args) -> int:
     if args.verifier not in SUITES:
         raise UserError(f"--verifier: no built-in audit suite for {args.verifier!r} "
                         f"(suites: {', '.join(SUITES)})")
-    if args.workers is not None and args.workers < 1:
-        raise UserError("--workers must be at least 1")
     try:
         outcomes, seconds = run_audit(args.verifier, workers=args.workers,
                                       timeout_s=args.timeout or AUDIT_TIMEOUT_S,
@@ -46,3 +77,74 @@ def handle(args) -> int:
         print(f"FAILED: {outcome.case.kind} {outcome.case.name!r} -> {outcome.verdict.status} "
               f"{outcome.verdict.reward} ({outcome.verdict.reason})")
     return 1 if failed else 0
+
+
+def audit_data(args) -> int:
+    """Print `ID: accepted by <program>` per weak problem, `ID: reference fails ...` / `ID: tests do
+    not run ...` per reference fault, then the summary line; 1 if any, 0 if none, 2 on bad input."""
+    from posttrain.rewards import SandboxConfig, SandboxUnavailable, get_verifier
+    from posttrain.rewards.problem_checks import check_references, find_weak_tests, summary_line
+
+    if args.format is None:
+        if args.data != "humaneval" or Path(args.data).exists():
+            raise UserError(f"--data {args.data}: give its layout with --format ({' | '.join(DATA_LAYOUTS)})")
+        args.format = "humaneval"
+    layout = DATA_LAYOUTS[args.format]
+    rows = load_rows(args.data, args.format, parse_columns(args.columns), args.split)
+    verifier = get_verifier(layout, sandbox=SandboxConfig(timeout_s=args.timeout or DATA_TIMEOUT_S,
+                                                          unsafe_no_sandbox=args.unsafe_no_sandbox))
+    started = time.monotonic()
+    try:
+        references = check_references(verifier, rows, workers=args.workers)
+        strength = find_weak_tests(verifier, rows, layout, workers=args.workers)
+    except SandboxUnavailable as error:
+        raise UserError(str(error), exit_code=3) from None
+    seconds = time.monotonic() - started
+    for fault in references.faults:
+        print(f"{fault.id}: {fault.reason}")
+    for weakness in strength.weak:
+        print(f"{weakness.id}: accepted by {weakness.program}")
+    for fault in strength.unscored:
+        print(f"{fault.id}: not scored: {fault.reason}")
+    passed = references.checked - len(references.faults)
+    print(f"references: {passed} of {references.checked} pass their tests ({len(rows) - references.checked} "
+          f"problems have none); {len(rows)} problems checked in {seconds:.1f} s"
+          + (" [UNSAFE: no sandbox]" if args.unsafe_no_sandbox else ""))
+    print(summary_line(strength, len(rows)))
+    return 1 if strength.weak or strength.unscored or references.faults else 0
+
+
+def parse_columns(text: str | None) -> dict | None:
+    """--columns as a mapping (a one-line UserError otherwise)."""
+    if not text:
+        return None
+    try:
+        columns = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"--columns: not JSON ({error.msg})") from None
+    if not isinstance(columns, dict):
+        raise UserError("--columns must be a JSON object, e.g. '{\"id\": \"name\"}'")
+    return columns
+
+
+def load_rows(data: str, data_format: str, columns: dict | None, split: str | None) -> list[dict]:
+    """Verifier rows of every problem in `data` (every row must be valid: a bad one is a UserError
+    naming its line), or of the packaged HumanEval for `humaneval`."""
+    from posttrain.data.examples import verifier_input
+    from posttrain.data.prompts import validate_prompt_file
+
+    if data == "humaneval" and not Path(data).exists():
+        from posttrain.data.tasks import humaneval_examples
+
+        if data_format != "humaneval":
+            raise UserError(f"--data humaneval is in the humaneval layout, not {data_format}")
+        if columns or split:
+            raise UserError("--columns and --split go with a data file, not the packaged humaneval")
+        examples = humaneval_examples()
+    else:
+        parsed, report = validate_prompt_file(data, data_format=data_format, columns=columns, source_split=split)
+        report.enforce(strict=True)
+        examples = [example for _, example in parsed]
+    if not examples:
+        raise UserError(f"{data}: no problems")
+    return [verifier_input(example) for example in examples]
