@@ -40,8 +40,8 @@ def test_pair_up(texts, verdicts, limit, expected, outcome):
 
 
 def pairs_command(out, *extra):
-    return [sys.executable, "-m", "posttrain", "pairs", "--model", "tiny", "--task", "arithmetic", "--group-size", "4",
-            "--max-prompts", "12", "--eval-size", "8", "--max-new-tokens", "6", "--seed", "3", "--out", str(out), *extra]
+    return [sys.executable, "-m", "posttrain", "pairs", "--model", "tiny", "--data.task", "arithmetic", "--group-size", "4",
+            "--data.max_prompts", "12", "--data.eval_size", "8", "--max-new-tokens", "6", "--seed", "3", "--out", str(out), *extra]
 
 
 def test_pairs_from_verified_samples(tmp_path):
@@ -88,7 +88,7 @@ def test_no_pairs_is_an_error_and_writes_nothing(tmp_path):
     "extra, message",
     [
         (["--group-size", "1"], "--group-size must be at least 2"),
-        (["--task-options", "[1]"], "--task-options: must be a JSON object"),
+        (["--data.task_options", "[1]"], "--data.task_options: must be a JSON object"),
         (["--verifier", "nonsense"], "--verifier"),
     ],
 )
@@ -114,8 +114,8 @@ def test_sft_then_verified_pairs_then_dpo(tmp_path):
     assert sft.returncode == 0, sft.stderr
     model = str(sorted((tmp_path / "sft" / "checkpoints").glob("step-*"))[-1] / "model")
     out = tmp_path / "pairs.jsonl"
-    pairs = subprocess.run([sys.executable, "-m", "posttrain", "pairs", "--model", model, "--task", "arithmetic",
-                            "--task-options", '{"digits": 2}', "--group-size", "8", "--max-prompts", "64", "--eval-size", "500", "--max-new-tokens", "24",
+    pairs = subprocess.run([sys.executable, "-m", "posttrain", "pairs", "--model", model, "--data.task", "arithmetic",
+                            "--data.task_options", '{"digits": 2}', "--group-size", "8", "--data.max_prompts", "64", "--data.eval_size", "500", "--max-new-tokens", "24",
                             "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=ENV)
     assert pairs.returncode == 0, pairs.stderr
     meta = json.loads(provenance_path(out).read_text())
@@ -128,3 +128,32 @@ def test_sft_then_verified_pairs_then_dpo(tmp_path):
     assert card["links"]["reward"]["labels"] == f"labels came from verifier exact on samples of model {model}"
     metrics = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["heldout/pass@1"] is not None and metrics[-1]["heldout/pass@1"] is not None
+
+
+def test_pairs_from_a_parquet_file_with_a_format(tmp_path):
+    """`--data.task FILE --data.format gsm8k`: prompts from the file's training split; the sidecar
+    records the resolved options (format included), from which DPO rebuilds the same held-out split."""
+    import datasets
+
+    from posttrain.data import load_splits
+    from posttrain.recipes.dpo import heldout_task
+    from posttrain.recipes.dpo_config import Acceptance
+
+    source = tmp_path / "gsm8k.parquet"
+    questions = [f"Tom has {a} apples and buys {b}. How many now?" for a in range(4) for b in range(5)]
+    answers = [f"He has {a} + {b}.\n#### {a + b}" for a in range(4) for b in range(5)]
+    datasets.Dataset.from_dict({"question": questions, "answer": answers}).to_parquet(str(source))
+    out = tmp_path / "pairs.jsonl"
+    command = [sys.executable, "-m", "posttrain", "pairs", "--model", "tiny", "--data.task", str(source), "--data.format", "gsm8k",
+               "--group-size", "4", "--data.max_prompts", "8", "--data.eval_size", "6", "--max-new-tokens", "6", "--seed", "2",
+               "--verifier", "callable:rewards_for_tests.digits", "--reward_options.timeout_s", "5", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads(provenance_path(out).read_text())
+    assert meta["task"] == str(source) and meta["task_options"] == {"format": "gsm8k"} and meta["eval_size"] == 6
+    assert meta["unsafe_no_sandbox"] is False
+    train, held_out = load_splits(str(source), eval_size=6, seed=2, options={"format": "gsm8k"})
+    prompts = {row["prompt"] for row in map(json.loads, out.read_text().splitlines())}
+    assert prompts and prompts <= {e.prompt for e in train.examples}
+    rebuilt, spec = heldout_task(Acceptance(), meta, seed=0)
+    assert [e.id for e in rebuilt.examples] == [e.id for e in held_out.examples] and spec["checker"] == "math"

@@ -1,4 +1,4 @@
-"""`posttrain pairs --model M --task T --group-size G --out pairs.jsonl`: preference pairs from
+"""`posttrain pairs --model M --data.task T --group-size G --out pairs.jsonl`: preference pairs from
 verified samples (see posttrain/recipes/pairs.py). Every field of `PairSettings` is a flag
 (`--key value`, dotted for the sampling section: `--sampling.temperature 0.8`), or a key of
 `--config FILE`."""
@@ -37,9 +37,9 @@ def settings_overrides(arguments: list[str], stops: list[str]) -> dict:
     overrides = parse_overrides(renamed)
     if stops:
         overrides.setdefault("sampling", {})["stop_strings"] = list(stops)
-    options = overrides.get("task_options")
+    options = overrides.get("data", {}).get("task_options") if isinstance(overrides.get("data"), dict) else None
     if options is not None and not isinstance(options, dict):  # read as YAML, so JSON works too
-        raise UserError(f"--task-options: must be a JSON object (a mapping), got {options!r}")
+        raise UserError(f"--data.task_options: must be a JSON object (a mapping), got {options!r}")
     return overrides
 
 

@@ -130,8 +130,9 @@ def run(config: Config, resume: bool = False) -> Path:
     pairs_file = out / "pairs.jsonl"
     data = grpo_config.data
     provenance = pairs.build_pairs(build_config(pairs.PairSettings, None, {
-        "model": start_model, "task": task, "out": str(pairs_file), "group_size": data.group_size, "task_options": options,
-        "max_prompts": config.grpo_steps * data.prompts_per_step, "eval_size": config.eval_size, "verifier": "exact",
+        "model": start_model, "out": str(pairs_file), "group_size": data.group_size, "verifier": "exact",
+        "data": {"task": task, "task_options": options, "max_prompts": config.grpo_steps * data.prompts_per_step,
+                 "eval_size": config.eval_size},
         "sampling": {"max_new_tokens": budget}, "seed": seed,
     }))
     timings["pairs"] = time.perf_counter() - clock

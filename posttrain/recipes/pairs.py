@@ -7,7 +7,7 @@ or all incorrect give no pair and are counted. The output is a standard-format p
 where the labels came from (model, verifier, task, seed, sampling, file hash); the DPO run card
 reads it ("labels came from verifier V on samples of model M").
 
-The prompts come from the *training* split of `load_splits(task, eval_size=E, seed=S)`, so a DPO run
+The prompts come from the *training* split of `load_splits(data.task, eval_size=E, seed=S)`, so a DPO run
 that evaluates on the held-out split with the same (task, E, S) never trained on its problems.
 """
 
@@ -21,14 +21,43 @@ from typing import Any
 
 from posttrain.data import load_splits, render_prompt
 from posttrain.data.examples import derived_seed, verifier_input
+from posttrain.data.files import resolve_columns, task_load_options
 from posttrain.data.provenance import write_with_provenance
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, resolve
 from posttrain.evaluation.acceptance import DEFAULT_CHECKERS
-from posttrain.rewards import Verdict, get_verifier
+from posttrain.rewards import Verdict
+from posttrain.rewards.registry import RewardOptions, as_verifier
 from posttrain.rollout import SamplingConfig, generate
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PairData:
+    """Which prompts are sampled: the task (or file) and its training split."""
+
+    task: str = ""
+    """Task spec whose training split gives the prompts: arithmetic | rg:<dataset> | humaneval | a data file (.jsonl, .parquet, .csv, .json, .arrow) | a save_to_disk directory | a cached owner/name (required)."""
+    task_options: dict = field(default_factory=dict)
+    """Task options, e.g. {digits: 2} for arithmetic, {answer_format: gsm8k} for a file."""
+    format: str | None = None
+    """A data file's public layout: gsm8k | math | mmlu | mbpp | humaneval | code_contests | trl_prompt (docs/data.md)."""
+    columns: dict = field(default_factory=dict)
+    """Our column names -> the file's, e.g. {prompt: question} (overrides the format's)."""
+    split: str | None = None
+    """The split of a saved or cached dataset with several (default train)."""
+    max_prompts: int = 256
+    """Training prompts to sample (the first of the seeded training split)."""
+    eval_size: int = 200
+    """Held-out problems reserved (never sampled), as in the DPO/GRPO runs that evaluate on them."""
+    system_prompt: str | None = None
+    """System prompt for chat models."""
+
+    def load_options(self) -> dict:
+        """The options `load_splits` takes (`data.files.task_load_options`); recorded in the sidecar
+        so that DPO rebuilds the same held-out split."""
+        return task_load_options(self.task_options, self.format, self.columns, self.split)
 
 
 @dataclass
@@ -38,28 +67,24 @@ class PairSettings:
 
     model: str = ""
     """Model to sample from: tiny | smollm2-135m | a Hugging Face directory | a hub id (required)."""
-    task: str = ""
-    """Task spec whose training split gives the prompts: arithmetic | rg:<dataset> | humaneval | a JSONL prompt file (required)."""
+    data: PairData = field(default_factory=PairData)
+    """The prompts: data.task (required), format, columns, split, max_prompts, eval_size."""
     out: str = ""
     """Output pairs file (.jsonl, required); the sidecar is <name>.meta.json next to it."""
     group_size: int = 8
     """G answers sampled per prompt."""
-    task_options: dict = field(default_factory=dict)
-    """Task options, e.g. {digits: 2} for arithmetic."""
-    max_prompts: int = 256
-    """Training prompts to sample (the first of the seeded training split)."""
-    eval_size: int = 200
-    """Held-out problems reserved (never sampled), as in the DPO/GRPO runs that evaluate on them."""
     verifier: str | None = None
-    """Labelling verifier; None: the task's default checker (arithmetic: exact)."""
+    """Labelling verifier; None: the task's default checker (arithmetic: exact, code: its sandboxed judge)."""
+    reward_options: RewardOptions = field(default_factory=RewardOptions)
+    """The labelling verifier's settings: timeout_s, memory_mb (code), partial_credit, extraction."""
+    unsafe_no_sandbox: bool = False
+    """Run model-written code WITHOUT the bubblewrap sandbox (resource limits only): a machine you can lose."""
     pairs_per_prompt: int = 1
     """At most this many (correct, incorrect) pairs per prompt, from distinct answers."""
     correct_threshold: float = 1.0
     """A verdict is correct when its reward is >= this, incorrect below."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
     """How the G answers are sampled (temperature, top_p, top_k, max_new_tokens, stop_strings, ...)."""
-    system_prompt: str | None = None
-    """System prompt for chat models."""
     batch_size: int = 16
     """Prompts per generation call."""
     seed: int = 0
@@ -68,16 +93,19 @@ class PairSettings:
     """Device and precision of the sampling (--hardware.device cuda --hardware.precision bf16-mixed)."""
 
     def validate(self) -> None:
-        for name in ("model", "task", "out"):
-            if not getattr(self, name):
-                raise UserError(f"--{name}: required (the {name} of `posttrain pairs --model M --task T --out FILE.jsonl`)")
+        for name, value in (("model", self.model), ("data.task", self.data.task), ("out", self.out)):
+            if not value:
+                raise UserError(f"--{name}: required (posttrain pairs --model M --data.task T --out FILE.jsonl)")
         if self.group_size < 2:
             raise UserError(f"--group-size must be at least 2 (a pair needs two answers), got {self.group_size}")
-        for name in ("max_prompts", "eval_size", "pairs_per_prompt", "batch_size"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name, value in (("data.max_prompts", self.data.max_prompts), ("data.eval_size", self.data.eval_size),
+                            ("pairs_per_prompt", self.pairs_per_prompt), ("batch_size", self.batch_size)):
+            if value < 1:
+                raise UserError(f"--{name} must be at least 1, got {value}")
         if not self.out.endswith(".jsonl"):
             raise UserError(f"--out {self.out}: the pairs file must end in .jsonl")
+        if self.data.format is not None or self.data.columns:
+            resolve_columns(self.data.format, self.data.columns)
 
 
 def pair_up(texts: list[str], verdicts: list[Verdict], threshold: float, limit: int) -> tuple[list[tuple[int, int]], str]:
@@ -112,23 +140,24 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     if model is None:
         model, tokenizer = load_model(settings.model, dtype=placement.param_dtype, device=placement.device)
     model.eval()
-    train, _ = load_splits(settings.task, train_size=settings.max_prompts, eval_size=settings.eval_size,
-                           seed=settings.seed, options=settings.task_options)
-    examples = train.examples[: settings.max_prompts]
+    data = settings.data
+    train, _ = load_splits(data.task, train_size=data.max_prompts, eval_size=data.eval_size,
+                           seed=settings.seed, options=data.load_options())
+    examples = train.examples[: data.max_prompts]
     name = settings.verifier or DEFAULT_CHECKERS.get(train.reward_kind)
     if name is None:
-        raise UserError(f"task {settings.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")
-    try:
-        verifier = get_verifier(name)
-    except ValueError as error:
-        raise UserError(f"--verifier: {error}") from None
+        raise UserError(f"data.task {data.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")
+    verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier")
+    if settings.unsafe_no_sandbox:
+        logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
+                       "(resource limits only). Use this only on a machine you can lose.")
     verifier.prepare()
     G = settings.group_size
     rows, outcomes = [], {"paired": 0, "all_correct": 0, "all_incorrect": 0, "unscored": 0}
     errors = {"infra_error": 0, "data_error": 0}
     for start in range(0, len(examples), settings.batch_size):
         chunk = examples[start : start + settings.batch_size]
-        prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=settings.system_prompt) for e in chunk]
+        prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=data.system_prompt) for e in chunk]
         with placement.autocast():
             rollout = generate(model, tokenizer, prompts, group_size=G, sampling=settings.sampling,
                                seed=derived_seed(settings.seed, "pairs", str(start)))
@@ -156,12 +185,13 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
         )
     provenance = {
         "kind": "pairs from verified samples", "model": settings.model, "verifier": verifier.name,
-        "verifier_settings": verifier.describe(), "task": settings.task, "task_options": settings.task_options,
-        "eval_size": settings.eval_size, "seed": settings.seed, "group_size": G, "prompts": len(examples),
+        "verifier_settings": verifier.describe(), "task": data.task, "task_options": data.load_options(),
+        "eval_size": data.eval_size, "seed": settings.seed, "group_size": G, "prompts": len(examples),
         "pairs": len(rows), "prompts_paired": outcomes["paired"], "prompts_skipped_all_correct": outcomes["all_correct"],
         "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
         "verdict_errors": errors, "correct_threshold": settings.correct_threshold,
-        "pairs_per_prompt": settings.pairs_per_prompt, "system_prompt": settings.system_prompt,
+        "pairs_per_prompt": settings.pairs_per_prompt, "system_prompt": data.system_prompt,
+        "unsafe_no_sandbox": settings.unsafe_no_sandbox,
         "sampling": asdict(settings.sampling), "hardware": placement.describe(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "posttrain": _version(),
     }

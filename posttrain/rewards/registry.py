@@ -123,11 +123,12 @@ class RewardOptions:
 
 
 def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str, options: RewardOptions | None = None,
-                unsafe_no_sandbox: bool = False, *, for_checker: bool = False) -> Verifier:
+                unsafe_no_sandbox: bool = False, *, for_checker: bool = False, setting: str | None = None) -> Verifier:
     """The reward a recipe scores with: a `Verifier` as is; a plain callable `fn(completion,
     example)` as a `FunctionVerifier` (in this process, named `python:<qualname>`); otherwise
     (None) the verifier called `name` with `options` (a held-out checker, `for_checker`, never takes
-    partial credit), whose ValueError becomes a one-line `UserError`."""
+    partial credit), whose ValueError becomes a one-line `UserError` naming `setting` (default
+    `reward`, or `acceptance.checker` for a checker)."""
     if isinstance(reward, Verifier):
         return reward
     if callable(reward):
@@ -138,7 +139,7 @@ def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str,
                                 fraction=options.partial_credit and not for_checker,
                                 extraction=None if _is_code(name) else options.extraction)
     except (ValueError, TypeError) as error:
-        raise UserError(f"{'acceptance.checker' if for_checker else 'reward'}: {error}") from None
+        raise UserError(f"{setting or ('acceptance.checker' if for_checker else 'reward')}: {error}") from None
     if options.extraction and _is_code(name):
         if options.extraction not in CODE_POLICIES:
             raise UserError(f"reward_options.extraction {options.extraction!r}: a code verifier takes one of {', '.join(CODE_POLICIES)}")
