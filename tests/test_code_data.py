@@ -198,3 +198,32 @@ def test_posttrain_verify_reads_public_layouts(tmp_path):
                                  "--input", str(path)], capture_output=True, text=True, cwd=root)
         assert result.returncode == 0, result.stderr
         assert [json.loads(line)["reward"] for line in result.stdout.splitlines()] == rewards
+
+
+WEAK = Path(__file__).parent / "data" / "weak_tests.jsonl"
+
+
+@needs_sandbox
+def test_screening_removes_failing_references_and_weak_training_problems(tmp_path):
+    """Pre-flight: the problem whose own reference fails its tests is removed from whichever split
+    holds it; exclude_weak_tests: training drops the problems a trivial program passes (the
+    held-out split stays whole); both counted in the run card."""
+    config = build_config(online_config.grpo_config, None, {
+        "data": {"task": str(WEAK), "format": "mbpp", "eval_size": 2, "prompts_per_step": 2, "group_size": 2,
+                 "exclude_weak_tests": True},
+        "max_steps": 1, "output_dir": str(tmp_path / "run")})
+    train, held_out = load_splits(str(WEAK), eval_size=2, seed=config.seed, options={"format": "mbpp"})
+    state = online.setup(config)
+    weak = {"sort_visible_only", "prime_all_true", "next_prime_identity", "count_primes_catch_all"}
+    wrong = "max_of_three_wrong_reference"
+    assert {e.id for e in state.train.examples} == {e.id for e in train.examples} - weak - {wrong}
+    assert {e.id for e in state.held_out.examples} == {e.id for e in held_out.examples} - {wrong}
+    screening = online.make_card(config, state, None)["links"]["data"]["screening"]
+    assert screening["preflight"]["checked"] == 8 and screening["preflight"]["data_errors"] == 1
+    assert screening["preflight"]["faults"] == [{"id": wrong, "reason": "reference fails its tests: 1 of 3 tests failed"}]
+    assert screening["weak_tests"]["excluded"] == len({e.id for e in train.examples} & weak)
+    plain = online.setup(build_config(online_config.grpo_config, None, {
+        "data": {"task": str(MBPP), "format": "mbpp", "eval_size": 4, "prompts_per_step": 2, "group_size": 2}}))
+    assert plain.screening["preflight"] == {"checked": 24, "without_reference": 0, "data_errors": 0,
+                                            "removed": {"train": 0, "heldout": 0}, "faults": []}
+    assert "weak_tests" not in plain.screening and len(plain.train.examples) == 20

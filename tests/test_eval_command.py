@@ -23,8 +23,26 @@ def test_eval_bad_input_writes_nothing(tmp_path, capsys):
         (["--checker", "nope"], "--checker: unknown verifier"),
         (["--task-options", "{digits: 2"], "--task-options: not JSON"),
         (["--k", "0"], "must be at least 1"),
+        (["--timeout", "0"], "reward_options: timeout_s must be > 0"),
+        (["--checker", "mbpp", "--extraction", "boxed"], "reward_options.extraction 'boxed': a code verifier takes one of"),
     ):
         out = tmp_path / "eval"
         code = main(["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4", "--output-dir", str(out), *argv])
         assert code == 2 and message in capsys.readouterr().err
         assert not out.exists()
+
+
+def test_eval_takes_the_code_checkers_settings(tmp_path, capsys):
+    """--timeout / --memory-mb / --extraction reach the checker (recorded in summary.json), and
+    --unsafe-no-sandbox is said in the output and the summary."""
+    from pathlib import Path
+
+    mbpp = Path(__file__).parent / "data" / "mbpp_small.jsonl"
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", "tiny", "--task", str(mbpp), "--format", "mbpp", "--eval-size", "2", "--max-new-tokens", "4",
+                 "--timeout", "3", "--memory-mb", "512", "--extraction", "raw", "--unsafe-no-sandbox", "--output-dir", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["checker"]["verifier"] == "mbpp" and summary["checker"]["unsafe_no_sandbox"] is True
+    assert summary["checker"]["timeout_s"] == 3 and summary["checker"]["memory_mb"] == 512
+    assert summary["checker"]["code_policy"] == "raw" and summary["unsafe_no_sandbox"] is True
+    assert "UNSAFE" in capsys.readouterr().out

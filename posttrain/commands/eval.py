@@ -9,13 +9,17 @@ The held-out split is the one a training run with the same --task, --task-option
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from posttrain.errors import UserError
 
+logger = logging.getLogger(__name__)
+
 
 def handle(args) -> int:
-    from posttrain.evaluation.acceptance import evaluate_task, heldout_split, resolve_checker
+    from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task, heldout_split
+    from posttrain.rewards.registry import RewardOptions, as_verifier
     from posttrain.data.files import task_load_options
     from posttrain.hardware import Hardware, resolve
     from posttrain.models import load_model
@@ -39,22 +43,31 @@ def handle(args) -> int:
     if output_dir.exists() and any(output_dir.iterdir()):
         raise UserError(f"{output_dir}: not empty; choose another --output-dir")
     held_out = heldout_split(args.task, args.eval_size, args.seed, options)
-    try:
-        resolve_checker(held_out, args.checker)  # a bad checker name fails before anything is written
-    except ValueError as error:
-        raise UserError(f"--checker: {error}") from None
+    name = args.checker or DEFAULT_CHECKERS.get(held_out.reward_kind)
+    if name is None:
+        raise UserError(f"--checker: task {args.task} has no default checker for kind {held_out.reward_kind!r}; name one")
+    reward_options = RewardOptions(timeout_s=args.timeout, memory_mb=args.memory_mb, extraction=args.extraction)
+    # A bad checker name or option fails before anything is written.
+    checker = as_verifier(None, name, reward_options, args.unsafe_no_sandbox, for_checker=True, setting="--checker")
+    if args.unsafe_no_sandbox:
+        logger.warning("UNSAFE: --unsafe-no-sandbox: model-written code runs WITHOUT the bubblewrap sandbox "
+                       "(resource limits only). Use this only on a machine you can lose.")
+    checker.prepare()
     placement = resolve(Hardware(device=args.device, precision=args.precision))
     model, tokenizer = load_model(args.model, dtype=placement.param_dtype, device=placement.device)
     output_dir.mkdir(parents=True, exist_ok=True)
     with placement.autocast():
         summary = evaluate_task(
-            model, tokenizer, held_out, checker=args.checker, k=args.k, temperature=args.temperature,
+            model, tokenizer, held_out, checker=checker, k=args.k, temperature=args.temperature,
             max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
             output_path=output_dir / "eval.json",
         )
     summary["hardware"] = placement.describe()
+    summary["unsafe_no_sandbox"] = args.unsafe_no_sandbox
     (output_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "correct"}, indent=1) + "\n")
     low, high = summary["pass@1_ci95"]
+    if args.unsafe_no_sandbox:
+        print("UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (--unsafe-no-sandbox)")
     print(f"{args.model} on {args.task} held-out ({summary['n']} problems, checker {summary['checker'].get('verifier')}):")
     print(f"  pass@1 {summary['pass@1']:.3f}  95% CI [{low:.3f}, {high:.3f}]  (greedy)")
     if args.k > 1:
@@ -80,6 +93,11 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the training run's seed (it chose the split)")
     parser.add_argument("--system-prompt", default=None)
     parser.add_argument("--output-dir", required=True, help="where eval.json and summary.json go")
+    parser.add_argument("--timeout", type=float, default=10.0, help="code checkers: seconds per completion (as reward_options.timeout_s)")
+    parser.add_argument("--memory-mb", type=int, default=1024, help="code checkers: address-space limit (as reward_options.memory_mb)")
+    parser.add_argument("--extraction", default=None, help="answer extraction policy, or a code checker's auto | fenced | raw (as reward_options.extraction)")
+    parser.add_argument("--unsafe-no-sandbox", action="store_true",
+                        help="run model-written code WITHOUT the bubblewrap sandbox (as unsafe_no_sandbox; not isolated!)")
     parser.add_argument("--hardware.device", dest="device", default="auto", help="auto | cpu | cuda | cuda:N (as in the recipes' hardware section)")
     parser.add_argument("--hardware.precision", dest="precision", default="auto", help="auto | fp32 | bf16-mixed | bf16")
     parser.set_defaults(func=handle)

@@ -50,6 +50,7 @@ from posttrain.models.loading import load_policy
 from posttrain.optim import make_optimizer
 from posttrain.recipes.online_config import Config
 from posttrain.recipes.online_data import ScoredBatch, sample_and_score
+from posttrain.recipes.screening import LAYOUTS, screen_problems
 from posttrain.rewards import Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.checkpoint import seed_everything
@@ -87,6 +88,8 @@ class State:
     stream: PromptStream
     train: Task
     held_out: Task
+    screening: dict | None = None
+    """What the load-time screening of code problems removed (`screening.screen_problems`); None: not code."""
     step: int = 0
     reference_refreshed_at: list[int] = field(default_factory=list)
     placement: Placement = field(default_factory=cpu_placement)
@@ -106,6 +109,11 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     critic = make_critic(policy, share_backbone=config.critic.share_backbone) if config.loss.advantage == "gae" else None
     train, held_out = load_splits(config.data.task, train_size=config.data.train_size, eval_size=config.data.eval_size,
                                   seed=config.seed, options=config.data.load_options())
+    screening = None
+    if train.reward_kind in LAYOUTS:
+        judge = as_verifier(None, DEFAULT_CHECKERS[train.reward_kind], config.reward_options, config.unsafe_no_sandbox, for_checker=True)
+        screening = screen_problems(train, held_out, judge, preflight=config.data.preflight,
+                                    exclude_weak_tests=config.data.exclude_weak_tests)
     verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox)
     checker = as_verifier(None, config.acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind, "exact"),
                           config.reward_options, config.unsafe_no_sandbox, for_checker=True)
@@ -136,7 +144,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
         ], config.optim, total)
     return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
                  critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
-                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, placement=placement)
+                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, screening=screening, placement=placement)
 
 
 def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
@@ -478,6 +486,7 @@ def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
         "prompts_per_step": config.data.prompts_per_step,
         ("samples_per_prompt" if gae_mode else "group_size"): config.data.group_size,
         "sampling": dataclasses.asdict(config.sampling),
+        **({"screening": state.screening} if state.screening is not None else {}),
     }
     card["links"]["reward"] = {**state.verifier.describe(), "passed_as": "python object" if reward is not None else "config name"}
     if gae_mode:

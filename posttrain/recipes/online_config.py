@@ -43,7 +43,10 @@ class Data:
     """G: completions per prompt (>= 2 for group advantages; 1 is fine with a critic)."""
     system_prompt: str | None = None
     """Optional system prompt for chat models."""
-
+    preflight: bool = True
+    """Code tasks: run each problem's reference solution (MBPP `code`, HumanEval `canonical_solution`, a `solution` column) in the sandbox first; a problem failing its own tests is removed and counted."""
+    exclude_weak_tests: bool = False
+    """Code tasks: drop training problems whose tests accept a trivial program (a lookup of the prompt's examples, a constant, an echo, a catch-all; `posttrain audit --data`), counted in the card."""
 
     def load_options(self) -> dict:
         """The options `load_splits` takes (`data.files.task_load_options`)."""
