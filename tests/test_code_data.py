@@ -91,6 +91,20 @@ def test_stdio_cases_from_code_contests_layouts(stdio_file):
     assert task.reward_kind == "stdio"
     assert task.examples[0].metadata["cases"] == [{"stdin": "1 2\n", "stdout": "3\n"}, {"stdin": "10 -4\n", "stdout": "6\n"}]
     assert len(task.examples[1].metadata["cases"]) == 2
+    # The public cases stay in metadata (what the description shows: the audit's lookup table), the private ones do not.
+    assert task.examples[0].metadata["public_tests"] == {"input": ["1 2\n"], "output": ["3\n"]}
+    assert "private_tests" not in task.examples[0].metadata
+
+
+@needs_sandbox
+def test_mbpp_test_imports_and_setup_code_run_in_the_judge():
+    code = fenced("def area(r):\n    return 3.14159 * r * r")
+    example = {"tests": ["assert math.isclose(area(1), 3.14159, rel_tol=1e-3)", "assert area(UNIT) == 3.14159"],
+               "test_imports": ["import math"], "test_setup_code": "UNIT = 1"}
+    verdict = get_verifier("mbpp")(code, example)
+    assert (verdict.status, verdict.reward, verdict.details["tests_total"]) == ("ok", 1.0, 2)
+    bad = get_verifier("mbpp")(code, {**example, "test_imports": 3})
+    assert bad.status == "data_error" and "test_imports" in bad.reason
 
 
 def test_bad_cases_are_reported(tmp_path):

@@ -81,6 +81,17 @@ def test_the_same_mapping_by_columns_from_csv_and_json(tmp_path):
         assert [e.answer for e in task.examples] == ["2", "4", "6", "8"], name
 
 
+def test_csv_columns_are_text(tmp_path):
+    """CSV has no types: a column of numbers stays text (a short numeric answer or completion must
+    not become a number a text field rejects); an empty cell is a missing value, reported."""
+    path = tmp_path / "n.csv"
+    path.write_text('prompt,answer\n"1+1?",2\n"2+2?",4\n"x",\n')
+    task = load_task(str(path), options={"answer_format": "number"}, strict=False)
+    assert [(e.prompt, e.answer) for e in task.examples] == [("1+1?", "2"), ("2+2?", "4")] and task.rows_bad == 1
+    _, report = validate_prompt_file(path, answer_format="number")
+    assert report.lines() == [f"{path}:3: answer: wrong type: expected a string or number, got null"]
+
+
 def test_a_saved_dataset_directory_and_its_splits(tmp_path):
     rows = gsm8k_rows(6)
     datasets.DatasetDict({

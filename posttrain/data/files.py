@@ -93,7 +93,8 @@ def _open_dataset(source: str, path: Path, split: str | None):
         elif path.suffix in FILE_TYPES:
             if not path.is_file():
                 raise UserError(f"{source}: no such file")
-            loaded = datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train")
+            options = {"features": _csv_text_columns(path)} if path.suffix == ".csv" else {}
+            loaded = datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train", **options)
         elif path.exists():
             raise UserError(f"{source}: not a data file (.jsonl, .parquet, .csv, .json, .arrow) or a saved dataset directory")
         else:
@@ -112,6 +113,18 @@ def _open_dataset(source: str, path: Path, split: str | None):
     if split not in (None, "train") and split != getattr(loaded, "split", None):
         raise UserError(f"{source}: a single-split dataset; drop --data.split {split}")
     return loaded
+
+
+def _csv_text_columns(path: Path):
+    """Every column of a CSV file as text: CSV has no types, and a column of short numeric answers
+    (`"30"`) must not turn into numbers that a text field then rejects."""
+    import csv
+
+    import datasets
+
+    with open(path, newline="", encoding="utf-8") as handle:
+        header = next(csv.reader(handle), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
 
 
 def _cached_dataset(name: str, split: str | None):
@@ -178,7 +191,9 @@ def contest_cases(row: dict) -> dict:
         tests = row.get(key) or {}
         inputs += list(tests.get("input") or [])
         outputs += list(tests.get("output") or [])
-    return {**{k: v for k, v in row.items() if k not in CONTEST_TESTS}, "inputs": inputs, "outputs": outputs}
+    # The public cases stay (in metadata, never shown as such): they are the examples the
+    # description shows, which `posttrain audit --data` tries as a lookup table.
+    return {**{k: v for k, v in row.items() if k != "private_tests"}, "inputs": inputs, "outputs": outputs}
 
 
 def map_row(row: dict, mapping: dict[str, str]) -> dict:

@@ -196,23 +196,23 @@ def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: 
     if "inputs" in row or "outputs" in row:
         cases = check_cases(report, line, row.get("inputs"), row.get("outputs"))
         ok = ok and cases is not None
-    gold = row.get("answer")
+    gold, gold_checked = row.get("answer"), "answer" in row
     if "choices" in row:
         options = check_choices(report, line, row["choices"], answer_format)
         if options is None:
-            ok, gold = False, None  # the gold names an option of a list that is not there
+            ok, gold_checked = False, False  # the gold names an option of a list that is not there
         else:
             prompt, messages = _with_options(prompt, messages, options)
             if isinstance(gold, int) and not isinstance(gold, bool):
                 if not 0 <= gold < len(options):
                     report.add(line, "answer", f"option index {gold} out of range for {len(options)} choices")
-                    ok = False
-                gold = LETTERS[gold] if 0 <= gold < len(options) else None
-    if "answer" in row and gold is not None:
+                    ok, gold_checked = False, False
+                else:
+                    gold = LETTERS[gold]
+    if gold_checked:
         answer = check_answer(report, line, gold, answer_format)
         ok = ok and answer is not None
-        if answer is not None and answer_format == "choice" and "choices" in row and options is not None \
-                and LETTERS.index(answer) >= len(options):
+        if answer is not None and options is not None and LETTERS.index(answer) >= len(options):
             report.add(line, "answer", f"option {answer} but only {len(options)} choices")
             ok = False
     if "tests" in row:

@@ -391,6 +391,18 @@ def mbpp_entry_point(tests: list[str]) -> str | None:
     return None
 
 
+def _mbpp_setup(example: Mapping) -> str | Verdict:
+    """The judge's preamble from MBPP's `test_imports` (a list of import lines the asserts need,
+    e.g. `import math`) and `test_setup_code` (a string); data_error when they are not text."""
+    imports = example.get("test_imports") or []
+    setup = example.get("test_setup_code") or ""
+    if isinstance(imports, str):
+        imports = [imports]
+    if not isinstance(imports, list) or not all(isinstance(line, str) for line in imports) or not isinstance(setup, str):
+        return Verdict.data_error("fields 'test_imports' (a list of strings) / 'test_setup_code' (a string) have the wrong type")
+    return "".join(line.strip() + "\n" for line in imports if line.strip()) + (setup.strip() + "\n" if setup.strip() else "")
+
+
 class MBPPVerifier(HumanEvalVerifier):
     """MBPP format: a natural-language prompt (never executed), the completion's code (the last
     fenced block by default) defines the function, and each assert of `tests` (MBPP's `test_list`)
@@ -398,7 +410,10 @@ class MBPPVerifier(HumanEvalVerifier):
     function (type-strict comparisons, as for HumanEval); `entry_point` is taken from the tests when
     the row does not name it.
 
-    Row: {"completion", "tests": ["assert f(1) == 2", ...], "entry_point" (optional)}.
+    MBPP's `test_imports` and `test_setup_code` run in the judge before the asserts.
+
+    Row: {"completion", "tests": ["assert f(1) == 2", ...], "entry_point" (optional),
+    "test_imports" (optional), "test_setup_code" (optional)}.
     """
 
     name = "mbpp"
@@ -412,7 +427,10 @@ class MBPPVerifier(HumanEvalVerifier):
         entry_point = example.get("entry_point") or mbpp_entry_point(tests)
         if not isinstance(entry_point, str) or not entry_point.isidentifier():
             return Verdict.data_error("no function name: the tests call none, and the row names no 'entry_point'")
-        source = "def check(candidate):\n" + "".join(
+        setup = _mbpp_setup(example)
+        if isinstance(setup, Verdict):
+            return setup
+        source = setup + "def check(candidate):\n" + "".join(
             textwrap.indent(test.strip(), "    ") + "\n" for test in tests)
         try:
             tree, asserts = _rewrite_test(source)
