@@ -261,3 +261,29 @@ def test_data_check_reads_every_kind_and_format(tmp_path):
         f"{sft}:2: completion: missing field (an SFT row has `messages`, or `prompt` and `completion`)", f"{sft}: 2 rows read, 1 bad"]
     result = check("--kind", "preference", str(parquet), "--format", "gsm8k")
     assert result.returncode == 2 and "no column 'chosen'" in result.stderr
+
+
+def test_file_tasks_are_row_views_equal_to_the_eager_parse(tmp_path, gsm8k_parquet):
+    """A data file's examples are row handles (parsed again on reading), identical to the eager
+    parse, split exactly as shuffling the parsed list would, and they pickle."""
+    import pickle
+    import random as stdlib_random
+
+    from posttrain.data.examples import derived_seed
+    from posttrain.data.files import RowView
+
+    jsonl = tmp_path / "big.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + ("\n\n" if i % 7 == 0 else "\n")
+                             for i in range(300)) + '{"prompt": "bad"\n')
+    for source, options in ((jsonl, {"answer_format": "number"}), (gsm8k_parquet, {"format": "gsm8k"})):
+        task = load_task(str(source), options=options, strict=False)
+        assert isinstance(task.examples, RowView)
+        eager, _ = validate_prompt_file(source, answer_format=options.get("answer_format"), data_format=options.get("format"))
+        assert list(task.examples) == [example for _, example in eager]
+        assert task.examples[5] == eager[5][1] and list(task.examples[2:4]) == [eager[2][1], eager[3][1]]
+        train, held_out = load_splits(str(source), eval_size=4, seed=3, options=options, strict=False)
+        shuffled = [example for _, example in eager]
+        stdlib_random.Random(derived_seed(3, "split")).shuffle(shuffled)
+        assert list(held_out.examples) == shuffled[:4] and list(train.examples) == shuffled[4:]
+        assert list(pickle.loads(pickle.dumps(train.examples))) == list(train.examples)
+    assert load_task(str(jsonl), options={"answer_format": "number"}, strict=False).rows_bad == 1

@@ -128,3 +128,22 @@ def test_loss_on_all_is_for_sft_rows_only():
         sft.run(config)
     with pytest.raises(UserError, match="loss_on must be one of assistant, completion, all"):
         build_config(sft.Config, None, {"data": {"loss_on": "prompt"}})
+
+
+def test_sft_rows_are_a_row_view_of_the_file(tmp_path):
+    """load_sft_rows keeps row handles; reading them gives the rows parse_sft_row makes."""
+    import pickle
+
+    from posttrain.data.files import RowView, read_rows
+    from posttrain.data.sft_data import load_sft_rows, parse_sft_row
+    from posttrain.data.validation import ValidationReport
+
+    path = tmp_path / "sft.jsonl"
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(40)]
+    rows[7] = {"prompt": "no completion"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    view, report = load_sft_rows(path, strict=False)
+    assert isinstance(view, RowView) and len(view) == 39 and report.rows_bad == 1
+    eager = [parse_sft_row(ValidationReport(str(path)), line, row, path.name) for line, row in read_rows(path, ValidationReport(str(path)))]
+    assert list(view) == [row for row in eager if row is not None]
+    assert list(pickle.loads(pickle.dumps(view.take([3, 1])))) == [view[3], view[1]]

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.data.files import pick
 from posttrain.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Task:
     split: str
     """`train`, `eval`, or `all` (an unsplit load)."""
     examples: list[Example]
+    """A list, or for a data file a `data.files.RowView` (the same sequence, parsed on reading)."""
     reward_kind: str
     """A hint for the verifier: `number` (exact integer), `math` (math-verify), `reasoning_gym`
     (the dataset's own scorer), `code` (tests in the sandbox)."""
@@ -78,7 +80,7 @@ def remove_overlap(train: Task, held_out: Task) -> int:
     """
     held_out_keys = {example.prompt_key() for example in held_out.examples}
     before = len(train.examples)
-    train.examples = [e for e in train.examples if e.prompt_key() not in held_out_keys]
+    train.examples = pick(train.examples, [i for i, e in enumerate(train.examples) if e.prompt_key() not in held_out_keys])
     removed = before - len(train.examples)
     train.duplicates_removed += removed
     if removed:

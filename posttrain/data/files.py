@@ -13,12 +13,14 @@ Row numbers count from 1 in file order (for JSONL, the line number), so a bad ro
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.data.validation import ValidationReport, read_jsonl
+from posttrain.data.validation import ValidationReport, type_name
 from posttrain.errors import UserError
 
 CANONICAL_COLUMNS = ("prompt", "messages", "answer", "tests", "entry_point", "id", "chosen", "rejected", "completion",
@@ -63,24 +65,118 @@ def read_rows(source: str | Path, report: ValidationReport, split: str | None = 
     .parquet / .csv / .json / .arrow file, a `save_to_disk` directory, or a cached dataset name
     (`split`, default `train`, picks the split of a dataset with several). A missing file, an
     unreadable file or a name not in the local cache is one UserError line."""
-    path = Path(source).expanduser()
-    if str(source).endswith(".jsonl") or (path.is_file() and path.suffix not in FILE_TYPES):
-        if split not in (None, "train"):
-            raise UserError(f"{source}: a JSONL file has one split; drop --data.split {split}")
-        yield from read_jsonl(path, report)
-        return
-    dataset = _open_dataset(str(source), path, split)
-    report.rows_read += len(dataset)
-    for number, row in enumerate(dataset, start=1):
-        yield number, dict(row)
+    for _, number, row in RowTable(source, split).scan(report):
+        yield number, row
+
+
+class RowTable:
+    """The rows of one source, read again on demand instead of held as Python objects: a `datasets`
+    Dataset (memory-mapped Arrow) by position, a JSONL file by the byte offset of each line. `scan`
+    reads every row once (for validation) and gives each a `handle`; `row(handle)` reads that row
+    again. Pickles without its open file."""
+
+    def __init__(self, source: str | Path, split: str | None = None):
+        self.source = str(source)
+        path = Path(source).expanduser()
+        self.jsonl = self.source.endswith(".jsonl") or (path.is_file() and path.suffix not in FILE_TYPES)
+        self._path, self._file, self._dataset = path, None, None
+        if self.jsonl:
+            if split not in (None, "train"):
+                raise UserError(f"{source}: a JSONL file has one split; drop --data.split {split}")
+            if not path.is_file():
+                raise UserError(f"{path}: no such file")
+        else:
+            self._dataset = _open_dataset(self.source, path, split)
+
+    @property
+    def columns(self) -> list[str] | None:
+        """The columns of a `datasets`-read source (None for JSONL, whose rows may differ)."""
+        return None if self.jsonl else list(self._dataset.column_names)
+
+    def scan(self, report: ValidationReport) -> Iterator[tuple[int, int, dict]]:
+        """`(handle, row number, row)` for every row; JSONL lines that are blank are skipped, lines
+        that are not one JSON object go to `report` (a file is read a line at a time)."""
+        if not self.jsonl:
+            report.rows_read += len(self._dataset)
+            for index, row in enumerate(self._dataset):
+                yield index, index + 1, dict(row)
+            return
+        with open(self._path, "rb") as handle:
+            offset = 0
+            for number, raw in enumerate(handle, start=1):
+                start, offset = offset, offset + len(raw)
+                if not raw.strip():
+                    continue
+                report.rows_read += 1
+                row = _json_object(raw[:-1] if raw.endswith(b"\n") else raw, number, report)
+                if row is not None:
+                    yield start, number, row
+
+    def row(self, handle: int) -> dict:
+        """The row `scan` gave `handle` (a JSONL line is parsed again; it parsed before)."""
+        if not self.jsonl:
+            return dict(self._dataset[handle])
+        if self._file is None:
+            self._file = open(self._path, "rb")
+        self._file.seek(handle)
+        return json.loads(self._file.readline().decode("utf-8-sig" if handle == 0 else "utf-8"))
+
+    def __getstate__(self):
+        return {**self.__dict__, "_file": None}
+
+
+def _json_object(raw: bytes, number: int, report: ValidationReport) -> dict | None:
+    try:
+        text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as error:
+        report.add(number, "row", f"non-UTF-8 bytes (byte 0x{raw[error.start]:02x} at column {error.start + 1})")
+        return None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as error:
+        report.add(number, "row", f"invalid JSON: {error.msg} (column {error.colno})")
+        return None
+    if not isinstance(row, dict):
+        report.add(number, "row", f"expected a JSON object, got {type_name(row)}")
+        return None
+    return row
+
+
+class RowView(Sequence):
+    """A sequence of parsed items (Examples, SFT rows) kept as row handles of a `RowTable`: each
+    item is parsed again when it is read, so a file of a million rows costs two integer arrays, not
+    a million Python objects. `parse(number, row)` must give the item the validation pass kept.
+    Slicing and `take(positions)` give views; anything else that reads items reads them one at a time."""
+
+    def __init__(self, table: RowTable, handles, numbers, parse: Callable[[int, dict], Any]):
+        self.table, self.parse = table, parse
+        self.handles, self.numbers = array("q", handles), array("q", numbers)
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return RowView(self.table, self.handles[index], self.numbers[index], self.parse)
+        return self.parse(self.numbers[index], self.table.row(self.handles[index]))
+
+    def take(self, positions) -> RowView:
+        """The items at `positions`, in that order, as a view."""
+        positions = list(positions)
+        return RowView(self.table, [self.handles[i] for i in positions], [self.numbers[i] for i in positions], self.parse)
+
+    def __repr__(self) -> str:
+        return f"RowView({self.table.source!r}, {len(self)} rows)"
+
+
+def pick(items: Sequence, positions) -> Sequence:
+    """`items` at `positions`, in order: a view of a `RowView`, a list of anything else."""
+    return items.take(positions) if isinstance(items, RowView) else [items[i] for i in positions]
 
 
 def column_names(source: str | Path, split: str | None = None) -> list[str] | None:
     """The columns of a `datasets`-read source (None for JSONL, whose rows may differ)."""
-    path = Path(source).expanduser()
-    if str(source).endswith(".jsonl") or (path.is_file() and path.suffix not in FILE_TYPES):
-        return None
-    return list(_open_dataset(str(source), path, split).column_names)
+    return RowTable(source, split).columns
 
 
 def _open_dataset(source: str, path: Path, split: str | None):

@@ -17,10 +17,13 @@ Schema (after the mapping; blank JSONL lines are skipped):
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from posttrain.data.examples import Example, Task, require_examples
-from posttrain.data.files import FORMATS, check_columns, column_names, contest_cases, map_row, read_rows, resolve_columns
+from posttrain.data.files import FORMATS, RowTable, RowView, check_columns, contest_cases, map_row, resolve_columns
 from posttrain.data.validation import (
     ANSWER_FORMATS,
     ValidationReport,
@@ -42,18 +45,34 @@ the `choice` verifier."""
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
-def code_kind(examples: list[Example], data_format: str | None) -> str | None:
+def code_kind(examples, data_format: str | None) -> str | None:
     """The code layout of a task, which decides its default reward and checker: `stdio` (cases of
     stdin / stdout), `mbpp` (assert lines, the prompt in words), `code` (HumanEval's
     check(candidate) after a code prompt); None for answer tasks."""
-    if any("cases" in example.metadata for example in examples):
-        return "stdio"
-    tested = [example for example in examples if example.tests]
-    if not tested:
-        return None
-    if data_format == "mbpp" or not any("def check(" in test for example in tested for test in example.tests):
-        return "mbpp"
-    return "code"
+    layout = _Layout()
+    for example in examples:
+        layout.see(example)
+    return layout.kind(data_format)
+
+
+class _Layout:
+    """What `code_kind` needs to know of a task, gathered one example at a time."""
+
+    def __init__(self):
+        self.cases = self.tested = self.check = False
+
+    def see(self, example: Example) -> None:
+        self.cases = self.cases or "cases" in example.metadata
+        if example.tests:
+            self.tested = True
+            self.check = self.check or any("def check(" in test for test in example.tests)
+
+    def kind(self, data_format: str | None) -> str | None:
+        if self.cases:
+            return "stdio"
+        if not self.tested:
+            return None
+        return "mbpp" if data_format == "mbpp" or not self.check else "code"
 
 
 def resolve_answer_format(answer_format: str | None, data_format: str | None) -> str:
@@ -87,44 +106,89 @@ def validate_prompt_file(
     source_split: the split of a saved or cached dataset with several.
     tokenizer + max_prompt_tokens: also report prompts longer than the limit after the chat template.
     """
+    table = RowTable(path, source_split)
+    parsed = _scan(table, ValidationReport(str(path)), answer_format=answer_format, data_format=data_format, columns=columns,
+                   tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, system_prompt=system_prompt,
+                   use_chat_template=use_chat_template)
+    return [(line, example) for _, line, example in parsed.rows], parsed.report
+
+
+@dataclass
+class _Scan:
+    rows: Iterator[tuple[int, int, Example]]
+    """A generator: `report` and `layout` are complete once it is exhausted."""
+    report: ValidationReport
+    layout: _Layout
+    parse: Callable[[int, dict], Example | None]
+
+
+def _scan(table: RowTable, report: ValidationReport, *, answer_format=None, data_format=None, columns=None, tokenizer=None,
+          max_prompt_tokens=None, system_prompt=None, use_chat_template=None) -> _Scan:
+    """The validation pass over `table`: `rows` yields `(handle, row number, Example)` for every
+    valid row (exhaust it before reading `report` or `layout`); `parse` turns a row of the
+    table into its Example again."""
     answer_format = resolve_answer_format(answer_format, data_format)
     mapping = resolve_columns(data_format, columns)
-    check_columns(str(path), column_names(path, source_split), mapping)
-    report = ValidationReport(str(path))
-    examples, first_line_of_id = [], {}
-    for line, row in read_rows(path, report, source_split):
-        example = parse_prompt_row(report, line, contest_cases(map_row(row, mapping)), Path(path).name, answer_format)
-        if example is None:
-            continue
-        if example.id in first_line_of_id:
-            report.add(line, "id", f"duplicate id {example.id!r} (first on line {first_line_of_id[example.id]})")
-            continue
-        first_line_of_id[example.id] = line
-        if check_prompt_length(
-            report, line, example.prompt_input, tokenizer, max_prompt_tokens,
-            system_prompt=system_prompt, use_chat_template=use_chat_template,
-        ):
-            examples.append((line, example))
-    return examples, report
+    check_columns(table.source, table.columns, mapping)
+    layout, parse = _Layout(), _PromptParser(table.source, mapping, answer_format)
+
+    def rows():
+        first_line_of_id: dict[str, int] = {}
+        for handle, line, row in table.scan(report):
+            example = parse(line, row, report)
+            if example is None:
+                continue
+            if example.id in first_line_of_id:
+                report.add(line, "id", f"duplicate id {example.id!r} (first on line {first_line_of_id[example.id]})")
+                continue
+            first_line_of_id[example.id] = line
+            if check_prompt_length(report, line, example.prompt_input, tokenizer, max_prompt_tokens,
+                                   system_prompt=system_prompt, use_chat_template=use_chat_template):
+                layout.see(example)
+                yield handle, line, example
+
+    return _Scan(rows(), report, layout, parse)
+
+
+@dataclass
+class _PromptParser:
+    """One row of a prompt file as its Example (a picklable `RowView.parse`)."""
+
+    source: str
+    mapping: dict
+    answer_format: str
+
+    def __call__(self, line: int, row: dict, into: ValidationReport | None = None) -> Example | None:
+        return parse_prompt_row(into or ValidationReport(self.source), line, contest_cases(map_row(row, self.mapping)),
+                                Path(self.source).name, self.answer_format)
 
 
 def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all", **checks) -> Task:
-    """A JSONL prompt file as a Task, validated first (see `validate_prompt_file` for `checks`).
+    """A prompt file as a Task, validated first (see `validate_prompt_file` for `checks`). The
+    examples are a `RowView`: row handles into the file, each example parsed again when read, so
+    a large file is not held as Python objects.
 
     strict: any bad row stops with a UserError listing every problem; strict=False drops bad rows
     and records their number in `Task.rows_bad`. An empty result is a UserError either way.
     """
-    parsed, report = validate_prompt_file(path, **checks)
-    report.enforce(strict)
-    examples = [example for _, example in parsed]
+    table = RowTable(path, checks.get("source_split"))
+    keep = ("answer_format", "data_format", "columns", "tokenizer", "max_prompt_tokens", "system_prompt", "use_chat_template")
+    scan = _scan(table, ValidationReport(str(path)), **{key: value for key, value in checks.items() if key in keep})
+    handles, numbers = array("q"), array("q")
+    for handle, line, _ in scan.rows:  # each Example checked, then dropped
+        handles.append(handle)
+        numbers.append(line)
+    scan.report.enforce(strict)
+    examples = RowView(table, handles, numbers, scan.parse)
     answer_format = resolve_answer_format(checks.get("answer_format"), checks.get("data_format"))
     options = {"answer_format": answer_format}
     for key, option in (("data_format", "format"), ("columns", "columns"), ("source_split", "split")):
         if checks.get(key):
             options[option] = checks[key]
     task = Task(
-        name=str(path), split=split, examples=examples, reward_kind=code_kind(examples, checks.get("data_format")) or REWARD_KINDS[answer_format],
-        rows_bad=report.rows_bad, options=options,
+        name=str(path), split=split, examples=examples,
+        reward_kind=scan.layout.kind(checks.get("data_format")) or REWARD_KINDS[answer_format],
+        rows_bad=scan.report.rows_bad, options=options,
     )
     require_examples(task)
     return task

@@ -24,11 +24,13 @@ refused with one line.
 
 from __future__ import annotations
 
+from array import array
+
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 
-from posttrain.data.files import check_columns, column_names, map_row, read_rows, resolve_columns
+from posttrain.data.files import RowTable, RowView, check_columns, map_row, read_rows, resolve_columns
 from posttrain.data.tokenize import TokenizedBatch, has_chat_template, tokenize_prompt_response
 from posttrain.data.validation import ValidationReport, check_messages, check_text, type_name
 from posttrain.errors import UserError
@@ -65,22 +67,38 @@ def is_sft_file(path: str, data_format: str | None = None, columns: dict | None 
 
 
 def load_sft_rows(path: str | Path, *, data_format: str | None = None, columns: dict | None = None,
-                  source_split: str | None = None, strict: bool = True, allow_empty: bool = False) -> tuple[list[SFTRow], ValidationReport]:
+                  source_split: str | None = None, strict: bool = True, allow_empty: bool = False) -> tuple[RowView, ValidationReport]:
     """Every valid row of an SFT file, and the report of the others (a UserError listing them when
-    `strict`, as for every data file; an empty result is a UserError unless `allow_empty`)."""
+    `strict`, as for every data file; an empty result is a UserError unless `allow_empty`). The rows
+    are a `RowView`: handles into the file, each row parsed again when read, so a large file is not
+    held as Python objects."""
     mapping = resolve_columns(data_format, columns)
-    check_columns(str(path), column_names(path, source_split), mapping)
+    table = RowTable(path, source_split)
+    check_columns(str(path), table.columns, mapping)
     report = ValidationReport(str(path))
-    rows = []
-    for line, row in read_rows(path, report, source_split):
-        parsed = parse_sft_row(report, line, map_row(row, mapping), Path(path).name)
-        if parsed is not None:
-            rows.append(parsed)
+    parse = _SFTParser(str(path), mapping)
+
+    handles, numbers = array("q"), array("q")
+    for handle, line, row in table.scan(report):
+        if parse(line, row, report) is not None:  # checked, then dropped
+            handles.append(handle)
+            numbers.append(line)
     if not allow_empty:  # allow_empty: a check that reports every row (posttrain data check), no enforcing
         report.enforce(strict)
-    if not rows and not allow_empty:
+    if not handles and not allow_empty:
         raise UserError(f"{path}: no usable SFT rows")
-    return rows, report
+    return RowView(table, handles, numbers, parse), report
+
+
+@dataclass
+class _SFTParser:
+    """One row of an SFT file as its SFTRow (a picklable `RowView.parse`)."""
+
+    source: str
+    mapping: dict
+
+    def __call__(self, line: int, row: dict, into: ValidationReport | None = None) -> SFTRow | None:
+        return parse_sft_row(into or ValidationReport(self.source), line, map_row(row, self.mapping), Path(self.source).name)
 
 
 def parse_sft_row(report: ValidationReport, line: int, row: dict, file_name: str) -> SFTRow | None:

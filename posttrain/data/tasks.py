@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 
 from posttrain.data.examples import Example, Task, check_disjoint, derived_seed, remove_overlap, require_examples
-from posttrain.data.files import is_data_source
+from posttrain.data.files import is_data_source, pick
 from posttrain.data.prompts import load_prompt_file
 from posttrain.data.validation import ValidationReport, check_prompt_length
 from posttrain.errors import UserError
@@ -101,26 +101,26 @@ def load_splits(
                           **load_options)
     else:
         everything = load_task(spec, seed=seed, **load_options)
-        examples = list(everything.examples)
-        random.Random(derived_seed(seed, "split")).shuffle(examples)
-        if eval_size >= len(examples):
+        order = list(range(len(everything.examples)))  # shuffled as the examples were (same permutation)
+        random.Random(derived_seed(seed, "split")).shuffle(order)
+        if eval_size >= len(order):
             raise UserError(
-                f"task {spec}: eval_size={eval_size} leaves no training examples out of {len(examples)}"
+                f"task {spec}: eval_size={eval_size} leaves no training examples out of {len(order)}"
             )
         end = None if train_size is None else eval_size + train_size
-        if end is not None and end > len(examples):
+        if end is not None and end > len(order):
             raise UserError(
-                f"task {spec}: train_size={train_size} + eval_size={eval_size} is more than its {len(examples)} examples"
+                f"task {spec}: train_size={train_size} + eval_size={eval_size} is more than its {len(order)} examples"
             )
-        held_out = _subset(everything, "eval", examples[:eval_size])
-        train = _subset(everything, "train", examples[eval_size:end])
+        held_out = _subset(everything, "eval", pick(everything.examples, order[:eval_size]))
+        train = _subset(everything, "train", pick(everything.examples, order[eval_size:end]))
     remove_overlap(train, held_out)
     check_disjoint(train, held_out)
     require_examples(train)
     return train, held_out
 
 
-def _subset(task: Task, split: str, examples: list[Example]) -> Task:
+def _subset(task: Task, split: str, examples) -> Task:
     return Task(task.name, split, examples, task.reward_kind, task.rows_bad, 0, dict(task.options))
 
 

@@ -8,14 +8,11 @@ except the optional prompt-length check, which needs the model's tokenizer.
 
 from __future__ import annotations
 
-import json
 import keyword
 import logging
 import re
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterator
 
 from posttrain.errors import UserError
 
@@ -79,32 +76,6 @@ class ValidationReport:
         logger.warning("%s; dropping the bad rows (strict: false)", self.summary())
         for line in self.lines():
             logger.debug("%s", line)
-
-
-def read_jsonl(path: str | Path, report: ValidationReport) -> Iterator[tuple[int, dict]]:
-    """Yield `(line_number, row)` for each JSON object in a JSONL file; blank lines are skipped,
-    undecodable or non-object lines go to `report`. A missing file is a UserError."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such file")
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        report.rows_read += 1
-        try:
-            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-        except UnicodeDecodeError as error:
-            report.add(number, "row", f"non-UTF-8 bytes (byte 0x{raw[error.start]:02x} at column {error.start + 1})")
-            continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as error:
-            report.add(number, "row", f"invalid JSON: {error.msg} (column {error.colno})")
-            continue
-        if not isinstance(row, dict):
-            report.add(number, "row", f"expected a JSON object, got {type_name(row)}")
-            continue
-        yield number, row
 
 
 def type_name(value) -> str:

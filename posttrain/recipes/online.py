@@ -111,7 +111,9 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
                                   seed=config.seed, options=config.data.load_options())
     screening = None
     if train.reward_kind in LAYOUTS:
-        judge = as_verifier(None, DEFAULT_CHECKERS[train.reward_kind], config.reward_options, config.unsafe_no_sandbox, for_checker=True)
+        # References and the trivial programs are plain code, not completions: read raw, all-or-nothing.
+        judge_options = dataclasses.replace(config.reward_options, extraction="raw", partial_credit=False)
+        judge = as_verifier(None, DEFAULT_CHECKERS[train.reward_kind], judge_options, config.unsafe_no_sandbox, for_checker=True)
         screening = screen_problems(train, held_out, judge, preflight=config.data.preflight,
                                     exclude_weak_tests=config.data.exclude_weak_tests)
     verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox)

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from posttrain.data.examples import Task, require_examples, verifier_input
+from posttrain.data.files import pick
 from posttrain.rewards.base import Verifier
 from posttrain.rewards.problem_checks import check_references, find_weak_tests
 
@@ -28,7 +29,7 @@ LISTED = 20
 def screen_problems(train: Task, held_out: Task, judge: Verifier, *, preflight: bool = True,
                     exclude_weak_tests: bool = False, workers: int | None = None) -> dict[str, Any] | None:
     """Screen the code problems of `train` and `held_out` in place with `judge` (the task layout's
-    code verifier, all-or-nothing): with `preflight`, a problem whose reference solution does not
+    code verifier, all-or-nothing, reading code raw: references are programs, not completions): with `preflight`, a problem whose reference solution does not
     pass its tests (or whose tests do not run) is removed from either split; with
     `exclude_weak_tests`, a training problem whose tests accept a lookup table of the prompt's
     examples, a constant, an echo or a catch-all is removed (the held-out split is kept whole, so
@@ -39,7 +40,7 @@ def screen_problems(train: Task, held_out: Task, judge: Verifier, *, preflight: 
         return None
     record: dict[str, Any] = {"layout": layout, "judge": judge.name}
     if preflight:
-        rows = [verifier_input(e) for e in train.examples + held_out.examples]
+        rows = [verifier_input(e) for e in [*train.examples, *held_out.examples]]
         report = check_references(judge, rows, workers=workers)
         faulty = {fault.id: fault.reason for fault in report.faults}
         for fault in report.faults:
@@ -70,5 +71,5 @@ def screen_problems(train: Task, held_out: Task, judge: Verifier, *, preflight: 
 def _remove(task: Task, ids: dict[str, str]) -> int:
     """Drop the examples whose id is in `ids`; returns how many."""
     before = len(task.examples)
-    task.examples = [example for example in task.examples if example.id not in ids]
+    task.examples = pick(task.examples, [i for i, example in enumerate(task.examples) if example.id not in ids])
     return before - len(task.examples)

@@ -138,16 +138,16 @@ def load_data(data: Data, seed: int, tokenizer) -> SFTData:
     options = data.load_options()
     if is_data_source(data.task) and is_sft_file(data.task, data.format, data.columns or None, data.split):
         rows, report = load_sft_rows(data.task, data_format=data.format, columns=data.columns or None, source_split=data.split)
-        rows = list(rows)
-        random.Random(derived_seed(seed, "split")).shuffle(rows)
-        if data.eval_size >= len(rows):
-            raise UserError(f"data.task {data.task}: eval_size={data.eval_size} leaves no training rows out of {len(rows)}")
-        held, train = rows[: data.eval_size], rows[data.eval_size :][: data.train_size]
+        order = list(range(len(rows)))  # the rows stay in the file; shuffled as positions
+        random.Random(derived_seed(seed, "split")).shuffle(order)
+        if data.eval_size >= len(order):
+            raise UserError(f"data.task {data.task}: eval_size={data.eval_size} leaves no training rows out of {len(order)}")
+        held, train = rows.take(order[: data.eval_size]), rows.take(order[data.eval_size :][: data.train_size])
 
         def encode(items):
             return tokenize_sft(tokenizer, items, loss_on=data.loss_on, system_prompt=data.system_prompt)
 
-        encode(train[:1] + held[:1])  # a template that cannot mask fails here, before the run directory exists
+        encode([*train[:1], *held[:1]])  # a template that cannot mask fails here, before the run directory exists
         chats = sum(row.is_chat for row in train)
         card = {"task": data.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
                 "conversations": chats, "prompt_completion_rows": len(train) - chats, "loss_on": data.loss_on,
