@@ -158,9 +158,12 @@ class _PromptParser:
     mapping: dict
     answer_format: str
 
+    def __post_init__(self):
+        self.file_name = Path(self.source).name
+
     def __call__(self, line: int, row: dict, into: ValidationReport | None = None) -> Example | None:
         return parse_prompt_row(into or ValidationReport(self.source), line, contest_cases(map_row(row, self.mapping)),
-                                Path(self.source).name, self.answer_format)
+                                self.file_name, self.answer_format)
 
 
 def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all", **checks) -> Task:

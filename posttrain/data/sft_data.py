@@ -97,8 +97,11 @@ class _SFTParser:
     source: str
     mapping: dict
 
+    def __post_init__(self):
+        self.file_name = Path(self.source).name
+
     def __call__(self, line: int, row: dict, into: ValidationReport | None = None) -> SFTRow | None:
-        return parse_sft_row(into or ValidationReport(self.source), line, map_row(row, self.mapping), Path(self.source).name)
+        return parse_sft_row(into or ValidationReport(self.source), line, map_row(row, self.mapping), self.file_name)
 
 
 def parse_sft_row(report: ValidationReport, line: int, row: dict, file_name: str) -> SFTRow | None:
