@@ -24,7 +24,7 @@ def register(subparsers) -> None:
         "audit", help="try to fool a verifier with known exploits (each must score 0) and honest "
                       "answers (each must score 1); or, with --data, check a code dataset's tests")
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--verifier", help="math, exact, numeric, format, rg, humaneval, io or stdio")
+    mode.add_argument("--verifier", help="math, exact, numeric, choice, format, rg, humaneval, mbpp, io or stdio")
     mode.add_argument("--data", help="a code data file (.jsonl .parquet .csv .json .arrow), a saved dataset "
                                      "directory, a cached owner/name, or humaneval (the packaged set)")
     parser.add_argument("--format", choices=tuple(DATA_LAYOUTS), default=None,

@@ -165,18 +165,33 @@ def _io_example(problem: dict) -> dict:
                       for args, expected in problem["cases"]]}
 
 
+def _mbpp_example(problem: dict) -> dict:
+    """The problem in MBPP form: the task in words, one assert line per case."""
+    name = problem["entry_point"]
+    return {"prompt": f"Write {name} as described.",
+            "tests": [f"assert {name}({args!r}) == {expected!r}" for args, expected in problem["cases"]]}
+
+
 def code_cases(verifier: str) -> list[Case]:
-    """The exploit/honest table for `humaneval` or `io` (io gets prompt + body as its code)."""
+    """The exploit/honest table for `humaneval`, `mbpp` or `io` (mbpp and io get prompt + body as
+    their code: a whole program defining the function)."""
     cases = []
     for kind, table in (("exploit", CODE_EXPLOITS), ("honest", CODE_HONEST)):
         for name, problem, body in table:
             if verifier == "humaneval":
                 cases.append(Case(name, kind, body, _humaneval_example(problem)))
+            elif verifier == "mbpp":
+                cases.append(Case(name, kind, problem["prompt"] + body, _mbpp_example(problem)))
             else:
                 cases.append(Case(name, kind, problem["prompt"] + body, _io_example(problem)))
     if verifier == "humaneval":
         cases.append(Case("test without asserts", "malformed", "    return sorted(values)\n",
                           {**_humaneval_example(SORT), "test": "def check(candidate):\n    pass\n"}))
+    elif verifier == "mbpp":
+        cases.append(Case("empty test list", "malformed", SORT["prompt"] + "    return sorted(values)\n",
+                          {"prompt": "Sort.", "tests": []}))
+        cases.append(Case("tests that never call the function", "malformed", SORT["prompt"] + "    return sorted(values)\n",
+                          {"prompt": "Sort.", "tests": ["assert 1 == 1"], "entry_point": "sort_numbers"}))
     else:
         cases.append(Case("empty test list", "malformed", SORT["prompt"] + "    return sorted(values)\n",
                           {"entry_point": "sort_numbers", "cases": []}))
@@ -318,6 +333,7 @@ def format_cases() -> list[Case]:
 
 SUITES = {
     "humaneval": lambda: code_cases("humaneval"),
+    "mbpp": lambda: code_cases("mbpp"),
     "io": lambda: code_cases("io"),
     "stdio": stdio_cases,
     "math": lambda: answer_cases("math"),
