@@ -20,6 +20,7 @@ import yaml
 
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, Memory
+from posttrain.rewards.registry import RewardOptions
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -295,6 +296,10 @@ class RunFields:
     """Device and precision (posttrain/hardware.py): --hardware.device cuda --hardware.precision bf16-mixed."""
     memory: Memory = dataclasses.field(default_factory=Memory)
     """Activation memory: --memory.gradient_checkpointing true."""
+    reward_options: RewardOptions = dataclasses.field(default_factory=RewardOptions)
+    """The settings of the verifiers the run builds by name (the training reward; the held-out checker, which never takes partial credit): timeout_s, memory_mb (code sandbox), partial_credit (code: passed / total), extraction."""
+    unsafe_no_sandbox: bool = False
+    """Run model-written code WITHOUT the bubblewrap sandbox (rlimits only). Never the default; the log and the run card say so loudly."""
 
     def validate(self) -> None:
         for name in ("max_steps", "checkpoint_every"):

@@ -241,3 +241,28 @@ def test_screening_removes_failing_references_and_weak_training_problems(tmp_pat
     assert plain.screening["preflight"] == {"checked": 24, "without_reference": 0, "data_errors": 0,
                                             "removed": {"train": 0, "heldout": 0}, "faults": []}
     assert "weak_tests" not in plain.screening and len(plain.train.examples) == 20
+
+
+def test_every_recipe_takes_reward_options_and_unsafe_no_sandbox(tmp_path, caplog):
+    """The same two settings, the same way, in sft, dpo, grpo/ppo and pairs; sft's held-out checker
+    is built with them (recorded in its card, which shouts about unsafe)."""
+    from posttrain.recipes import dpo_config, pairs, sft
+
+    values = {"reward_options": {"timeout_s": 4.0, "memory_mb": 256}, "unsafe_no_sandbox": True}
+    required = {dpo_config.Config: {"data": {"pairs": "pairs.jsonl"}},
+                pairs.PairSettings: {"model": "tiny", "data": {"task": "arithmetic"}, "out": str(tmp_path / "p.jsonl")}}
+    for config_type in (sft.Config, dpo_config.Config, online_config.grpo_config, online_config.ppo_config, pairs.PairSettings):
+        config = build_config(config_type, None, {**values, **required.get(config_type, {})})
+        assert config.reward_options.timeout_s == 4.0 and config.unsafe_no_sandbox is True
+    config = build_config(sft.Config, None, {**values, "data": {"train_size": 8, "eval_size": 4}, "max_steps": 1, "batch_size": 4,
+                                             "micro_batch_size": 4, "max_new_tokens": 2, "output_dir": str(tmp_path / "sft")})
+    with caplog.at_level("WARNING"):
+        run_dir = sft.run(config)
+    card = json.loads((run_dir / "run_card.json").read_text())
+    settings = card["links"]["acceptance"]["checker_settings"]
+    assert settings["verifier"] == "exact" and card["notes"][0].startswith("UNSAFE")
+    assert any("UNSAFE" in record.message for record in caplog.records)
+    with pytest.raises(UserError, match="checker: unknown verifier 'nope'"):
+        sft.run(build_config(sft.Config, None, {"checker": "nope", "data": {"train_size": 8, "eval_size": 4},
+                                                 "output_dir": str(tmp_path / "bad")}))
+    assert not (tmp_path / "bad").exists()

@@ -51,6 +51,7 @@ from posttrain.models.loading import load_policy
 from posttrain.models.pair_forward import PairLogprobs, pair_logprobs, precomputed_reference
 from posttrain.optim import clip_and_step, make_optimizer
 from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config, Loss
+from posttrain.rewards import as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import default_output_dir
@@ -101,6 +102,14 @@ def run(config: Config, resume: bool = False) -> Path:
                         source_split=data.split, **rendering)
     train, held_pairs, data_stats = splits.train, splits.heldout, splits.stats
     held_task, task_spec = heldout_task(config.acceptance, provenance, config.seed)
+    checker = None
+    if held_task is not None:
+        checker = as_verifier(None, task_spec["checker"], config.reward_options, config.unsafe_no_sandbox, for_checker=True,
+                              setting="acceptance.checker")
+        checker.prepare()
+    if config.unsafe_no_sandbox:
+        logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
+                       "(resource limits only). Use this only on a machine you can lose.")
     if held_task is not None:  # a training prompt that is also a held-out problem would leak the answer
         held_keys = {e.prompt_key() for e in held_task.examples}
         before = len(train)
@@ -147,7 +156,7 @@ def run(config: Config, resume: bool = False) -> Path:
 
     def evaluate_on_rank0(step: int) -> dict:
         with full_weights(policy), full_weights(frozen), placement.autocast():
-            metrics = evaluate(policy, reference, cached, tokenizer, encode, held_pairs, held_task, config, run_dir, step) if world.main else {}
+            metrics = evaluate(policy, reference, cached, tokenizer, encode, held_pairs, held_task, checker, config, run_dir, step) if world.main else {}
         world.barrier()
         return metrics
 
@@ -250,7 +259,7 @@ def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBa
 
 @torch.no_grad()
 def evaluate(policy, reference, cached, tokenizer, encode: Callable[[list[PreferencePair]], PreferenceBatch], held_pairs, held_task,
-             config: Config, run_dir: RunDirectory, step: int) -> dict:
+             checker, config: Config, run_dir: RunDirectory, step: int) -> dict:
     """Held-out preference accuracy (and loss, margins) and, with a task, held-out task accuracy
     with the configured checker (written to eval/task-step-N.json)."""
     was_training = policy.training
@@ -277,7 +286,7 @@ def evaluate(policy, reference, cached, tokenizer, encode: Callable[[list[Prefer
         })
     if held_task is not None:
         result = evaluate_task(
-            policy, tokenizer, held_task, checker=config.acceptance.checker, k=1, max_new_tokens=config.acceptance.max_new_tokens,
+            policy, tokenizer, held_task, checker=checker, k=1, max_new_tokens=config.acceptance.max_new_tokens,
             seed=derived_seed(config.seed, "eval", str(step)), system_prompt=config.data.system_prompt,
             output_path=run_dir.eval_dir / f"task-step-{step:06d}.json",
         )
@@ -371,4 +380,6 @@ def make_card(config: Config, train, held_pairs, data_stats, provenance, task_sp
         if task_spec["checker"] == labeller:
             card["notes"].append(f"the held-out checker {labeller!r} is the verifier that labelled the pairs: "
                                  "held-out problems are new, but the checking logic is not independent")
+    if config.unsafe_no_sandbox:
+        card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
     return card

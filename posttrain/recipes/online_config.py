@@ -15,7 +15,6 @@ from posttrain.data.files import resolve_columns, task_load_options
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.optim import Optimization
-from posttrain.rewards import RewardOptions
 from posttrain.rollout import SamplingConfig
 
 
@@ -174,10 +173,6 @@ class Config(PolicyFields):
     """Rollout sampling settings (the training log-probs use the same temperature)."""
     reward: str = "auto"
     """Link 2: the training verifier (posttrain.rewards name, weighted sum, or callable:<path>); auto: the task's gold format decides (exact for arithmetic, math for math/GSM8K/MATH golds, humaneval for code), the same one the held-out checker defaults to."""
-    reward_options: RewardOptions = field(default_factory=RewardOptions)
-    """Link 2's settings: timeout_s, memory_mb (code sandbox), partial_credit (code: passed / total), extraction."""
-    unsafe_no_sandbox: bool = False
-    """Run model-written code WITHOUT the bubblewrap sandbox (rlimits only). Never the default; the log and the run card say so loudly."""
     loss: Loss = field(default_factory=Loss)
     """Link 3: the loss settings."""
     critic: Critic = field(default_factory=Critic)

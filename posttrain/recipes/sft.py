@@ -30,10 +30,11 @@ from posttrain.errors import UserError
 from posttrain.data.files import is_data_source, resolve_columns, task_load_options
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
 from posttrain.hardware import resolve
-from posttrain.evaluation.acceptance import evaluate_task
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
 from posttrain.optim import Optimization, clip_and_step, make_optimizer
+from posttrain.rewards import RewardOptions, Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import default_output_dir
@@ -131,6 +132,8 @@ class SFTData:
     task: Task | None
     """The held-out task of the gold-answer form (None for SFT rows)."""
     card: dict
+    checker: Verifier | None = None
+    """The held-out checker of `task` (built once, with the run's reward_options)."""
 
 
 def load_data(data: Data, seed: int, tokenizer) -> SFTData:
@@ -168,6 +171,15 @@ def load_data(data: Data, seed: int, tokenizer) -> SFTData:
     card = {"task": data.task, "options": options, "train_examples": len(train), "heldout_examples": len(held_out),
             "duplicates_removed": train.duplicates_removed, "response_template": data.response_template}
     return SFTData(train.examples, held_out.examples, encode, held_out, card)
+
+
+def make_checker(name: str | None, task: Task, options: RewardOptions, unsafe_no_sandbox: bool) -> Verifier:
+    """The held-out checker: `name`, else the task kind's strict default, with the run's verifier
+    settings (never partial credit); a bad name is one UserError line, before the run directory exists."""
+    checker = as_verifier(None, name or DEFAULT_CHECKERS.get(task.reward_kind, "exact"), options, unsafe_no_sandbox,
+                          for_checker=True, setting="checker")
+    checker.prepare()
+    return checker
 
 
 def _device_of(model) -> torch.device:
@@ -211,6 +223,11 @@ def run(config: Config, resume: bool = False) -> Path:
     seed_everything(config.seed)
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
     data = load_data(config.data, config.seed, tokenizer)
+    if data.task is not None:
+        data = dataclasses.replace(data, checker=make_checker(config.checker, data.task, config.reward_options, config.unsafe_no_sandbox))
+    if config.unsafe_no_sandbox:
+        logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
+                       "(resource limits only). Use this only on a machine you can lose.")
     output_dir = config.output_dir or default_output_dir("sft", world)
     run_dir = RunDirectory(output_dir, resume=resume, writer=world.main, tensorboard=config.tensorboard)
     config = dataclasses.replace(config, output_dir=str(run_dir.path))  # a copy: what config.yaml and a resume read
@@ -228,6 +245,10 @@ def run(config: Config, resume: bool = False) -> Path:
                              "loss_on": config.data.loss_on if data.task is None else "the response (gold answer in response_template)"}
     card["links"]["acceptance"] = ({"heldout": f"{config.data.task} eval split", "checker": config.checker or "task default (strict)"}
                                    if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {config.data.task}", "metric": "token-mean NLL"})
+    if data.checker is not None:
+        card["links"]["acceptance"]["checker_settings"] = data.checker.describe()
+    if config.unsafe_no_sandbox:
+        card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
     card["run"]["world_size"] = world.size
     card["run"]["hardware"] = {**placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
     if world.main:
@@ -283,7 +304,7 @@ def evaluate_and_plot(model, tokenizer, data: SFTData, config: Config, run_dir: 
         return metrics
     held_out = data.task
     result = evaluate_task(
-        model, tokenizer, held_out, checker=config.checker, k=1, max_new_tokens=config.max_new_tokens,
+        model, tokenizer, held_out, checker=data.checker, k=1, max_new_tokens=config.max_new_tokens,
         seed=config.seed, system_prompt=config.data.system_prompt, output_path=run_dir.eval_dir / f"step-{step:06d}.json",
     )
     low, high = result["pass@1_ci95"]
