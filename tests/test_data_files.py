@@ -287,3 +287,16 @@ def test_file_tasks_are_row_views_equal_to_the_eager_parse(tmp_path, gsm8k_parqu
         assert list(held_out.examples) == shuffled[:4] and list(train.examples) == shuffled[4:]
         assert list(pickle.loads(pickle.dumps(train.examples))) == list(train.examples)
     assert load_task(str(jsonl), options={"answer_format": "number"}, strict=False).rows_bad == 1
+
+
+def test_trl_prompt_layout_with_chat_prompts(tmp_path):
+    """TRL's prompt-only layout: `prompt` as chat messages (read as our `messages`) or a string."""
+    path = tmp_path / "prompts.json"
+    rows = [{"prompt": [{"role": "user", "content": "What is 2+3?"}], "answer": "5"},
+            {"prompt": "What is 4+4?", "answer": "8"},
+            {"prompt": [{"role": "user"}], "answer": "1"}]
+    path.write_text(json.dumps(rows))
+    parsed, report = validate_prompt_file(path, data_format="trl_prompt", answer_format="number")
+    assert [(e.messages, e.prompt, e.answer) for _, e in parsed] == [
+        ([{"role": "user", "content": "What is 2+3?"}], None, "5"), (None, "What is 4+4?", "8")]
+    assert len(report.lines()) == 1 and report.lines()[0].startswith(f"{path}:3: prompt")

@@ -5,7 +5,8 @@ directory, a cached dataset name), with the user's columns mapped to ours (`colu
 Schema (after the mapping; blank JSONL lines are skipped):
 
     prompt       string, the user's text                        } exactly one of the two
-    messages     list of {"role", "content"} chat messages      }
+    messages     list of {"role", "content"} chat messages      } (a list `prompt`, TRL's
+                                                                  conversational form, is messages)
     answer       string or number: the gold answer              } at least one of the two
     choices      optional list of option texts (multiple choice): shown after the prompt as
                  `A. ...` lines; a number `answer` is then a 0-based index into them
@@ -247,6 +248,9 @@ def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: 
     if "prompt" in row and "messages" in row:
         report.add(line, "prompt", "give `prompt` or `messages`, not both")
         ok = False
+    elif "prompt" in row and isinstance(row["prompt"], list):  # TRL's conversational prompt: chat messages
+        ok = check_messages(report, line, "prompt", row["prompt"])
+        messages = row["prompt"]
     elif "prompt" in row:
         ok = check_text(report, line, "prompt", row["prompt"])
         prompt = row["prompt"]
