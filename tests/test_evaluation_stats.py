@@ -47,6 +47,9 @@ def test_divergence_alarm():
     assert alarm.observe(20, 0.3, 0.31) is None
     assert alarm.observe(30, 0.5, 0.30) is not None  # reward +0.3, held-out 0.0
     assert "divergence" in alarm.rings[0]
+    assert alarm.observe(40, 0.7, 0.30) is None and len(alarm.rings) == 1  # still diverging: it rang already
+    resumed = DivergenceAlarm(window=3, reward_rise=0.1, history=[list(h) for h in alarm.history], rings=alarm.rings)
+    assert resumed.observe(50, 0.9, 0.30) is None and resumed.history[0] == (10, 0.2, 0.30)
     healthy = DivergenceAlarm(window=2, reward_rise=0.1)
     healthy.observe(1, 0.2, 0.3)
     assert healthy.observe(2, 0.5, 0.4) is None  # both rose

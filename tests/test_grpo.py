@@ -223,3 +223,19 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path):
 def test_tensorboard_off_by_default_writes_no_events(tmp_path):
     run_dir = grpo.run(small_config(tmp_path, "--max-steps", "1"), reward=digits)
     assert not (run_dir / "tensorboard").exists()
+
+
+def test_divergence_alarm_rings_once_in_a_gamed_run_and_not_in_an_honest_one(tmp_path):
+    """A reward keyed on a training-only marker (any digit in the completion) rises to 1 within a
+    few steps while held-out accuracy (the exact checker) stays 0: the alarm rings, once, though the
+    condition holds at two evaluations. With the checker's own rule as the reward nothing rises and
+    it stays quiet."""
+    fast = ["--data.prompts_per_step", "4", "--update.micro_batch_size", "16", "--optim.lr", "3e-3", "--max-steps", "12",
+            "--acceptance.eval_every", "3", "--acceptance.alarm_window", "3", "--seed", "1"]
+    gamed = grpo.run(small_config(tmp_path / "gamed", *fast), reward=digits)
+    rows = [json.loads(line) for line in (gamed / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["reward/mean"] == 1.0 and all(row["heldout/pass@1"] == 0.0 for row in rows if "heldout/pass@1" in row)
+    alarms = json.loads((gamed / "run_card.json").read_text())["alarms"]
+    assert len(alarms) == 1 and alarms[0].startswith("divergence: from step ") and "held-out accuracy changed by +0.000" in alarms[0]
+    honest = grpo.run(small_config(tmp_path / "honest", *fast, "--reward", "exact"))
+    assert json.loads((honest / "run_card.json").read_text())["alarms"] == []

@@ -15,7 +15,9 @@ class DivergenceAlarm:
     `heldout_rise` (it may have fallen).
 
     Feed it with `observe(step, train_reward, heldout_accuracy)` at each evaluation; it returns a
-    message when it rings, else None. `rings` keeps every message for the run card.
+    message when it rings, else None. Rings once (the first evaluation that meets the condition;
+    later ones while it holds, or after, stay quiet); `history` and `rings` are saved in checkpoints
+    (as lists) so a resumed run rings the same.
     """
 
     window: int = 3
@@ -24,9 +26,13 @@ class DivergenceAlarm:
     history: list[tuple[int, float, float]] = field(default_factory=list)
     rings: list[str] = field(default_factory=list)
 
+    def __post_init__(self):
+        self.history = [tuple(h) for h in self.history or []]  # JSON gives the saved tuples back as lists
+        self.rings = list(self.rings or [])
+
     def observe(self, step: int, train_reward: float, heldout_accuracy: float) -> str | None:
         self.history.append((step, train_reward, heldout_accuracy))
-        if len(self.history) < self.window:
+        if self.rings or len(self.history) < self.window:
             return None
         first_step, first_reward, first_heldout = self.history[-self.window]
         reward_change = train_reward - first_reward

@@ -397,7 +397,8 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     saved = restore_training(run_dir, state.policy, state.optimizer, state.scheduler, extra_models=extra_models, world=world) if resume else {"step": 0}
     state.step, state.stream.position = saved["step"], saved.get("stream_position", 0)
     state.reference_refreshed_at = saved.get("reference_refreshed_at", [])
-    alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []))
+    alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []),
+                            rings=saved.get("alarm_rings", []))
     card = make_card(config, state, reward)
     card["run"]["world_size"] = world.size
     if world.main:
@@ -433,7 +434,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         progress.set_postfix(reward=f"{metrics['reward/mean'] or 0:.3f}")
         if done % config.checkpoint_every == 0 or done == config.max_steps:
             save_training(run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
-                          extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history,
+                          extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
                                        "reference_refreshed_at": state.reference_refreshed_at})
     if world.main:
         write_run_card(run_dir.path, card)
