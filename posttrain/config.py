@@ -290,8 +290,10 @@ class RunFields:
     """Seeds data order, sampling and initialisation."""
     output_dir: str | None = None
     """Run directory (default runs/<recipe>-<time>)."""
+    report_to: list[str] = dataclasses.field(default_factory=list)
+    """Experiment trackers that also get the metrics, the config, the run card and the samples, offline, in the run directory: any of tensorboard, wandb, trackio, mlflow (`--report_to '[wandb, mlflow]'`; each needs its package: `pip install 'posttrain[trackers]'`; docs/metrics.md, Trackers)."""
     tensorboard: bool = False
-    """Also write the metrics as TensorBoard event files in <run>/tensorboard (needs `pip install tensorboard`)."""
+    """The same as tensorboard in report_to (kept for older configs): TensorBoard event files in <run>/tensorboard."""
     hardware: Hardware = dataclasses.field(default_factory=Hardware)
     """Device and precision (posttrain/hardware.py): --hardware.device cuda --hardware.precision bf16-mixed."""
     memory: Memory = dataclasses.field(default_factory=Memory)
@@ -305,6 +307,13 @@ class RunFields:
         for name in ("max_steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        from posttrain.runs.trackers import check_trackers  # here: the run packages (matplotlib...) only for a run
+
+        check_trackers(self.trackers())
+
+    def trackers(self) -> list[str]:
+        """The trackers to report to: report_to, plus tensorboard under `tensorboard: true`, each once."""
+        return list(dict.fromkeys(self.report_to + (["tensorboard"] if self.tensorboard else [])))
 
 
 @dataclasses.dataclass

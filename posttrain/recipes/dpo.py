@@ -117,7 +117,7 @@ def run(config: Config, resume: bool = False) -> Path:
         data_stats["removed_heldout_task_overlap"] = before - len(train)
         if not train:
             raise UserError(f"{data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
-    run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main, tensorboard=config.tensorboard)
+    run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main, trackers=config.trackers())
     # The config as this run resolved it (a copy; the caller's is untouched): config.yaml, the card and a resume read it.
     config = dataclasses.replace(config, output_dir=str(run_dir.path), data=data)
     if world.main:
@@ -208,6 +208,7 @@ def run(config: Config, resume: bool = False) -> Path:
             })
     write_card()
     del trainer
+    run_dir.close()
     world.close()
     return run_dir.path
 

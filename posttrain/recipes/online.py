@@ -385,7 +385,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     world = init_world(config.parallel, placement)
     state = setup(config, reward, world, placement)
     recipe = "grpo" if config.loss.advantage == "group" else "ppo"
-    run_dir = RunDirectory(config.output_dir or default_output_dir(recipe, world), resume=resume, writer=world.main, tensorboard=config.tensorboard)
+    run_dir = RunDirectory(config.output_dir or default_output_dir(recipe, world), resume=resume, writer=world.main, trackers=config.trackers())
     if world.main:
         save_yaml(dataclasses.replace(config, output_dir=str(run_dir.path)), run_dir.path / "config.yaml")
     # A refreshed reference and a critic are state of their own: checkpointed with the policy, restored exactly.
@@ -439,6 +439,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     if world.main:
         write_run_card(run_dir.path, card)
     del state.trainer
+    run_dir.close()
     world.close()
     return run_dir.path
 

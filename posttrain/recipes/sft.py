@@ -229,7 +229,7 @@ def run(config: Config, resume: bool = False) -> Path:
         logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
                        "(resource limits only). Use this only on a machine you can lose.")
     output_dir = config.output_dir or default_output_dir("sft", world)
-    run_dir = RunDirectory(output_dir, resume=resume, writer=world.main, tensorboard=config.tensorboard)
+    run_dir = RunDirectory(output_dir, resume=resume, writer=world.main, trackers=config.trackers())
     config = dataclasses.replace(config, output_dir=str(run_dir.path))  # a copy: what config.yaml and a resume read
     if world.main:
         save_yaml(config, run_dir.path / "config.yaml")
@@ -290,6 +290,7 @@ def run(config: Config, resume: bool = False) -> Path:
     if world.main:
         write_run_card(run_dir.path, card)
     del trainer
+    run_dir.close()
     world.close()
     return run_dir.path
 

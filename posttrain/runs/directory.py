@@ -8,6 +8,7 @@
       checkpoints/       atomic (see `checkpoint.py`)
       eval/              held-out results
       plots/*.png        curves, refreshed at each evaluation
+      tensorboard/ wandb/ trackio/ mlruns/   the trackers of `report_to` (see `trackers.py`)
 
 A new run refuses a directory that already holds a run (use `--resume` or another `--output-dir`).
 On resume, lines of metrics.jsonl and samples.jsonl past the checkpoint's step are dropped, so a
@@ -21,10 +22,13 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
+
+import yaml
 
 from posttrain.distributed import World
 from posttrain.errors import UserError
+from posttrain.runs.trackers import make_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +40,17 @@ class RunDirectory:
         path: the run directory.
         resume: False for a new run (the directory must be absent or empty), True to continue one.
         writer: False on torchrun ranks other than 0: nothing is created or written (logging calls
-            do nothing); the paths still name rank 0's directory.
-        tensorboard: also write each metrics line as TensorBoard scalars in `tensorboard/` (for
-            watching a run live: `tensorboard --logdir runs`).
+            do nothing, no tracker is made); the paths still name rank 0's directory.
+        trackers: names of the experiment trackers that also get each metrics line and the samples
+            (`runs/trackers.py`: tensorboard, wandb, trackio, mlflow), all writing into this directory.
+            Their packages are imported here, before anything is created: a missing one is a
+            one-line error. Each starts on the first logged line, with config.yaml and
+            run_card.json as they are then; `close()` ends them.
     """
 
-    def __init__(self, path: str | Path, resume: bool = False, writer: bool = True, tensorboard: bool = False):
-        self.path, self.writer, self._board, self._board_class = Path(path), writer, None, None
-        if tensorboard and writer:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise UserError("tensorboard: true needs the tensorboard package (pip install tensorboard)") from None
-            self._board_class = SummaryWriter  # the writer itself is made on the first metrics line
+    def __init__(self, path: str | Path, resume: bool = False, writer: bool = True, trackers: Sequence[str] = ()):
+        self.path, self.writer = Path(path), writer
+        self._trackers, self._started = make_trackers(trackers, self.path) if writer else [], False
         if resume:
             if not (self.path / "config.yaml").is_file():
                 raise UserError(f"{self.path}: not a run directory (no config.yaml) - nothing to resume")
@@ -72,24 +74,43 @@ class RunDirectory:
         return self.path / "plots"
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append one line `{"step": step, ...}` to metrics.jsonl (non-finite floats become null)."""
+        """Append one line `{"step": step, ...}` to metrics.jsonl (non-finite floats become null);
+        the trackers get its numbers."""
         if not self.writer:
             return
         _append(self.path / "metrics.jsonl", {"step": step, **metrics})
-        if self._board_class is not None:
-            if self._board is None:
-                self._board = self._board_class(log_dir=str(self.path / "tensorboard"))
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self._board.add_scalar(key, value, step)
-            self._board.flush()
+        for tracker in self._started_trackers():
+            tracker.log(step, metrics)
 
     def log_samples(self, step: int, rows: Iterable[dict[str, Any]]) -> None:
-        """Append sample rows (prompt, completion, verdict, reason...) tagged with the step."""
+        """Append sample rows (prompt, completion, verdict, reason...) tagged with the step; the
+        trackers get them as one table."""
         if not self.writer:
             return
+        rows = [{"step": step, **row} for row in rows]
         for row in rows:
-            _append(self.path / "samples.jsonl", {"step": step, **row})
+            _append(self.path / "samples.jsonl", row)
+        if rows:
+            for tracker in self._started_trackers():
+                tracker.log_samples(step, [_clean(row) for row in rows])
+
+    def close(self) -> None:
+        """End the trackers' runs (a W&B run finished, an MLflow run terminated); call once, at the end."""
+        if self._started:
+            for tracker in self._trackers:
+                tracker.close()
+        self._trackers, self._started = [], False
+
+    def _started_trackers(self) -> list:
+        """The trackers, started on the first call with the run's name, config.yaml and run_card.json."""
+        if self._trackers and not self._started:
+            config_file, card_file = self.path / "config.yaml", self.path / "run_card.json"
+            config = yaml.safe_load(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+            card = json.loads(card_file.read_text(encoding="utf-8")) if card_file.is_file() else {}
+            for tracker in self._trackers:
+                tracker.start(self.path.name, config or {}, card)
+            self._started = True
+        return self._trackers
 
     def read_metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path / "metrics.jsonl")
