@@ -260,7 +260,7 @@ def test_every_recipe_takes_reward_options_and_unsafe_no_sandbox(tmp_path, caplo
         run_dir = sft.run(config)
     card = json.loads((run_dir / "run_card.json").read_text())
     settings = card["links"]["acceptance"]["checker_settings"]
-    assert settings["verifier"] == "exact" and card["notes"][0].startswith("UNSAFE")
+    assert settings["verifier"] == "integer" and card["notes"][0].startswith("UNSAFE")
     assert any("UNSAFE" in record.message for record in caplog.records)
     with pytest.raises(UserError, match="checker: unknown verifier 'nope'"):
         sft.run(build_config(sft.Config, None, {"checker": "nope", "data": {"train_size": 8, "eval_size": 4},

@@ -346,8 +346,11 @@ def test_cli_smoke_and_provenance_in_the_card(tmp_path, pairs_file):
     card = json.loads((tmp_path / "run" / "run_card.json").read_text())
     assert card["links"]["reward"]["labels"] == "labels came from verifier exact on samples of model tiny"
     assert card["links"]["reward"]["provenance_file_matches"] is True
-    assert card["links"]["acceptance"]["checker"] == "exact" and card["links"]["acceptance"]["checker_is_labeller"] is True
-    assert any("not independent" in note for note in card["notes"])
+    # The default checker of a number task is `integer`, written apart from the `exact` labeller.
+    acceptance = card["links"]["acceptance"]
+    assert acceptance["checker"] == "integer" and acceptance["checker_is_labeller"] is False
+    assert acceptance["independent"] is True and "shares no part with the training reward exact" in acceptance["independence_reason"]
+    assert not any("not independent" in note for note in card["notes"])
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "heldout/pass@1" in metrics[0] and "heldout/pass@1" in metrics[-1]
     assert list((tmp_path / "run" / "eval").glob("task-step-*.json"))

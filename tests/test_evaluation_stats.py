@@ -53,3 +53,37 @@ def test_divergence_alarm():
     healthy = DivergenceAlarm(window=2, reward_rise=0.1)
     healthy.observe(1, 0.2, 0.3)
     assert healthy.observe(2, 0.5, 0.4) is None  # both rose
+
+
+@pytest.mark.parametrize("reward, checker, independent, shared", [
+    ("exact", "integer", True, None),
+    ("0.9*exact+0.1*format", "integer", True, None),
+    ("exact", "exact", False, "the checker is the training reward itself"),
+    ("exact", "numeric", False, "posttrain.rewards.extract"),
+    ("math", "rg", False, "posttrain.rewards.extract"),
+    ("mbpp", "humaneval", False, "the row's tests"),
+    ("callable:rewards_for_tests.digits", "integer", True, None),
+])
+def test_independence_compares_the_resolved_implementations(reward, checker, independent, shared):
+    from posttrain.evaluation.acceptance import independence
+    from posttrain.rewards import get_verifier
+
+    result, why = independence(get_verifier(reward), get_verifier(checker))
+    assert result is independent and (shared is None or shared in why)
+
+
+@pytest.mark.parametrize("completion, reward, reason", [
+    ("<answer>42</answer>", 1.0, "same integer"), ("so \\boxed{ 42 }.", 1.0, "same integer"),
+    ("<answer>42</answer> and \\boxed{42}", 1.0, "same integer"), ("<answer>041</answer>", 0.0, "different integer"),
+    ("<answer>41 or 42</answer>", 0.0, "answer '41 or 42' is not an integer"), ("<answer>42.0</answer>", 0.0, "answer '42.0' is not an integer"),
+    ("<answer>4</answer><answer>2</answer>", 0.0, "2 different answers"), ("\\boxed{42} \\boxed{43}", 0.0, "2 different answers"),
+    ("<answer>42", 0.0, "an <answer> element is not closed"), ("42", 0.0, "no <answer> element or \\boxed{}"),
+    ("<answer>+-42</answer>", 0.0, "answer '+-42' is not an integer"), ("<answer>٤٢</answer>", 0.0, "answer '٤٢' is not an integer"),
+    ("<answer>" + "9" * 300 + "</answer>", 0.0, None),
+])
+def test_integer_checker(completion, reward, reason):
+    from posttrain.rewards import get_verifier
+
+    verdict = get_verifier("integer")(completion, {"answer": "42"})
+    assert verdict.status == "ok" and verdict.reward == reward and (reason is None or verdict.reason == reason)
+    assert get_verifier("integer")("<answer>1</answer>", {"answer": "1.5"}).status == "data_error"

@@ -25,9 +25,26 @@ from posttrain.rollout import SamplingConfig, generate
 
 logger = logging.getLogger(__name__)
 
-# The checker used for acceptance when none is named: the strict variant for each kind of task.
-DEFAULT_CHECKERS = {"number": "exact", "math": "math", "text": "exact", "choice": "choice", "reasoning_gym": "rg", "code": "humaneval",
-                    "mbpp": "mbpp", "stdio": "stdio"}
+DEFAULT_REWARDS = {"number": "exact", "math": "math", "text": "exact", "choice": "choice", "reasoning_gym": "rg", "code": "humaneval",
+                   "mbpp": "mbpp", "stdio": "stdio"}
+"""The training reward (and `posttrain pairs`' labeller) of each kind of task when none is named."""
+DEFAULT_CHECKERS = {**DEFAULT_REWARDS, "number": "integer"}
+"""The held-out checker of each kind of task when none is named: one implemented apart from the
+training reward where we have one (numbers: `integer`, posttrain/rewards/checkers.py); elsewhere
+the reward's own strict variant, which `independence` reports as not independent."""
+
+
+def independence(reward: Verifier, checker: Verifier) -> tuple[bool, str]:
+    """Whether `checker` checks `reward` independently: they share no part of their implementation
+    (`Verifier.implementation()`: extraction, comparison, tests, judge, function). Returns
+    (independent, why) for the run card."""
+    shared = sorted({value for value in checker.implementation().values()} & {value for value in reward.implementation().values()})
+    if type(reward) is type(checker) and reward.describe() == checker.describe():
+        return False, f"the checker is the training reward itself ({checker.name}, same settings)"
+    if shared:
+        return False, f"the checker {checker.name} shares with the training reward {reward.name}: {'; '.join(shared)}"
+    parts = ", ".join(f"{key}: {value}" for key, value in checker.implementation().items())
+    return True, f"the checker {checker.name} shares no part with the training reward {reward.name} ({parts})"
 
 
 def resolve_checker(task: Task, checker):

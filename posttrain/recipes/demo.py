@@ -58,7 +58,8 @@ class Config:
     seed: int = 0
     """One seed for every stage."""
     eval_size: int = 500
-    """Held-out problems, never trained on, scored by the exact-match checker."""
+    """Held-out problems, never trained on, scored by the `integer` checker (written apart from the
+    `exact` training reward and labeller: posttrain/rewards/checkers.py)."""
     sft_steps: int = 400
     """SFT steps (presets/tiny-sft.yaml): enough for partial competence (some groups right, some wrong)."""
     grpo_steps: int = 50
@@ -164,7 +165,7 @@ def run(config: Config, resume: bool = False) -> Path:
 
 def acceptance(model_dir: str, held_out, budget: int, seed: int, path: Path) -> dict[str, Any]:
     model, tokenizer = load_model(model_dir)
-    return evaluate_task(model, tokenizer, held_out, checker="exact", max_new_tokens=budget, seed=seed, output_path=path)
+    return evaluate_task(model, tokenizer, held_out, checker="integer", max_new_tokens=budget, seed=seed, output_path=path)
 
 
 def write_report(out: Path, config: Config, grpo_config, summary, before, after_grpo, after_dpo, grpo_gain, dpo_gain, provenance, timings, dirs) -> None:
@@ -218,7 +219,8 @@ def write_report(out: Path, config: Config, grpo_config, summary, before, after_
     lines = [
         "# posttrain demo: what each link changed", "",
         f"Tiny character-level Llama (3.2M parameters) on 2-digit addition; {summary['n_heldout']} held-out problems "
-        "never seen in training, scored by exact match of the `<answer>` tag. One seed "
+        "never seen in training, scored by the `integer` checker (the `<answer>` element read by an HTML parser, "
+        "its text parsed by `int()`), implemented apart from the `exact` training reward and labeller. One seed "
         f"({config.seed}); {summary['seconds_after_install']:.0f} s in all on this machine.", "",
         "| stage | held-out accuracy [95% CI] | training reward (last step) | KL to start | mean length | wall time |",
         "|---|---|---|---|---|---|",

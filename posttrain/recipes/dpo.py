@@ -43,7 +43,7 @@ from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import resolve
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task, heldout_split
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task, heldout_split, independence
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
 from posttrain.models.forward import TrainingForward
@@ -51,7 +51,7 @@ from posttrain.models.loading import load_policy
 from posttrain.models.pair_forward import PairLogprobs, pair_logprobs, precomputed_reference
 from posttrain.optim import clip_and_step, make_optimizer
 from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config, Loss
-from posttrain.rewards import as_verifier
+from posttrain.rewards import as_verifier, get_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import default_output_dir
@@ -144,7 +144,7 @@ def run(config: Config, resume: bool = False) -> Path:
     state = restore_training(run_dir, policy, optimizer, scheduler, extra_models, world=world) if resume else {"step": 0}
     alarm = DisplacementAlarm(config.acceptance.displacement_threshold, config.acceptance.alarm_window,
                               state.get("alarm_history", []), state.get("alarm_rings", []))
-    card = make_card(config, train, held_pairs, data_stats, provenance, task_spec, reference)
+    card = make_card(config, train, held_pairs, data_stats, provenance, task_spec, reference, checker)
     card["run"]["reference_refreshed_at"] = state.get("reference_refreshed_at", [])
     card["alarms"] = list(alarm.rings)
     card["run"]["world_size"] = world.size
@@ -327,7 +327,20 @@ def heldout_task(acceptance: Acceptance, provenance: dict | None, seed: int):
     return held_out, spec
 
 
-def make_card(config: Config, train, held_pairs, data_stats, provenance, task_spec, reference) -> dict[str, Any]:
+def labeller_independence(labeller: str | None, checker) -> tuple[bool, str]:
+    """`independence` of the held-out checker from the verifier that labelled the pairs (named in
+    their provenance); pairs labelled by no recorded verifier are checked independently of it."""
+    if labeller is None:
+        return True, f"the pairs name no labelling verifier; the checker {checker.name} is the only verifier of this run"
+    try:
+        return independence(get_verifier(labeller), checker)
+    except ValueError:  # a python:<function> labeller cannot be rebuilt by name
+        same = labeller == checker.name
+        return not same, (f"the checker {checker.name} is the labeller itself" if same
+                          else f"the labeller {labeller} cannot be rebuilt to compare; the checker {checker.name} is another verifier")
+
+
+def make_card(config: Config, train, held_pairs, data_stats, provenance, task_spec, reference, checker=None) -> dict[str, Any]:
     """The run card: the four links and every loss setting."""
     card = new_card("dpo", config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
     card["links"]["data"] = {
@@ -378,9 +391,12 @@ def make_card(config: Config, train, held_pairs, data_stats, provenance, task_sp
     labeller = (provenance or {}).get("verifier")
     if task_spec and labeller is not None:
         card["links"]["acceptance"]["checker_is_labeller"] = task_spec["checker"] == labeller
-        if task_spec["checker"] == labeller:
-            card["notes"].append(f"the held-out checker {labeller!r} is the verifier that labelled the pairs: "
-                                 "held-out problems are new, but the checking logic is not independent")
+    if checker is not None:
+        independent, why = labeller_independence(labeller, checker)
+        card["links"]["acceptance"].update({"independent": independent, "independence_reason": why,
+                                            "checker_settings": checker.describe()})
+        if not independent:
+            card["notes"].append(f"acceptance is not independent of the labels: {why}")
     if config.unsafe_no_sandbox:
         card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
     return card

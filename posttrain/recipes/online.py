@@ -42,7 +42,7 @@ from posttrain.data.tasks import load_splits
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, rank_micro_batches, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement, resolve
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, DEFAULT_REWARDS, evaluate_task, independence
 from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.models import make_critic, make_reference
 from posttrain.models.forward import TrainingForward, completion_logits, completion_values, policy_and_critic, policy_logits, rank_logprobs
@@ -113,7 +113,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     if train.reward_kind in LAYOUTS:
         # References and the trivial programs are plain code, not completions: read raw, all-or-nothing.
         judge_options = dataclasses.replace(config.reward_options, extraction="raw", partial_credit=False)
-        judge = as_verifier(None, DEFAULT_CHECKERS[train.reward_kind], judge_options, config.unsafe_no_sandbox, for_checker=True)
+        judge = as_verifier(None, DEFAULT_REWARDS[train.reward_kind], judge_options, config.unsafe_no_sandbox, for_checker=True)
         screening = screen_problems(train, held_out, judge, preflight=config.data.preflight,
                                     exclude_weak_tests=config.data.exclude_weak_tests)
     verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox)
@@ -122,9 +122,11 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     if config.unsafe_no_sandbox:
         logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
                        "(resource limits only). Use this only on a machine you can lose.")
-    if reward is None:
-        logger.info("training reward %s, held-out checker %s (task %s, gold format %s)", verifier.name,
-                    config.acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind), config.data.task, train.reward_kind)
+    logger.info("training reward %s, held-out checker %s (task %s, gold format %s)", verifier.name, checker.name,
+                config.data.task, train.reward_kind)
+    independent, why = independence(verifier, checker)
+    if not independent:
+        logger.warning("acceptance is not independent: %s", why)
     verifier.prepare()
     checker.prepare()
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
@@ -365,13 +367,13 @@ def exact_kl_metric(state: State, rollout, mask: torch.Tensor, owners: torch.Ten
 
 
 def training_reward(config: Config, train: Task) -> str:
-    """`config.reward`, or with `auto` the default checker of the task's gold format (the held-out
-    checker's default too): exact for arithmetic, math for math / GSM8K / MATH golds, humaneval for code."""
+    """`config.reward`, or with `auto` the default reward of the task's gold format
+    (`DEFAULT_REWARDS`): exact for arithmetic, math for math / GSM8K / MATH golds, humaneval for code."""
     if config.reward != "auto":
         return config.reward
-    if train.reward_kind not in DEFAULT_CHECKERS:
+    if train.reward_kind not in DEFAULT_REWARDS:
         raise UserError(f"task {config.data.task}: no default reward for its kind {train.reward_kind!r}; set --reward")
-    return DEFAULT_CHECKERS[train.reward_kind]
+    return DEFAULT_REWARDS[train.reward_kind]
 
 
 def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
@@ -511,16 +513,18 @@ def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
         "sampler_correction_meaning": (f"truncated importance sampling: each token's surrogate x min(exp(old - sampler log-prob), {loss.sampler_correction_cap})"
                                        if loss.sampler_correction == "tis" else "none: the tokens are treated as drawn from the trainer's old policy (mismatch/* measures how far they are not)"),
     }
-    checker = config.acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind)
-    same = reward is None and checker == training_reward(config, train)
+    independent, why = independence(state.verifier, state.checker)
+    same = type(state.verifier) is type(state.checker) and state.verifier.describe() == state.checker.describe()
     card["links"]["reward"]["resolved_from"] = (f"the task's gold format ({train.reward_kind})" if config.reward == "auto" and reward is None
                                                 else "set by the user")
     card["links"]["acceptance"] = {
         "heldout": f"{config.data.task} held-out split ({len(held_out)} prompts, disjoint from training)",
-        **dataclasses.asdict(config.acceptance), "checker_resolved": checker, "checker_is_training_reward": same,
+        **dataclasses.asdict(config.acceptance), "checker_resolved": state.checker.name, "checker_is_training_reward": same,
+        "independent": independent, "independence_reason": why,
+        "training_reward": state.verifier.describe(), "checker_settings": state.checker.describe(),
     }
-    if same and not gae_mode:
-        card["notes"].append("the held-out checker is the training reward itself: acceptance is not independent")
+    if not independent:
+        card["notes"].append(f"acceptance is not independent: {why}")
     if config.unsafe_no_sandbox:
         card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
     return card

@@ -25,7 +25,7 @@ from posttrain.data.files import resolve_columns, task_load_options
 from posttrain.data.provenance import write_with_provenance
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, resolve
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS
+from posttrain.evaluation.acceptance import DEFAULT_REWARDS
 from posttrain.rewards import Verdict
 from posttrain.rewards.registry import RewardOptions, as_verifier
 from posttrain.rollout import SamplingConfig, generate
@@ -74,7 +74,7 @@ class PairSettings:
     group_size: int = 8
     """G answers sampled per prompt."""
     verifier: str | None = None
-    """Labelling verifier; None: the task's default checker (arithmetic: exact, code: its sandboxed judge)."""
+    """Labelling verifier; None: the task's default reward (arithmetic: exact, code: its sandboxed judge)."""
     reward_options: RewardOptions = field(default_factory=RewardOptions)
     """The labelling verifier's settings: timeout_s, memory_mb (code), partial_credit, extraction."""
     unsafe_no_sandbox: bool = False
@@ -144,7 +144,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     train, _ = load_splits(data.task, train_size=data.max_prompts, eval_size=data.eval_size,
                            seed=settings.seed, options=data.load_options())
     examples = train.examples[: data.max_prompts]
-    name = settings.verifier or DEFAULT_CHECKERS.get(train.reward_kind)
+    name = settings.verifier or DEFAULT_REWARDS.get(train.reward_kind)
     if name is None:
         raise UserError(f"data.task {data.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")
     verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier")

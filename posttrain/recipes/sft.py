@@ -246,7 +246,9 @@ def run(config: Config, resume: bool = False) -> Path:
     card["links"]["acceptance"] = ({"heldout": f"{config.data.task} eval split", "checker": config.checker or "task default (strict)"}
                                    if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {config.data.task}", "metric": "token-mean NLL"})
     if data.checker is not None:
-        card["links"]["acceptance"]["checker_settings"] = data.checker.describe()
+        card["links"]["acceptance"].update({
+            "checker_settings": data.checker.describe(), "independent": True,
+            "independence_reason": f"SFT has no reward: it imitates the gold answers, which the checker {data.checker.name} scores"})
     if config.unsafe_no_sandbox:
         card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
     card["run"]["world_size"] = world.size

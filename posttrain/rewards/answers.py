@@ -65,6 +65,13 @@ class _AnswerVerifier(Verifier):
         """(equal?, reason)."""
         raise NotImplementedError
 
+    comparison = ""
+    """The comparison's implementation (for `implementation`)."""
+
+    def implementation(self) -> dict[str, str]:
+        """Our answer extraction (extract.py, whatever the policy) and this class's comparison."""
+        return {"extraction": "posttrain.rewards.extract", "comparison": self.comparison}
+
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""
         return {"verifier": self.name, "extraction": self.extraction}
@@ -80,6 +87,7 @@ class ExactVerifier(_AnswerVerifier):
     """The extracted answer equals the gold answer after `normalize_text` (case-sensitive)."""
 
     name = "exact"
+    comparison = "normalised string equality (answers.normalize_text)"
 
     def compare(self, answer: str, gold: str) -> tuple[bool, str]:
         """String equality after normalisation."""
@@ -110,6 +118,7 @@ class NumericVerifier(_AnswerVerifier):
     """The extracted number equals the gold number within `rel_tol` / `abs_tol`."""
 
     name = "numeric"
+    comparison = "exact rationals then a tolerance (answers.parse_number)"
 
     def __init__(self, extraction: str = DEFAULT_POLICY, rel_tol: float = 1e-9, abs_tol: float = 1e-9):
         super().__init__(extraction)
@@ -148,6 +157,7 @@ class ChoiceVerifier(_AnswerVerifier):
     ignored, `(B)` / `B.` / `B: text` accepted); naming two options is a hedge and scores 0."""
 
     name = "choice"
+    comparison = "option letter (answers.choice_letter)"
 
     def parse_gold(self, gold: str) -> str | None:
         """Gold must be one letter (`B`, `(B)`)."""
@@ -165,6 +175,7 @@ class MathVerifier(_AnswerVerifier):
     """math-verify equivalence (`1/2` == `\\frac{1}{2}` == `0.5`), in a worker process."""
 
     name = "math"
+    comparison = "math_verify.verify"
     in_worker = True
     timeout_s = 8.0
     inner_timeout_s = 2  # math-verify's own (SIGALRM) parse / compare timeouts, each

@@ -233,7 +233,8 @@ def stdio_cases() -> list[Case]:
 # ---------------------------------------------------------------------------------------------
 # Answers.
 def answer_cases(verifier: str) -> list[Case]:
-    """The exploit/honest table for `math`, `exact`, `numeric` (gold 1/2 for math, 42 otherwise)."""
+    """The exploit/honest table for `math`, `exact`, `numeric` and the `integer` checker (gold 1/2
+    for math, 42 otherwise)."""
     if verifier == "math":
         gold, right, other = r"\frac{1}{2}", r"\frac{1}{2}", r"\frac{1}{3}"
         honest = [r"\boxed{\frac{1}{2}}", r"so the answer is $\boxed{0.5}$.", "<answer>1/2</answer>",
@@ -340,6 +341,7 @@ SUITES = {
     "exact": lambda: answer_cases("exact"),
     "numeric": lambda: answer_cases("numeric"),
     "choice": choice_cases,
+    "integer": lambda: answer_cases("integer"),
     "rg": rg_cases,
     "format": format_cases,
 }

@@ -37,6 +37,12 @@ class Verifier:
             return Verdict.infra_error(f"{self.name}: worker missed its {self.timeout_s:g} s deadline")
         return Verdict.infra_error(f"{self.name}: {error}")
 
+    def implementation(self) -> dict[str, str]:
+        """What this verifier's verdict rests on, part by part (`extraction`, `comparison`, `tests`,
+        `judge`, ...), each named by its implementation: two verifiers that share a part are not
+        independent checks of each other (`posttrain.evaluation.acceptance.independence`)."""
+        return {"verifier": f"{type(self).__module__}.{type(self).__qualname__}"}
+
     def prepare(self) -> None:
         """Checks run once in the caller before a batch (e.g. refuse to run without a sandbox)."""
 

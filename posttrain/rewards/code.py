@@ -124,6 +124,10 @@ class _CodeVerifier(Verifier):
             return Verdict.ok(0.0, failure or f"{total - passed} of {total} tests failed", **details)
         return Verdict.ok(1.0, "all tests passed", **details)
 
+    def implementation(self) -> dict[str, str]:
+        """The row's tests, run by this class's judge."""
+        return {"tests": "the row's tests", "judge": f"{type(self).__module__}.{type(self).__qualname__}"}
+
     def describe(self) -> dict[str, Any]:
         """Settings for the run card (the sandbox state is part of the reward link)."""
         return {"verifier": self.name, "fraction": self.fraction, "code_policy": self.code_policy,

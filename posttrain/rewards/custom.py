@@ -76,6 +76,10 @@ class CallableVerifier(Verifier):
             return Verdict.infra_error(last)
         return verdict_from_result(result, self.path, "user callable")
 
+    def implementation(self) -> dict[str, str]:
+        """The user's function."""
+        return {"function": self.name}
+
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""
         return {"verifier": self.name, "timeout_s": self.timeout_s}
@@ -88,6 +92,10 @@ class FunctionVerifier(Verifier):
     def __init__(self, function: Callable[[str, dict], Any]):
         self.function = function
         self.name = f"python:{getattr(function, '__qualname__', type(function).__name__)}"
+
+    def implementation(self) -> dict[str, str]:
+        """The user's function."""
+        return {"function": self.name}
 
     def score(self, completion: str, example: Mapping) -> Verdict:
         """Call the function on a dict copy of the example; normalise its result to a Verdict."""

@@ -61,6 +61,10 @@ class ReasoningGymVerifier(Verifier):
             return Verdict.infra_error(f"reasoning-gym scorer for {task} returned {reward}", **details)
         return Verdict.ok(reward, "correct" if reward >= 1.0 else "reasoning-gym score", **details)
 
+    def implementation(self) -> dict[str, str]:
+        """Our extraction, the dataset's own scorer."""
+        return {"extraction": "posttrain.rewards.extract", "comparison": "reasoning_gym score_answer"}
+
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""
         return {"verifier": self.name, "extraction": self.extraction}

@@ -1,6 +1,6 @@
 """Verifiers by name, and weighted composition.
 
-Names: `math`, `exact`, `numeric`, `choice`, `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
+Names: `math`, `exact`, `numeric`, `choice`, `integer` (a checker), `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
 `callable:<dotted.path>`, and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
 `as_verifier` turns what a recipe was given (a Verifier, a plain callable, or nothing and a name)
 into one verifier.
@@ -16,6 +16,7 @@ from typing import Any
 from posttrain.errors import UserError
 from posttrain.rewards.answers import ChoiceVerifier, ExactVerifier, MathVerifier, NumericVerifier
 from posttrain.rewards.base import Verifier
+from posttrain.rewards.checkers import IntegerChecker
 from posttrain.rewards.code import CODE_POLICIES, HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
 from posttrain.rewards.custom import CallableVerifier, FunctionVerifier
 from posttrain.rewards.format import FormatVerifier
@@ -26,7 +27,9 @@ from posttrain.rewards.verdict import Verdict
 CODE_VERIFIERS = {"humaneval": HumanEvalVerifier, "mbpp": MBPPVerifier, "io": IOVerifier, "stdio": StdioVerifier}
 ANSWER_VERIFIERS = {"math": MathVerifier, "exact": ExactVerifier, "numeric": NumericVerifier,
                     "choice": ChoiceVerifier, "rg": ReasoningGymVerifier}
-NAMES = (*ANSWER_VERIFIERS, "format", *CODE_VERIFIERS)
+CHECKERS = {"integer": IntegerChecker}
+"""Checkers written apart from the training rewards (posttrain/rewards/checkers.py)."""
+NAMES = (*ANSWER_VERIFIERS, *CHECKERS, "format", *CODE_VERIFIERS)
 
 
 class WeightedSum(Verifier):
@@ -64,6 +67,10 @@ class WeightedSum(Verifier):
         """One row (see `batch`)."""
         return self.batch([completion], [example])[0]
 
+    def implementation(self) -> dict[str, str]:
+        """Every part of every term."""
+        return {f"{key} ({verifier.name})": value for _, verifier in self.components for key, value in verifier.implementation().items()}
+
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""
         return {"verifier": self.name,
@@ -95,6 +102,8 @@ def get_verifier(name: str, *, sandbox: SandboxConfig | None = None, fraction: b
         return CODE_VERIFIERS[name](sandbox=sandbox, fraction=fraction)
     if name in ANSWER_VERIFIERS:
         return ANSWER_VERIFIERS[name](**({"extraction": extraction} if extraction else {}))
+    if name in CHECKERS:
+        return CHECKERS[name]()
     if name == "format":
         return FormatVerifier()
     raise ValueError(f"unknown verifier {name!r}; choose from {', '.join(NAMES)}, "

@@ -1,0 +1,122 @@
+"""Held-out checkers written apart from the training rewards, so that acceptance does not inherit a
+reward's bugs (the seed: changing the problems while keeping the same flawed checking logic is not
+independent). Nothing here imports `extract.py` or the answer verifiers: each checker reads the
+completion with its own parser and compares with its own rule.
+
+    integer   the completion's final answer, its `<answer>` elements (read by the standard library's
+              HTML parser, not a regular expression) and `\\boxed{}` contents (braces counted here),
+              all one text, holds exactly an integer (`int()` of the stripped text, so a hedge, a
+              list or any extra word fails) equal to the gold integer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from html.parser import HTMLParser
+from typing import Any
+
+from posttrain.rewards.base import Verifier
+from posttrain.rewards.verdict import Verdict
+
+MAX_ANSWER_CHARS = 200
+"""Longer answer elements are not an integer answer (and never reach `int()`, whose cost grows)."""
+
+
+class _AnswerElements(HTMLParser):
+    """The text of every top-level <answer> element of a completion, and whether one is unclosed."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.answers: list[str] = []
+        self._depth, self._text = 0, []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "answer":
+            self._depth += 1
+            if self._depth == 1:
+                self._text = []
+
+    def handle_endtag(self, tag):
+        if tag == "answer" and self._depth:
+            self._depth -= 1
+            if self._depth == 0:
+                self.answers.append("".join(self._text))
+
+    def handle_data(self, data):
+        if self._depth:
+            self._text.append(data)
+
+    @property
+    def unclosed(self) -> bool:
+        return self._depth > 0
+
+
+def answer_elements(completion: str) -> tuple[list[str], bool]:
+    """(the texts of the completion's <answer> elements, whether one is left unclosed)."""
+    parser = _AnswerElements()
+    parser.feed(completion)
+    parser.close()
+    return parser.answers, parser.unclosed
+
+
+def boxed_contents(completion: str) -> list[str]:
+    """The contents of every `\\boxed{...}` of a completion, read by counting braces (a box left
+    open reads as its text to the end)."""
+    contents, start = [], completion.find("\\boxed{")
+    while start >= 0:
+        depth, index = 1, start + len("\\boxed{")
+        begin = index
+        while index < len(completion) and depth:
+            depth += 1 if completion[index] == "{" else -1 if completion[index] == "}" else 0
+            index += 1
+        contents.append(completion[begin:index - 1] if depth == 0 else completion[begin:])
+        start = completion.find("\\boxed{", index)
+    return contents
+
+
+def _integer(text: str) -> int | None:
+    """`int(text)` for an optional sign and ASCII digits only (no spaces inside, `_`, `1e3`, `٤`)."""
+    text = text.strip()
+    digits = text[1:] if text[:1] in ("+", "-") else text
+    if not digits or len(text) > MAX_ANSWER_CHARS or not (digits.isascii() and digits.isdigit()):
+        return None
+    return int(text)
+
+
+class IntegerChecker(Verifier):
+    """Exact integer answers, read apart from the training rewards (see the module docstring).
+
+    Row: {"completion", "answer": an integer (or its decimal string)}. An empty or non-integer gold
+    is data_error; no answer, two different ones, an unclosed element, or a non-integer answer
+    scores 0 with the reason.
+    """
+
+    name = "integer"
+
+    def score(self, completion: str, example: Mapping) -> Verdict:
+        gold = example.get("answer")
+        gold_value = None if isinstance(gold, bool) else (gold if isinstance(gold, int) else _integer(str(gold or "")))
+        if gold_value is None:
+            return Verdict.data_error(f"gold answer {str(gold)[:60]!r} is not an integer")
+        answers, unclosed = answer_elements(completion)
+        if unclosed:
+            return Verdict.ok(0.0, "an <answer> element is not closed")
+        distinct = sorted({answer.strip() for answer in answers + boxed_contents(completion)})
+        if not distinct:
+            return Verdict.ok(0.0, "no <answer> element or \\boxed{}")
+        if len(distinct) > 1:
+            return Verdict.ok(0.0, f"{len(distinct)} different answers")
+        value = _integer(distinct[0])
+        if value is None:
+            return Verdict.ok(0.0, f"answer {distinct[0][:40]!r} is not an integer", extracted=distinct[0][:MAX_ANSWER_CHARS])
+        return Verdict.ok(1.0 if value == gold_value else 0.0, "same integer" if value == gold_value else "different integer",
+                          extracted=distinct[0].strip())
+
+    def implementation(self) -> dict[str, str]:
+        """How it reads and compares (for the run card's independence check)."""
+        return {"extraction": "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)",
+                "comparison": "int() equality"}
+
+    def describe(self) -> dict[str, Any]:
+        """Settings for the run card."""
+        return {"verifier": self.name, "implementation": self.implementation()}
