@@ -2,6 +2,7 @@
 on-policy ratio of 1, errors and zero-signal groups, bad configs, and resume after SIGKILL."""
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from posttrain.config import build_config, parse_overrides
+from posttrain.errors import UserError
 from posttrain.recipes import online as grpo
 from posttrain.recipes import online_config
 from posttrain.recipes.online_data import ScoredBatch
@@ -239,3 +241,40 @@ def test_divergence_alarm_rings_once_in_a_gamed_run_and_not_in_an_honest_one(tmp
     assert len(alarms) == 1 and alarms[0].startswith("divergence: from step ") and "held-out accuracy changed by +0.000" in alarms[0]
     honest = grpo.run(small_config(tmp_path / "honest", *fast, "--reward", "exact"))
     assert json.loads((honest / "run_card.json").read_text())["alarms"] == []
+
+
+def test_shifted_heldout_sets_are_evaluated_plotted_and_carded(tmp_path):
+    """Default sets of arithmetic (one more digit, the sums in words) beside the in-distribution
+    split: one metric key per set (in-distribution also under heldout/pass@1), an eval file per set,
+    one figure, the card's sets; a named set that overlaps training loses those prompts (counted)."""
+    run_dir = grpo.run(small_config(tmp_path, "--max-steps", "1"), reward=digits)
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    for name in ("in_distribution", "digits_3", "words"):
+        assert f"heldout/{name}/pass@1" in last and f"heldout/{name}/pass@1_high" in last
+    assert last["heldout/pass@1"] == last["heldout/in_distribution/pass@1"]
+    words = json.loads((run_dir / "eval" / "words-step-000001.json").read_text())
+    assert re.search(r"\d+ plus \d+ =", words["rows"][0]["prompt"])
+    assert (run_dir / "plots" / "heldout_sets.png").is_file()
+    sets = json.loads((run_dir / "run_card.json").read_text())["links"]["acceptance"]["sets"]
+    assert sets["digits_3"]["options"] == {"digits": 3} and sets["words"]["checker"] == "integer" and sets["words"]["independent"]
+
+    config = small_config(tmp_path / "named", "--data.task_options", "{digits: 1}", "--acceptance.sets",
+                          "[{name: again, task_options: {digits: 1}, size: 60}]")
+    state = grpo.setup(config, reward=digits)
+    (again,) = state.shifted
+    training = {e.prompt for e in state.train.examples}
+    assert again.spec["training_prompts_removed"] > 0 and not {e.prompt for e in again.task.examples} & training
+    assert again.spec["size"] == 60 - again.spec["training_prompts_removed"]
+    assert grpo.setup(small_config(tmp_path / "none", "--acceptance.sets", "[]"), reward=digits).shifted == []
+
+
+@pytest.mark.parametrize("sets, message", [
+    ("[{task: arithmetic}]", "acceptance.sets[1]: name must be a word"),
+    ("[{name: in_distribution}]", "name 'in_distribution' is reserved"),
+    ("[{name: a}, {name: a}]", "name 'a' is used twice"),
+    ("[{name: a, size: 0}]", "size must be a positive integer"),
+    ("[{name: a, digits: 3}]", "unknown key 'digits'"),
+])
+def test_bad_heldout_sets_are_one_line(tmp_path, sets, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        small_config(tmp_path, "--acceptance.sets", sets)

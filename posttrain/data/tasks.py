@@ -27,6 +27,7 @@ from posttrain.data.validation import ValidationReport, check_prompt_length
 from posttrain.errors import UserError
 
 ARITHMETIC_OPERATIONS = {"add": "+", "sub": "-", "mul": "*"}
+ARITHMETIC_WORDS = {"words": {"add": "plus", "sub": "minus", "mul": "times"}}
 GENERATED_TRAIN_SIZE = 20000
 """Training examples drawn from a generated task when no train_size is given."""
 FILE_OPTIONS = ("answer_format", "format", "columns", "split")
@@ -126,9 +127,13 @@ def _subset(task: Task, split: str, examples) -> Task:
 
 def arithmetic_examples(spec: str, options: dict, size: int, seed: int, split: str) -> list[Example]:
     """`size` problems "a+b=" with `digits`-digit operands (default 2) and `operation` add (default),
-    sub (a >= b, so answers are never negative) or mul. The answer is the exact integer."""
-    _reject_options(spec, options, known=("digits", "operation"))
+    sub (a >= b, so answers are never negative) or mul; `phrasing` words writes them "a plus b ="
+    (a shifted held-out set: the same sums, another way of asking). The answer is the exact integer."""
+    _reject_options(spec, options, known=("digits", "operation", "phrasing"))
     digits, operation = options.get("digits", 2), options.get("operation", "add")
+    phrasing = options.get("phrasing", "symbols")
+    if phrasing not in ARITHMETIC_WORDS and phrasing != "symbols":
+        raise UserError(f"task arithmetic: option phrasing must be symbols or words, got {phrasing!r}")
     if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= 18:
         raise UserError(f"task arithmetic: option digits must be an integer from 1 to 18, got {digits!r}")
     if operation not in ARITHMETIC_OPERATIONS:
@@ -142,9 +147,10 @@ def arithmetic_examples(spec: str, options: dict, size: int, seed: int, split: s
         if operation == "sub" and a < b:
             a, b = b, a
         result = {"add": a + b, "sub": a - b, "mul": a * b}[operation]
+        prompt = f"{a}{symbol}{b}=" if phrasing == "symbols" else f"{a} {ARITHMETIC_WORDS[phrasing][operation]} {b} ="
         examples.append(Example(
-            id=f"arithmetic-{split}-{index}", prompt=f"{a}{symbol}{b}=", answer=str(result),
-            metadata={"source": "arithmetic", "digits": digits, "operation": operation},
+            id=f"arithmetic-{split}-{index}", prompt=prompt, answer=str(result),
+            metadata={"source": "arithmetic", "digits": digits, "operation": operation, "phrasing": phrasing},
         ))
     return examples
 

@@ -13,12 +13,16 @@ import json
 import logging
 import time
 from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from posttrain.data import render_prompt
-from posttrain.data.examples import Example, Task, verifier_input
+from posttrain.data.examples import Example, Task, require_examples, verifier_input
+from posttrain.data.files import pick
+from posttrain.errors import UserError
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
 from posttrain.rewards import Verdict, Verifier, get_verifier
 from posttrain.rollout import SamplingConfig, generate
@@ -146,6 +150,88 @@ def evaluate_task(
         Path(output_path).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
     logger.info("held-out %s: pass@1 %s (n=%d)", task.name, summary["pass@1"], n)
     return summary
+
+
+IN_DISTRIBUTION = "in_distribution"
+"""The name of the held-out split of the training task itself (its metrics are also `heldout/pass@1`)."""
+SET_KEYS = ("name", "task", "task_options", "size", "checker")
+SHIFT_SIZE = 200
+"""A shifted set's default size (at most the in-distribution set's)."""
+
+
+@dataclass
+class HeldOutSet:
+    """One named held-out set: its problems (none of them a training prompt) and its checker."""
+
+    name: str
+    task: Task
+    checker: Verifier
+    spec: dict
+    """What built it, for the run card: task, options, size, checker, training prompts removed."""
+
+
+def default_shifts(spec: str, options: dict) -> list[dict]:
+    """The shifted held-out sets a task gets when `acceptance.sets` is not given: arithmetic, one
+    more digit and the sums asked in words; other tasks none (reasoning-gym has no common notion of
+    a harder config; a file has no second distribution to draw from): name them in acceptance.sets."""
+    if spec != "arithmetic":
+        return []
+    shifts, digits = [], options.get("digits", 2)
+    if digits < 18:
+        shifts.append({"name": f"digits_{digits + 1}", "task": "arithmetic", "task_options": {**options, "digits": digits + 1}})
+    if options.get("phrasing", "symbols") == "symbols":
+        shifts.append({"name": "words", "task": "arithmetic", "task_options": {**options, "phrasing": "words"}})
+    return shifts
+
+
+def check_set_specs(sets: list) -> None:
+    """UserError (one line) unless `sets` is a list of {name, task?, task_options?, size?, checker?}
+    with unique names that are not `in_distribution`."""
+    names = set()
+    for number, entry in enumerate(sets, start=1):
+        if not isinstance(entry, dict):
+            raise UserError(f"acceptance.sets[{number}]: expected a mapping with a name, got {entry!r}")
+        unknown = sorted(set(entry) - set(SET_KEYS))
+        if unknown:
+            raise UserError(f"acceptance.sets[{number}]: unknown key {unknown[0]!r} (known: {', '.join(SET_KEYS)})")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_.+-" for c in name):
+            raise UserError(f"acceptance.sets[{number}]: name must be a word (letters, digits, _ . + -), got {name!r}")
+        if name == IN_DISTRIBUTION or name in names:
+            raise UserError(f"acceptance.sets[{number}]: name {name!r} is {'reserved' if name == IN_DISTRIBUTION else 'used twice'}")
+        names.add(name)
+        if "size" in entry and (isinstance(entry["size"], bool) or not isinstance(entry["size"], int) or entry["size"] < 1):
+            raise UserError(f"acceptance.sets[{number}] ({name}): size must be a positive integer, got {entry['size']!r}")
+        if "task_options" in entry and not isinstance(entry["task_options"], dict):
+            raise UserError(f"acceptance.sets[{number}] ({name}): task_options must be a mapping")
+
+
+def shifted_sets(sets: list[dict] | None, train: Task, spec: str, options: dict, seed: int, eval_size: int,
+                 make_checker: Callable[[str | None, Task], Verifier]) -> list[HeldOutSet]:
+    """The named held-out sets besides the in-distribution one: `sets` (None: `default_shifts`),
+    each drawn like a held-out split (`heldout_split`, the run's seed), of `size` problems (default
+    min(eval_size, SHIFT_SIZE)), with any prompt that is also a training prompt removed and counted.
+    `make_checker(name, task)` builds each set's checker (its own, or the task kind's default)."""
+    entries = default_shifts(spec, options) if sets is None else sets
+    if not entries:
+        return []
+    training = {example.prompt_key() for example in train.examples}
+    built = []
+    for entry in entries:
+        task_spec = entry.get("task", spec)
+        task_options = entry.get("task_options", options if task_spec == spec else {})
+        size = entry.get("size", min(eval_size, SHIFT_SIZE))
+        task = heldout_split(task_spec, size, seed, task_options)
+        keep = [i for i, example in enumerate(task.examples) if example.prompt_key() not in training]
+        removed = len(task.examples) - len(keep)
+        task.examples = pick(task.examples, keep)
+        task.split = entry["name"]
+        require_examples(task)
+        checker = make_checker(entry.get("checker"), task)
+        built.append(HeldOutSet(entry["name"], task, checker, {
+            "task": task_spec, "options": task_options, "size": len(task.examples), "checker": checker.name,
+            "training_prompts_removed": removed}))
+    return built
 
 
 def heldout_split(spec: str, eval_size: int, seed: int = 0, options: dict | None = None) -> Task:

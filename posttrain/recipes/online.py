@@ -42,7 +42,15 @@ from posttrain.data.tasks import load_splits
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, rank_micro_batches, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement, resolve
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, DEFAULT_REWARDS, evaluate_task, independence
+from posttrain.evaluation.acceptance import (
+    DEFAULT_CHECKERS,
+    DEFAULT_REWARDS,
+    IN_DISTRIBUTION,
+    HeldOutSet,
+    evaluate_task,
+    independence,
+    shifted_sets,
+)
 from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.models import make_critic, make_reference
 from posttrain.models.forward import TrainingForward, completion_logits, completion_values, policy_and_critic, policy_logits, rank_logprobs
@@ -53,6 +61,7 @@ from posttrain.recipes.online_data import ScoredBatch, sample_and_score
 from posttrain.recipes.screening import LAYOUTS, screen_problems
 from posttrain.rewards import Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
+from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import default_output_dir
 from posttrain.runs.timer import Timer
@@ -88,6 +97,8 @@ class State:
     stream: PromptStream
     train: Task
     held_out: Task
+    shifted: list[HeldOutSet] = field(default_factory=list)
+    """The shifted held-out sets evaluated beside `held_out` (acceptance.sets)."""
     screening: dict | None = None
     """What the load-time screening of code problems removed (`screening.screen_problems`); None: not code."""
     step: int = 0
@@ -129,6 +140,15 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
         logger.warning("acceptance is not independent: %s", why)
     verifier.prepare()
     checker.prepare()
+
+    def set_checker(name: str | None, task: Task) -> Verifier:
+        made = as_verifier(None, name or DEFAULT_CHECKERS.get(task.reward_kind, "exact"), config.reward_options,
+                           config.unsafe_no_sandbox, for_checker=True, setting="acceptance.sets checker")
+        made.prepare()
+        return made
+
+    shifted = shifted_sets(config.acceptance.sets, train, config.data.task, config.data.load_options(), config.seed,
+                           config.data.eval_size, set_checker)
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy
@@ -148,7 +168,8 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
         ], config.optim, total)
     return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
                  critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
-                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, screening=screening, placement=placement)
+                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, shifted=shifted, screening=screening,
+                 placement=placement)
 
 
 def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
@@ -433,6 +454,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
         run_dir.log_metrics(done, metrics)
         if "heldout/pass@1" in metrics and world.main:
             plot_metrics(run_dir.read_metrics(), PLOTTED[config.loss.advantage], run_dir.plots)
+            plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
         progress.set_postfix(reward=f"{metrics['reward/mean'] or 0:.3f}")
         if done % config.checkpoint_every == 0 or done == config.max_steps:
             save_training(run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
@@ -460,11 +482,20 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
                 seed=derived_seed(config.seed, "eval", str(state.step)), system_prompt=config.data.system_prompt,
                 output_path=run_dir.eval_dir / f"step-{state.step:06d}.json",
             )
-            policy.train(was_training)
             low, high = result["pass@1_ci95"]
             metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high}
             if config.acceptance.k > 1:
                 metrics[f"heldout/pass@{config.acceptance.k}"] = result[f"pass@{config.acceptance.k}"]
+            metrics.update(_set_metrics(IN_DISTRIBUTION, result, config.acceptance.k))
+            for held in state.shifted:
+                shifted = evaluate_task(
+                    policy, state.tokenizer, held.task, checker=held.checker, k=config.acceptance.k,
+                    temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens,
+                    seed=derived_seed(config.seed, "eval", held.name, str(state.step)), system_prompt=config.data.system_prompt,
+                    output_path=run_dir.eval_dir / f"{held.name}-step-{state.step:06d}.json",
+                )
+                metrics.update(_set_metrics(held.name, shifted, config.acceptance.k))
+            policy.train(was_training)
             if train_reward is not None and result["pass@1"] is not None:
                 # The alarm compares held-out accuracy with the mean training reward since the previous
                 # evaluation (read back from metrics.jsonl, so a resumed run computes the same).
@@ -475,6 +506,15 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
                 if message:
                     logger.warning(message)
     state.world.barrier()
+    return metrics
+
+
+def _set_metrics(name: str, result: dict[str, Any], k: int) -> dict[str, Any]:
+    """`heldout/<set>/pass@1` (with its interval, and pass@k when sampled) of one held-out set."""
+    low, high = result["pass@1_ci95"]
+    metrics = {f"heldout/{name}/pass@1": result["pass@1"], f"heldout/{name}/pass@1_low": low, f"heldout/{name}/pass@1_high": high}
+    if k > 1:
+        metrics[f"heldout/{name}/pass@{k}"] = result[f"pass@{k}"]
     return metrics
 
 
@@ -522,6 +562,8 @@ def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
         **dataclasses.asdict(config.acceptance), "checker_resolved": state.checker.name, "checker_is_training_reward": same,
         "independent": independent, "independence_reason": why,
         "training_reward": state.verifier.describe(), "checker_settings": state.checker.describe(),
+        "sets": {IN_DISTRIBUTION: {"task": config.data.task, "size": len(held_out), "checker": state.checker.name},
+                 **{held.name: {**held.spec, "independent": independence(state.verifier, held.checker)[0]} for held in state.shifted}},
     }
     if not independent:
         card["notes"].append(f"acceptance is not independent: {why}")

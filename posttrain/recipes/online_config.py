@@ -14,6 +14,7 @@ from posttrain.config import PolicyFields
 from posttrain.data.files import resolve_columns, task_load_options
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
+from posttrain.evaluation.acceptance import check_set_specs
 from posttrain.optim import Optimization
 from posttrain.rollout import SamplingConfig
 
@@ -163,6 +164,8 @@ class Acceptance:
     """Divergence alarm: evaluations to look back over."""
     alarm_reward_rise: float = 0.1
     """Divergence alarm: training-reward rise over the window that, without held-out gain, rings it."""
+    sets: list[dict] | None = None
+    """Shifted held-out sets evaluated beside the in-distribution split, each {name, task, task_options, size, checker} (task defaults to data.task, size to min(eval_size, 200)); None: the task's defaults (arithmetic: one more digit, and the sums in words); []: none."""
 
 
 @dataclass
@@ -230,6 +233,8 @@ class Config(PolicyFields):
         for name in GAE_ONLY if not gae_mode else GROUP_ONLY:
             if getattr(loss, name) != getattr(defaults, name):
                 raise UserError(f"loss.{name} applies to loss.advantage {'gae' if not gae_mode else 'group'} only (this run: {loss.advantage})")
+        if self.acceptance.sets is not None:
+            check_set_specs(self.acceptance.sets)
         rows = data.prompts_per_step * data.group_size
         if update.epochs < 1 or update.mini_batches < 1 or update.micro_batch_size < 1:
             raise UserError("update.epochs, update.mini_batches and update.micro_batch_size must be >= 1")

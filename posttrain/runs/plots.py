@@ -42,3 +42,32 @@ def plot_metrics(rows: Sequence[dict[str, Any]], keys: Sequence[str], plots_dir:
         if plot_metric(rows, key, path):
             written.append(path)
     return written
+
+
+def plot_sets(rows: Sequence[dict[str, Any]], names: Sequence[str], path: str | Path) -> bool:
+    """Every held-out set's `heldout/<name>/pass@1` against `step` in one figure, with its 95%
+    interval as a band; returns False if no row has any of them."""
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    drawn = False
+    for name in names:
+        key = f"heldout/{name}/pass@1"
+        points = [(row["step"], row[key], row.get(f"{key}_low"), row.get(f"{key}_high")) for row in rows
+                  if row.get(key) is not None and "step" in row]
+        if not points:
+            continue
+        steps, values, lows, highs = zip(*points)
+        axis.plot(steps, values, marker="o" if len(points) < 30 else None, linewidth=1.5, label=name)
+        if all(v is not None for v in lows + highs):
+            axis.fill_between(steps, lows, highs, alpha=0.15)
+        drawn = True
+    if drawn:
+        axis.set_xlabel("step")
+        axis.set_ylabel("held-out pass@1")
+        axis.set_title("held-out sets (95% intervals)")
+        axis.set_ylim(-0.02, 1.02)
+        axis.grid(alpha=0.3)
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return drawn
