@@ -15,17 +15,22 @@ def test_shortened_demo_end_to_end(tmp_path):
     config = build_config(demo.Config, None, {"output_dir": str(tmp_path / "demo"), "grpo_steps": 12})
     out = demo.run(config)
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"heldout_before", "heldout_after_grpo", "heldout_after_dpo", "n_heldout",
-                            "gain_grpo_ci95", "seconds_after_install"}
+    assert set(summary) == {"heldout_before", "heldout_after_grpo", "heldout_after_dpo", "heldout_after_dpo_plain", "n_heldout",
+                            "gain_grpo_ci95", "gain_dpo_ci95", "gain_dpo_plain_ci95", "sets", "checker", "seconds_after_install"}
     assert summary["n_heldout"] == 500
     assert all(0 <= summary[key] <= 1 for key in ("heldout_before", "heldout_after_grpo", "heldout_after_dpo"))
     assert summary["heldout_after_grpo"] > summary["heldout_before"]
     assert summary["gain_grpo_ci95"][0] > 0, summary
+    assert summary["gain_dpo_ci95"][0] > 0, summary  # RPO's NLL term: the offline data link gains too
+    assert set(summary["sets"]) == {"in_distribution", "digits_3", "words"}
+    assert set(summary["sets"]["words"]) == {"sft", "grpo", "dpo", "dpo_plain"}
+    assert summary["checker"]["name"] == "integer" and summary["checker"]["independent"] is True
     report = (out / "report.md").read_text()
     assert "| SFT start" in report and "| GRPO" in report and "| DPO" in report and "## The four links" in report
-    for image in ("heldout.png", "grpo_reward.png", "grpo_heldout.png", "grpo_kl.png", "dpo_loss.png"):
+    assert "Why plain DPO falls here" in report and "| digits_3 [95% CI] |" in report
+    for image in ("heldout.png", "grpo_reward.png", "grpo_heldout.png", "grpo_kl.png", "dpo_loss.png", "dpo_chosen.png"):
         assert (out / "plots" / image).is_file(), image
         assert f"plots/{image}" in report
-    for stage in ("sft", "grpo", "dpo"):
+    for stage in ("sft", "grpo", "dpo", "dpo_plain"):
         card = json.loads((out / stage / "run_card.json").read_text())
         assert set(card["links"]) == {"data", "reward", "loss", "acceptance"}

@@ -4,8 +4,11 @@
 2. Baseline acceptance: held-out accuracy with the independent checker.
 3. GRPO from that start, rewarded by a program (RLVR).
 4. `pairs` from the SFT model (verifier-labelled) and DPO on them, from the same start, with a
-   comparable budget (as many sampled answers as GRPO generated).
-5. Acceptance again for both, on the same held-out problems (paired confidence intervals).
+   comparable budget (as many sampled answers as GRPO generated): RPO (DPO plus the chosen answers'
+   NLL), and plain DPO beside it, whose fall the report explains (likelihood displacement).
+5. Acceptance again for each, on the same held-out sets (in distribution, one more digit, the sums
+   in words; paired confidence intervals), with the `integer` checker written apart from the
+   `exact` reward.
 6. A report (`report.md`, `summary.json`, plots) next to the stages' run directories.
 
 Each training stage is a preset (presets/tiny-sft.yaml, tiny-grpo.yaml, tiny-dpo.yaml) plus the few
@@ -34,9 +37,11 @@ import torch  # noqa: E402
 
 from posttrain.config import build_config  # noqa: E402
 from posttrain.errors import UserError  # noqa: E402
-from posttrain.evaluation.acceptance import evaluate_task, heldout_split  # noqa: E402
+from posttrain.data.examples import Task  # noqa: E402
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, evaluate_task, heldout_split, independence, shifted_sets  # noqa: E402
 from posttrain.evaluation.stats import paired_difference_ci  # noqa: E402
 from posttrain.models import load_model  # noqa: E402
+from posttrain.rewards import get_verifier  # noqa: E402
 from posttrain.runs import read_jsonl  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -45,10 +50,11 @@ logger = logging.getLogger(__name__)
 PRESETS = Path(__file__).resolve().parents[2] / "presets"
 """The repository's presets: each demo stage is one of them plus the overrides below."""
 
-DPO_STAGE = {"loss": {"nll_weight": 0.0}, "optim": {"lr": 3e-5}, "batch_size": 16, "micro_batch_size": 16,
-             "data": {"heldout_pairs": 0}}
-"""The demo's DPO stage is plain DPO (tiny-dpo.yaml is RPO: DPO plus the chosen answers' NLL) on every
-pair, with as many steps as GRPO: "same reward link, different data link", not the best DPO."""
+DPO_STAGE = {"batch_size": 16, "micro_batch_size": 16, "data": {"heldout_pairs": 0}}
+"""The demo's DPO stage is tiny-dpo.yaml, RPO (DPO plus the chosen answers' NLL, arXiv:2404.19733),
+on every pair with as many steps as GRPO: "same reward link, different data link"."""
+PLAIN_DPO = {"loss": {"nll_weight": 0.0}}
+"""The comparison the report explains: the same stage without the NLL term (plain DPO)."""
 
 
 @dataclass
@@ -112,9 +118,12 @@ def run(config: Config, resume: bool = False) -> Path:
     timings["sft"] = time.perf_counter() - clock
     task, options, budget = sft_config.data.task, sft_config.data.task_options, sft_config.max_new_tokens
 
-    # 2. Baseline acceptance on the held-out split every stage shares.
+    # 2. Baseline acceptance on the held-out sets every stage shares: the in-distribution split and
+    # the shifted ones (one more digit, the sums in words), all scored by the independent checker.
     held_out = heldout_split(task, config.eval_size, seed, options)
-    before = acceptance(start_model, held_out, budget, seed, out / "eval_sft.json")
+    sets = {IN_DISTRIBUTION: held_out, **{held.name: held.task for held in shifted_sets(
+        None, Task("demo", "train", [], held_out.reward_kind), task, options, seed, config.eval_size, _checker)}}
+    before = acceptance(start_model, sets, budget, seed, out, "sft")
 
     # 3. GRPO with the programmatic verifier: presets/tiny-grpo.yaml from the SFT start.
     clock = time.perf_counter()
@@ -138,77 +147,101 @@ def run(config: Config, resume: bool = False) -> Path:
     }))
     timings["pairs"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    dpo_dir = dpo.run(build_config(dpo_config.Config, preset("tiny-dpo"), {
-        **DPO_STAGE, "seed": seed, "model": start_model, "output_dir": str(out / "dpo"), "max_steps": config.grpo_steps,
-        "checkpoint_every": config.grpo_steps, "data": {**DPO_STAGE["data"], "pairs": str(pairs_file)},
-        "acceptance": {"max_new_tokens": budget},
-    }))
+    dpo_dirs = {}
+    for name, variant in (("dpo", {}), ("dpo_plain", PLAIN_DPO)):
+        dpo_dirs[name] = dpo.run(build_config(dpo_config.Config, preset("tiny-dpo"), {
+            **DPO_STAGE, **variant, "seed": seed, "model": start_model, "output_dir": str(out / name), "max_steps": config.grpo_steps,
+            "checkpoint_every": config.grpo_steps, "data": {**DPO_STAGE["data"], "pairs": str(pairs_file)},
+            "acceptance": {"max_new_tokens": budget},
+        }))
     timings["dpo"] = time.perf_counter() - clock
 
-    # 5. Acceptance for both on the same problems.
-    after_grpo = acceptance(str(grpo_dir / "checkpoints" / f"step-{config.grpo_steps:06d}" / "model"), held_out, budget, seed, out / "eval_grpo.json")
-    after_dpo = acceptance(str(dpo_dir / "checkpoints" / f"step-{config.grpo_steps:06d}" / "model"), held_out, budget, seed, out / "eval_dpo.json")
+    # 5. Acceptance for each on the same problems.
+    def final(run: Path) -> str:
+        return str(run / "checkpoints" / f"step-{config.grpo_steps:06d}" / "model")
+
+    after_grpo = acceptance(final(grpo_dir), sets, budget, seed, out, "grpo")
+    after_dpo = acceptance(final(dpo_dirs["dpo"]), sets, budget, seed, out, "dpo")
+    after_plain = acceptance(final(dpo_dirs["dpo_plain"]), sets, budget, seed, out, "dpo_plain")
 
     # 6. Report.
-    gain, low, high = paired_difference_ci(before["correct"], after_grpo["correct"])
-    dpo_gain = paired_difference_ci(before["correct"], after_dpo["correct"])
+    gain, low, high = paired_difference_ci(before[IN_DISTRIBUTION]["correct"], after_grpo[IN_DISTRIBUTION]["correct"])
+    dpo_gain = paired_difference_ci(before[IN_DISTRIBUTION]["correct"], after_dpo[IN_DISTRIBUTION]["correct"])
+    plain_gain = paired_difference_ci(before[IN_DISTRIBUTION]["correct"], after_plain[IN_DISTRIBUTION]["correct"])
+    independent, why = independence(get_verifier(provenance["verifier"]), _checker(None, held_out))
+    stages = {"sft": before, "grpo": after_grpo, "dpo": after_dpo, "dpo_plain": after_plain}
     summary = {
-        "heldout_before": before["pass@1"], "heldout_after_grpo": after_grpo["pass@1"],
-        "heldout_after_dpo": after_dpo["pass@1"], "n_heldout": before["n"], "gain_grpo_ci95": [low, high],
+        "heldout_before": before[IN_DISTRIBUTION]["pass@1"], "heldout_after_grpo": after_grpo[IN_DISTRIBUTION]["pass@1"],
+        "heldout_after_dpo": after_dpo[IN_DISTRIBUTION]["pass@1"], "heldout_after_dpo_plain": after_plain[IN_DISTRIBUTION]["pass@1"],
+        "n_heldout": before[IN_DISTRIBUTION]["n"], "gain_grpo_ci95": [low, high], "gain_dpo_ci95": list(dpo_gain[1:]),
+        "gain_dpo_plain_ci95": list(plain_gain[1:]),
+        "sets": {name: {stage: result[name]["pass@1"] for stage, result in stages.items()} for name in sets},
+        "checker": {"name": "integer", "independent": independent, "independence_reason": why},
         "seconds_after_install": time.perf_counter() - started,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    write_report(out, config, grpo_config, summary, before, after_grpo, after_dpo, (gain, low, high), dpo_gain, provenance,
-                 timings, {"sft": sft_dir, "grpo": grpo_dir, "dpo": dpo_dir})
+    write_report(out, config, grpo_config, summary, stages, (gain, low, high), dpo_gain, plain_gain, provenance,
+                 timings, {"sft": sft_dir, "grpo": grpo_dir, **dpo_dirs})
     return out
 
 
-def acceptance(model_dir: str, held_out, budget: int, seed: int, path: Path) -> dict[str, Any]:
+def _checker(name: str | None, task: Task):
+    """Every held-out set's checker: `integer`, written apart from the `exact` reward and labeller."""
+    return get_verifier(name or "integer")
+
+
+def acceptance(model_dir: str, sets: dict[str, Task], budget: int, seed: int, out: Path, stage: str) -> dict[str, dict[str, Any]]:
+    """Greedy pass@1 of one stage's model on every held-out set (eval_<stage>.json for the
+    in-distribution set, eval_<stage>_<set>.json for the others)."""
     model, tokenizer = load_model(model_dir)
-    return evaluate_task(model, tokenizer, held_out, checker="integer", max_new_tokens=budget, seed=seed, output_path=path)
+    return {name: evaluate_task(model, tokenizer, task, checker=_checker(None, task), max_new_tokens=budget, seed=seed,
+                                output_path=out / (f"eval_{stage}.json" if name == IN_DISTRIBUTION else f"eval_{stage}_{name}.json"))
+            for name, task in sets.items()}
 
 
-def write_report(out: Path, config: Config, grpo_config, summary, before, after_grpo, after_dpo, grpo_gain, dpo_gain, provenance, timings, dirs) -> None:
-    """report.md with the before/after table, curves, the run cards side by side and samples."""
+def write_report(out: Path, config: Config, grpo_config, summary, stages, grpo_gain, dpo_gain, plain_gain, provenance, timings,
+                 dirs) -> None:
+    """report.md: every stage on every held-out set, the curves, why plain DPO falls where RPO gains,
+    the run cards side by side, and samples."""
     plots = out / "plots"
     plots.mkdir(exist_ok=True)
-    labels = ["SFT start", "after GRPO", "after DPO"]
-    results = [before, after_grpo, after_dpo]
-    figure, axis = plt.subplots(figsize=(5.5, 3.5))
-    values = [r["pass@1"] for r in results]
-    errors = [[v - r["pass@1_ci95"][0] for v, r in zip(values, results)], [r["pass@1_ci95"][1] - v for v, r in zip(values, results)]]
-    axis.bar(labels, values, yerr=errors, capsize=6, color=["#999999", "#2b7bba", "#d9822b"])
-    axis.set_ylabel(f"held-out accuracy (n={summary['n_heldout']})")
+    labels = {"sft": "SFT start", "grpo": "after GRPO", "dpo": "after DPO (RPO)", "dpo_plain": "plain DPO"}
+    names = list(summary["sets"])
+    figure, axis = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(names)
+    for index, name in enumerate(names):
+        results = [stages[stage][name] for stage in labels]
+        values = [r["pass@1"] for r in results]
+        errors = [[v - r["pass@1_ci95"][0] for v, r in zip(values, results)], [r["pass@1_ci95"][1] - v for v, r in zip(values, results)]]
+        axis.bar([i + index * width for i in range(len(labels))], values, width, yerr=errors, capsize=3, label=name)
+    axis.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(labels))], list(labels.values()))
+    axis.set_ylabel("held-out pass@1")
     axis.set_ylim(0, 1)
-    axis.set_title("Held-out accuracy, 95% Wilson intervals")
+    axis.set_title("Held-out accuracy per set, 95% Wilson intervals")
+    axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(plots / "heldout.png", dpi=100)
     plt.close(figure)
-    grpo_rows = read_jsonl(dirs["grpo"] / "metrics.jsonl")
-    dpo_rows = read_jsonl(dirs["dpo"] / "metrics.jsonl")
+    rows_of = {name: read_jsonl(dirs[name] / "metrics.jsonl") for name in ("grpo", "dpo", "dpo_plain")}
     curves = [
-        ("grpo_reward.png", grpo_rows, "reward/mean", "GRPO training reward (exact match)"),
-        ("grpo_heldout.png", grpo_rows, "heldout/pass@1", "GRPO held-out accuracy"),
-        ("grpo_kl.png", grpo_rows, "kl/exact", "GRPO exact KL to the SFT start"),
-        ("dpo_loss.png", dpo_rows, "loss", "DPO loss"),
-        ("dpo_accuracy.png", dpo_rows, "rewards/accuracy", "DPO pair accuracy (implicit reward)"),
+        ("grpo_reward.png", rows_of["grpo"], ["reward/mean"], "GRPO training reward (exact match)"),
+        ("grpo_heldout.png", rows_of["grpo"], ["heldout/pass@1"], "GRPO held-out accuracy (in distribution)"),
+        ("grpo_kl.png", rows_of["grpo"], ["kl/exact"], "GRPO exact KL to the SFT start"),
+        ("dpo_loss.png", rows_of["dpo"], ["loss"], "DPO (RPO) loss"),
+        ("dpo_accuracy.png", rows_of["dpo"], ["rewards/accuracy"], "DPO (RPO) pair accuracy (implicit reward)"),
     ]
-    for name, rows, key, title in curves:
-        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        if not points:
-            continue
-        figure, axis = plt.subplots(figsize=(5.5, 3.2))
-        axis.plot(*zip(*points), marker="o" if len(points) < 25 else None)
-        axis.set_xlabel("step")
-        axis.set_title(title)
-        axis.grid(alpha=0.3)
-        figure.tight_layout()
-        figure.savefig(plots / name, dpi=100)
-        plt.close(figure)
+    for name, rows, keys, title in curves:
+        _curve(plots / name, [(key, rows) for key in keys], title)
+    _curve(plots / "dpo_chosen.png", [("RPO", rows_of["dpo"]), ("plain DPO", rows_of["dpo_plain"])],
+           "log pi(chosen) - log pi_ref(chosen)", key="logratio/chosen")
 
     def last(rows, key):
         values = [r[key] for r in rows if r.get(key) is not None]
         return f"{values[-1]:.3f}" if values else "n/a"
+
+    def lowest(rows, key):
+        values = [(r[key], r["step"]) for r in rows if r.get(key) is not None]
+        return min(values) if values else (float("nan"), 0)
 
     def cell(result):
         low, high = result["pass@1_ci95"]
@@ -216,30 +249,55 @@ def write_report(out: Path, config: Config, grpo_config, summary, before, after_
 
     gain, low, high = grpo_gain
     cards = {name: json.loads((path / "run_card.json").read_text()) for name, path in dirs.items()}
+    grpo_rows, dpo_rows, plain_rows = rows_of["grpo"], rows_of["dpo"], rows_of["dpo_plain"]
+    checker = summary["checker"]
+    walls = {"sft": f"{timings['sft']:.0f} s", "grpo": f"{timings['grpo']:.0f} s",
+             "dpo": f"{timings['pairs'] + timings['dpo']:.0f} s (pairs {timings['pairs']:.0f} s, both DPO runs)", "dpo_plain": "(above)"}
+    extra = {"sft": "n/a", "grpo": f"{last(grpo_rows, 'reward/mean')} (reward)", "dpo": f"{last(dpo_rows, 'rewards/accuracy')} (pair accuracy)",
+             "dpo_plain": f"{last(plain_rows, 'rewards/accuracy')} (pair accuracy)"}
     lines = [
         "# posttrain demo: what each link changed", "",
-        f"Tiny character-level Llama (3.2M parameters) on 2-digit addition; {summary['n_heldout']} held-out problems "
-        "never seen in training, scored by the `integer` checker (the `<answer>` element read by an HTML parser, "
-        "its text parsed by `int()`), implemented apart from the `exact` training reward and labeller. One seed "
-        f"({config.seed}); {summary['seconds_after_install']:.0f} s in all on this machine.", "",
-        "| stage | held-out accuracy [95% CI] | training reward (last step) | KL to start | mean length | wall time |",
-        "|---|---|---|---|---|---|",
-        f"| SFT start ({config.sft_steps} steps) | {cell(before)} | n/a | 0 | {before['mean_length']:.1f} | {timings['sft']:.0f} s |",
-        f"| GRPO ({config.grpo_steps} steps x {grpo_config.data.prompts_per_step * grpo_config.data.group_size} samples) | {cell(after_grpo)} | "
-        f"{last(grpo_rows, 'reward/mean')} | {last(grpo_rows, 'kl/exact')} | {after_grpo['mean_length']:.1f} | {timings['grpo']:.0f} s |",
-        f"| DPO ({config.grpo_steps} steps on {provenance['pairs']} pairs) | {cell(after_dpo)} | "
-        f"{last(dpo_rows, 'rewards/accuracy')} (pair accuracy) | n/a | {after_dpo['mean_length']:.1f} | "
-        f"{timings['pairs'] + timings['dpo']:.0f} s (pairs {timings['pairs']:.0f} s) |",
+        f"Tiny character-level Llama (3.2M parameters) on 2-digit addition. Held-out sets, never trained on: "
+        f"`in_distribution` ({summary['n_heldout']} sums like the training ones) and the shifted "
+        + ", ".join(f"`{name}`" for name in names[1:]) + " (one more digit; the same sums asked in words). "
+        f"Checker: `integer` (the `<answer>` element read by an HTML parser, `int()` of its text); independent of the "
+        f"`{provenance['verifier']}` training reward and labeller: {str(checker['independent']).lower()} ({checker['independence_reason']}). "
+        f"One seed ({config.seed}); {summary['seconds_after_install']:.0f} s in all on this machine.", "",
+        "| stage | " + " | ".join(f"{name} [95% CI]" for name in names) + " | training signal (last step) | mean length | wall time |",
+        "|---|" + "---|" * (len(names) + 3),
+    ]
+    titles = {"sft": f"SFT start ({config.sft_steps} steps)",
+              "grpo": f"GRPO ({config.grpo_steps} steps x {grpo_config.data.prompts_per_step * grpo_config.data.group_size} samples)",
+              "dpo": f"DPO with RPO's NLL term ({config.grpo_steps} steps on {provenance['pairs']} pairs)",
+              "dpo_plain": "plain DPO (the same, without the NLL term)"}
+    for stage in labels:
+        lines.append(f"| {titles[stage]} | " + " | ".join(cell(stages[stage][name]) for name in names)
+                     + f" | {extra[stage]} | {stages[stage][IN_DISTRIBUTION]['mean_length']:.1f} | {walls[stage]} |")
+    plain_low, plain_step = lowest(plain_rows, "logratio/chosen")
+    rpo_low, rpo_step = lowest(dpo_rows, "logratio/chosen")
+    alarms = cards["dpo_plain"].get("alarms") or []
+    lines += [
         "",
-        f"GRPO gain over the start: {gain:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}] (paired over the same problems). "
-        f"DPO gain: {dpo_gain[0]:+.3f}, 95% CI [{dpo_gain[1]:+.3f}, {dpo_gain[2]:+.3f}].", "",
+        f"Gains over the start on `in_distribution` (paired over the same problems): GRPO {gain:+.3f} [{low:+.3f}, {high:+.3f}]; "
+        f"DPO with the NLL term {dpo_gain[0]:+.3f} [{dpo_gain[1]:+.3f}, {dpo_gain[2]:+.3f}]; "
+        f"plain DPO {plain_gain[0]:+.3f} [{plain_gain[1]:+.3f}, {plain_gain[2]:+.3f}].", "",
         "How to read it: the interval is what matters; a gain whose interval excludes 0 is unlikely to be noise. "
-        "Training reward is what the optimizer saw; held-out accuracy, from problems it never saw, is the acceptance.", "",
+        "Training reward is what the optimizer saw; held-out accuracy, from problems it never saw, is the acceptance; "
+        "the shifted sets say whether what was learned carries beyond the training distribution.", "",
+        "**Why plain DPO falls here.** Both DPO runs see the same pairs, steps and learning rate; the only difference is "
+        "RPO's NLL term on the chosen answers. DPO's loss only asks the chosen answer's log-ratio to beat the rejected one's; "
+        "it can win by pushing both down. Plain DPO's chosen log-ratio log pi(chosen) - log pi_ref(chosen) fell to "
+        f"{plain_low:.2f} nats (step {plain_step}) and ended at {last(plain_rows, 'logratio/chosen')}, while its pair accuracy ended at "
+        f"{last(plain_rows, 'rewards/accuracy')}: the margin grew as the correct answers themselves became less likely. "
+        + (f"The likelihood-displacement alarm rang: \"{alarms[0]}\". " if alarms else "The likelihood-displacement alarm did not reach its threshold. ")
+        + f"With the NLL term the chosen log-ratio stayed at or above {rpo_low:.2f} (step {rpo_step}; it ended at "
+        f"{last(dpo_rows, 'logratio/chosen')}), and held-out accuracy rose.", "",
         "![held-out accuracy](plots/heldout.png)", "",
         "![GRPO reward](plots/grpo_reward.png) ![GRPO held-out](plots/grpo_heldout.png)", "",
         "![GRPO KL](plots/grpo_kl.png) ![DPO loss](plots/dpo_loss.png) ![DPO accuracy](plots/dpo_accuracy.png)", "",
+        "![DPO chosen log-ratio](plots/dpo_chosen.png)", "",
         "## The four links, side by side", "",
-        "| link | SFT | GRPO | DPO |", "|---|---|---|---|",
+        "| link | SFT | GRPO | DPO (RPO) |", "|---|---|---|---|",
     ]
     for link in ("data", "reward", "loss", "acceptance"):
         row = [summarise(cards[name]["links"][link]) for name in ("sft", "grpo", "dpo")]
@@ -249,15 +307,35 @@ def write_report(out: Path, config: Config, grpo_config, summary, before, after_
         f"labelled by verifier `{provenance['verifier']}` on samples of the SFT model; "
         f"{provenance['prompts_skipped_all_correct']} prompts skipped as all-correct, "
         f"{provenance['prompts_skipped_all_incorrect']} as all-incorrect.", "",
-        "Full run cards: [SFT](sft/run_card.md), [GRPO](grpo/run_card.md), [DPO](dpo/run_card.md).", "",
-        "## Sample held-out completions", "", "| problem | SFT start | after GRPO | after DPO |", "|---|---|---|---|",
+        "Full run cards: [SFT](sft/run_card.md), [GRPO](grpo/run_card.md), [DPO](dpo/run_card.md), [plain DPO](dpo_plain/run_card.md).", "",
+        "## Sample held-out completions", "", "| problem | SFT start | after GRPO | after DPO (RPO) | plain DPO |", "|---|---|---|---|---|",
     ]
-    rows = [json.loads(p.read_text())["rows"] for p in (out / "eval_sft.json", out / "eval_grpo.json", out / "eval_dpo.json")]
+    rows = [json.loads((out / f"eval_{stage}.json").read_text())["rows"] for stage in labels]
     for index in range(min(config.samples_shown, len(rows[0]))):
         problem = rows[0][index]["prompt"].split("user\n")[-1].split("<|im_end|>")[0]
         cells = [f"`{r[index]['completion']}` ({r[index]['reason']})" for r in rows]
         lines.append(f"| `{problem}` | " + " | ".join(cells) + " |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _curve(path: Path, series: list[tuple[str, list[dict]]], title: str, key: str | None = None) -> None:
+    """One figure of `key` (or each series' label as its key) against step, one line per series."""
+    figure, axis = plt.subplots(figsize=(5.5, 3.2))
+    drawn = False
+    for label, rows in series:
+        points = [(r["step"], r[key or label]) for r in rows if r.get(key or label) is not None]
+        if points:
+            axis.plot(*zip(*points), marker="o" if len(points) < 25 else None, label=label if key else None)
+            drawn = True
+    if drawn:
+        axis.set_xlabel("step")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        if key:
+            axis.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 def summarise(link: dict[str, Any], limit: int = 6) -> str:
