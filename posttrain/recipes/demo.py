@@ -283,7 +283,8 @@ def write_report(out: Path, config: Config, grpo_config, summary, stages, grpo_g
         f"plain DPO {plain_gain[0]:+.3f} [{plain_gain[1]:+.3f}, {plain_gain[2]:+.3f}].", "",
         "How to read it: the interval is what matters; a gain whose interval excludes 0 is unlikely to be noise. "
         "Training reward is what the optimizer saw; held-out accuracy, from problems it never saw, is the acceptance; "
-        "the shifted sets say whether what was learned carries beyond the training distribution.", "",
+        "the shifted sets say whether what was learned carries beyond the training distribution. "
+        + _shift_reading(summary["sets"]), "",
         "**Why plain DPO falls here.** Both DPO runs see the same pairs, steps and learning rate; the only difference is "
         "RPO's NLL term on the chosen answers. DPO's loss only asks the chosen answer's log-ratio to beat the rejected one's; "
         "it can win by pushing both down. Plain DPO's chosen log-ratio log pi(chosen) - log pi_ref(chosen) fell to "
@@ -316,6 +317,21 @@ def write_report(out: Path, config: Config, grpo_config, summary, stages, grpo_g
         cells = [f"`{r[index]['completion']}` ({r[index]['reason']})" for r in rows]
         lines.append(f"| `{problem}` | " + " | ".join(cells) + " |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _shift_reading(sets: dict[str, dict[str, float]]) -> str:
+    """One sentence per shifted set: which stages moved it, from its own numbers."""
+    sentences = []
+    for name, by_stage in sets.items():
+        if name == IN_DISTRIBUTION:
+            continue
+        start, moved = by_stage["sft"], {stage: value for stage, value in by_stage.items() if value != by_stage["sft"]}
+        if not moved:
+            sentences.append(f"No stage moved `{name}` (all at {start:.3f}): what the stages taught does not carry to it; "
+                             "a character-level model trained on 2-digit sums learned that format, not addition.")
+        else:
+            sentences.append(f"`{name}`: " + ", ".join(f"{stage} {value:.3f}" for stage, value in by_stage.items()) + ".")
+    return " ".join(sentences)
 
 
 def _curve(path: Path, series: list[tuple[str, list[dict]]], title: str, key: str | None = None) -> None:
