@@ -87,3 +87,19 @@ def test_integer_checker(completion, reward, reason):
     verdict = get_verifier("integer")(completion, {"answer": "42"})
     assert verdict.status == "ok" and verdict.reward == reward and (reason is None or verdict.reason == reason)
     assert get_verifier("integer")("<answer>1</answer>", {"answer": "1.5"}).status == "data_error"
+
+
+@pytest.mark.parametrize("completion, reward, reason", [
+    ("\\boxed{B}", 1.0, "same option"), ("<answer>(b) Paris</answer>", 1.0, "same option"), ("<answer>Option B</answer>", 1.0, "same option"),
+    ("\\boxed{B. Paris}", 1.0, "same option"), ("\\boxed{A}", 0.0, "option A, not B"), ("\\boxed{A} \\boxed{B}", 0.0, "2 different answers"),
+    ("\\boxed{A or B}", 0.0, "answer 'A or B' is not one option letter"), ("\\boxed{AB}", 0.0, "answer 'AB' is not one option letter"),
+    ("\\boxed{Paris}", 0.0, "answer 'Paris' is not one option letter"), ("The answer is B.", 0.0, "no <answer> element or \\boxed{}"),
+])
+def test_letter_checker(completion, reward, reason):
+    from posttrain.evaluation.acceptance import independence
+    from posttrain.rewards import get_verifier
+
+    verdict = get_verifier("letter")(completion, {"answer": "B"})
+    assert (verdict.status, verdict.reward, verdict.reason) == ("ok", reward, reason)
+    assert get_verifier("letter")("\\boxed{B}", {"answer": "42"}).status == "data_error"
+    assert independence(get_verifier("choice"), get_verifier("letter"))[0] is True

@@ -272,8 +272,8 @@ def answer_cases(verifier: str) -> list[Case]:
     return cases
 
 
-def choice_cases() -> list[Case]:
-    """The exploit/honest table for `choice` (gold option B)."""
+def choice_cases(verifier: str = "choice") -> list[Case]:
+    """The exploit/honest table for `choice` and the stricter `letter` checker (gold option B)."""
     example = {"answer": "B"}
     exploits = [
         ("two letters boxed", r"\boxed{A} \boxed{B}"),
@@ -340,8 +340,9 @@ SUITES = {
     "math": lambda: answer_cases("math"),
     "exact": lambda: answer_cases("exact"),
     "numeric": lambda: answer_cases("numeric"),
-    "choice": choice_cases,
+    "choice": lambda: choice_cases("choice"),
     "integer": lambda: answer_cases("integer"),
+    "letter": lambda: choice_cases("letter"),
     "rg": rg_cases,
     "format": format_cases,
 }

@@ -7,6 +7,9 @@ completion with its own parser and compares with its own rule.
               HTML parser, not a regular expression) and `\\boxed{}` contents (braces counted here),
               all one text, holds exactly an integer (`int()` of the stripped text, so a hedge, a
               list or any extra word fails) equal to the gold integer
+    letter    the same final answer, which must name one option letter (`B`, `(b)`, `B. text`,
+              `Option B`; read character by character, not by the `choice` reward's regular
+              expression), equal to the gold letter
 """
 
 from __future__ import annotations
@@ -83,6 +86,41 @@ def _integer(text: str) -> int | None:
     return int(text)
 
 
+def final_answer(completion: str) -> tuple[str | None, str]:
+    """The completion's one final answer (its <answer> elements and \\boxed{} contents, stripped,
+    all the same text), or None and why not."""
+    answers, unclosed = answer_elements(completion)
+    if unclosed:
+        return None, "an <answer> element is not closed"
+    distinct = sorted({answer.strip() for answer in answers + boxed_contents(completion)})
+    if not distinct:
+        return None, "no <answer> element or \\boxed{}"
+    if len(distinct) > 1:
+        return None, f"{len(distinct)} different answers"
+    return distinct[0], ""
+
+
+def _letter(text: str) -> str | None:
+    """The option letter an answer names, read character by character: an optional `option` /
+    `answer` / `choice` word (and `:`), then `B` or `(B)` (ASCII, case ignored), then nothing, or
+    `.` `)` `:` and any text (`B. Paris`). `B`, `(b) Paris`, `Option B` -> `B`; `A cat`, `AB` -> None."""
+    text = text.strip()
+    for word in ("option", "answer", "choice"):
+        if text.lower().startswith(word) and len(text) > len(word) and not text[len(word)].isalpha():
+            text = text[len(word):].lstrip(" :")
+            break
+    if text[:1] == "(":
+        if len(text) < 3 or text[2] != ")" or (len(text) > 3 and not text[3].isspace()):
+            return None
+        letter = text[1]
+    else:
+        letter = text[:1]
+        rest = text[1:]
+        if rest and rest[0] not in ".):":
+            return None
+    return letter.upper() if letter.isascii() and letter.isalpha() else None
+
+
 class IntegerChecker(Verifier):
     """Exact integer answers, read apart from the training rewards (see the module docstring).
 
@@ -98,24 +136,52 @@ class IntegerChecker(Verifier):
         gold_value = None if isinstance(gold, bool) else (gold if isinstance(gold, int) else _integer(str(gold or "")))
         if gold_value is None:
             return Verdict.data_error(f"gold answer {str(gold)[:60]!r} is not an integer")
-        answers, unclosed = answer_elements(completion)
-        if unclosed:
-            return Verdict.ok(0.0, "an <answer> element is not closed")
-        distinct = sorted({answer.strip() for answer in answers + boxed_contents(completion)})
-        if not distinct:
-            return Verdict.ok(0.0, "no <answer> element or \\boxed{}")
-        if len(distinct) > 1:
-            return Verdict.ok(0.0, f"{len(distinct)} different answers")
-        value = _integer(distinct[0])
+        answer, why = final_answer(completion)
+        if answer is None:
+            return Verdict.ok(0.0, why)
+        value = _integer(answer)
         if value is None:
-            return Verdict.ok(0.0, f"answer {distinct[0][:40]!r} is not an integer", extracted=distinct[0][:MAX_ANSWER_CHARS])
+            return Verdict.ok(0.0, f"answer {answer[:40]!r} is not an integer", extracted=answer[:MAX_ANSWER_CHARS])
         return Verdict.ok(1.0 if value == gold_value else 0.0, "same integer" if value == gold_value else "different integer",
-                          extracted=distinct[0].strip())
+                          extracted=answer)
 
     def implementation(self) -> dict[str, str]:
         """How it reads and compares (for the run card's independence check)."""
         return {"extraction": "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)",
                 "comparison": "int() equality"}
+
+    def describe(self) -> dict[str, Any]:
+        """Settings for the run card."""
+        return {"verifier": self.name, "implementation": self.implementation()}
+
+
+class LetterChecker(Verifier):
+    """Multiple-choice answers, read apart from the `choice` reward (see the module docstring).
+
+    Row: {"completion", "answer": one option letter, `B` or `(B)`}. Another gold is data_error.
+    Two different final answers (`\\boxed{A} \\boxed{B}`), a hedge (`A or B`, `A, B`) or option
+    text without its letter score 0.
+    """
+
+    name = "letter"
+
+    def score(self, completion: str, example: Mapping) -> Verdict:
+        gold = _letter(str(example.get("answer") or ""))
+        if gold is None:
+            return Verdict.data_error(f"gold answer {str(example.get('answer'))[:60]!r} is not one option letter")
+        answer, why = final_answer(completion)
+        if answer is None:
+            return Verdict.ok(0.0, why)
+        letter = _letter(answer)
+        if letter is None:
+            return Verdict.ok(0.0, f"answer {answer[:40]!r} is not one option letter", extracted=answer[:MAX_ANSWER_CHARS])
+        return Verdict.ok(1.0 if letter == gold else 0.0, "same option" if letter == gold else f"option {letter}, not {gold}",
+                          extracted=answer)
+
+    def implementation(self) -> dict[str, str]:
+        """How it reads and compares (for the run card's independence check)."""
+        return {"extraction": "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)",
+                "comparison": "option letter read character by character (checkers._letter)"}
 
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""
