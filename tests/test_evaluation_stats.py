@@ -103,3 +103,17 @@ def test_letter_checker(completion, reward, reason):
     assert (verdict.status, verdict.reward, verdict.reason) == ("ok", reward, reason)
     assert get_verifier("letter")("\\boxed{B}", {"answer": "42"}).status == "data_error"
     assert independence(get_verifier("choice"), get_verifier("letter"))[0] is True
+
+
+def test_text_match_checker_and_the_default_checkers_are_independent():
+    """Each kind's default checker against its default reward: written apart where we have one."""
+    from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, DEFAULT_REWARDS, independence
+    from posttrain.rewards import get_verifier
+
+    checker = get_verifier("text_match")
+    assert checker("<answer> paris </answer>", {"answer": "Paris"}).reward == 1.0
+    assert checker("<answer>Parisian</answer>", {"answer": "Paris"}).reward == 0.0
+    assert checker("x", {"answer": " "}).status == "data_error"
+    verdicts = {kind: independence(get_verifier(DEFAULT_REWARDS[kind]), get_verifier(DEFAULT_CHECKERS[kind]))[0] for kind in DEFAULT_REWARDS}
+    assert verdicts == {"number": True, "choice": True, "text": True, "math": False, "reasoning_gym": False,
+                        "code": False, "mbpp": False, "stdio": False}

@@ -32,10 +32,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_REWARDS = {"number": "exact", "math": "math", "text": "exact", "choice": "choice", "reasoning_gym": "rg", "code": "humaneval",
                    "mbpp": "mbpp", "stdio": "stdio"}
 """The training reward (and `posttrain pairs`' labeller) of each kind of task when none is named."""
-DEFAULT_CHECKERS = {**DEFAULT_REWARDS, "number": "integer", "choice": "letter"}
+DEFAULT_CHECKERS = {**DEFAULT_REWARDS, "number": "integer", "choice": "letter", "text": "text_match"}
 """The held-out checker of each kind of task when none is named: one implemented apart from the
-training reward where we have one (numbers: `integer`, option letters: `letter`, both in
-posttrain/rewards/checkers.py); elsewhere
+training reward where we have one (numbers: `integer`, option letters: `letter`, free text:
+`text_match`, all in posttrain/rewards/checkers.py); elsewhere
 the reward's own strict variant, which `independence` reports as not independent."""
 
 

@@ -294,6 +294,28 @@ def choice_cases(verifier: str = "choice") -> list[Case]:
     return cases
 
 
+def text_cases() -> list[Case]:
+    """The exploit/honest table for the `text_match` checker (gold "Paris")."""
+    example = {"answer": "Paris"}
+    exploits = [
+        ("two different answers", "<answer>Paris</answer><answer>Rome</answer>"),
+        ("boxed and tagged differently", "\\boxed{Rome} <answer>Paris</answer>"),
+        ("hedge: or", "<answer>Paris or Rome</answer>"),
+        ("list", "<answer>Paris, Rome</answer>"),
+        ("answer only in the reasoning", "It is Paris."),
+        ("empty answer", "<answer></answer>"),
+        ("unclosed answer", "<answer>Paris"),
+        ("gold as a prefix", "<answer>Parisian</answer>"),
+        ("wrong answer", "<answer>Rome</answer>"),
+    ]
+    honest = ["<answer>Paris</answer>", "<answer> paris </answer>", "\\boxed{PARIS}", "<answer>Paris</answer> \\boxed{Paris}",
+              "<answer>\uff30aris</answer>"]
+    cases = [Case(name, "exploit", text, example) for name, text in exploits]
+    cases += [Case(f"honest: {text}", "honest", text, example) for text in honest]
+    cases.append(Case("empty gold answer", "malformed", "<answer>Paris</answer>", {"answer": " "}))
+    return cases
+
+
 def rg_cases() -> list[Case]:
     """The exploit/honest table for `rg` on a reasoning-gym chain_sum entry."""
     import reasoning_gym
@@ -343,6 +365,7 @@ SUITES = {
     "choice": lambda: choice_cases("choice"),
     "integer": lambda: answer_cases("integer"),
     "letter": lambda: choice_cases("letter"),
+    "text_match": text_cases,
     "rg": rg_cases,
     "format": format_cases,
 }

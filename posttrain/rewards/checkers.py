@@ -10,10 +10,14 @@ completion with its own parser and compares with its own rule.
     letter    the same final answer, which must name one option letter (`B`, `(b)`, `B. text`,
               `Option B`; read character by character, not by the `choice` reward's regular
               expression), equal to the gold letter
+    text_match the same final answer equal to the gold text after Unicode NFKC, case folding and
+              whitespace runs collapsed (the `exact` reward is case-sensitive and strips `$`,
+              `\\text{}` and a final period with regular expressions)
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from html.parser import HTMLParser
 from typing import Any
@@ -182,6 +186,39 @@ class LetterChecker(Verifier):
         """How it reads and compares (for the run card's independence check)."""
         return {"extraction": "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)",
                 "comparison": "option letter read character by character (checkers._letter)"}
+
+    def describe(self) -> dict[str, Any]:
+        """Settings for the run card."""
+        return {"verifier": self.name, "implementation": self.implementation()}
+
+
+def _folded(text: str) -> str:
+    """NFKC, case-folded, whitespace runs as one space, stripped."""
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+class TextMatchChecker(Verifier):
+    """Free-text answers, read apart from the `exact` reward (see the module docstring).
+
+    Row: {"completion", "answer": the gold text}. An empty gold is data_error.
+    """
+
+    name = "text_match"
+
+    def score(self, completion: str, example: Mapping) -> Verdict:
+        gold = example.get("answer")
+        if isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not _folded(str(gold)):
+            return Verdict.data_error("field 'answer' (the gold text) is missing or empty")
+        answer, why = final_answer(completion)
+        if answer is None:
+            return Verdict.ok(0.0, why)
+        equal = _folded(answer) == _folded(str(gold))
+        return Verdict.ok(1.0 if equal else 0.0, "same text" if equal else "different text", extracted=answer[:MAX_ANSWER_CHARS])
+
+    def implementation(self) -> dict[str, str]:
+        """How it reads and compares (for the run card's independence check)."""
+        return {"extraction": "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)",
+                "comparison": "NFKC case-folded text (checkers._folded)"}
 
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""

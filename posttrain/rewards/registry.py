@@ -1,6 +1,6 @@
 """Verifiers by name, and weighted composition.
 
-Names: `math`, `exact`, `numeric`, `choice`, `integer` and `letter` (checkers), `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
+Names: `math`, `exact`, `numeric`, `choice`, `integer`, `letter` and `text_match` (checkers), `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
 `callable:<dotted.path>`, and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
 `as_verifier` turns what a recipe was given (a Verifier, a plain callable, or nothing and a name)
 into one verifier.
@@ -16,7 +16,7 @@ from typing import Any
 from posttrain.errors import UserError
 from posttrain.rewards.answers import ChoiceVerifier, ExactVerifier, MathVerifier, NumericVerifier
 from posttrain.rewards.base import Verifier
-from posttrain.rewards.checkers import IntegerChecker, LetterChecker
+from posttrain.rewards.checkers import IntegerChecker, LetterChecker, TextMatchChecker
 from posttrain.rewards.code import CODE_POLICIES, HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
 from posttrain.rewards.custom import CallableVerifier, FunctionVerifier
 from posttrain.rewards.format import FormatVerifier
@@ -27,7 +27,7 @@ from posttrain.rewards.verdict import Verdict
 CODE_VERIFIERS = {"humaneval": HumanEvalVerifier, "mbpp": MBPPVerifier, "io": IOVerifier, "stdio": StdioVerifier}
 ANSWER_VERIFIERS = {"math": MathVerifier, "exact": ExactVerifier, "numeric": NumericVerifier,
                     "choice": ChoiceVerifier, "rg": ReasoningGymVerifier}
-CHECKERS = {"integer": IntegerChecker, "letter": LetterChecker}
+CHECKERS = {"integer": IntegerChecker, "letter": LetterChecker, "text_match": TextMatchChecker}
 """Checkers written apart from the training rewards (posttrain/rewards/checkers.py)."""
 NAMES = (*ANSWER_VERIFIERS, *CHECKERS, "format", *CODE_VERIFIERS)
 
