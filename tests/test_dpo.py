@@ -353,6 +353,11 @@ def test_cli_smoke_and_provenance_in_the_card(tmp_path, pairs_file):
     assert not any("not independent" in note for note in card["notes"])
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "heldout/pass@1" in metrics[0] and "heldout/pass@1" in metrics[-1]
+    # The task's shifted held-out sets beside it (arithmetic's defaults), as in grpo.
+    assert metrics[-1]["heldout/in_distribution/pass@1"] == metrics[-1]["heldout/pass@1"]
+    assert "heldout/digits_3/pass@1" in metrics[-1] and "heldout/words/pass@1_high" in metrics[-1]
+    assert set(acceptance["sets"]) == {"digits_3", "words"} and acceptance["sets"]["words"]["size"] == 4
+    assert (tmp_path / "run" / "plots" / "heldout_sets.png").is_file()
     assert list((tmp_path / "run" / "eval").glob("task-step-*.json"))
     # No data.system_prompt given: the pairs are rendered with the one they were sampled with.
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]["system_prompt"] == "Answer in tags."

@@ -36,14 +36,14 @@ from tqdm import tqdm
 from posttrain.algorithms import PREFERENCE_LOSSES, pair_columns, pair_metrics
 from posttrain.config import save_yaml, to_dict
 from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
-from posttrain.data.examples import derived_seed
+from posttrain.data.examples import Example, Task, derived_seed
 from posttrain.data.stream import data_order
 from posttrain.data.preference import load_pairs, prompt_key
 from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import resolve
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task, heldout_split, independence
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, IN_DISTRIBUTION, evaluate_task, heldout_split, independence, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
 from posttrain.models.forward import TrainingForward
@@ -53,6 +53,7 @@ from posttrain.optim import clip_and_step, make_optimizer
 from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config, Loss
 from posttrain.rewards import as_verifier, get_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
+from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import default_output_dir
 from posttrain.runs.timer import Timer
@@ -117,6 +118,19 @@ def run(config: Config, resume: bool = False) -> Path:
         data_stats["removed_heldout_task_overlap"] = before - len(train)
         if not train:
             raise UserError(f"{data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
+    shifted = []
+    if held_task is not None:
+        trained = Task("pairs", "train", [Example(id=p.id, prompt=p.prompt if isinstance(p.prompt, str) else None,
+                                                  messages=None if isinstance(p.prompt, str) else p.prompt) for p in train], "preference")
+
+        def set_checker(name, task):
+            made = as_verifier(None, name or DEFAULT_CHECKERS.get(task.reward_kind, "exact"), config.reward_options,
+                               config.unsafe_no_sandbox, for_checker=True, setting="acceptance.sets checker")
+            made.prepare()
+            return made
+
+        shifted = shifted_sets(config.acceptance.sets, trained, task_spec["task"], task_spec["options"], task_spec["split_seed"],
+                               task_spec["eval_size"], set_checker)
     run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main, trackers=config.trackers())
     # The config as this run resolved it (a copy; the caller's is untouched): config.yaml, the card and a resume read it.
     config = dataclasses.replace(config, output_dir=str(run_dir.path), data=data)
@@ -145,6 +159,8 @@ def run(config: Config, resume: bool = False) -> Path:
     alarm = DisplacementAlarm(config.acceptance.displacement_threshold, config.acceptance.alarm_window,
                               state.get("alarm_history", []), state.get("alarm_rings", []))
     card = make_card(config, train, held_pairs, data_stats, provenance, task_spec, reference, checker)
+    if shifted:
+        card["links"]["acceptance"]["sets"] = {held.name: held.spec for held in shifted}
     card["run"]["reference_refreshed_at"] = state.get("reference_refreshed_at", [])
     card["alarms"] = list(alarm.rings)
     card["run"]["world_size"] = world.size
@@ -156,7 +172,8 @@ def run(config: Config, resume: bool = False) -> Path:
 
     def evaluate_on_rank0(step: int) -> dict:
         with full_weights(policy), full_weights(frozen), placement.autocast():
-            metrics = evaluate(policy, reference, cached, tokenizer, encode, held_pairs, held_task, checker, config, run_dir, step) if world.main else {}
+            metrics = evaluate(policy, reference, cached, tokenizer, encode, held_pairs, held_task, checker, config, run_dir, step,
+                               shifted) if world.main else {}
         world.barrier()
         return metrics
 
@@ -200,6 +217,8 @@ def run(config: Config, resume: bool = False) -> Path:
         run_dir.log_metrics(done, metrics)
         if any(key.startswith("heldout/") for key in metrics) and world.main:
             plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
+            if shifted:
+                plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in shifted], run_dir.plots / "heldout_sets.png")
         progress.set_postfix(loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
         if done % config.checkpoint_every == 0 or done == config.max_steps:
             save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=extra_models, world=world, extra_state={
@@ -260,7 +279,7 @@ def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBa
 
 @torch.no_grad()
 def evaluate(policy, reference, cached, tokenizer, encode: Callable[[list[PreferencePair]], PreferenceBatch], held_pairs, held_task,
-             checker, config: Config, run_dir: RunDirectory, step: int) -> dict:
+             checker, config: Config, run_dir: RunDirectory, step: int, shifted=()) -> dict:
     """Held-out preference accuracy (and loss, margins) and, with a task, held-out task accuracy
     with the configured checker (written to eval/task-step-N.json)."""
     was_training = policy.training
@@ -292,6 +311,15 @@ def evaluate(policy, reference, cached, tokenizer, encode: Callable[[list[Prefer
             output_path=run_dir.eval_dir / f"task-step-{step:06d}.json",
         )
         metrics.update({"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": result["pass@1_ci95"][0], "heldout/pass@1_high": result["pass@1_ci95"][1]})
+        for name, task, set_checker in [(IN_DISTRIBUTION, None, None)] + [(held.name, held.task, held.checker) for held in shifted]:
+            if task is not None:
+                result = evaluate_task(
+                    policy, tokenizer, task, checker=set_checker, k=1, max_new_tokens=config.acceptance.max_new_tokens,
+                    seed=derived_seed(config.seed, "eval", name, str(step)), system_prompt=config.data.system_prompt,
+                    output_path=run_dir.eval_dir / f"{name}-step-{step:06d}.json",
+                )
+            low, high = result["pass@1_ci95"]
+            metrics.update({f"heldout/{name}/pass@1": result["pass@1"], f"heldout/{name}/pass@1_low": low, f"heldout/{name}/pass@1_high": high})
     policy.train(was_training)
     return metrics
 

@@ -13,6 +13,7 @@ from posttrain.data import TruncationPolicy
 from posttrain.data.files import resolve_columns
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
+from posttrain.evaluation.acceptance import check_set_specs
 from posttrain.optim import Optimization
 
 OBJECTIVES = {
@@ -104,6 +105,8 @@ class Acceptance:
     """Likelihood-displacement alarm: mean chosen log-ratio below -threshold (nats) while accuracy rises."""
     alarm_window: int = 5
     """Steps averaged by the displacement alarm."""
+    sets: list[dict] | None = None
+    """Shifted held-out sets evaluated beside the held-out task, each {name, task, task_options, size, checker} (as grpo's acceptance.sets); None: the task's defaults (arithmetic: one more digit, the sums in words); []: none."""
 
 
 @dataclass
@@ -151,3 +154,5 @@ class Config(PolicyFields):
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.data.heldout_pairs < 0 or self.acceptance.alarm_window < 1 or self.acceptance.max_new_tokens < 1:
             raise UserError("data.heldout_pairs must be >= 0; acceptance.alarm_window and max_new_tokens >= 1")
+        if self.acceptance.sets is not None:
+            check_set_specs(self.acceptance.sets)
