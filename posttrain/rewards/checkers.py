@@ -125,7 +125,53 @@ def _letter(text: str) -> str | None:
     return letter.upper() if letter.isascii() and letter.isalpha() else None
 
 
-class IntegerChecker(Verifier):
+EXTRACTION = "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)"
+"""How every checker here reads the final answer (`final_answer`), for `implementation()`."""
+
+
+class _FinalAnswerChecker(Verifier):
+    """The checkers' one shape: parse the gold (data_error if it does not parse), read the
+    completion's `final_answer` (0 with the reason if there is none), parse it (0 if it does not
+    parse), compare. Subclasses give `parse_gold`, `parse_answer`, `compare` and `comparison`."""
+
+    comparison = ""
+    """The comparison's implementation (for `implementation`)."""
+
+    def parse_gold(self, gold: Any) -> tuple[Any, str]:
+        """(the gold in comparable form, or None and why it cannot be used)."""
+        raise NotImplementedError
+
+    def parse_answer(self, answer: str) -> tuple[Any, str]:
+        """(the final answer in comparable form, or None and why it scores 0)."""
+        return answer, ""
+
+    def compare(self, value: Any, gold: Any) -> tuple[bool, str]:
+        """(equal?, reason)."""
+        raise NotImplementedError
+
+    def score(self, completion: str, example: Mapping) -> Verdict:
+        gold, problem = self.parse_gold(example.get("answer"))
+        if gold is None:
+            return Verdict.data_error(problem)
+        answer, why = final_answer(completion)
+        if answer is None:
+            return Verdict.ok(0.0, why)
+        value, problem = self.parse_answer(answer)
+        if value is None:
+            return Verdict.ok(0.0, problem, extracted=answer[:MAX_ANSWER_CHARS])
+        equal, reason = self.compare(value, gold)
+        return Verdict.ok(1.0 if equal else 0.0, reason, extracted=answer[:MAX_ANSWER_CHARS])
+
+    def implementation(self) -> dict[str, str]:
+        """How it reads and compares (for the run card's independence check)."""
+        return {"extraction": EXTRACTION, "comparison": self.comparison}
+
+    def describe(self) -> dict[str, Any]:
+        """Settings for the run card."""
+        return {"verifier": self.name, "implementation": self.implementation()}
+
+
+class IntegerChecker(_FinalAnswerChecker):
     """Exact integer answers, read apart from the training rewards (see the module docstring).
 
     Row: {"completion", "answer": an integer (or its decimal string)}. An empty or non-integer gold
@@ -134,32 +180,20 @@ class IntegerChecker(Verifier):
     """
 
     name = "integer"
+    comparison = "int() equality"
 
-    def score(self, completion: str, example: Mapping) -> Verdict:
-        gold = example.get("answer")
-        gold_value = None if isinstance(gold, bool) else (gold if isinstance(gold, int) else _integer(str(gold or "")))
-        if gold_value is None:
-            return Verdict.data_error(f"gold answer {str(gold)[:60]!r} is not an integer")
-        answer, why = final_answer(completion)
-        if answer is None:
-            return Verdict.ok(0.0, why)
-        value = _integer(answer)
-        if value is None:
-            return Verdict.ok(0.0, f"answer {answer[:40]!r} is not an integer", extracted=answer[:MAX_ANSWER_CHARS])
-        return Verdict.ok(1.0 if value == gold_value else 0.0, "same integer" if value == gold_value else "different integer",
-                          extracted=answer)
+    def parse_gold(self, gold: Any) -> tuple[int | None, str]:
+        value = None if isinstance(gold, bool) else (gold if isinstance(gold, int) else _integer(str(gold or "")))
+        return value, f"gold answer {str(gold)[:60]!r} is not an integer"
 
-    def implementation(self) -> dict[str, str]:
-        """How it reads and compares (for the run card's independence check)."""
-        return {"extraction": "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)",
-                "comparison": "int() equality"}
+    def parse_answer(self, answer: str) -> tuple[int | None, str]:
+        return _integer(answer), f"answer {answer[:40]!r} is not an integer"
 
-    def describe(self) -> dict[str, Any]:
-        """Settings for the run card."""
-        return {"verifier": self.name, "implementation": self.implementation()}
+    def compare(self, value: int, gold: int) -> tuple[bool, str]:
+        return value == gold, "same integer" if value == gold else "different integer"
 
 
-class LetterChecker(Verifier):
+class LetterChecker(_FinalAnswerChecker):
     """Multiple-choice answers, read apart from the `choice` reward (see the module docstring).
 
     Row: {"completion", "answer": one option letter, `B` or `(B)`}. Another gold is data_error.
@@ -168,28 +202,16 @@ class LetterChecker(Verifier):
     """
 
     name = "letter"
+    comparison = "option letter read character by character (checkers._letter)"
 
-    def score(self, completion: str, example: Mapping) -> Verdict:
-        gold = _letter(str(example.get("answer") or ""))
-        if gold is None:
-            return Verdict.data_error(f"gold answer {str(example.get('answer'))[:60]!r} is not one option letter")
-        answer, why = final_answer(completion)
-        if answer is None:
-            return Verdict.ok(0.0, why)
-        letter = _letter(answer)
-        if letter is None:
-            return Verdict.ok(0.0, f"answer {answer[:40]!r} is not one option letter", extracted=answer[:MAX_ANSWER_CHARS])
-        return Verdict.ok(1.0 if letter == gold else 0.0, "same option" if letter == gold else f"option {letter}, not {gold}",
-                          extracted=answer)
+    def parse_gold(self, gold: Any) -> tuple[str | None, str]:
+        return _letter(str(gold or "")), f"gold answer {str(gold)[:60]!r} is not one option letter"
 
-    def implementation(self) -> dict[str, str]:
-        """How it reads and compares (for the run card's independence check)."""
-        return {"extraction": "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)",
-                "comparison": "option letter read character by character (checkers._letter)"}
+    def parse_answer(self, answer: str) -> tuple[str | None, str]:
+        return _letter(answer), f"answer {answer[:40]!r} is not one option letter"
 
-    def describe(self) -> dict[str, Any]:
-        """Settings for the run card."""
-        return {"verifier": self.name, "implementation": self.implementation()}
+    def compare(self, value: str, gold: str) -> tuple[bool, str]:
+        return value == gold, "same option" if value == gold else f"option {value}, not {gold}"
 
 
 def _folded(text: str) -> str:
@@ -197,29 +219,19 @@ def _folded(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 
-class TextMatchChecker(Verifier):
+class TextMatchChecker(_FinalAnswerChecker):
     """Free-text answers, read apart from the `exact` reward (see the module docstring).
 
     Row: {"completion", "answer": the gold text}. An empty gold is data_error.
     """
 
     name = "text_match"
+    comparison = "NFKC case-folded text (checkers._folded)"
 
-    def score(self, completion: str, example: Mapping) -> Verdict:
-        gold = example.get("answer")
-        if isinstance(gold, bool) or not isinstance(gold, (str, int, float)) or not _folded(str(gold)):
-            return Verdict.data_error("field 'answer' (the gold text) is missing or empty")
-        answer, why = final_answer(completion)
-        if answer is None:
-            return Verdict.ok(0.0, why)
-        equal = _folded(answer) == _folded(str(gold))
-        return Verdict.ok(1.0 if equal else 0.0, "same text" if equal else "different text", extracted=answer[:MAX_ANSWER_CHARS])
+    def parse_gold(self, gold: Any) -> tuple[str | None, str]:
+        usable = not isinstance(gold, bool) and isinstance(gold, (str, int, float)) and _folded(str(gold))
+        return (_folded(str(gold)) if usable else None), "field 'answer' (the gold text) is missing or empty"
 
-    def implementation(self) -> dict[str, str]:
-        """How it reads and compares (for the run card's independence check)."""
-        return {"extraction": "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)",
-                "comparison": "NFKC case-folded text (checkers._folded)"}
-
-    def describe(self) -> dict[str, Any]:
-        """Settings for the run card."""
-        return {"verifier": self.name, "implementation": self.implementation()}
+    def compare(self, value: str, gold: str) -> tuple[bool, str]:
+        equal = _folded(value) == gold
+        return equal, "same text" if equal else "different text"
