@@ -13,7 +13,6 @@ import json
 import logging
 import time
 from pathlib import Path
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -24,7 +23,7 @@ from posttrain.data.examples import Example, Task, require_examples, verifier_in
 from posttrain.data.files import pick
 from posttrain.errors import UserError
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
-from posttrain.rewards import Verdict, Verifier, get_verifier
+from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, get_verifier
 from posttrain.rollout import SamplingConfig, generate
 
 logger = logging.getLogger(__name__)
@@ -208,11 +207,12 @@ def check_set_specs(sets: list) -> None:
 
 
 def shifted_sets(sets: list[dict] | None, train: Task, spec: str, options: dict, seed: int, eval_size: int,
-                 make_checker: Callable[[str | None, Task], Verifier]) -> list[HeldOutSet]:
+                 reward_options: RewardOptions | None = None, unsafe_no_sandbox: bool = False) -> list[HeldOutSet]:
     """The named held-out sets besides the in-distribution one: `sets` (None: `default_shifts`),
     each drawn like a held-out split (`heldout_split`, the run's seed), of `size` problems (default
     min(eval_size, SHIFT_SIZE)), with any prompt that is also a training prompt removed and counted.
-    `make_checker(name, task)` builds each set's checker (its own, or the task kind's default)."""
+    Each set's checker is its own `checker`, else its task kind's default (`DEFAULT_CHECKERS`),
+    built with the run's `reward_options` (never partial credit)."""
     entries = default_shifts(spec, options) if sets is None else sets
     if not entries:
         return []
@@ -228,11 +228,23 @@ def shifted_sets(sets: list[dict] | None, train: Task, spec: str, options: dict,
         task.examples = pick(task.examples, keep)
         task.split = entry["name"]
         require_examples(task)
-        checker = make_checker(entry.get("checker"), task)
+        checker = as_verifier(None, entry.get("checker") or DEFAULT_CHECKERS.get(task.reward_kind, "exact"), reward_options,
+                              unsafe_no_sandbox, for_checker=True, setting="acceptance.sets checker")
+        checker.prepare()
         built.append(HeldOutSet(entry["name"], task, checker, {
             "task": task_spec, "options": task_options, "size": len(task.examples), "checker": checker.name,
             "training_prompts_removed": removed}))
     return built
+
+
+def set_metrics(name: str, result: dict[str, Any], k: int = 1) -> dict[str, Any]:
+    """`heldout/<set>/pass@1` (with its interval, and pass@k when sampled) of one held-out set's
+    `evaluate_task` result."""
+    low, high = result["pass@1_ci95"]
+    metrics = {f"heldout/{name}/pass@1": result["pass@1"], f"heldout/{name}/pass@1_low": low, f"heldout/{name}/pass@1_high": high}
+    if k > 1:
+        metrics[f"heldout/{name}/pass@{k}"] = result[f"pass@{k}"]
+    return metrics
 
 
 def heldout_split(spec: str, eval_size: int, seed: int = 0, options: dict | None = None) -> Task:

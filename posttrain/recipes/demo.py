@@ -122,7 +122,7 @@ def run(config: Config, resume: bool = False) -> Path:
     # the shifted ones (one more digit, the sums in words), all scored by the independent checker.
     held_out = heldout_split(task, config.eval_size, seed, options)
     sets = {IN_DISTRIBUTION: held_out, **{held.name: held.task for held in shifted_sets(
-        None, Task("demo", "train", [], held_out.reward_kind), task, options, seed, config.eval_size, _checker)}}
+        None, Task("demo", "train", [], held_out.reward_kind), task, options, seed, config.eval_size)}}
     before = acceptance(start_model, sets, budget, seed, out, "sft")
 
     # 3. GRPO with the programmatic verifier: presets/tiny-grpo.yaml from the SFT start.

@@ -43,7 +43,7 @@ from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import resolve
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, IN_DISTRIBUTION, evaluate_task, heldout_split, independence, shifted_sets
+from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, IN_DISTRIBUTION, evaluate_task, heldout_split, independence, set_metrics, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
 from posttrain.models.forward import TrainingForward
@@ -123,14 +123,8 @@ def run(config: Config, resume: bool = False) -> Path:
         trained = Task("pairs", "train", [Example(id=p.id, prompt=p.prompt if isinstance(p.prompt, str) else None,
                                                   messages=None if isinstance(p.prompt, str) else p.prompt) for p in train], "preference")
 
-        def set_checker(name, task):
-            made = as_verifier(None, name or DEFAULT_CHECKERS.get(task.reward_kind, "exact"), config.reward_options,
-                               config.unsafe_no_sandbox, for_checker=True, setting="acceptance.sets checker")
-            made.prepare()
-            return made
-
         shifted = shifted_sets(config.acceptance.sets, trained, task_spec["task"], task_spec["options"], task_spec["split_seed"],
-                               task_spec["eval_size"], set_checker)
+                               task_spec["eval_size"], config.reward_options, config.unsafe_no_sandbox)
     run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main, trackers=config.trackers())
     # The config as this run resolved it (a copy; the caller's is untouched): config.yaml, the card and a resume read it.
     config = dataclasses.replace(config, output_dir=str(run_dir.path), data=data)
@@ -311,15 +305,13 @@ def evaluate(policy, reference, cached, tokenizer, encode: Callable[[list[Prefer
             output_path=run_dir.eval_dir / f"task-step-{step:06d}.json",
         )
         metrics.update({"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": result["pass@1_ci95"][0], "heldout/pass@1_high": result["pass@1_ci95"][1]})
-        for name, task, set_checker in [(IN_DISTRIBUTION, None, None)] + [(held.name, held.task, held.checker) for held in shifted]:
-            if task is not None:
-                result = evaluate_task(
-                    policy, tokenizer, task, checker=set_checker, k=1, max_new_tokens=config.acceptance.max_new_tokens,
-                    seed=derived_seed(config.seed, "eval", name, str(step)), system_prompt=config.data.system_prompt,
-                    output_path=run_dir.eval_dir / f"{name}-step-{step:06d}.json",
-                )
-            low, high = result["pass@1_ci95"]
-            metrics.update({f"heldout/{name}/pass@1": result["pass@1"], f"heldout/{name}/pass@1_low": low, f"heldout/{name}/pass@1_high": high})
+        metrics.update(set_metrics(IN_DISTRIBUTION, result))
+        for held in shifted:
+            metrics.update(set_metrics(held.name, evaluate_task(
+                policy, tokenizer, held.task, checker=held.checker, k=1, max_new_tokens=config.acceptance.max_new_tokens,
+                seed=derived_seed(config.seed, "eval", held.name, str(step)), system_prompt=config.data.system_prompt,
+                output_path=run_dir.eval_dir / f"{held.name}-step-{step:06d}.json",
+            )))
     policy.train(was_training)
     return metrics
 

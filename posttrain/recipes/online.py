@@ -49,6 +49,7 @@ from posttrain.evaluation.acceptance import (
     HeldOutSet,
     evaluate_task,
     independence,
+    set_metrics,
     shifted_sets,
 )
 from posttrain.evaluation.alarms import DivergenceAlarm
@@ -141,14 +142,8 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     verifier.prepare()
     checker.prepare()
 
-    def set_checker(name: str | None, task: Task) -> Verifier:
-        made = as_verifier(None, name or DEFAULT_CHECKERS.get(task.reward_kind, "exact"), config.reward_options,
-                           config.unsafe_no_sandbox, for_checker=True, setting="acceptance.sets checker")
-        made.prepare()
-        return made
-
     shifted = shifted_sets(config.acceptance.sets, train, config.data.task, config.data.load_options(), config.seed,
-                           config.data.eval_size, set_checker)
+                           config.data.eval_size, config.reward_options, config.unsafe_no_sandbox)
     reference = make_reference(policy) if config.loss.kl_beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy
@@ -486,7 +481,7 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
             metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high}
             if config.acceptance.k > 1:
                 metrics[f"heldout/pass@{config.acceptance.k}"] = result[f"pass@{config.acceptance.k}"]
-            metrics.update(_set_metrics(IN_DISTRIBUTION, result, config.acceptance.k))
+            metrics.update(set_metrics(IN_DISTRIBUTION, result, config.acceptance.k))
             for held in state.shifted:
                 shifted = evaluate_task(
                     policy, state.tokenizer, held.task, checker=held.checker, k=config.acceptance.k,
@@ -494,7 +489,7 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
                     seed=derived_seed(config.seed, "eval", held.name, str(state.step)), system_prompt=config.data.system_prompt,
                     output_path=run_dir.eval_dir / f"{held.name}-step-{state.step:06d}.json",
                 )
-                metrics.update(_set_metrics(held.name, shifted, config.acceptance.k))
+                metrics.update(set_metrics(held.name, shifted, config.acceptance.k))
             policy.train(was_training)
             if train_reward is not None and result["pass@1"] is not None:
                 # The alarm compares held-out accuracy with the mean training reward since the previous
@@ -506,15 +501,6 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
                 if message:
                     logger.warning(message)
     state.world.barrier()
-    return metrics
-
-
-def _set_metrics(name: str, result: dict[str, Any], k: int) -> dict[str, Any]:
-    """`heldout/<set>/pass@1` (with its interval, and pass@k when sampled) of one held-out set."""
-    low, high = result["pass@1_ci95"]
-    metrics = {f"heldout/{name}/pass@1": result["pass@1"], f"heldout/{name}/pass@1_low": low, f"heldout/{name}/pass@1_high": high}
-    if k > 1:
-        metrics[f"heldout/{name}/pass@{k}"] = result[f"pass@{k}"]
     return metrics
 
 
