@@ -19,18 +19,14 @@ from posttrain.data.tasks import humaneval_examples
 from posttrain.rewards import get_verifier
 from posttrain.rewards.problem_checks import (
     StrengthReport,
-    VisibleCase,
-    VisibleExample,
     Weakness,
     adversaries,
     check_references,
-    description_cases,
     find_weak_tests,
     reference_solution,
     summary_line,
-    visible_cases,
-    visible_examples,
 )
+from posttrain.rewards.problem_text import VisibleCase, VisibleExample, description_cases, visible_cases, visible_examples
 from posttrain.rewards.sandbox import check_isolation
 
 DATA = Path(__file__).parent / "data"
