@@ -158,6 +158,7 @@ def test_reward_options_reach_the_training_reward_and_the_checker():
     }
     state = online.setup(build_config(online_config.grpo_config, None, overrides))
     assert state.verifier.describe()["fraction"] is True and state.checker.describe()["fraction"] is False
+    assert (state.verifier.describe()["tests"], state.checker.describe()["tests"]) == ("half", "all")
     for verifier in (state.verifier, state.checker):
         settings = verifier.describe()
         assert (settings["timeout_s"], settings["memory_mb"], settings["code_policy"]) == (3.0, 512, "fenced")
@@ -165,7 +166,8 @@ def test_reward_options_reach_the_training_reward_and_the_checker():
     name = example["tests"][0].split("(")[0].removeprefix("assert ")
     half = fenced(f"def {name}(*args):\n    return None")
     verdict = state.verifier.batch([half], [example])[0]
-    assert verdict.status == "ok" and verdict.reward == 0.0 and verdict.details["tests_total"] == 3
+    assert verdict.status == "ok" and verdict.reward == 0.0 and verdict.details["tests_total"] == 2  # asserts 1 and 3 of 3
+    assert state.checker.batch([half], [example])[0].details["tests_total"] == 3
 
 
 @pytest.mark.parametrize("options, message", [
@@ -266,3 +268,24 @@ def test_every_recipe_takes_reward_options_and_unsafe_no_sandbox(tmp_path, caplo
         sft.run(build_config(sft.Config, None, {"checker": "nope", "data": {"train_size": 8, "eval_size": 4},
                                                  "output_dir": str(tmp_path / "bad")}))
     assert not (tmp_path / "bad").exists()
+
+
+@needs_sandbox
+def test_training_reward_runs_half_the_tests_and_the_checker_all():
+    """reward_options.tests: half runs the 1st, 3rd ... test of each problem (HumanEval asserts as
+    they run, stdio cases), so a program that is right only there earns the reward and fails the
+    checker, which runs all of them."""
+    from posttrain.rewards import RewardOptions, as_verifier
+
+    humaneval = {"prompt": "def f(x):\n", "entry_point": "f",
+                 "test": "def check(candidate):\n    for x in range(4):\n        assert candidate(x) == x * x\n"}
+    even_only = "    return x * x if x % 2 == 0 else -1\n"  # right for x = 0, 2: the asserts half runs
+    stdio = {"cases": [{"stdin": f"{x}\n", "stdout": f"{x * x}\n"} for x in range(3)]}
+    stdio_even = "```python\nx = int(input())\nprint(x * x if x != 1 else 0)\n```"
+    for name, completion, example, half_total in (("humaneval", even_only, humaneval, 2), ("stdio", stdio_even, stdio, 2)):
+        reward = as_verifier(None, name, RewardOptions())
+        checker = as_verifier(None, name, RewardOptions(), for_checker=True)
+        trained, checked = reward(completion, example), checker(completion, example)
+        assert (trained.reward, trained.details["tests_total"]) == (1.0, half_total), trained
+        assert checked.reward == 0.0 and checked.details["tests_passed"] < checked.details["tests_total"], checked
+        assert as_verifier(None, name, RewardOptions(tests="all"))(completion, example).reward == 0.0

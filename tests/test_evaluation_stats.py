@@ -61,7 +61,9 @@ def test_divergence_alarm():
     ("exact", "exact", False, "the checker is the training reward itself"),
     ("exact", "numeric", False, "posttrain.rewards.extract"),
     ("math", "rg", False, "posttrain.rewards.extract"),
-    ("mbpp", "humaneval", False, "the row's tests"),
+    ("mbpp", "humaneval", False, "all of the row's tests"),
+    ("math", "math_equal", True, None),
+    ("rg", "rg_answer", True, None),
     ("callable:rewards_for_tests.digits", "integer", True, None),
 ])
 def test_independence_compares_the_resolved_implementations(reward, checker, independent, shared):
@@ -108,12 +110,66 @@ def test_letter_checker(completion, reward, reason):
 def test_text_match_checker_and_the_default_checkers_are_independent():
     """Each kind's default checker against its default reward: written apart where we have one."""
     from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, DEFAULT_REWARDS, independence
-    from posttrain.rewards import get_verifier
+    from posttrain.rewards import RewardOptions, as_verifier, get_verifier
 
     checker = get_verifier("text_match")
     assert checker("<answer> paris </answer>", {"answer": "Paris"}).reward == 1.0
     assert checker("<answer>Parisian</answer>", {"answer": "Paris"}).reward == 0.0
     assert checker("x", {"answer": " "}).status == "data_error"
-    verdicts = {kind: independence(get_verifier(DEFAULT_REWARDS[kind]), get_verifier(DEFAULT_CHECKERS[kind]))[0] for kind in DEFAULT_REWARDS}
-    assert verdicts == {"number": True, "choice": True, "text": True, "math": False, "reasoning_gym": False,
-                        "code": False, "mbpp": False, "stdio": False}
+    verdicts = {kind: independence(as_verifier(None, DEFAULT_REWARDS[kind]), as_verifier(None, DEFAULT_CHECKERS[kind], for_checker=True))
+                for kind in DEFAULT_REWARDS}
+    assert all(independent for independent, _ in verdicts.values()), verdicts
+    # code: the same sandboxed judge, other tests (the reward runs half of them), and the card says so
+    assert "every other test" not in verdicts["code"][1] and "same harness" in verdicts["code"][1]
+    # training on all the tests, the checker holds nothing the policy was not rewarded on
+    same = independence(as_verifier(None, "humaneval", RewardOptions(tests="all")), as_verifier(None, "humaneval", for_checker=True))
+    assert same == (False, "the checker is the training reward itself (humaneval, same settings)")
+
+
+@pytest.mark.parametrize("completion, gold, reward, reason", [
+    ("<answer>1/2</answer>", "\\frac{1}{2}", 1.0, "equal by sympy"), ("\\boxed{0.5}", "\\frac12", 1.0, "equal by sympy"),
+    ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0, "equal by sympy"), ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", 1.0, "equal by sympy"),
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0, "equal by sympy"), ("\\boxed{\\pi/2}", "\\frac{\\pi}{2}", 1.0, "equal by sympy"),
+    ("\\boxed{x = 5}", "5", 1.0, "same answer"), ("\\boxed{5\\text{ cm}}", "5", 1.0, "same answer"),
+    ("\\boxed{1,234}", "1234", 1.0, "same answer"), ("\\boxed{50\\%}", "50", 1.0, "same answer"),
+    ("\\boxed{(1, 2)}", "(1,2)", 1.0, "same answer"), ("\\boxed{\\text{Evelyn}}", "\\text{Evelyn}", 1.0, "same answer"),
+    ("\\boxed{41 or 42}", "41", 0.0, "not equal"),  # math-verify reads a hedge's first number
+    ("\\boxed{(2,1)}", "(1,2)", 0.0, "not equal"), ("\\boxed{-3}", "3", 0.0, "not equal"),
+    ("\\boxed{(0,1)}", "[0,1)", 0.0, "different shape (count of items or brackets)"),
+    ("\\boxed{3} \\boxed{4}", "3", 0.0, "2 different answers"), ("The answer is 3", "3", 0.0, "no <answer> element or \\boxed{}"),
+    ("\\boxed{9^{9^{9^9}}}", "3", 0.0, "cannot read as math: exponent over 10000"),
+    ("\\boxed{2^{10}}", "1024", 1.0, "equal by sympy"), ("\\boxed{\\frac{1}{0}}", "1", 0.0, None),
+])
+def test_math_equal_checker(completion, gold, reward, reason):
+    """The math checker's own reading (no math-verify): equal values, units and separators dropped,
+    hedges, pairs in the wrong order and powers too large to check score 0."""
+    from posttrain.rewards import get_verifier
+
+    verdict = get_verifier("math_equal")(completion, {"answer": gold})
+    assert verdict.status == "ok" and verdict.reward == reward and (reason is None or verdict.reason == reason), verdict
+    assert get_verifier("math_equal")("\\boxed{1}", {"answer": ""}).status == "data_error"
+
+
+def test_reasoning_gym_checker_and_its_default():
+    """rg_answer compares with the stored answer; it is the default only where reasoning-gym's own
+    scorer is that rule (leg_counting), else the dataset's scorer stays the checker (simple_integration)."""
+    from posttrain.data.tasks import load_task
+    from posttrain.evaluation.acceptance import default_checker
+    from posttrain.rewards import get_verifier
+
+    checker = get_verifier("rg_answer")
+    assert [checker(c, {"answer": "12"}).reward for c in ("\\boxed{12}", "<answer>12.0</answer>", "\\boxed{12 legs}", "12")] == [1.0, 1.0, 0.0, 0.0]
+    assert default_checker(load_task("rg:leg_counting", size=4, seed=0, split="eval")) == "rg_answer"
+    assert default_checker(load_task("rg:simple_integration", size=4, seed=0, split="eval")) == "rg"
+
+
+def test_harder_reasoning_gym_config_is_the_next_curriculum_level():
+    from posttrain.data.tasks import harder_reasoning_gym_options
+    from posttrain.evaluation.acceptance import default_shifts
+
+    assert harder_reasoning_gym_options("leg_counting", {"min_animals": 1, "max_animals": 3}) == {
+        "min_animals": 4, "max_animals": 4, "min_instances": 16, "max_instances": 16}
+    assert harder_reasoning_gym_options("basic_arithmetic", {}) is None  # its defaults are the top levels
+    assert default_shifts("rg:leg_counting", {"max_animals": 3}) == [
+        {"name": "harder", "task": "rg:leg_counting", "task_options": {"max_animals": 4, "min_animals": 4, "min_instances": 16, "max_instances": 16}}]
+    assert default_shifts("rg:basic_arithmetic", {}) == []

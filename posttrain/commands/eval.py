@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def handle(args) -> int:
-    from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task, heldout_split
+    from posttrain.evaluation.acceptance import default_checker, evaluate_task, heldout_split
     from posttrain.rewards.registry import RewardOptions, as_verifier
     from posttrain.data.files import task_load_options
     from posttrain.hardware import Hardware, resolve
@@ -43,7 +43,7 @@ def handle(args) -> int:
     if output_dir.exists() and any(output_dir.iterdir()):
         raise UserError(f"{output_dir}: not empty; choose another --output-dir")
     held_out = heldout_split(args.task, args.eval_size, args.seed, options)
-    name = args.checker or DEFAULT_CHECKERS.get(held_out.reward_kind)
+    name = args.checker or default_checker(held_out)
     if name is None:
         raise UserError(f"--checker: task {args.task} has no default checker for kind {held_out.reward_kind!r}; name one")
     reward_options = RewardOptions(timeout_s=args.timeout, memory_mb=args.memory_mb, extraction=args.extraction)

@@ -235,3 +235,31 @@ def _check_lengths(task: Task, strict: bool, tokenizer, max_prompt_tokens, syste
     ]
     report.enforce(strict)
     task.rows_bad = report.rows_bad
+
+
+def harder_reasoning_gym_options(name: str, options: dict) -> dict | None:
+    """The options of a harder config of reasoning-gym dataset `name` than `options`: every
+    attribute of the dataset's curriculum (reasoning-gym's own difficulty levels) that `options`
+    (or the dataset's defaults) set below its top level is raised to the next level (a range
+    attribute: both its bounds at that level). None when the dataset has no curriculum or is
+    already at the top of every attribute."""
+    from reasoning_gym.factory import CURRICULA, DATASETS
+
+    if name not in CURRICULA or name not in DATASETS:
+        return None
+    config = DATASETS[name][1](**options)
+    harder = dict(options)
+    for attribute in CURRICULA[name]().attributes.values():
+        upper = getattr(attribute, "upper_field_name", None) or getattr(attribute, "field_name", None)
+        current = getattr(config, upper, None)
+        try:
+            above = [level for level in attribute.levels if level > current]
+        except TypeError:  # levels that are not ordered numbers (lists, names): no notion of harder
+            continue
+        if not above or isinstance(current, bool):
+            continue
+        if hasattr(attribute, "lower_field_name"):
+            harder[attribute.lower_field_name] = harder[attribute.upper_field_name] = min(above)
+        else:
+            harder[attribute.field_name] = min(above)
+    return harder if harder != dict(options) else None

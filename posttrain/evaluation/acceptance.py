@@ -31,34 +31,60 @@ logger = logging.getLogger(__name__)
 DEFAULT_REWARDS = {"number": "exact", "math": "math", "text": "exact", "choice": "choice", "reasoning_gym": "rg", "code": "humaneval",
                    "mbpp": "mbpp", "stdio": "stdio"}
 """The training reward (and `posttrain pairs`' labeller) of each kind of task when none is named."""
-DEFAULT_CHECKERS = {**DEFAULT_REWARDS, "number": "integer", "choice": "letter", "text": "text_match"}
-"""The held-out checker of each kind of task when none is named: one implemented apart from the
-training reward where we have one (numbers: `integer`, option letters: `letter`, free text:
-`text_match`, all in posttrain/rewards/checkers.py); elsewhere
-the reward's own strict variant, which `independence` reports as not independent."""
+DEFAULT_CHECKERS = {**DEFAULT_REWARDS, "number": "integer", "math": "math_equal", "choice": "letter", "text": "text_match",
+                    "reasoning_gym": "rg_answer"}
+"""The held-out checker of each kind of task when none is named, each implemented apart from the
+training reward (posttrain/rewards/checkers.py): numbers `integer`, math answers (MATH, GSM8K
+files) `math_equal` (our LaTeX reader + sympy, not math-verify), option letters `letter`, free text
+`text_match`, reasoning-gym `rg_answer` (the stored answer, where the dataset's scorer is that rule;
+see `default_checker`); code: the same judge over all of a problem's tests, where the training
+reward runs half of them (`reward_options.tests`)."""
+HARNESS = "harness"
+"""An `implementation()` part that carries tests rather than judging them (the code sandbox): shared
+by a checker that runs other tests, it does not make the checker dependent (see `independence`)."""
+
+
+def default_checker(task: Task) -> str:
+    """The default held-out checker's name for `task` (`DEFAULT_CHECKERS` by kind), except for a
+    reasoning-gym dataset with its own scorer (several right answers, tolerances): only reasoning-gym's
+    scorer knows what is right there, so the checker is `rg`, and the run card says it is not independent."""
+    name = DEFAULT_CHECKERS.get(task.reward_kind, "exact")
+    if task.reward_kind == "reasoning_gym":
+        from posttrain.rewards.gym import scores_stored_answer
+
+        datasets = {e.metadata.get("rg_dataset") for e in task.examples[:50]} or {task.name.removeprefix("rg:")}
+        if not all(isinstance(d, str) and scores_stored_answer(d) for d in datasets):
+            return "rg"
+    return name
 
 
 def independence(reward: Verifier, checker: Verifier) -> tuple[bool, str]:
     """Whether `checker` checks `reward` independently: they share no part of their implementation
-    (`Verifier.implementation()`: extraction, comparison, tests, judge, function). Returns
-    (independent, why) for the run card."""
-    shared = sorted({value for value in checker.implementation().values()} & {value for value in reward.implementation().values()})
+    (`Verifier.implementation()`: extraction, comparison, tests, judge, function) other than a
+    harness (`HARNESS`: the sandbox a code checker runs its other tests in, named in the reason).
+    Returns (independent, why) for the run card."""
+    def logic(verifier):
+        return {value for key, value in verifier.implementation().items() if not key.startswith(HARNESS)}
+
+    def harness(verifier):
+        return {value for key, value in verifier.implementation().items() if key.startswith(HARNESS)}
+
     if type(reward) is type(checker) and reward.describe() == checker.describe():
         return False, f"the checker is the training reward itself ({checker.name}, same settings)"
+    shared = sorted(logic(checker) & logic(reward))
     if shared:
         return False, f"the checker {checker.name} shares with the training reward {reward.name}: {'; '.join(shared)}"
-    parts = ", ".join(f"{key}: {value}" for key, value in checker.implementation().items())
-    return True, f"the checker {checker.name} shares no part with the training reward {reward.name} ({parts})"
+    parts = ", ".join(f"{key}: {value}" for key, value in checker.implementation().items() if not key.startswith(HARNESS))
+    common = sorted(harness(checker) & harness(reward))
+    through = f"; both run in the same harness ({'; '.join(common)})" if common else ""
+    return True, f"the checker {checker.name} shares no part with the training reward {reward.name} ({parts}){through}"
 
 
 def resolve_checker(task: Task, checker):
     """The checker: a Verifier as given, the named verifier, or the task kind's strict default."""
     if isinstance(checker, Verifier):
         return checker
-    name = checker or DEFAULT_CHECKERS.get(task.reward_kind)
-    if name is None:
-        raise ValueError(f"task {task.name}: no default checker for kind {task.reward_kind!r}; name one")
-    return get_verifier(name)
+    return get_verifier(checker or default_checker(task))
 
 
 def score_completions(checker, completions: Sequence[str], examples: Sequence[Example]) -> list[Verdict]:
@@ -172,8 +198,15 @@ class HeldOutSet:
 
 def default_shifts(spec: str, options: dict) -> list[dict]:
     """The shifted held-out sets a task gets when `acceptance.sets` is not given: arithmetic, one
-    more digit and the sums asked in words; other tasks none (reasoning-gym has no common notion of
-    a harder config; a file has no second distribution to draw from): name them in acceptance.sets."""
+    more digit and the sums asked in words; reasoning-gym, `harder`: the next level of every
+    attribute of the dataset's own curriculum (`harder_reasoning_gym_options`; none at the top
+    level or without a curriculum); a file none (it has no second distribution to draw from): name
+    them in acceptance.sets."""
+    if spec.startswith("rg:"):
+        from posttrain.data.tasks import harder_reasoning_gym_options
+
+        harder = harder_reasoning_gym_options(spec.removeprefix("rg:"), options)
+        return [{"name": "harder", "task": spec, "task_options": harder}] if harder else []
     if spec != "arithmetic":
         return []
     shifts, digits = [], options.get("digits", 2)
@@ -228,7 +261,7 @@ def shifted_sets(sets: list[dict] | None, train: Task, spec: str, options: dict,
         task.examples = pick(task.examples, keep)
         task.split = entry["name"]
         require_examples(task)
-        checker = as_verifier(None, entry.get("checker") or DEFAULT_CHECKERS.get(task.reward_kind, "exact"), reward_options,
+        checker = as_verifier(None, entry.get("checker") or default_checker(task), reward_options,
                               unsafe_no_sandbox, for_checker=True, setting="acceptance.sets checker")
         checker.prepare()
         built.append(HeldOutSet(entry["name"], task, checker, {

@@ -43,7 +43,7 @@ from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, gradient_sync, init_world, unwrap, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import resolve
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, IN_DISTRIBUTION, evaluate_task, heldout_split, independence, set_metrics, shifted_sets
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_checker, evaluate_task, heldout_split, independence, set_metrics, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
 from posttrain.models.forward import TrainingForward
@@ -343,7 +343,7 @@ def heldout_task(acceptance: Acceptance, provenance: dict | None, seed: int):
         "split_seed": acceptance.split_seed if acceptance.split_seed is not None else origin.get("seed", seed),
     }
     held_out = heldout_split(task, spec["eval_size"], spec["split_seed"], spec["options"])
-    spec["checker"] = acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind)
+    spec["checker"] = acceptance.checker or default_checker(held_out)
     return held_out, spec
 
 

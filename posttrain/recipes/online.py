@@ -43,10 +43,10 @@ from posttrain.distributed import World, full_weights, gradient_sync, init_world
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement, resolve
 from posttrain.evaluation.acceptance import (
-    DEFAULT_CHECKERS,
     DEFAULT_REWARDS,
     IN_DISTRIBUTION,
     HeldOutSet,
+    default_checker,
     evaluate_task,
     independence,
     set_metrics,
@@ -129,7 +129,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
         screening = screen_problems(train, held_out, judge, preflight=config.data.preflight,
                                     exclude_weak_tests=config.data.exclude_weak_tests)
     verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox)
-    checker = as_verifier(None, config.acceptance.checker or DEFAULT_CHECKERS.get(held_out.reward_kind, "exact"),
+    checker = as_verifier(None, config.acceptance.checker or default_checker(held_out),
                           config.reward_options, config.unsafe_no_sandbox, for_checker=True)
     if config.unsafe_no_sandbox:
         logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "

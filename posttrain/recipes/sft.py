@@ -30,7 +30,7 @@ from posttrain.errors import UserError
 from posttrain.data.files import is_data_source, resolve_columns, task_load_options
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
 from posttrain.hardware import resolve
-from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, evaluate_task
+from posttrain.evaluation.acceptance import default_checker, evaluate_task
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
 from posttrain.optim import Optimization, clip_and_step, make_optimizer
@@ -176,7 +176,7 @@ def load_data(data: Data, seed: int, tokenizer) -> SFTData:
 def make_checker(name: str | None, task: Task, options: RewardOptions, unsafe_no_sandbox: bool) -> Verifier:
     """The held-out checker: `name`, else the task kind's strict default, with the run's verifier
     settings (never partial credit); a bad name is one UserError line, before the run directory exists."""
-    checker = as_verifier(None, name or DEFAULT_CHECKERS.get(task.reward_kind, "exact"), options, unsafe_no_sandbox,
+    checker = as_verifier(None, name or default_checker(task), options, unsafe_no_sandbox,
                           for_checker=True, setting="checker")
     checker.prepare()
     return checker

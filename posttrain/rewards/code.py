@@ -30,6 +30,10 @@ from posttrain.rewards.sandbox_io import CandidateGone, SlotBroken
 from posttrain.rewards.verdict import Verdict
 
 CODE_POLICIES = ("auto", "raw", "fenced")
+CODE_TESTS = {"all": "all of the row's tests",
+              "half": "every other test of the row (the 1st, 3rd, 5th ...; the checker's others stay unseen)"}
+"""Which of a row's tests a code verifier runs (`reward_options.tests`): a held-out checker always
+runs all; a training reward that runs half leaves the checker tests it was never rewarded on."""
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 SLOT_MARGIN_S = 30.0  # pool deadline = sample budget + this (slot start, cleanup)
 
@@ -103,12 +107,15 @@ class _CodeVerifier(Verifier):
     retry_timeouts = True
 
     def __init__(self, sandbox: SandboxConfig | None = None, fraction: bool = False,
-                 code_policy: str = "auto"):
+                 code_policy: str = "auto", tests: str = "all"):
         if code_policy not in CODE_POLICIES:
             raise ValueError(f"code_policy must be one of {CODE_POLICIES}")
+        if tests not in CODE_TESTS:
+            raise ValueError(f"tests must be one of {', '.join(CODE_TESTS)}, got {tests!r}")
         self.sandbox = sandbox or SandboxConfig()
         self.fraction = fraction
         self.code_policy = code_policy
+        self.tests = tests
         self.timeout_s = self.sandbox.timeout_s + SLOT_MARGIN_S
 
     def prepare(self) -> None:
@@ -124,13 +131,20 @@ class _CodeVerifier(Verifier):
             return Verdict.ok(0.0, failure or f"{total - passed} of {total} tests failed", **details)
         return Verdict.ok(1.0, "all tests passed", **details)
 
+    def runs(self, index: int) -> bool:
+        """Whether the row's test number `index` (0-based, in the order they run) is run."""
+        return self.tests == "all" or index % 2 == 0
+
     def implementation(self) -> dict[str, str]:
-        """The row's tests, run by this class's judge."""
-        return {"tests": "the row's tests", "judge": f"{type(self).__module__}.{type(self).__qualname__}"}
+        """Which of the row's tests it runs; the harness (this class's sandboxed judge) is listed
+        apart: a checker that runs tests the reward never ran is an independent check of it even
+        through the same harness (`acceptance.independence`), whose own soundness the exploit
+        battery (`posttrain audit`) checks."""
+        return {"tests": CODE_TESTS[self.tests], "harness": f"{type(self).__module__}.{type(self).__qualname__}"}
 
     def describe(self) -> dict[str, Any]:
         """Settings for the run card (the sandbox state is part of the reward link)."""
-        return {"verifier": self.name, "fraction": self.fraction, "code_policy": self.code_policy,
+        return {"verifier": self.name, "fraction": self.fraction, "code_policy": self.code_policy, "tests": self.tests,
                 "sandbox": "none (--unsafe-no-sandbox)" if self.sandbox.unsafe_no_sandbox else "bubblewrap",
                 **dataclasses.asdict(self.sandbox)}
 
@@ -171,6 +185,7 @@ class IOVerifier(_CodeVerifier):
             return Verdict.data_error(f"cases: {error}")
         if any(type(args) is not list for args, _ in calls):
             return Verdict.data_error("every case's 'args' must be a list")
+        calls = [call for index, call in enumerate(calls) if self.runs(index)]
         code = extract_code(completion, self.code_policy)
         return _with_slot(self.sandbox, lambda slot: self._run(slot, code, entry_point, calls))
 
@@ -217,6 +232,7 @@ class StdioVerifier(_CodeVerifier):
             return Verdict.data_error(cases)
         if any(not isinstance(c["stdin"], str) or not isinstance(c["stdout"], str) for c in cases):
             return Verdict.data_error("every case's 'stdin' and 'stdout' must be strings")
+        cases = [case for index, case in enumerate(cases) if self.runs(index)]
         code = extract_code(completion, self.code_policy)
         return _with_slot(self.sandbox, lambda slot: self._run(slot, code, cases))
 
@@ -340,9 +356,12 @@ class HumanEvalVerifier(_CodeVerifier):
         return _with_slot(self.sandbox, lambda slot: self._run(slot, code, fields["entry_point"], judge))
 
     def _run(self, slot: SandboxSlot, code: str, entry_point: str, judge: dict) -> Verdict:
-        counts = {"passed": 0, "total": 0}
+        counts = {"passed": 0, "total": 0, "reached": 0}
 
         def judge_assert(thunk) -> None:
+            counts["reached"] += 1
+            if not self.runs(counts["reached"] - 1):
+                return  # a test this verifier leaves to the checker (`tests: half`)
             counts["total"] += 1
             try:
                 held = bool(thunk())

@@ -25,6 +25,16 @@ def _scorer(task: str):
     return reasoning_gym.get_score_answer_fn(task)
 
 
+def scores_stored_answer(dataset: str) -> bool:
+    """Whether reasoning-gym's scorer of `dataset` is its base rule, "equal to the stored answer"
+    (partial credit for containing it), so that a checker comparing with the stored answer checks
+    the same thing; False for datasets with their own scorer (several right answers, tolerances)."""
+    from reasoning_gym.dataset import ProceduralDataset
+    from reasoning_gym.factory import DATASETS
+
+    return dataset in DATASETS and DATASETS[dataset][0].score_answer is ProceduralDataset.score_answer
+
+
 class ReasoningGymVerifier(Verifier):
     """reasoning-gym's `score_answer(answer, entry)` on the extracted answer."""
 

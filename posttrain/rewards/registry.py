@@ -1,6 +1,6 @@
 """Verifiers by name, and weighted composition.
 
-Names: `math`, `exact`, `numeric`, `choice`, `integer`, `letter` and `text_match` (checkers), `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
+Names: `math`, `exact`, `numeric`, `choice`, `integer`, `letter`, `text_match`, `math_equal` and `rg_answer` (checkers), `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
 `callable:<dotted.path>`, and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
 `as_verifier` turns what a recipe was given (a Verifier, a plain callable, or nothing and a name)
 into one verifier.
@@ -16,8 +16,8 @@ from typing import Any
 from posttrain.errors import UserError
 from posttrain.rewards.answers import ChoiceVerifier, ExactVerifier, MathVerifier, NumericVerifier
 from posttrain.rewards.base import Verifier
-from posttrain.rewards.checkers import IntegerChecker, LetterChecker, TextMatchChecker
-from posttrain.rewards.code import CODE_POLICIES, HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
+from posttrain.rewards.checkers import IntegerChecker, LetterChecker, MathChecker, StoredAnswerChecker, TextMatchChecker
+from posttrain.rewards.code import CODE_POLICIES, CODE_TESTS, HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
 from posttrain.rewards.custom import CallableVerifier, FunctionVerifier
 from posttrain.rewards.format import FormatVerifier
 from posttrain.rewards.gym import ReasoningGymVerifier
@@ -27,7 +27,8 @@ from posttrain.rewards.verdict import Verdict
 CODE_VERIFIERS = {"humaneval": HumanEvalVerifier, "mbpp": MBPPVerifier, "io": IOVerifier, "stdio": StdioVerifier}
 ANSWER_VERIFIERS = {"math": MathVerifier, "exact": ExactVerifier, "numeric": NumericVerifier,
                     "choice": ChoiceVerifier, "rg": ReasoningGymVerifier}
-CHECKERS = {"integer": IntegerChecker, "letter": LetterChecker, "text_match": TextMatchChecker}
+CHECKERS = {"integer": IntegerChecker, "letter": LetterChecker, "text_match": TextMatchChecker, "math_equal": MathChecker,
+            "rg_answer": StoredAnswerChecker}
 """Checkers written apart from the training rewards (posttrain/rewards/checkers.py)."""
 NAMES = (*ANSWER_VERIFIERS, *CHECKERS, "format", *CODE_VERIFIERS)
 
@@ -78,12 +79,13 @@ class WeightedSum(Verifier):
 
 
 def get_verifier(name: str, *, sandbox: SandboxConfig | None = None, fraction: bool = False,
-                 extraction: str | None = None) -> Verifier:
+                 extraction: str | None = None, tests: str = "all") -> Verifier:
     """Build a verifier from its name (see the module docstring).
 
     `sandbox` sets the limits of code verifiers (and `unsafe_no_sandbox`); `fraction` makes
     code rewards passed/total instead of all-or-nothing; `extraction` overrides the answer
-    extraction policy of math/exact/numeric/rg.
+    extraction policy of math/exact/numeric/rg; `tests` which of a row's tests code verifiers run
+    (`CODE_TESTS`: all, half).
     """
     name = name.strip()
     if "+" in name or "*" in name:
@@ -94,12 +96,12 @@ def get_verifier(name: str, *, sandbox: SandboxConfig | None = None, fraction: b
                 raise ValueError(f"cannot read verifier term {term!r} in {name!r}")
             weight = float(match.group(1)) if match.group(1) else 1.0
             components.append((weight, get_verifier(match.group(2), sandbox=sandbox, fraction=fraction,
-                                                    extraction=extraction)))
+                                                    extraction=extraction, tests=tests)))
         return WeightedSum(components)
     if name.startswith("callable:"):
         return CallableVerifier(name.partition(":")[2])
     if name in CODE_VERIFIERS:
-        return CODE_VERIFIERS[name](sandbox=sandbox, fraction=fraction)
+        return CODE_VERIFIERS[name](sandbox=sandbox, fraction=fraction, tests=tests)
     if name in ANSWER_VERIFIERS:
         return ANSWER_VERIFIERS[name](**({"extraction": extraction} if extraction else {}))
     if name in CHECKERS:
@@ -122,8 +124,15 @@ class RewardOptions:
     """Code verifiers: reward = tests passed / total instead of all-or-nothing (training reward only)."""
     extraction: str | None = None
     """Answer verifiers: how the answer is taken from a completion (None: the verifier's default); code verifiers: auto | fenced | raw."""
+    tests: str = "half"
+    """Code verifiers as the training reward: `half` runs every other test of each problem (the 1st,
+    3rd ...), so that the held-out checker, which always runs all of them, holds tests the policy was
+    never rewarded on (an independent check); `all` trains on every test (the run card then says the
+    checker is not independent)."""
 
     def __post_init__(self):
+        if self.tests not in CODE_TESTS:
+            raise UserError(f"reward_options.tests: one of {', '.join(CODE_TESTS)}, got {self.tests!r}")
         if self.timeout_s <= 0 or self.memory_mb < 64:
             raise UserError(f"reward_options: timeout_s must be > 0 and memory_mb >= 64, got {self.timeout_s}, {self.memory_mb}")
 
@@ -146,7 +155,8 @@ def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str,
     try:
         verifier = get_verifier(name, sandbox=options.sandbox(unsafe_no_sandbox),
                                 fraction=options.partial_credit and not for_checker,
-                                extraction=None if _is_code(name) else options.extraction)
+                                extraction=None if _is_code(name) else options.extraction,
+                                tests="all" if for_checker else options.tests)
     except (ValueError, TypeError) as error:
         raise UserError(f"{setting or ('acceptance.checker' if for_checker else 'reward')}: {error}") from None
     if options.extraction and _is_code(name):
