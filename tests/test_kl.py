@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from posttrain.algorithms import exact_kl, kl_estimate, kl_penalized_rewards
+from posttrain.algorithms import ESTIMATORS, exact_kl, kl_estimate, kl_penalized_rewards
 
 P = torch.tensor([0.8, 0.2], dtype=torch.float64)
 Q = torch.tensor([0.5, 0.5], dtype=torch.float64)
@@ -63,6 +63,46 @@ def test_estimator_clamp_and_unknown_name():
     assert huge.item() == 10.0
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_estimate(torch.zeros(1), torch.zeros(1), "k4")
+
+
+def test_clamped_k3_of_a_far_token_has_a_finite_gradient():
+    """float32, clamp 10, log-ratios x = logprobs - ref_logprobs = [-200, -5, -1, 5, 15]; k3(x) =
+    e^-x - 1 + x, dk3/dx = 1 - e^-x.
+    x = -200: e^200 overflows float32 (ln of its max is 88.72), so unclamped k3 is inf, and the
+    clamp's zero gradient times dk3/dx = -inf was NaN. The log-ratio is clamped to -20 first:
+    k3(-20) = e^20 - 21 ~ 4.85e8 > 10 -> value 10; both clamps are saturated -> gradient 0.
+    x = -5: k3 = e^5 - 6 ~ 142.4 > 10 -> 10, gradient 0 (the estimate's clamp).
+    x = -1: k3 = e - 2 ~ 0.7183, gradient 1 - e ~ -1.7183.
+    x = 5: k3 = 4 + e^-5 ~ 4.0067, gradient 1 - e^-5 ~ 0.9933.
+    x = 15: k3 = 14 + e^-15 > 10 -> 10, gradient 0.
+    The gradient with respect to ref_logprobs is minus that with respect to logprobs."""
+    log_ratios = [-200.0, -5.0, -1.0, 5.0, 15.0]
+    ref_logprobs = torch.full((1, 5), -1.0, requires_grad=True)
+    logprobs = (torch.tensor([log_ratios]) - 1.0).requires_grad_()
+    estimate = kl_estimate(logprobs, ref_logprobs, "k3", clamp=10.0)
+    estimate.sum().backward()
+    e = math.e
+    assert estimate.dtype == torch.float32
+    assert estimate[0].tolist() == pytest.approx([10.0, 10.0, e - 2, 4 + math.exp(-5), 10.0], rel=1e-6)
+    assert torch.isfinite(logprobs.grad).all() and torch.isfinite(ref_logprobs.grad).all()
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, 0.0, 1 - e, 1 - math.exp(-5), 0.0], rel=1e-6, abs=1e-7)
+    assert ref_logprobs.grad[0].tolist() == pytest.approx([0.0, 0.0, e - 1, math.exp(-5) - 1, 0.0], rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_log_ratio_clamp_changes_no_value_for_clamps_up_to_19(estimator):
+    """The estimator's clamp applied to the raw log-ratio (float64, which does not overflow over
+    [-300, 300]) gives the same values as kl_estimate, which clamps the log-ratio to +-20 first:
+    the smallest |estimate| at +-20 is k3(20) = 19 + e^-20, so every clamp <= 19 is already
+    reached there. A clamp above 19, or not positive, is refused."""
+    log_ratio = torch.linspace(-300, 300, 60_001, dtype=torch.float64)
+    zeros = torch.zeros_like(log_ratio)
+    for clamp in (0.05, 1.0, 10.0, 19.0):
+        expected = ESTIMATORS[estimator](log_ratio).clamp(-clamp, clamp)
+        assert torch.equal(kl_estimate(log_ratio, zeros, estimator, clamp=clamp), expected), clamp
+    for clamp in (19.5, 0.0, -1.0):
+        with pytest.raises(ValueError, match="clamp"):
+            kl_estimate(log_ratio, zeros, estimator, clamp=clamp)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 7, 1024])

@@ -102,6 +102,60 @@ def test_length_normalized_is_a_different_objective():
     assert losses.item() != pytest.approx(dpo_loss(*SEED, beta=0.2)[0].item())
 
 
+def test_length_normalized_ipo_by_hand():
+    """Chosen -2 over 4 tokens, rejected -4 over 2, references -3, -3, beta 0.2: per-token gap
+    h_mean = (-2 + 3) / 4 - (-4 + 3) / 2 = 0.25 + 0.5 = 0.75; loss (0.75 - 1/0.4)^2 = 1.75^2 = 3.0625
+    (summed IPO on the same pair: 0.25). Implicit rewards per token: 0.2 * 0.25, 0.2 * -0.5."""
+    losses, chosen_rewards, rejected_rewards = PREFERENCE_LOSSES["length_normalized_ipo"](*SEED, t(4.0), t(2.0), beta=0.2)
+    assert losses.item() == pytest.approx(3.0625)
+    assert chosen_rewards.item() == pytest.approx(0.05) and rejected_rewards.item() == pytest.approx(-0.1)
+    assert ipo_loss(*SEED, beta=0.2)[0].item() == pytest.approx(0.25)
+
+
+def trl_ipo(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, beta):
+    """TRL's DPOTrainer `ipo` (TRL 1.16), written out: each log-ratio divided by its completion's
+    token count (clamped to >= 1), then (difference - 1 / (2 beta))^2."""
+    chosen_average = (chosen - ref_chosen) / chosen_tokens.clamp(min=1.0)
+    rejected_average = (rejected - ref_rejected) / rejected_tokens.clamp(min=1.0)
+    return (chosen_average - rejected_average - 1 / (2 * beta)) ** 2
+
+
+def trl_sigmoid(chosen, rejected, ref_chosen, ref_rejected, beta):
+    """TRL's `sigmoid` (TRL 1.16), written out: -logsigmoid(beta h), with no label_smoothing term."""
+    return -torch.nn.functional.logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))
+
+
+def random_pairs(pairs=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    logps = [-torch.rand(pairs, generator=generator, dtype=torch.float64) * 40 for _ in range(4)]
+    lengths = [torch.randint(0, 30, (pairs,), generator=generator).to(torch.float64) for _ in range(2)]
+    return logps, lengths
+
+
+def test_length_normalized_ipo_equals_trl_ipo_and_ipo_does_not():
+    """On random pairs with lengths 0-29 (0 is clamped to 1 by both), our `length_normalized_ipo`
+    equals TRL's `ipo` to rounding; our `ipo` (summed log-ratios) does not."""
+    logps, lengths = random_pairs()
+    for beta in (0.1, 0.5):
+        expected = trl_ipo(*logps, *lengths, beta)
+        ours = PREFERENCE_LOSSES["length_normalized_ipo"](*logps, *lengths, beta=beta)[0]
+        assert torch.allclose(ours, expected, rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(PREFERENCE_LOSSES["ipo"](*logps, *lengths, beta=beta)[0], expected, rtol=1e-3)
+
+
+def test_sigmoid_with_label_smoothing_is_cdpo_not_trl_sigmoid():
+    """TRL's `sigmoid` ignores label_smoothing; ours is cDPO with it. With e = 0 the two agree;
+    with e = 0.1 ours is 0.9 * softplus(-beta h) + 0.1 * softplus(beta h), not TRL's softplus(-beta h)."""
+    logps, _ = random_pairs(seed=1)
+    expected = trl_sigmoid(*logps, beta=0.1)
+    assert torch.allclose(PREFERENCE_LOSSES["sigmoid"](*logps, beta=0.1)[0], expected, rtol=1e-12)
+    smoothed = PREFERENCE_LOSSES["sigmoid"](*logps, beta=0.1, label_smoothing=0.1)[0]
+    logits = 0.1 * ((logps[0] - logps[2]) - (logps[1] - logps[3]))
+    cdpo = 0.9 * torch.nn.functional.softplus(-logits) + 0.1 * torch.nn.functional.softplus(logits)
+    assert torch.allclose(smoothed, cdpo, rtol=1e-12)
+    assert not torch.allclose(smoothed, expected, rtol=1e-3)
+
+
 def test_registry_returns_per_pair_losses_and_rewards():
     chosen, rejected = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
     ones = torch.ones(5, dtype=torch.long)  # one token per response: length_normalized then equals sigmoid
@@ -112,12 +166,14 @@ def test_registry_returns_per_pair_losses_and_rewards():
 
 
 def test_one_signature_refuses_what_a_loss_does_not_take():
-    """ipo and hinge take no label smoothing; length_normalized needs the lengths."""
-    for name in ("ipo", "hinge", "length_normalized"):
+    """ipo, hinge and the length-normalised losses take no label smoothing; the length-normalised
+    ones need the lengths."""
+    for name in ("ipo", "hinge", "length_normalized", "length_normalized_ipo"):
         with pytest.raises(ValueError, match="label smoothing"):
             PREFERENCE_LOSSES[name](*SEED, t(4.0), t(2.0), beta=0.2, label_smoothing=0.1)
-    with pytest.raises(ValueError, match="lengths"):
-        PREFERENCE_LOSSES["length_normalized"](*SEED, beta=0.2)
+    for name in ("length_normalized", "length_normalized_ipo"):
+        with pytest.raises(ValueError, match="lengths"):
+            PREFERENCE_LOSSES[name](*SEED, beta=0.2)
 
 
 def test_pair_metrics_by_hand():

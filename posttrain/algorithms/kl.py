@@ -20,7 +20,13 @@ from typing import Callable, Literal
 
 import torch
 
+from posttrain.algorithms.policy import MAX_LOG_RATIO
+
 Estimator = Literal["k1", "k2", "k3"]
+
+# The largest `clamp` that the log-ratio clamp leaves unchanged: the smallest |estimate| at a
+# log-ratio of +-MAX_LOG_RATIO is k3's, k3(20) = 19 + e^-20 (see `kl_estimate`).
+MAX_KL_CLAMP = MAX_LOG_RATIO - 1.0
 
 
 def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -51,18 +57,32 @@ def kl_estimate(
         logprobs: (N, T) log p(x_t) of the sampled tokens under the policy.
         ref_logprobs: (N, T) log q(x_t) of the same tokens under the frozen reference.
         estimator: "k1" | "k2" | "k3" (see the module docstring).
-        clamp: optional bound on |estimate|, for stability with far-apart models (None = off).
+        clamp: optional bound c on |estimate|, 0 < c <= 19 (`MAX_KL_CLAMP`), for stability with
+            far-apart models (None = off).
 
     Returns:
         (N, T) per-token estimates (not masked).
+
+    With a clamp, the log-ratio x = logprobs - ref_logprobs is first clamped to +-20
+    (`MAX_LOG_RATIO`): otherwise k3's exp(-x) overflows float32 for x below about -88.7, and the
+    clamp's zero gradient times the infinite derivative is a NaN gradient. This changes no value:
+    each estimator is monotone on each side of x = 0, and at x = +-20 each is already at or beyond
+    any c <= 19 (k1: +-20; k2: 200; k3: e^20 - 21 ~ 4.9e8 at -20 and 19 + e^-20 at +20, the
+    smallest, hence the bound 19). So a token with |x| > 20 gets the value +-c and gradient 0, as it
+    would without overflow.
 
     Example: p = 0.8, q = 0.5: log r = ln 0.625 ~ -0.4700; k1 ~ 0.4700, k2 ~ 0.1105,
     k3 = 0.625 - 1 + 0.4700 ~ 0.0950.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; choose from k1, k2, k3")
-    estimate = ESTIMATORS[estimator](logprobs - ref_logprobs)
-    return estimate if clamp is None else estimate.clamp(-clamp, clamp)
+    log_ratio = logprobs - ref_logprobs
+    if clamp is None:
+        return ESTIMATORS[estimator](log_ratio)
+    if not 0.0 < clamp <= MAX_KL_CLAMP:
+        raise ValueError(f"KL clamp must be in (0, {MAX_KL_CLAMP:g}] (the log-ratio is clamped to +-{MAX_LOG_RATIO:g} first), got {clamp}")
+    estimate = ESTIMATORS[estimator](log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    return estimate.clamp(-clamp, clamp)
 
 
 def exact_kl(

@@ -119,7 +119,9 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce a per-token loss (N, T) to a scalar.
 
-    Modes (their names follow verl's `loss_agg_mode`):
+    Modes (their names follow verl's `loss_agg_mode`, but "seq_mean_token_sum_norm" divides by
+    sequences x L like TRL's `dr_grpo`, where verl's divides by L only: verl's = N x ours;
+    docs/algorithms.md §6 maps every TRL `loss_type` and verl mode):
       * "token_mean": sum over all tokens / global_tokens (DAPO, arXiv:2503.14476 eq. 8). Every
         token weighs the same, whatever its sequence's length.
       * "seq_mean_token_mean": mean over sequences of each sequence's token mean (original GRPO,

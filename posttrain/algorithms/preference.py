@@ -7,16 +7,22 @@ Every loss has one signature,
          chosen_lengths=None, rejected_lengths=None, *, beta, label_smoothing) -> (losses, chosen_rewards, rejected_rewards)
 
 with the summed response log-probs of the policy and of the frozen reference, all (P,) for P pairs
-(lengths: response tokens per row; only the length-normalised loss uses them, the others ignore
+(lengths: response tokens per row; only the length-normalised losses use them, the others ignore
 them). The implicit rewards are beta * (log pi - log pi_ref) per response (DPO, arXiv:2305.18290
 section 5), detached, for metrics. With
 
     h = (chosen - ref_chosen) - (rejected - ref_rejected)
 
 the losses differ only in what they do with beta * h. A sequence log-prob is the *sum* of the
-response tokens' log-probs; the length-normalised objective (token mean) is a different objective
-and has its own name, `length_normalized_dpo_loss`. Only the losses in `LABEL_SMOOTHED` take a
-label-noise rate; the others refuse a non-zero one rather than ignore it.
+response tokens' log-probs; the length-normalised objectives (token means) are different
+objectives and have their own names, `length_normalized_dpo_loss` and `length_normalized_ipo_loss`.
+Only the losses in `LABEL_SMOOTHED` take a label-noise rate; the others refuse a non-zero one rather
+than ignore it.
+
+Against TRL's DPOTrainer `loss_type` of the same name (TRL 1.16): `sigmoid` with label_smoothing e > 0
+is cDPO here, while TRL's `sigmoid` ignores label_smoothing (plain DPO); our `ipo` uses summed
+log-ratios (the paper's eq. 17), TRL's `ipo` divides each by its response's length, which is our
+`length_normalized_ipo`; our `length_normalized` is TRL's `sigmoid_norm`.
 """
 
 from __future__ import annotations
@@ -54,7 +60,9 @@ def dpo_loss(
     With `label_smoothing = e > 0` this is conservative DPO (cDPO; Mitchell 2023, "A note on DPO
     with noisy preferences"): -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h), the expected
     loss when each label is flipped with probability e. Computed with logsigmoid, so stable for
-    any |beta h|.
+    any |beta h|. TRL's `sigmoid` ignores label_smoothing (TRL 1.16 applies it only to `robust`,
+    `exo_pair` and `aot*`): a TRL config with label_smoothing > 0 ported as-is gives a different loss
+    here; for TRL's numbers use e = 0.
 
     Args:
         chosen_logps, rejected_logps: (P,) policy sequence log-probs (summed over response tokens).
@@ -140,7 +148,9 @@ def ipo_loss(
 ) -> PreferenceOutput:
     """IPO (Azar et al., arXiv:2310.12036 eq. 17): (h - 1 / (2 beta))^2, beta playing tau.
 
-    It regresses the log-ratio gap to a finite target instead of pushing it to infinity.
+    It regresses the log-ratio gap to a finite target instead of pushing it to infinity. h is
+    built from summed log-probs, as in the paper; TRL's `ipo` length-averages them, which is
+    `length_normalized_ipo_loss` here.
 
     Args: as `dpo_loss`. Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
     Example: h = 2, beta = 0.2 -> (2 - 2.5)^2 = 0.25.
@@ -212,6 +222,43 @@ def length_normalized_dpo_loss(
     )
 
 
+def length_normalized_ipo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> PreferenceOutput:
+    """Length-normalised IPO: `ipo_loss` on per-token *mean* log-ratios, TRL's `ipo` (which length-
+    averages the IPO gap, a choice its code says the IPO authors confirmed; arXiv:2310.12036 eq. 17
+    itself is on sequence log-probs):
+
+        h_mean = (chosen - ref_chosen) / chosen_length - (rejected - ref_rejected) / rejected_length
+        loss   = (h_mean - 1 / (2 beta))^2
+
+    Args: as `length_normalized_dpo_loss` (lengths required, each clamped to >= 1).
+    Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,) (per-token implicit rewards).
+    Example: chosen -2 over 4 tokens, rejected -4 over 2, references -3, -3, beta 0.2:
+    h_mean = 1/4 - (-1/2) = 0.75, loss = (0.75 - 2.5)^2 = 3.0625.
+    """
+    if chosen_lengths is None or rejected_lengths is None:
+        raise ValueError("length_normalized_ipo needs chosen_lengths and rejected_lengths")
+    _no_label_smoothing("length_normalized_ipo", label_smoothing)
+    chosen_lengths = chosen_lengths.to(chosen_logps.dtype).clamp(min=1)
+    rejected_lengths = rejected_lengths.to(rejected_logps.dtype).clamp(min=1)
+    return ipo_loss(
+        chosen_logps / chosen_lengths,
+        rejected_logps / rejected_lengths,
+        ref_chosen_logps / chosen_lengths,
+        ref_rejected_logps / rejected_lengths,
+        beta=beta,
+    )
+
+
 # Every loss by name, each with the one signature of the module docstring.
 PREFERENCE_LOSSES: dict[str, Callable[..., PreferenceOutput]] = {
     "sigmoid": dpo_loss,
@@ -220,6 +267,7 @@ PREFERENCE_LOSSES: dict[str, Callable[..., PreferenceOutput]] = {
     "ipo": ipo_loss,
     "hinge": hinge_loss,
     "length_normalized": length_normalized_dpo_loss,
+    "length_normalized_ipo": length_normalized_ipo_loss,
 }
 LABEL_SMOOTHED = ("sigmoid", "conservative", "robust")
 """The losses that take a label-noise rate (`label_smoothing`)."""

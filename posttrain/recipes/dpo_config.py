@@ -23,6 +23,7 @@ OBJECTIVES = {
     "ipo": "IPO squared loss (arXiv:2310.12036 eq. 17) on summed log-ratios",
     "hinge": "hinge / SLiC (arXiv:2305.10425 eq. 3)",
     "length_normalized": "length-normalised DPO: sigmoid loss on per-token MEAN log-probs (a different objective)",
+    "length_normalized_ipo": "length-normalised IPO (TRL's ipo): IPO squared loss on per-token MEAN log-ratios (a different objective)",
 }
 """What the run card says each `loss.type` is."""
 
@@ -69,8 +70,10 @@ class Data:
 class Loss:
     """Link 3, loss: the objective, beta, length handling, reference handling."""
 
-    type: Literal["sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized"] = "sigmoid"
-    """sigmoid (DPO) | conservative (cDPO) | robust | ipo | hinge | length_normalized (token-mean objective)."""
+    type: Literal["sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized", "length_normalized_ipo"] = "sigmoid"
+    """sigmoid (DPO; cDPO with label_smoothing, unlike TRL's sigmoid) | conservative (cDPO) | robust | ipo (summed
+    log-ratios) | hinge | length_normalized (token-mean objective, TRL's sigmoid_norm) | length_normalized_ipo
+    (token-mean IPO, TRL's ipo)."""
     beta: float = 0.1
     """Inverse temperature of the implicit reward beta * (log pi - log pi_ref)."""
     label_smoothing: float = 0.0
