@@ -16,7 +16,7 @@ import pkgutil
 import sys
 
 from posttrain import __version__, commands
-from posttrain.errors import UserError
+from posttrain.errors import UserError, file_being_written, write_errno, write_failed
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`posttrain ... | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as error:  # a disk full or failing where no writer of ours caught it: one line too
+        if write_errno(error) is None:
+            raise
+        failure = write_failed(error, file_being_written(error))
+        print(f"posttrain: error: {failure}", file=sys.stderr)
+        return failure.exit_code
 
 
 if __name__ == "__main__":

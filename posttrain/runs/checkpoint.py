@@ -6,6 +6,9 @@ Layout of `checkpoints/step-000012/`: `model/` (a Hugging Face directory, loadab
 `MANIFEST.json` (size and SHA-256 of every file), written last. A directory whose manifest is
 missing or does not match its files is incomplete or corrupted: `latest_checkpoint` skips it with a
 warning and returns the previous one. Old checkpoints are removed only after the new one is complete.
+A write that fails (disk full, file too large...) removes the temporary directory at once and raises a
+one-line `WriteFailed`; the complete checkpoints are left as they were. Before each checkpoint a
+warning says when the free space is under 1.5x the last one's size.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from posttrain.errors import WriteFailed, file_being_written, format_bytes, free_space, write_errno, write_failed
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +96,34 @@ def save_checkpoint(
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / f"{PREFIX}{step:06d}"
     temporary = checkpoints_dir / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
+    _warn_if_short_of_space(checkpoints_dir)
     shutil.rmtree(temporary, ignore_errors=True)
+    try:
+        _write_temporary(temporary, step, write_models, trainer_state)
+    except BaseException as error:  # the partial checkpoint goes at once, whatever stopped it
+        failure = _write_failure(error, temporary)  # before it goes: the free space the write found
+        shutil.rmtree(temporary, ignore_errors=True)
+        if failure is None:
+            raise
+        raise failure from error
+    if final.exists():  # a stale copy of the same step (e.g. from before a crash): replace it
+        shutil.rmtree(final)
+    os.replace(temporary, final)
+    _fsync(checkpoints_dir)
+    for old in complete_checkpoints(checkpoints_dir, verify=False)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for leftover in checkpoints_dir.glob(f".tmp-{PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    logger.info("checkpoint saved: %s", final)
+    return final
+
+
+def _write_temporary(temporary: Path, step: int, write_models: Callable[[Path], None], trainer_state: dict[str, Any]) -> None:
+    """The checkpoint's files in `temporary`, the manifest last, all fsynced."""
     temporary.mkdir()
     write_models(temporary)
-    torch.save({**trainer_state, "step": step}, temporary / "trainer_state.pt")
+    with (temporary / "trainer_state.pt").open("wb") as handle:  # a file object: a failed write's errno reaches us
+        torch.save({**trainer_state, "step": step}, handle)
     files = sorted(p for p in temporary.rglob("*") if p.is_file())
     manifest = {
         "step": step,
@@ -105,16 +135,35 @@ def save_checkpoint(
     _fsync(temporary / MANIFEST)
     for directory in sorted({p.parent for p in files} | {temporary}):
         _fsync(directory)
-    if final.exists():  # a stale copy of the same step (e.g. from before a crash): replace it
-        shutil.rmtree(final)
-    os.replace(temporary, final)
-    _fsync(checkpoints_dir)
-    for old in complete_checkpoints(checkpoints_dir, verify=False)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for leftover in checkpoints_dir.glob(f".tmp-{PREFIX}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    logger.info("checkpoint saved: %s", final)
-    return final
+
+
+def _warn_if_short_of_space(checkpoints_dir: Path) -> None:
+    """Warn when the free space is under 1.5x the newest complete checkpoint's size (its manifest's
+    bytes): the next one is written beside it, and the old one goes only once the new one is complete."""
+    previous = complete_checkpoints(checkpoints_dir, verify=False)
+    if not previous:
+        return
+    try:
+        size = sum(entry["bytes"] for entry in json.loads((previous[-1] / MANIFEST).read_text())["files"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    mount, free = free_space(checkpoints_dir)
+    if free < 1.5 * size:
+        logger.warning("%s: %s free on %s, and the last checkpoint (%s) took %s: the next one may not fit",
+                       checkpoints_dir, format_bytes(free), mount, previous[-1].name, format_bytes(size))
+
+
+def _write_failure(error: BaseException, temporary: Path) -> WriteFailed | None:
+    """The one-line error for a checkpoint write that failed, naming the file being written where the
+    error tells it, else the temporary directory; None if `error` is no write failure."""
+    torch_writer = isinstance(error, RuntimeError) and re.search(r"inline_container|PytorchStreamWriter", str(error))
+    if not (isinstance(error, OSError) or write_errno(error) or torch_writer):
+        return None
+    written = file_being_written(error)
+    path = written if written and Path(written).is_relative_to(temporary) else temporary
+    if torch_writer and not write_errno(error):  # torch.save to a path hides the errno: the free space tells
+        return WriteFailed(path, f"torch's writer failed ({' '.join(str(error).split())[:200]})")
+    return write_failed(error, path)
 
 
 def verify_checkpoint(directory: Path) -> str | None:

@@ -11,23 +11,28 @@
       tensorboard/ wandb/ trackio/ mlruns/   the trackers of `report_to` (see `trackers.py`)
 
 A new run refuses a directory that already holds a run (use `--resume` or another `--output-dir`).
-On resume, lines of metrics.jsonl and samples.jsonl past the checkpoint's step are dropped, so a
-resumed run's files equal those of an uninterrupted one.
+metrics.jsonl and samples.jsonl are append-only: each call's lines go in one write, whole or not at
+all (a failed write is cut back off and raised as a one-line `WriteFailed`). On resume, lines past the
+checkpoint's step are dropped, and a torn line (a crash mid-write) with a warning, so a resumed run's
+files equal those of an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import yaml
 
 from posttrain.distributed import World
-from posttrain.errors import UserError
+from posttrain.errors import UserError, write_failed
 from posttrain.runs.trackers import make_trackers
 
 logger = logging.getLogger(__name__)
@@ -88,9 +93,8 @@ class RunDirectory:
         if not self.writer:
             return
         rows = [{"step": step, **row} for row in rows]
-        for row in rows:
-            _append(self.path / "samples.jsonl", row)
         if rows:
+            _append(self.path / "samples.jsonl", *rows)
             for tracker in self._started_trackers():
                 tracker.log_samples(step, [_clean(row) for row in rows])
 
@@ -116,14 +120,15 @@ class RunDirectory:
         return read_jsonl(self.path / "metrics.jsonl")
 
     def truncate_logs(self, step: int) -> None:
-        """Drop log lines of steps after `step` (they were written after the checkpoint we resume from)."""
+        """Drop log lines of steps after `step` (they were written after the checkpoint we resume from)
+        and any torn line (a crash mid-write; `read_jsonl` warns about it); each file is replaced whole."""
         if not self.writer:
             return
         for name in ("metrics.jsonl", "samples.jsonl"):
             path = self.path / name
             if path.is_file():
-                kept = [row for row in read_jsonl(path) if row.get("step", 0) <= step]
-                path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+                kept = [line for line, row in _whole_lines(path) if row.get("step", 0) <= step]
+                _replace(path, "".join(line + "\n" for line in kept))
 
 
 def _clean(value: Any) -> Any:
@@ -136,23 +141,63 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _append(path: Path, row: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(_clean(row)) + "\n")
+def _append(path: Path, *rows: dict[str, Any]) -> None:
+    """Append `rows` as JSON lines in one write to an O_APPEND descriptor, so that they land whole or
+    not at all: a write that fails (or stops short) is cut back off and raised as a one-line error."""
+    data = "".join(json.dumps(_clean(row)) + "\n" for row in rows).encode("utf-8")
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as error:
+        raise write_failed(error, path) from error
+    try:
+        start = os.fstat(descriptor).st_size
+        written = 0
+        while written < len(data):  # after a short write (the disk filled mid-line) the next one says why
+            count = os.write(descriptor, data[written:])
+            if count == 0:
+                raise OSError(errno.EIO, "write wrote nothing")
+            written += count
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.ftruncate(descriptor, start)
+        raise write_failed(error, path) from error
+    finally:
+        os.close(descriptor)
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically: a temporary file beside it, fsynced, then renamed over it."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with temporary.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise write_failed(error, path) from error
+
+
+def _whole_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(line, row) for each line of `path` that is a whole JSON object; warns about each other one."""
+    # Our lines are ASCII (json.dumps escapes the rest): a replaced byte is in a torn line, never a whole one.
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            yield line, row
+        elif line.strip():
+            logger.warning("%s: line %d is not a whole JSON row (torn by a crash mid-write?): ignored", path, number)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSON-lines log; a torn last line (a crash mid-write) is ignored."""
-    rows = []
+    """Rows of a JSON-lines log; a torn line (a crash mid-write) is ignored with a warning."""
     path = Path(path)
-    if not path.is_file():
-        return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            logger.warning("%s: ignoring a torn line", path)
-    return rows
+    return [row for _, row in _whole_lines(path)] if path.is_file() else []
 
 
 def default_output_dir(recipe: str, world: World | None = None) -> str:

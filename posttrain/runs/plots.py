@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -10,6 +12,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from posttrain.errors import write_failed  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +30,7 @@ def plot_metric(rows: Sequence[dict[str, Any]], key: str, path: str | Path, titl
     axis.set_ylabel(key)
     axis.set_title(title or key)
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    _save(figure, path)
     return True
 
 
@@ -67,7 +69,24 @@ def plot_sets(rows: Sequence[dict[str, Any]], names: Sequence[str], path: str | 
         axis.set_ylim(-0.02, 1.02)
         axis.grid(alpha=0.3)
         axis.legend()
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-    plt.close(figure)
+        _save(figure, path)
+    else:
+        plt.close(figure)
     return drawn
+
+
+def _save(figure, path: str | Path) -> None:
+    """Write and close `figure` through a temporary file: a failed write leaves the previous PNG as it
+    was, no partial one, and is a one-line error."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # the suffix names the format
+    try:
+        figure.tight_layout()
+        figure.savefig(temporary, dpi=100)
+        os.replace(temporary, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise write_failed(error, path) from error
+    finally:
+        plt.close(figure)
