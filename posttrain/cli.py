@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except UserError as error:
-        print(f"posttrain: error: {error}", file=sys.stderr)
+    except UserError as error:  # a stop asked by a signal is not an error: "posttrain: stopped by SIGTERM at step N; ..."
+        print(f"posttrain: {error}" if getattr(error, "signum", None) else f"posttrain: error: {error}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         print("posttrain: interrupted", file=sys.stderr)

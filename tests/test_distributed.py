@@ -97,6 +97,34 @@ def test_two_process_run_resumes_with_two_or_one(tmp_path):
     assert "saved by 2 process(es), resumed by 1" in result.stderr
     assert_same_run(tmp_path / "straight", tmp_path / "stopped-1", 4)
 
+    # SIGTERM to rank 1 alone: the ranks agree on the step, rank 0 checkpoints it, the resume is exact.
+    term = tmp_path / "term"
+    process = subprocess.Popen(launch([*args, "--checkpoint-every", "100", "--max-steps", "4", "--output-dir", str(term)], 2), env=env(),
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len((term / "metrics.jsonl").read_text().splitlines() if (term / "metrics.jsonl").exists() else []) < 2:
+        time.sleep(0.1)
+    os.kill(rank_pid(term, 1), signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    step = len((term / "metrics.jsonl").read_text().splitlines()) - 1
+    assert 1 <= step < 4 and f"stopped by SIGTERM at step {step}; resume with: posttrain grpo --resume {term}" in stderr, stderr[-3000:]
+    assert [p.name for p in (term / "checkpoints").glob("step-*")] == [f"step-{step:06d}"]
+    run(["grpo", "--resume", str(term)], 2)
+    assert_same_run(tmp_path / "straight", term, 4, atol=1e-6)
+
+
+def rank_pid(run_dir: Path, rank: int) -> int:
+    """The process id of torchrun worker `rank` of the run writing `run_dir`."""
+    for pid in os.listdir("/proc"):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline:
+            return int(pid)
+    raise AssertionError(f"rank {rank} not found")
+
 
 def test_a_dead_rank_ends_the_job(tmp_path):
     """SIGKILL one worker mid-run: torchrun stops the other and exits non-zero naming the failure."""

@@ -23,7 +23,9 @@ RESUMABLE_OVERRIDES = {"max_steps"}
 def resolve_config(config_cls, args: argparse.Namespace):
     """Build a recipe config from `--config`, the common flags and `--key value` overrides.
 
-    With `--resume DIR` the config is the run's own `config.yaml`; only `--max-steps` may change.
+    With `--resume DIR` the config is the run's own `config.yaml`; only `--max-steps` may change,
+    unless `--resume-changed-config` is given: then any `--key value` applies, and the recipe
+    records the changes that alter the data order or the loss in the run card (`runs/faults.py`).
     """
     overrides = parse_overrides(list(getattr(args, "overrides", []) or []))
     for flag in ("output_dir", "max_steps", "seed"):
@@ -31,10 +33,10 @@ def resolve_config(config_cls, args: argparse.Namespace):
             overrides[flag] = getattr(args, flag)
     if args.resume:
         changed = set(overrides) - RESUMABLE_OVERRIDES - {"output_dir"}
-        if args.config or changed:
+        if args.config or (changed and not getattr(args, "resume_changed_config", False)):
             raise UserError(
                 f"--resume continues a run with its own config.yaml; only --max-steps may change "
-                f"(got {', '.join(sorted(changed)) or '--config'})"
+                f"(got {', '.join(sorted(changed)) or '--config'}; --resume-changed-config accepts other --key value changes)"
             )
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").is_file():
@@ -93,11 +95,14 @@ def register_recipe(subparsers, name: str, module: str, help_text: str, config: 
     parser.add_argument("--max-steps", type=int, help="training steps")
     parser.add_argument("--seed", type=int, help="random seed")
     parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
+    parser.add_argument("--resume-changed-config", action="store_true",
+                        help="with --resume: accept --key value changes that alter the data order or the loss (recorded in the run card)")
 
     def handler(args) -> int:
         loaded = importlib.import_module(module)
         settings = resolve_config(settings_factory(module, config), args)
-        run_dir = loaded.run(settings, resume=bool(args.resume))
+        extra = {"resume_changed_config": True} if args.resume_changed_config else {}
+        run_dir = loaded.run(settings, resume=bool(args.resume), **extra)
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone speaks
             return 0
         report = Path(run_dir) / "report.md"

@@ -136,8 +136,8 @@ def explain_dpo(args) -> int:
     if args.label_smoothing is not None and args.loss not in LABEL_SMOOTHED:
         raise UserError(f"--label-smoothing does not apply to --loss {args.loss}")
     lengths = (args.chosen_length, args.rejected_length)
-    if args.loss == "length_normalized" and None in lengths:
-        raise UserError("--loss length_normalized needs --chosen-length and --rejected-length (response tokens)")
+    if args.loss.startswith("length_normalized") and None in lengths:
+        raise UserError(f"--loss {args.loss} needs --chosen-length and --rejected-length (response tokens)")
     # None keeps each loss's own default (0 for sigmoid, 0.1 for conservative and robust).
     extra = {"label_smoothing": args.label_smoothing} if args.label_smoothing is not None else {}
     losses, chosen_reward, rejected_reward = loss_fn(

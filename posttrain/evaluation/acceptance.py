@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -173,7 +174,13 @@ def evaluate_task(
             {"id": e.id, "prompt": p, "completion": t, "reward": v.reward, "status": v.status, "reason": v.reason}
             for e, p, t, v in zip(examples, prompts, texts, verdicts)
         ]
-        Path(output_path).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+        output_path = Path(output_path)
+        partial = output_path.with_name(f".{output_path.name}.tmp")
+        try:  # whole or not at all: a full disk leaves no truncated eval file
+            partial.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+            os.replace(partial, output_path)
+        finally:
+            partial.unlink(missing_ok=True)
     logger.info("held-out %s: pass@1 %s (n=%d)", task.name, summary["pass@1"], n)
     return summary
 

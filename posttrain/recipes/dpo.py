@@ -56,6 +56,7 @@ from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import default_output_dir
+from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config, memory_guard
 from posttrain.runs.timer import Timer
 from posttrain.runs.training_state import restore_training, save_training
 
@@ -81,8 +82,16 @@ def step_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[s
     return {"loss": means["loss/preference"] + nll_weight * nll, "loss/preference": means["loss/preference"], "loss/nll": nll, **means}
 
 
-def run(config: Config, resume: bool = False) -> Path:
-    """Train; returns the run directory. `config` comes checked from `build_config` and is not changed."""
+MEMORY_KNOBS = {"reference": ["micro_batch_size", "hardware.precision", "data.max_response_tokens"],
+                "update": ["micro_batch_size", "memory.gradient_checkpointing", "hardware.precision", "data.max_response_tokens"],
+                "evaluation": ["acceptance.max_new_tokens", "micro_batch_size", "hardware.precision"]}
+"""The settings that shrink each phase's memory, for the out-of-memory message (`runs/faults.py`)."""
+
+
+def run(config: Config, resume: bool = False, resume_changed_config: bool = False) -> Path:
+    """Train; returns the run directory. `config` comes checked from `build_config` and is not changed.
+    A resume refuses a config that changes the data order or the loss unless `resume_changed_config`;
+    SIGTERM / SIGINT stop it after the step in progress, with a checkpoint (`runs/faults.py`)."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
     placement = resolve(config.hardware)
     world = init_world(config.parallel, placement)
@@ -126,6 +135,7 @@ def run(config: Config, resume: bool = False) -> Path:
         shifted = shifted_sets(config.acceptance.sets, trained, task_spec["task"], task_spec["options"], task_spec["split_seed"],
                                task_spec["eval_size"], config.reward_options, config.unsafe_no_sandbox)
     run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main, trackers=config.trackers())
+    changes = check_resumed_config(run_dir.path, dataclasses.replace(config, data=data), resume_changed_config) if resume else []
     # The config as this run resolved it (a copy; the caller's is untouched): config.yaml, the card and a resume read it.
     config = dataclasses.replace(config, output_dir=str(run_dir.path), data=data)
     if world.main:
@@ -134,7 +144,7 @@ def run(config: Config, resume: bool = False) -> Path:
     # 0b. The reference: live (a frozen copy / the LoRA base), or precomputed once and cached.
     reference, cached = None, None
     if config.loss.reference == "precomputed":
-        with placement.autocast():
+        with placement.autocast(), memory_guard(0, MEMORY_KNOBS, phase="reference"):
             cached = cached_reference(run_dir, policy, encode, train, held_pairs, config, world)
     else:
         reference = make_reference(policy)
@@ -159,13 +169,15 @@ def run(config: Config, resume: bool = False) -> Path:
     card["alarms"] = list(alarm.rings)
     card["run"]["world_size"] = world.size
     card["run"]["hardware"] = {**placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
+    if changes:
+        card["run"]["resumed_with_changes"] = changes
 
     def write_card() -> None:
         if world.main:
             write_run_card(run_dir.path, card)
 
     def evaluate_on_rank0(step: int) -> dict:
-        with full_weights(policy), full_weights(frozen), placement.autocast():
+        with full_weights(policy), full_weights(frozen), placement.autocast(), memory_guard(step, MEMORY_KNOBS, phase="evaluation"):
             metrics = evaluate(policy, reference, cached, tokenizer, encode, held_pairs, held_task, checker, config, run_dir, step,
                                shifted) if world.main else {}
         world.barrier()
@@ -175,50 +187,56 @@ def run(config: Config, resume: bool = False) -> Path:
     if state["step"] == 0:
         run_dir.log_metrics(0, evaluate_on_rank0(0))
     policy.train()
-    progress = tqdm(range(state["step"], config.max_steps), desc="dpo", initial=state["step"], total=config.max_steps, disable=not world.main)
-    for step in progress:
-        done, timer, started = step + 1, Timer(placement.synchronize), time.perf_counter()
-        placement.reset_peak_memory()
-        # 1. The next batch of the seeded pair stream.
-        indices = data_order(len(train), config.seed, step * config.batch_size, config.batch_size)
-        batch = encode([train[i] for i in indices])
-        # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
-        with timer("train"):
-            ref = cached["train"][indices].to(placement.device) if cached is not None else None
-            with full_weights(frozen):
-                metrics = train_step(trainer, reference, ref, batch, config.loss, config.micro_batch_size, world)
-            metrics["grad_norm"] = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
-        # 4. Log, alarm, refresh, evaluate, checkpoint.
-        message = alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"])
-        if message:
-            logger.warning(message)
-            card["alarms"] = list(alarm.rings)
-            write_card()
-        if refreshing and done % config.loss.reference_refresh_every == 0:
-            reference.refresh(policy)
-            card["run"]["reference_refreshed_at"].append(done)
-            write_card()
-        tokens = int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum())
-        metrics.update({
-            "lr": scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},
-            "tokens_per_second": tokens / (time.perf_counter() - started),
-            "tokens_per_second/training": tokens / max(1e-9, timer.seconds.get("train", 0.0)),
-        })
-        if placement.is_cuda:
-            metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
-        if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
-            metrics.update(evaluate_on_rank0(done))
-        run_dir.log_metrics(done, metrics)
-        if any(key.startswith("heldout/") for key in metrics) and world.main:
-            plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
-            if shifted:
-                plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in shifted], run_dir.plots / "heldout_sets.png")
-        progress.set_postfix(loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
-        if done % config.checkpoint_every == 0 or done == config.max_steps:
-            save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=extra_models, world=world, extra_state={
-                "alarm_history": alarm.history, "alarm_rings": alarm.rings,
-                "reference_refreshed_at": card["run"]["reference_refreshed_at"],
+    with StopSignals(world) as stop:
+        progress = tqdm(range(state["step"], config.max_steps), desc="dpo", initial=state["step"], total=config.max_steps, disable=not world.main)
+        for step in progress:
+            done, timer, started = step + 1, Timer(placement.synchronize), time.perf_counter()
+            placement.reset_peak_memory()
+            # 1. The next batch of the seeded pair stream.
+            indices = data_order(len(train), config.seed, step * config.batch_size, config.batch_size)
+            batch = encode([train[i] for i in indices])
+            # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
+            with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
+                ref = cached["train"][indices].to(placement.device) if cached is not None else None
+                with full_weights(frozen):
+                    metrics = train_step(trainer, reference, ref, batch, config.loss, config.micro_batch_size, world)
+                metrics["grad_norm"] = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+            # 4. Log, alarm, refresh, evaluate, checkpoint.
+            message = alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"])
+            if message:
+                logger.warning(message)
+                card["alarms"] = list(alarm.rings)
+                write_card()
+            if refreshing and done % config.loss.reference_refresh_every == 0:
+                reference.refresh(policy)
+                card["run"]["reference_refreshed_at"].append(done)
+                write_card()
+            tokens = int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum())
+            metrics.update({
+                "lr": scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},
+                "tokens_per_second": tokens / (time.perf_counter() - started),
+                "tokens_per_second/training": tokens / max(1e-9, timer.seconds.get("train", 0.0)),
             })
+            if placement.is_cuda:
+                metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
+            if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
+                metrics.update(evaluate_on_rank0(done))
+            run_dir.log_metrics(done, metrics)
+            if any(key.startswith("heldout/") for key in metrics) and world.main:
+                plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
+                if shifted:
+                    plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in shifted], run_dir.plots / "heldout_sets.png")
+            progress.set_postfix(loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
+            stopping = stop.agreed()
+            if done % config.checkpoint_every == 0 or done == config.max_steps or stopping:
+                save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=extra_models, world=world, extra_state={
+                    "alarm_history": alarm.history, "alarm_rings": alarm.rings,
+                    "reference_refreshed_at": card["run"]["reference_refreshed_at"],
+                })
+            if stopping and done < config.max_steps:
+                write_card()
+                run_dir.close()
+                raise RunStopped(stopping, done, f"posttrain dpo --resume {run_dir.path}")
     write_card()
     del trainer
     run_dir.close()
@@ -392,7 +410,7 @@ def make_card(config: Config, train, held_pairs, data_stats, provenance, task_sp
     card["links"]["loss"] = {
         "objective": OBJECTIVES[loss.type], "type": loss.type, "beta": loss.beta, "label_smoothing": loss.label_smoothing,
         "sequence_logprob": "sum over response tokens (prompt and padding masked, the ending EOS counted)",
-        "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type == "length_normalized" else "none: summed log-probs",
+        "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type.startswith("length_normalized") else "none: summed log-probs",
         "nll_weight": loss.nll_weight,
         "nll_term": "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)" if loss.nll_weight else "off",
         "reference": reference_text, "reference_refresh_every": loss.reference_refresh_every,

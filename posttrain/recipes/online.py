@@ -65,6 +65,7 @@ from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import default_output_dir
+from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config, memory_guard
 from posttrain.runs.timer import Timer
 from posttrain.runs.training_state import restore_training, save_training
 
@@ -392,10 +393,22 @@ def training_reward(config: Config, train: Task) -> str:
     return DEFAULT_REWARDS[train.reward_kind]
 
 
-def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
+MEMORY_KNOBS = {
+    "generation": ["sampling.max_new_tokens", "data.prompts_per_step", "data.group_size", "hardware.precision"],
+    "reference": ["update.micro_batch_size", "hardware.precision"],
+    "update": ["update.micro_batch_size", "memory.gradient_checkpointing", "hardware.precision"],
+    "evaluation": ["sampling.max_new_tokens", "acceptance.k", "hardware.precision"],
+}
+"""The settings that shrink each phase's memory, for the out-of-memory message (`runs/faults.py`)."""
+
+
+def run(config: Config, resume: bool = False, reward: Any = None, resume_changed_config: bool = False) -> Path:
     """Train (GRPO or PPO, as `config.loss.advantage` says); returns the run directory. `reward` may
     be a Verifier or any callable `fn(completion, example) -> float | Verdict`, used instead of
-    `config.reward`. `config` is read, never changed."""
+    `config.reward`. `config` is read, never changed. A resume refuses a config that changes the
+    data order or the loss unless `resume_changed_config` (`runs/faults.py`). SIGTERM / SIGINT stop
+    it after the step in progress, with a checkpoint (`RunStopped`); memory running out is one line
+    (`OutOfMemory`)."""
     # 0. Set-up: everything that can fail on bad input fails before the run directory exists.
     if config.loss.advantage == "gae" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.parallel.strategy != "ddp":
         raise UserError("ppo under torchrun supports parallel.strategy ddp only (its critic is not sharded with FSDP2)")
@@ -404,6 +417,7 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     state = setup(config, reward, world, placement)
     recipe = "grpo" if config.loss.advantage == "group" else "ppo"
     run_dir = RunDirectory(config.output_dir or default_output_dir(recipe, world), resume=resume, writer=world.main, trackers=config.trackers())
+    changes = check_resumed_config(run_dir.path, config, resume_changed_config) if resume else []
     if world.main:
         save_yaml(dataclasses.replace(config, output_dir=str(run_dir.path)), run_dir.path / "config.yaml")
     # A refreshed reference and a critic are state of their own: checkpointed with the policy, restored exactly.
@@ -419,11 +433,28 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
                             rings=saved.get("alarm_rings", []))
     card = make_card(config, state, reward)
     card["run"]["world_size"] = world.size
+    if changes:
+        card["run"]["resumed_with_changes"] = changes
     if world.main:
         write_run_card(run_dir.path, card)
+    try:
+        with StopSignals(world) as stop:
+            _train(state, run_dir, alarm, card, extra_models, stop, recipe)
+    finally:
+        run_dir.close()
+    del state.trainer
+    world.close()
+    return run_dir.path
 
+
+def _train(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, card: dict, extra_models: dict, stop: StopSignals,
+           recipe: str) -> None:
+    """`run`'s loop: step 0's evaluation, then sample, step, log, evaluate, checkpoint until max_steps
+    or a stop signal (a checkpoint at that step, then `RunStopped`)."""
+    config, world, placement = state.config, state.world, state.placement
     if state.step == 0:
-        run_dir.log_metrics(0, evaluate(state, run_dir, alarm, None))
+        with memory_guard(0, MEMORY_KNOBS, phase="evaluation"):
+            run_dir.log_metrics(0, evaluate(state, run_dir, alarm, None))
     state.policy.train()
     if state.critic is not None:
         state.critic.train()
@@ -431,8 +462,9 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
     for _ in progress:
         timer, started = Timer(placement.synchronize), time.perf_counter()
         placement.reset_peak_memory()
-        batch = sample(state, timer)  # 1-2
-        metrics = step(state, batch, timer)  # 3-4
+        with memory_guard(state.step + 1, MEMORY_KNOBS, timer):
+            batch = sample(state, timer)  # 1-2
+            metrics = step(state, batch, timer)  # 3-4
         done = state.step
         card["run"]["reference_refreshed_at"] = state.reference_refreshed_at
         # 5. Log, evaluate, checkpoint.
@@ -442,7 +474,8 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
             metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
         run_dir.log_samples(done, batch.sample_rows(config.samples_per_step))
         if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
-            metrics.update(evaluate(state, run_dir, alarm, metrics["reward/mean"]))
+            with memory_guard(done, MEMORY_KNOBS, phase="evaluation"):
+                metrics.update(evaluate(state, run_dir, alarm, metrics["reward/mean"]))
             card["alarms"] = list(alarm.rings)
             if world.main:
                 write_run_card(run_dir.path, card)
@@ -451,16 +484,17 @@ def run(config: Config, resume: bool = False, reward: Any = None) -> Path:
             plot_metrics(run_dir.read_metrics(), PLOTTED[config.loss.advantage], run_dir.plots)
             plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
         progress.set_postfix(reward=f"{metrics['reward/mean'] or 0:.3f}")
-        if done % config.checkpoint_every == 0 or done == config.max_steps:
+        stopping = stop.agreed()
+        if done % config.checkpoint_every == 0 or done == config.max_steps or stopping:
             save_training(run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
                           extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
                                        "reference_refreshed_at": state.reference_refreshed_at})
+        if stopping and done < config.max_steps:
+            if world.main:
+                write_run_card(run_dir.path, card)
+            raise RunStopped(stopping, done, f"posttrain {recipe} --resume {run_dir.path}")
     if world.main:
         write_run_card(run_dir.path, card)
-    del state.trainer
-    run_dir.close()
-    world.close()
-    return run_dir.path
 
 
 def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_reward: float | None) -> dict[str, Any]:

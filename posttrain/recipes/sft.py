@@ -38,6 +38,7 @@ from posttrain.rewards import RewardOptions, Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import default_output_dir
+from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config, memory_guard
 from posttrain.runs.timer import Timer
 from posttrain.runs.training_state import restore_training, save_training
 
@@ -215,8 +216,15 @@ def train_step(trainer, batch: TokenizedBatch, micro_batch_size: int, world: Wor
     return {"loss": float(world.reduce(total_loss))}
 
 
-def run(config: Config, resume: bool = False) -> Path:
-    """Train; returns the run directory. `config` comes checked from `build_config` and is not changed."""
+MEMORY_KNOBS = {"update": ["micro_batch_size", "memory.gradient_checkpointing", "hardware.precision"],
+                "evaluation": ["max_new_tokens", "micro_batch_size", "hardware.precision"]}
+"""The settings that shrink each phase's memory, for the out-of-memory message (`runs/faults.py`)."""
+
+
+def run(config: Config, resume: bool = False, resume_changed_config: bool = False) -> Path:
+    """Train; returns the run directory. `config` comes checked from `build_config` and is not changed.
+    A resume refuses a config that changes the data order or the loss unless `resume_changed_config`;
+    SIGTERM / SIGINT stop it after the step in progress, with a checkpoint (`runs/faults.py`)."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
     placement = resolve(config.hardware)
     world = init_world(config.parallel, placement)
@@ -230,6 +238,7 @@ def run(config: Config, resume: bool = False) -> Path:
                        "(resource limits only). Use this only on a machine you can lose.")
     output_dir = config.output_dir or default_output_dir("sft", world)
     run_dir = RunDirectory(output_dir, resume=resume, writer=world.main, trackers=config.trackers())
+    changes = check_resumed_config(run_dir.path, config, resume_changed_config) if resume else []
     config = dataclasses.replace(config, output_dir=str(run_dir.path))  # a copy: what config.yaml and a resume read
     if world.main:
         save_yaml(config, run_dir.path / "config.yaml")
@@ -253,42 +262,48 @@ def run(config: Config, resume: bool = False) -> Path:
         card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
     card["run"]["world_size"] = world.size
     card["run"]["hardware"] = {**placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
+    if changes:
+        card["run"]["resumed_with_changes"] = changes
     if world.main:
         write_run_card(run_dir.path, card)
 
     model.train()
-    progress = tqdm(range(start_step, config.max_steps), desc="sft", initial=start_step, total=config.max_steps, disable=not world.main)
-    for step in progress:
-        started = time.perf_counter()
-        # 1. The next batch of the seeded data stream.
-        items = [data.train[i] for i in data_order(len(data.train), config.seed, step * config.batch_size, config.batch_size)]
-        batch = data.encode(items).to(placement.device)  # the step's one host-to-device boundary
-        # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens; optimizer step.
-        timer = Timer(placement.synchronize)
-        placement.reset_peak_memory()
-        with timer("train"):
-            metrics = train_step(trainer, batch, config.micro_batch_size, world)
-            grad_norm = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
-        # 3. Log; evaluate and checkpoint on schedule.
-        done = step + 1
-        metrics.update({
-            "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
-            "tokens_per_second": int(batch.attention_mask.sum()) / (time.perf_counter() - started),
-            "seconds/train": timer.seconds.get("train", 0.0),
-            "tokens_per_second/training": int(batch.attention_mask.sum()) / max(1e-9, timer.seconds.get("train", 0.0)),
-        })
-        if placement.is_cuda:
-            metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
-        if (config.eval_every and done % config.eval_every == 0) or done == config.max_steps:
-            with full_weights(model), placement.autocast():  # rank 0 evaluates; under FSDP2 the others lend their shards
-                if world.main:
-                    metrics.update(evaluate_and_plot(model, tokenizer, data, config, run_dir, done))
-            world.barrier()
-            model.train()
-        run_dir.log_metrics(done, metrics)
-        progress.set_postfix(loss=f"{metrics['loss']:.3f}")
-        if done % config.checkpoint_every == 0 or done == config.max_steps:
-            save_training(run_dir, done, model, tokenizer, optimizer, scheduler, world=world)
+    with StopSignals(world) as stop:
+        progress = tqdm(range(start_step, config.max_steps), desc="sft", initial=start_step, total=config.max_steps, disable=not world.main)
+        for step in progress:
+            started, done = time.perf_counter(), step + 1
+            # 1. The next batch of the seeded data stream.
+            items = [data.train[i] for i in data_order(len(data.train), config.seed, step * config.batch_size, config.batch_size)]
+            batch = data.encode(items).to(placement.device)  # the step's one host-to-device boundary
+            # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens; optimizer step.
+            timer = Timer(placement.synchronize)
+            placement.reset_peak_memory()
+            with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
+                metrics = train_step(trainer, batch, config.micro_batch_size, world)
+                grad_norm = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+            # 3. Log; evaluate and checkpoint on schedule.
+            metrics.update({
+                "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+                "tokens_per_second": int(batch.attention_mask.sum()) / (time.perf_counter() - started),
+                "seconds/train": timer.seconds.get("train", 0.0),
+                "tokens_per_second/training": int(batch.attention_mask.sum()) / max(1e-9, timer.seconds.get("train", 0.0)),
+            })
+            if placement.is_cuda:
+                metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
+            if (config.eval_every and done % config.eval_every == 0) or done == config.max_steps:
+                with full_weights(model), placement.autocast(), memory_guard(done, MEMORY_KNOBS, phase="evaluation"):  # rank 0 evaluates; FSDP2: the others lend shards
+                    if world.main:
+                        metrics.update(evaluate_and_plot(model, tokenizer, data, config, run_dir, done))
+                world.barrier()
+                model.train()
+            run_dir.log_metrics(done, metrics)
+            progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+            stopping = stop.agreed()
+            if done % config.checkpoint_every == 0 or done == config.max_steps or stopping:
+                save_training(run_dir, done, model, tokenizer, optimizer, scheduler, world=world)
+            if stopping and done < config.max_steps:
+                run_dir.close()
+                raise RunStopped(stopping, done, f"posttrain sft --resume {run_dir.path}")
     if world.main:
         write_run_card(run_dir.path, card)
     del trainer

@@ -13,16 +13,22 @@ class Timer:
     def __init__(self, synchronize=None):
         self.seconds: dict[str, float] = {}
         self.synchronize = synchronize or (lambda: None)
+        self.current: str | None = None
+        """The phase in progress; after an exception, the phase it was raised in."""
 
     def __call__(self, phase: str):
         timer = self
 
         class _Phase:
             def __enter__(self):
+                timer.current = phase
                 timer.synchronize()
                 self.start = time.perf_counter()
 
-            def __exit__(self, *exc):
+            def __exit__(self, kind, *exc):
+                if kind is not None:
+                    return  # `current` keeps naming the phase that raised (an out-of-memory message reads it)
+                timer.current = None
                 timer.synchronize()
                 timer.seconds[phase] = timer.seconds.get(phase, 0.0) + time.perf_counter() - self.start
 

@@ -40,7 +40,8 @@ def save_training(
         unwrap(model).save_pretrained(directory / "model", safe_serialization=True, **({"state_dict": weights} if weights is not None else {}))
         tokenizer.save_pretrained(directory / "model")
         for name, extra in (extra_models or {}).items():
-            torch.save(extra_weights[name] if extra_weights[name] is not None else unwrap(extra).state_dict(), directory / f"{name}.pt")
+            with open(directory / f"{name}.pt", "wb") as handle:  # a file object: a full disk's OSError reaches the message
+                torch.save(extra_weights[name] if extra_weights[name] is not None else unwrap(extra).state_dict(), handle)
 
     state = {
         "optimizer": optim,
@@ -75,14 +76,15 @@ def restore_training(run_dir, model, optimizer, scheduler, extra_models: dict[st
                      world: World | None = None) -> dict[str, Any]:
     """Load the newest complete checkpoint of `run_dir` into the given objects (in place), restore
     the RNG states, drop log lines written after it, and return its trainer state (`step`, data
-    position...). With no complete checkpoint the run starts over from step 0. Under torchrun every
+    position...). With no complete checkpoint the run starts over from step 0 with clean logs
+    (metrics.jsonl and samples.jsonl emptied: no row is logged twice). Under torchrun every
     rank calls it after wrapping its models; a checkpoint of another world size resumes too (a step
     does not depend on the world size), each rank taking rank 0's RNG state with a warning."""
     world = world or World()
     checkpoint = latest_checkpoint(run_dir.checkpoints)
     if checkpoint is None:
-        logger.warning("%s: no complete checkpoint; starting from step 0", run_dir.path)
-        run_dir.truncate_logs(0)
+        logger.warning("%s: no complete checkpoint to resume from; starting over from step 0 with clean logs", run_dir.path)
+        run_dir.truncate_logs(-1)
         return {"step": 0}
     state = load_trainer_state(checkpoint)
     _load_weights(model, checkpoint / "model")
