@@ -223,7 +223,8 @@ def test_grpo_on_a_gsm8k_parquet_file_resolves_reward_and_checker_from_the_forma
     card = json.loads((run_dir / "run_card.json").read_text())
     assert card["links"]["reward"]["verifier"] == "math"
     assert card["links"]["reward"]["resolved_from"] == "the task's gold format (math)"
-    assert card["links"]["acceptance"]["checker_resolved"] == "math"
+    assert card["links"]["acceptance"]["checker_resolved"] == "math_equal"
+    assert card["links"]["acceptance"]["independent"] is True  # math-verify trains, our own LaTeX reader accepts
     assert card["links"]["data"]["options"] == {"format": "gsm8k"}
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and rows[-1]["heldout/pass@1"] is not None
@@ -238,7 +239,7 @@ def test_eval_command_reads_the_same_file(tmp_path, gsm8k_parquet):
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["n"] == 4 and summary["checker"]["verifier"] == "math"
+    assert summary["n"] == 4 and summary["checker"]["verifier"] == "math_equal"
 
 
 def test_data_check_reads_every_kind_and_format(tmp_path):

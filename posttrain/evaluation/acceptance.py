@@ -22,7 +22,7 @@ import torch
 from posttrain.data import render_prompt
 from posttrain.data.examples import Example, Task, require_examples, verifier_input
 from posttrain.data.files import pick
-from posttrain.errors import UserError
+from posttrain.errors import UserError, WriteFailed, write_errno
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
 from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, get_verifier
 from posttrain.rollout import SamplingConfig, generate
@@ -179,6 +179,10 @@ def evaluate_task(
         try:  # whole or not at all: a full disk leaves no truncated eval file
             partial.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
             os.replace(partial, output_path)
+        except OSError as error:
+            if write_errno(error) is None:
+                raise
+            raise WriteFailed(output_path, error.strerror or str(error)) from error
         finally:
             partial.unlink(missing_ok=True)
     logger.info("held-out %s: pass@1 %s (n=%d)", task.name, summary["pass@1"], n)
