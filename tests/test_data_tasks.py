@@ -32,12 +32,14 @@ def test_arithmetic_bad_options():
         load_task("arithmetic", size=5, options={"digit": 2})
     with pytest.raises(UserError, match="digits must be an integer from 1 to 18, got 0"):
         load_task("arithmetic", size=5, options={"digits": 0})
-    with pytest.raises(UserError, match="option phrasing must be symbols or words, got 'latin'"):
+    with pytest.raises(UserError, match="option phrasing must be symbols, words or question, got 'latin'"):
         load_task("arithmetic", size=5, options={"phrasing": "latin"})
     words = load_task("arithmetic", size=3, seed=4, options={"phrasing": "words", "operation": "mul"})
     symbols = load_task("arithmetic", size=3, seed=4, options={"operation": "mul"})
     assert [e.prompt for e in words.examples] == [e.prompt.replace("*", " times ").replace("=", " =") for e in symbols.examples]
     assert [e.answer for e in words.examples] == [e.answer for e in symbols.examples]
+    question = load_task("arithmetic", size=3, seed=4, options={"phrasing": "question", "operation": "mul"})
+    assert [e.prompt for e in question.examples] == [f"What is {e.prompt[:-1]}?" for e in symbols.examples]
     with pytest.raises(UserError, match="give a size"):
         load_task("arithmetic")
     with pytest.raises(UserError, match="unknown"):

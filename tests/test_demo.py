@@ -22,7 +22,7 @@ def test_shortened_demo_end_to_end(tmp_path):
     assert summary["heldout_after_grpo"] > summary["heldout_before"]
     assert summary["gain_grpo_ci95"][0] > 0, summary
     assert summary["gain_dpo_ci95"][0] > 0, summary  # RPO's NLL term: the offline data link gains too
-    assert set(summary["sets"]) == {"in_distribution", "digits_3", "words"}
+    assert set(summary["sets"]) == {"in_distribution", "digits_3", "words", "question"}
     assert set(summary["sets"]["words"]) == {"sft", "grpo", "dpo", "dpo_plain"}
     assert summary["checker"]["name"] == "integer" and summary["checker"]["independent"] is True
     report = (out / "report.md").read_text()

@@ -74,3 +74,32 @@ def test_train_step_is_the_same_whatever_the_micro_batch():
     assert split == pytest.approx(whole, abs=1e-6)
     for name, grad in whole_grads.items():
         assert torch.allclose(split_grads[name], grad, atol=1e-6), name
+
+
+def test_sft_evaluates_shifted_held_out_sets(tmp_path):
+    """A task's SFT run evaluates the default shifted sets beside its own held-out split: one
+    heldout/<set>/pass@1 each, their eval files, heldout_sets.png and the card; `sets: []` none; a
+    bad entry is one line before anything is written."""
+    import json
+
+    from posttrain.config import build_config
+    from posttrain.errors import UserError
+    from posttrain.recipes import sft
+
+    base = {"model": "tiny", "max_steps": 1, "batch_size": 4, "micro_batch_size": 4, "max_new_tokens": 4,
+            "data": {"train_size": 8, "eval_size": 4}}
+    run_dir = sft.run(build_config(sft.Config, None, {**base, "output_dir": str(tmp_path / "sets")}))
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    for name in ("in_distribution", "digits_3", "words"):
+        assert 0.0 <= last[f"heldout/{name}/pass@1"] <= 1.0 and f"heldout/{name}/pass@1_high" in last
+    assert last["heldout/in_distribution/pass@1"] == last["heldout/pass@1"]
+    assert (run_dir / "eval" / "digits_3-step-000001.json").is_file() and (run_dir / "plots" / "heldout_sets.png").is_file()
+    words = json.loads((run_dir / "eval" / "words-step-000001.json").read_text())
+    assert len(words["rows"]) == 4 and " plus " in words["rows"][0]["prompt"]
+    card = json.loads((run_dir / "run_card.json").read_text())["links"]["acceptance"]["sets"]
+    assert card["digits_3"]["options"] == {"digits": 3} and card["words"]["checker"] == "integer"
+    none = sft.run(build_config(sft.Config, None, {**base, "output_dir": str(tmp_path / "none"), "sets": []}))
+    last = [json.loads(line) for line in (none / "metrics.jsonl").read_text().splitlines()][-1]
+    assert not any(key.startswith("heldout/digits_3") for key in last)
+    with pytest.raises(UserError, match=r"^sets\[1\]: unknown key 'tasks'"):
+        build_config(sft.Config, None, {**base, "sets": [{"name": "x", "tasks": "arithmetic"}]})

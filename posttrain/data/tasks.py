@@ -127,13 +127,14 @@ def _subset(task: Task, split: str, examples) -> Task:
 
 def arithmetic_examples(spec: str, options: dict, size: int, seed: int, split: str) -> list[Example]:
     """`size` problems "a+b=" with `digits`-digit operands (default 2) and `operation` add (default),
-    sub (a >= b, so answers are never negative) or mul; `phrasing` words writes them "a plus b ="
-    (a shifted held-out set: the same sums, another way of asking). The answer is the exact integer."""
+    sub (a >= b, so answers are never negative) or mul; `phrasing` words writes them "a plus b =",
+    question "What is a+b?" (shifted held-out sets: the same sums, asked another way). The answer is
+    the exact integer."""
     _reject_options(spec, options, known=("digits", "operation", "phrasing"))
     digits, operation = options.get("digits", 2), options.get("operation", "add")
     phrasing = options.get("phrasing", "symbols")
-    if phrasing not in ARITHMETIC_WORDS and phrasing != "symbols":
-        raise UserError(f"task arithmetic: option phrasing must be symbols or words, got {phrasing!r}")
+    if phrasing not in ARITHMETIC_WORDS and phrasing not in ("symbols", "question"):
+        raise UserError(f"task arithmetic: option phrasing must be symbols, words or question, got {phrasing!r}")
     if isinstance(digits, bool) or not isinstance(digits, int) or not 1 <= digits <= 18:
         raise UserError(f"task arithmetic: option digits must be an integer from 1 to 18, got {digits!r}")
     if operation not in ARITHMETIC_OPERATIONS:
@@ -147,7 +148,8 @@ def arithmetic_examples(spec: str, options: dict, size: int, seed: int, split: s
         if operation == "sub" and a < b:
             a, b = b, a
         result = {"add": a + b, "sub": a - b, "mul": a * b}[operation]
-        prompt = f"{a}{symbol}{b}=" if phrasing == "symbols" else f"{a} {ARITHMETIC_WORDS[phrasing][operation]} {b} ="
+        prompt = (f"{a}{symbol}{b}=" if phrasing == "symbols" else f"What is {a}{symbol}{b}?" if phrasing == "question"
+                  else f"{a} {ARITHMETIC_WORDS[phrasing][operation]} {b} =")
         examples.append(Example(
             id=f"arithmetic-{split}-{index}", prompt=prompt, answer=str(result),
             metadata={"source": "arithmetic", "digits": digits, "operation": operation, "phrasing": phrasing},

@@ -228,26 +228,26 @@ def default_shifts(spec: str, options: dict) -> list[dict]:
     return shifts
 
 
-def check_set_specs(sets: list) -> None:
+def check_set_specs(sets: list, setting: str = "acceptance.sets") -> None:
     """UserError (one line) unless `sets` is a list of {name, task?, task_options?, size?, checker?}
-    with unique names that are not `in_distribution`."""
+    with unique names that are not `in_distribution`; `setting` names the field in the message."""
     names = set()
     for number, entry in enumerate(sets, start=1):
         if not isinstance(entry, dict):
-            raise UserError(f"acceptance.sets[{number}]: expected a mapping with a name, got {entry!r}")
+            raise UserError(f"{setting}[{number}]: expected a mapping with a name, got {entry!r}")
         unknown = sorted(set(entry) - set(SET_KEYS))
         if unknown:
-            raise UserError(f"acceptance.sets[{number}]: unknown key {unknown[0]!r} (known: {', '.join(SET_KEYS)})")
+            raise UserError(f"{setting}[{number}]: unknown key {unknown[0]!r} (known: {', '.join(SET_KEYS)})")
         name = entry.get("name")
         if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_.+-" for c in name):
-            raise UserError(f"acceptance.sets[{number}]: name must be a word (letters, digits, _ . + -), got {name!r}")
+            raise UserError(f"{setting}[{number}]: name must be a word (letters, digits, _ . + -), got {name!r}")
         if name == IN_DISTRIBUTION or name in names:
-            raise UserError(f"acceptance.sets[{number}]: name {name!r} is {'reserved' if name == IN_DISTRIBUTION else 'used twice'}")
+            raise UserError(f"{setting}[{number}]: name {name!r} is {'reserved' if name == IN_DISTRIBUTION else 'used twice'}")
         names.add(name)
         if "size" in entry and (isinstance(entry["size"], bool) or not isinstance(entry["size"], int) or entry["size"] < 1):
-            raise UserError(f"acceptance.sets[{number}] ({name}): size must be a positive integer, got {entry['size']!r}")
+            raise UserError(f"{setting}[{number}] ({name}): size must be a positive integer, got {entry['size']!r}")
         if "task_options" in entry and not isinstance(entry["task_options"], dict):
-            raise UserError(f"acceptance.sets[{number}] ({name}): task_options must be a mapping")
+            raise UserError(f"{setting}[{number}] ({name}): task_options must be a mapping")
 
 
 def shifted_sets(sets: list[dict] | None, train: Task, spec: str, options: dict, seed: int, eval_size: int,

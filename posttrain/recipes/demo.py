@@ -7,7 +7,7 @@
    comparable budget (as many sampled answers as GRPO generated): RPO (DPO plus the chosen answers'
    NLL), and plain DPO beside it, whose fall the report explains (likelihood displacement).
 5. Acceptance again for each, on the same held-out sets (in distribution, one more digit, the sums
-   in words; paired confidence intervals), with the `integer` checker written apart from the
+   in words, asked as a question; paired confidence intervals), with the `integer` checker written apart from the
    `exact` reward.
 6. A report (`report.md`, `summary.json`, plots) next to the stages' run directories.
 
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from posttrain.config import build_config  # noqa: E402
 from posttrain.errors import UserError  # noqa: E402
 from posttrain.data.examples import Task  # noqa: E402
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, evaluate_task, heldout_split, independence, shifted_sets  # noqa: E402
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_shifts, evaluate_task, heldout_split, independence, shifted_sets  # noqa: E402
 from posttrain.evaluation.stats import paired_difference_ci  # noqa: E402
 from posttrain.models import load_model  # noqa: E402
 from posttrain.rewards import get_verifier  # noqa: E402
@@ -89,11 +89,12 @@ def preset(name: str) -> Path:
     return path
 
 
-def run(config: Config, resume: bool = False) -> Path:
-    """Run every stage; returns the demo directory (with report.md and summary.json)."""
+def run(config: Config, resume: bool = False, resume_changed_config: bool = False) -> Path:
+    """Run every stage; returns the demo directory (with report.md and summary.json). It always
+    starts over: `resume` (and so `resume_changed_config`) is refused."""
     from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, sft
 
-    if resume:
+    if resume or resume_changed_config:
         raise UserError("the demo always starts over; run it again without --resume")
     started = time.perf_counter()
     torch.set_num_threads(config.threads)
@@ -119,10 +120,12 @@ def run(config: Config, resume: bool = False) -> Path:
     task, options, budget = sft_config.data.task, sft_config.data.task_options, sft_config.max_new_tokens
 
     # 2. Baseline acceptance on the held-out sets every stage shares: the in-distribution split and
-    # the shifted ones (one more digit, the sums in words), all scored by the independent checker.
+    # the shifted ones (the task's defaults: one more digit, the sums in words; and the sums asked as
+    # a question, a shift the tiny model partly manages), all scored by the independent checker.
     held_out = heldout_split(task, config.eval_size, seed, options)
+    shifts = default_shifts(task, options) + [{"name": "question", "task": task, "task_options": {**options, "phrasing": "question"}}]
     sets = {IN_DISTRIBUTION: held_out, **{held.name: held.task for held in shifted_sets(
-        None, Task("demo", "train", [], held_out.reward_kind), task, options, seed, config.eval_size)}}
+        shifts, Task("demo", "train", [], held_out.reward_kind), task, options, seed, config.eval_size)}}
     before = acceptance(start_model, sets, budget, seed, out, "sft")
 
     # 3. GRPO with the programmatic verifier: presets/tiny-grpo.yaml from the SFT start.
@@ -259,7 +262,7 @@ def write_report(out: Path, config: Config, grpo_config, summary, stages, grpo_g
         "# posttrain demo: what each link changed", "",
         f"Tiny character-level Llama (3.2M parameters) on 2-digit addition. Held-out sets, never trained on: "
         f"`in_distribution` ({summary['n_heldout']} sums like the training ones) and the shifted "
-        + ", ".join(f"`{name}`" for name in names[1:]) + " (one more digit; the same sums asked in words). "
+        + ", ".join(f"`{name}`" for name in names[1:]) + " (one more digit; the same sums asked in words; the same sums asked as a question, `What is a+b?`). "
         f"Checker: `integer` (the `<answer>` element read by an HTML parser, `int()` of its text); independent of the "
         f"`{provenance['verifier']}` training reward and labeller: {str(checker['independent']).lower()} ({checker['independence_reason']}). "
         f"One seed ({config.seed}); {summary['seconds_after_install']:.0f} s in all on this machine.", "",
@@ -284,7 +287,7 @@ def write_report(out: Path, config: Config, grpo_config, summary, stages, grpo_g
         "How to read it: the interval is what matters; a gain whose interval excludes 0 is unlikely to be noise. "
         "Training reward is what the optimizer saw; held-out accuracy, from problems it never saw, is the acceptance; "
         "the shifted sets say whether what was learned carries beyond the training distribution. "
-        + _shift_reading(summary["sets"]), "",
+        + _shift_reading(stages), "",
         "**Why plain DPO falls here.** Both DPO runs see the same pairs, steps and learning rate; the only difference is "
         "RPO's NLL term on the chosen answers. DPO's loss only asks the chosen answer's log-ratio to beat the rejected one's; "
         "it can win by pushing both down. Plain DPO's chosen log-ratio log pi(chosen) - log pi_ref(chosen) fell to "
@@ -319,18 +322,24 @@ def write_report(out: Path, config: Config, grpo_config, summary, stages, grpo_g
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
-def _shift_reading(sets: dict[str, dict[str, float]]) -> str:
-    """One sentence per shifted set: which stages moved it, from its own numbers."""
-    sentences = []
-    for name, by_stage in sets.items():
+def _shift_reading(stages: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """One sentence per shifted set: each stage's change from the SFT start with its paired 95%
+    interval (same problems), and whether any stage moved it at all."""
+    sentences, labels = [], {"grpo": "GRPO", "dpo": "RPO", "dpo_plain": "plain DPO"}
+    for name in stages["sft"]:
         if name == IN_DISTRIBUTION:
             continue
-        start, moved = by_stage["sft"], {stage: value for stage, value in by_stage.items() if value != by_stage["sft"]}
-        if not moved:
-            sentences.append(f"No stage moved `{name}` (all at {start:.3f}): what the stages taught does not carry to it; "
+        start = stages["sft"][name]
+        if all(stages[stage][name]["correct"] == start["correct"] for stage in labels):
+            sentences.append(f"No stage moved `{name}` (all at {start['pass@1']:.3f}): what the stages taught does not carry to it; "
                              "a character-level model trained on 2-digit sums learned that format, not addition.")
-        else:
-            sentences.append(f"`{name}`: " + ", ".join(f"{stage} {value:.3f}" for stage, value in by_stage.items()) + ".")
+            continue
+        changes = []
+        for stage, label in labels.items():
+            gain, low, high = paired_difference_ci(start["correct"], stages[stage][name]["correct"])
+            verdict = "a gain" if low > 0 else "a loss" if high < 0 else "no clear change"
+            changes.append(f"{label} {stages[stage][name]['pass@1']:.3f} ({gain:+.3f} [{low:+.3f}, {high:+.3f}], {verdict})")
+        sentences.append(f"`{name}` from {start['pass@1']:.3f} at the SFT start: " + "; ".join(changes) + ".")
     return " ".join(sentences)
 
 

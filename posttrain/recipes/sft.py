@@ -30,7 +30,7 @@ from posttrain.errors import UserError
 from posttrain.data.files import is_data_source, resolve_columns, task_load_options
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
 from posttrain.hardware import resolve
-from posttrain.evaluation.acceptance import default_checker, evaluate_task
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, default_checker, evaluate_task, set_metrics, shifted_sets
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
 from posttrain.optim import Optimization, clip_and_step, make_optimizer
@@ -39,6 +39,7 @@ from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import default_output_dir
 from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config, memory_guard
+from posttrain.runs.plots import plot_sets
 from posttrain.runs.timer import Timer
 from posttrain.runs.training_state import restore_training, save_training
 
@@ -105,7 +106,9 @@ class Config(RunFields):
     max_new_tokens: int = 24
     """Generation budget of the held-out evaluation (the tiny model writes one character a token)."""
     checker: str | None = None
-    """Held-out checker (a verifier name); None: the task's strict default."""
+    """Held-out checker (a verifier name); None: the task's default checker (written apart from any reward)."""
+    sets: list[dict] | None = None
+    """Shifted held-out sets beside the task's own, as grpo's acceptance.sets: [{name, task?, task_options?, size?, checker?}]; None: the task's default shifts (arithmetic: one more digit, words; reasoning-gym: harder); []: none. A task's gold answers only."""
     max_steps: int = 200
     checkpoint_every: int = 100
 
@@ -119,6 +122,10 @@ class Config(RunFields):
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.batch_size % self.micro_batch_size:
             raise UserError(f"batch_size {self.batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
+        if self.sets is not None:
+            if not isinstance(self.sets, list):
+                raise UserError(f"sets must be a list of held-out sets, got {self.sets!r}")
+            check_set_specs(self.sets, setting="sets")
 
 
 @dataclasses.dataclass
@@ -135,6 +142,8 @@ class SFTData:
     card: dict
     checker: Verifier | None = None
     """The held-out checker of `task` (built once, with the run's reward_options)."""
+    shifted: list = dataclasses.field(default_factory=list)
+    """The shifted held-out sets (`HeldOutSet`s) beside `task`."""
 
 
 def load_data(data: Data, seed: int, tokenizer) -> SFTData:
@@ -232,7 +241,10 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
     data = load_data(config.data, config.seed, tokenizer)
     if data.task is not None:
-        data = dataclasses.replace(data, checker=make_checker(config.checker, data.task, config.reward_options, config.unsafe_no_sandbox))
+        data = dataclasses.replace(data, checker=make_checker(config.checker, data.task, config.reward_options, config.unsafe_no_sandbox),
+                                   shifted=shifted_sets(config.sets, Task(config.data.task, "train", data.train, data.task.reward_kind),
+                                                        config.data.task, config.data.task_options, config.seed, config.data.eval_size,
+                                                        config.reward_options, config.unsafe_no_sandbox))
     if config.unsafe_no_sandbox:
         logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
                        "(resource limits only). Use this only on a machine you can lose.")
@@ -257,7 +269,9 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     if data.checker is not None:
         card["links"]["acceptance"].update({
             "checker_settings": data.checker.describe(), "independent": True,
-            "independence_reason": f"SFT has no reward: it imitates the gold answers, which the checker {data.checker.name} scores"})
+            "independence_reason": f"SFT has no reward: it imitates the gold answers, which the checker {data.checker.name} scores",
+            "sets": {IN_DISTRIBUTION: {"task": config.data.task, "size": len(data.task), "checker": data.checker.name},
+                     **{held.name: held.spec for held in data.shifted}}})
     if config.unsafe_no_sandbox:
         card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
     card["run"]["world_size"] = world.size
@@ -329,8 +343,17 @@ def evaluate_and_plot(model, tokenizer, data: SFTData, config: Config, run_dir: 
     metrics = {
         "heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high,
         "heldout/nll": heldout_nll(model, data.encode(data.held_out), config.micro_batch_size),
+        **set_metrics(IN_DISTRIBUTION, result),
     }
-    plot_metrics(run_dir.read_metrics() + [{"step": step, **metrics}], ["loss", "heldout/pass@1", "heldout/nll"], run_dir.plots)
+    for held in data.shifted:
+        shifted = evaluate_task(model, tokenizer, held.task, checker=held.checker, k=1, max_new_tokens=config.max_new_tokens,
+                                seed=config.seed, system_prompt=config.data.system_prompt,
+                                output_path=run_dir.eval_dir / f"{held.name}-step-{step:06d}.json")
+        metrics.update(set_metrics(held.name, shifted))
+    rows = run_dir.read_metrics() + [{"step": step, **metrics}]
+    plot_metrics(rows, ["loss", "heldout/pass@1", "heldout/nll"], run_dir.plots)
+    if data.shifted:
+        plot_sets(rows, [IN_DISTRIBUTION] + [held.name for held in data.shifted], run_dir.plots / "heldout_sets.png")
     return metrics
 
 
