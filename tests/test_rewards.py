@@ -161,6 +161,22 @@ def test_callable_verifier_values_errors_and_timeouts():
         get_verifier("callable:tests.test_rewards.no_such_function")(".", {})
 
 
+def reward_killed(completion, example):
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer does to a worker
+
+
+def test_a_worker_killed_by_sigkill_is_infra_error_naming_the_oom_killer():
+    """A worker that dies by SIGKILL (the kernel's OOM killer) is retried once, then its row is
+    infra_error saying what a SIGKILL usually means; the pool goes on scoring other rows."""
+    verdicts = get_verifier("callable:tests.test_rewards.reward_killed").batch([".", "."], [{}, {}], workers=1)
+    assert all(v.status == "infra_error" for v in verdicts)
+    assert "exit status -9; killed by SIGKILL, as the kernel's out-of-memory killer does" in verdicts[0].reason
+    assert get_verifier("callable:tests.test_rewards.reward_short")("ab", {"limit": 3}).reward == 1.0
+
+
 def test_as_verifier_wraps_a_plain_callable_in_this_process():
     """A plain callable scores in this process (no worker) on a dict copy of the example; its result
     is read by the rule `callable:` uses, with "user function" as the ok reason."""

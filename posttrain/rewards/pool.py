@@ -80,7 +80,9 @@ class _Worker:
             chunk = os.read(fd, min(remaining, 1 << 20))
             if not chunk:
                 code = self.kill()
-                raise WorkerGone(f"worker died (exit status {code})", timed_out=False)
+                why = ("; killed by SIGKILL, as the kernel's out-of-memory killer does when memory runs out (see dmesg)"
+                       if code == -signal.SIGKILL else "")
+                raise WorkerGone(f"worker died (exit status {code}{why})", timed_out=False)
             chunks.append(chunk)
             remaining -= len(chunk)
         return b"".join(chunks)
