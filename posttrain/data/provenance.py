@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from posttrain.errors import UserError
+from posttrain.errors import UserError, WriteFailed, write_errno
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ def read_provenance(data_path: str | Path) -> dict[str, Any] | None:
 
 def write_text_atomically(path: str | Path, text: str) -> None:
     """Write `text` to `path` via a temporary file in the same directory, fsync and rename: a crash
-    leaves the old file or the new one, never half of it."""
+    leaves the old file or the new one, never half of it. A full disk (or another write failure of
+    `errors.DISK_ERRNOS`) is a one-line `WriteFailed` naming `path`, the temporary file removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -56,8 +57,11 @@ def write_text_atomically(path: str | Path, text: str) -> None:
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
+        failure = WriteFailed(path, error.strerror or str(error)) if isinstance(error, OSError) and write_errno(error) else None
         Path(temporary).unlink(missing_ok=True)
+        if failure is not None:
+            raise failure from error
         raise
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ import torch
 from posttrain.data import render_prompt
 from posttrain.data.examples import Example, Task, require_examples, verifier_input
 from posttrain.data.files import pick
-from posttrain.errors import UserError, WriteFailed, write_errno
+from posttrain.data.provenance import write_text_atomically
+from posttrain.errors import UserError
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
 from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, get_verifier
 from posttrain.rollout import SamplingConfig, generate
@@ -174,17 +174,7 @@ def evaluate_task(
             {"id": e.id, "prompt": p, "completion": t, "reward": v.reward, "status": v.status, "reason": v.reason}
             for e, p, t, v in zip(examples, prompts, texts, verdicts)
         ]
-        output_path = Path(output_path)
-        partial = output_path.with_name(f".{output_path.name}.tmp")
-        try:  # whole or not at all: a full disk leaves no truncated eval file
-            partial.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
-            os.replace(partial, output_path)
-        except OSError as error:
-            if write_errno(error) is None:
-                raise
-            raise WriteFailed(output_path, error.strerror or str(error)) from error
-        finally:
-            partial.unlink(missing_ok=True)
+        write_text_atomically(output_path, json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")  # whole or not at all
     logger.info("held-out %s: pass@1 %s (n=%d)", task.name, summary["pass@1"], n)
     return summary
 
