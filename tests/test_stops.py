@@ -195,3 +195,20 @@ def test_config_changes_lists_only_unsafe_fields():
     saved = {"max_steps": 10, "optim": {"lr": 1e-4}, "update": {"micro_batch_size": 4, "epochs": 1}, "acceptance": {"eval_every": 5}}
     resumed = {"max_steps": 20, "optim": {"lr": 1e-4}, "update": {"micro_batch_size": 2, "epochs": 2}, "acceptance": {"eval_every": 1}}
     assert config_changes(saved, resumed) == ["update.epochs: 1 -> 2"]
+
+
+def test_cli_resume_with_changed_flags_needs_resume_changed_config(tmp_path, capsys):
+    """`posttrain grpo --resume DIR --optim.lr X`: one line naming the dotted keys; with
+    --resume-changed-config the run continues and its card lists the change."""
+    from posttrain.cli import main
+
+    out = tmp_path / "run"
+    assert main(["grpo", "--model", "tiny", "--output-dir", str(out), "--max-steps", "1", "--data.prompts_per_step", "2",
+                 "--data.group_size", "2", "--data.eval_size", "4", "--sampling.max_new_tokens", "4", "--acceptance.sets", "[]"]) == 0
+    capsys.readouterr()
+    assert main(["grpo", "--resume", str(out), "--max-steps", "2", "--optim.lr", "0.5"]) == 2
+    assert "(got optim.lr; --resume-changed-config accepts" in capsys.readouterr().err
+    assert main(["grpo", "--resume", str(out), "--max-steps", "2", "--optim.lr", "0.5", "--resume-changed-config"]) == 0
+    card = json.loads((out / "run_card.json").read_text())
+    assert card["run"]["resumed_with_changes"] == ["optim.lr: 1e-05 -> 0.5"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]

@@ -32,7 +32,7 @@ def resolve_config(config_cls, args: argparse.Namespace):
         if getattr(args, flag, None) is not None:
             overrides[flag] = getattr(args, flag)
     if args.resume:
-        changed = set(overrides) - RESUMABLE_OVERRIDES - {"output_dir"}
+        changed = set(_dotted(overrides)) - RESUMABLE_OVERRIDES - {"output_dir"}
         if args.config or (changed and not getattr(args, "resume_changed_config", False)):
             raise UserError(
                 f"--resume continues a run with its own config.yaml; only --max-steps may change "
@@ -44,6 +44,14 @@ def resolve_config(config_cls, args: argparse.Namespace):
         saved = load_yaml(run_dir / "config.yaml")
         return build_config(config_cls, None, {**saved, **overrides, "output_dir": str(run_dir)})
     return build_config(config_cls, args.config, overrides)
+
+
+def _dotted(tree: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of nested overrides: {"optim": {"lr": 1}} -> ["optim.lr"]."""
+    keys = []
+    for key, value in tree.items():
+        keys += _dotted(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"]
+    return keys
 
 
 def settings_factory(module: str, config: str):
