@@ -95,3 +95,24 @@ def test_run_card_and_plots(tmp_path):
     written = plot_metrics(rows, ["reward/mean", "absent"], tmp_path / "plots")
     assert [p.name for p in written] == ["reward_mean.png"]
     assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_rewritten_run_card_keeps_the_human_review(tmp_path):
+    """A resumed run rewrites its card from scratch: the person's review score already in it stays."""
+    import json
+
+    from posttrain.runs import new_card, write_run_card
+
+    card = new_card("grpo", 0)
+    card["links"]["acceptance"] = {"checker": "integer"}
+    write_run_card(tmp_path, card)
+    saved = json.loads((tmp_path / "run_card.json").read_text())
+    saved["links"]["acceptance"]["human_review"] = {"agreement": 0.9, "n": 10}
+    (tmp_path / "run_card.json").write_text(json.dumps(saved))
+    fresh = new_card("grpo", 0)
+    fresh["links"]["acceptance"] = {"checker": "integer", "eval_every": 5}
+    write_run_card(tmp_path, fresh)
+    written = json.loads((tmp_path / "run_card.json").read_text())["links"]["acceptance"]
+    assert written == {"checker": "integer", "eval_every": 5, "human_review": {"agreement": 0.9, "n": 10}}
+    assert "human_review" in (tmp_path / "run_card.md").read_text()
+    assert not list(tmp_path.glob(".*tmp"))

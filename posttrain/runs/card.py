@@ -19,6 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from posttrain.data.provenance import write_text_atomically
+
 LINKS = ("data", "reward", "loss", "acceptance")
 QUESTIONS = {
     "data": "Where do the training examples come from?",
@@ -83,7 +85,19 @@ def render_markdown(card: dict[str, Any]) -> str:
 
 
 def write_run_card(run_dir: str | Path, card: dict[str, Any]) -> None:
-    """Write `run_card.json` and `run_card.md` (rewritten whenever the card changes)."""
+    """Write `run_card.json` and `run_card.md` (rewritten whenever the card changes; each whole or
+    not at all). A person's review (`links.acceptance.human_review`, from `posttrain review
+    --score`) already in the card is kept when the recipe's card has none (a resumed run rewrites
+    its card)."""
     run_dir = Path(run_dir)
-    (run_dir / "run_card.json").write_text(json.dumps(card, indent=2, default=str) + "\n")
-    (run_dir / "run_card.md").write_text(render_markdown(card))
+    path = run_dir / "run_card.json"
+    acceptance = card.get("links", {}).get("acceptance")
+    if isinstance(acceptance, dict) and "human_review" not in acceptance and path.is_file():
+        try:
+            review = json.loads(path.read_text()).get("links", {}).get("acceptance", {}).get("human_review")
+        except (json.JSONDecodeError, AttributeError):
+            review = None
+        if review is not None:
+            acceptance["human_review"] = review
+    write_text_atomically(path, json.dumps(card, indent=2, default=str) + "\n")
+    write_text_atomically(run_dir / "run_card.md", render_markdown(card))
