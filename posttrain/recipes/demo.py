@@ -110,7 +110,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     clock = time.perf_counter()
     sft_config = build_config(sft.Config, preset("tiny-sft"), {
         "seed": seed, "output_dir": str(out / "sft"), "data": {"eval_size": config.eval_size}, "max_steps": config.sft_steps,
-        "checkpoint_every": config.sft_steps, "eval_every": 0,
+        "checkpoint_every": config.sft_steps, "eval_every": 0, "sets": [],  # every stage's sets are evaluated below, once
     })
     sft_dir = Path(config.sft_run) if config.sft_run else sft.run(sft_config)
     start_model = str(sft_dir / "checkpoints" / f"step-{config.sft_steps:06d}" / "model")
