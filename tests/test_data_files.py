@@ -145,7 +145,7 @@ def test_a_dataset_name_not_in_the_cache_fails_fast(tmp_path, monkeypatch):
     started = time.monotonic()
     with pytest.raises(UserError, match="dataset 'openai/gsm8k': not a local file or directory and not in the local Hugging Face cache"):
         load_task("openai/gsm8k", options={"format": "gsm8k"})
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 5  # offline for real: no retries of the hub (it took 23 s)
 
 
 def test_an_unreadable_file_is_one_line(tmp_path):

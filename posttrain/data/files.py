@@ -14,7 +14,6 @@ Row numbers count from 1 in file order (for JSONL, the line number), so a bad ro
 from __future__ import annotations
 
 import json
-import os
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -224,21 +223,21 @@ def _csv_text_columns(path: Path):
 
 
 def _cached_dataset(name: str, split: str | None):
-    """A hub dataset from the local Hugging Face cache only (offline: never a network wait)."""
+    """A hub dataset from the local Hugging Face cache only (offline: never a network wait).
+    `datasets` reads HF_DATASETS_OFFLINE / HF_HUB_OFFLINE when it is imported, so setting the
+    variables here would be too late (it retried the hub for 23 s): its own switch is turned on
+    for the call instead."""
     import datasets
 
-    previous = os.environ.get("HF_DATASETS_OFFLINE")
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    previous = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
     try:
         return datasets.load_dataset(name, split=split or "train")
     except Exception as error:
         raise UserError(f"dataset {name!r}: not a local file or directory and not in the local Hugging Face cache "
                         f"({_first_line(error)})") from None
     finally:
-        if previous is None:
-            os.environ.pop("HF_DATASETS_OFFLINE", None)
-        else:
-            os.environ["HF_DATASETS_OFFLINE"] = previous
+        datasets.config.HF_HUB_OFFLINE = previous
 
 
 def task_load_options(task_options: dict | None, data_format: str | None = None, columns: dict | None = None,
