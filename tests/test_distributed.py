@@ -134,17 +134,7 @@ def test_a_dead_rank_ends_the_job(tmp_path):
     deadline = time.time() + 300
     while time.time() < deadline and len((out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []) < 2:
         time.sleep(0.2)
-    victim = None
-    for pid in os.listdir("/proc"):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if b"RANK=1" in environ and str(out).encode() in cmdline:
-            victim = int(pid)
-    assert victim is not None, "rank 1 not found"
-    os.kill(victim, signal.SIGKILL)
+    os.kill(rank_pid(out, 1), signal.SIGKILL)
     try:
         _, stderr = process.communicate(timeout=120)
     except subprocess.TimeoutExpired:

@@ -208,18 +208,8 @@ def length_normalized_dpo_loss(
 
     Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,) (per-token implicit rewards).
     """
-    if chosen_lengths is None or rejected_lengths is None:
-        raise ValueError("length_normalized needs chosen_lengths and rejected_lengths")
-    _no_label_smoothing("length_normalized", label_smoothing)
-    chosen_lengths = chosen_lengths.to(chosen_logps.dtype).clamp(min=1)
-    rejected_lengths = rejected_lengths.to(rejected_logps.dtype).clamp(min=1)
-    return dpo_loss(
-        chosen_logps / chosen_lengths,
-        rejected_logps / rejected_lengths,
-        ref_chosen_logps / chosen_lengths,
-        ref_rejected_logps / rejected_lengths,
-        beta=beta,
-    )
+    return _per_token("length_normalized", dpo_loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                      chosen_lengths, rejected_lengths, beta, label_smoothing)
 
 
 def length_normalized_ipo_loss(
@@ -245,18 +235,21 @@ def length_normalized_ipo_loss(
     Example: chosen -2 over 4 tokens, rejected -4 over 2, references -3, -3, beta 0.2:
     h_mean = 1/4 - (-1/2) = 0.75, loss = (0.75 - 2.5)^2 = 3.0625.
     """
+    return _per_token("length_normalized_ipo", ipo_loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                      chosen_lengths, rejected_lengths, beta, label_smoothing)
+
+
+def _per_token(name, loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths,
+               beta, label_smoothing) -> PreferenceOutput:
+    """`loss` (dpo_loss / ipo_loss) on per-token mean log-probs: each (P,) sum divided by its
+    response's length (clamped to >= 1); lengths are required and label smoothing is refused."""
     if chosen_lengths is None or rejected_lengths is None:
-        raise ValueError("length_normalized_ipo needs chosen_lengths and rejected_lengths")
-    _no_label_smoothing("length_normalized_ipo", label_smoothing)
+        raise ValueError(f"{name} needs chosen_lengths and rejected_lengths")
+    _no_label_smoothing(name, label_smoothing)
     chosen_lengths = chosen_lengths.to(chosen_logps.dtype).clamp(min=1)
     rejected_lengths = rejected_lengths.to(rejected_logps.dtype).clamp(min=1)
-    return ipo_loss(
-        chosen_logps / chosen_lengths,
-        rejected_logps / rejected_lengths,
-        ref_chosen_logps / chosen_lengths,
-        ref_rejected_logps / rejected_lengths,
-        beta=beta,
-    )
+    return loss(chosen_logps / chosen_lengths, rejected_logps / rejected_lengths,
+                ref_chosen_logps / chosen_lengths, ref_rejected_logps / rejected_lengths, beta=beta)
 
 
 # Every loss by name, each with the one signature of the module docstring.
