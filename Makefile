@@ -29,16 +29,19 @@ demo: install
 bench: install
 	@set -e; for script in $(wildcard bench/*.py); do echo "== $$script"; $(PY) $$script; done
 
-# The CUDA tests (tests/test_cuda.py, marker cuda).
-test-cuda: install
-	$(PY) -m pytest -m cuda tests/test_cuda.py
+# The CUDA tests (tests/test_cuda.py, marker cuda), with the interpreter at hand (PYTHON, default
+# python3: the GPU machine's own, with its CUDA torch) and this checkout on PYTHONPATH; no venv, no
+# download, so it runs offline. Its packages must be there (make gpu-check installs the missing ones
+# from .whl/ first).
+test-cuda:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 $(PYTHON) -m pytest -m cuda tests/test_cuda.py -v --durations=0
 
 # On a lent GPU machine: its own python3 (no venv), the wheels in .whl/ (from gpu-wheels), the CUDA
 # tests, then bench/gpu.py; summary in $OUT/gpu_results.md (bench/gpu_results.md without $OUT).
 gpu-check:
 	bash bench/gpu_check.sh
 
-# Here (PyPI reachable): the wheels the GPU machine lacks, into .whl/.
+# Here (PyPI reachable): the wheels the GPU machine lacks, into .whl/, and .whl/STAMP (which commit).
 gpu-wheels:
 	bash bench/gpu_wheels.sh
 

@@ -40,10 +40,15 @@ prompt has exactly the same number of tokens, so no side pads. Both are saved wi
    checkpointing on either side (TRL's DPOConfig turns it on by default; off here so both do the
    same computation). Ours: the recipe's `dpo.train_step` + `optim.clip_and_step` on the recipe's
    placement (as bench/dpo.py); TRL: `DPOTrainer.train()`, timed between `on_step_end` callbacks.
-3. Generation, 8 prompts x G=8 = 64 rows x exactly 256 new tokens (min_new_tokens = max on both),
-   temperature 1, on the same model with bfloat16 weights for both engines:
-   `posttrain.rollout.generate` vs transformers' `model.generate(num_return_sequences=8)`, in one
-   process, after one short warm-up call each, rounds interleaved (ours, peer, peer, ours, ...).
+3. Generation (run first: it says most about our engine), 8 prompts x G=8 = 64 rows, temperature 1,
+   on the same model with bfloat16 weights for both engines: `posttrain.rollout.generate` vs
+   transformers' `model.generate(num_return_sequences=8)`, in one process, after one short warm-up
+   call each, rounds interleaved (ours, peer, peer, ours, ...), on two lines: `gpu_generate`, every
+   row exactly 256 new tokens (min_new_tokens = max on both), and `gpu_generate_stops`, every row
+   ending at its first stop token (every 256th id is one, about 0.4% of a random model's draws, on
+   both sides), so rows finish at spread-out lengths and our engine's row compaction is timed; each
+   engine there has its own draws and is counted by its real tokens (its mean length is printed).
+   Our weight copy is released before each peer call, so the peer's peak memory is its own.
 
 Each training side runs in its own process: its peak GPU memory is its own
 (`torch.cuda.max_memory_allocated` over the whole process: weights, reference, optimizer state,
@@ -56,11 +61,14 @@ generation) or real pair tokens (DPO) per second of the whole step. On the CPU, 
 process's peak RSS instead.
 
 The ratio column is > 1 when ours is better (peer / ours for s/step, ours / peer for tokens/s).
-The script ends with three lines, the last one last:
+The first line printed names the code (the commit from git, or from .whl/STAMP where the copy has no
+.git: bench/tree_hash.py). The script ends with its RESULT lines, each naming that commit
+(`+local` when the files differ from it):
 
-    RESULT gpu_grpo: ours=X peer=Y unit=s/step ratio=R
-    RESULT gpu_dpo: ours=X peer=Y unit=s/step ratio=R
-    RESULT gpu_generate: ours=X peer=Y unit=tokens/s ratio=R
+    RESULT gpu_generate: ours=X peer=Y unit=tokens/s ratio=R commit=abc1234
+    RESULT gpu_generate_stops: ours=X peer=Y unit=tokens/s ratio=R commit=abc1234
+    RESULT gpu_grpo: ours=X peer=Y unit=s/step ratio=R commit=abc1234
+    RESULT gpu_dpo: ours=X peer=Y unit=s/step ratio=R commit=abc1234
 
 (a side that failed prints nan). Without a CUDA device and without `--device cpu` it prints that it
 skipped and exits 0 (so `make bench` passes on the development machines).
@@ -89,6 +97,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python3 bench/gpu.py` from a checkout where posttrain is not installed
     sys.path.insert(0, str(ROOT))
 
+import tree_hash  # noqa: E402 (bench/tree_hash.py, beside this file: which posttrain ran)
+
 SEED = 0
 PAD, EOS = 0, 1
 MODELS = {
@@ -98,11 +108,13 @@ MODELS = {
                   intermediate_size=128, vocab_size=1000),
 }
 SHAPES = {  # prompts x G, new tokens, prompt tokens; DPO pairs, prompt tokens, response tokens
-    "full": dict(prompts=8, group=8, new_tokens=256, prompt_tokens=128, pairs=16, pair_prompt=256, pair_response=256),
-    "small": dict(prompts=2, group=2, new_tokens=8, prompt_tokens=8, pairs=2, pair_prompt=16, pair_response=16),
+    "full": dict(prompts=8, group=8, new_tokens=256, prompt_tokens=128, pairs=16, pair_prompt=256, pair_response=256,
+                 stop_every=256),
+    "small": dict(prompts=2, group=2, new_tokens=8, prompt_tokens=8, pairs=2, pair_prompt=16, pair_response=16,
+                  stop_every=8),
 }
 GRPO_BETA, DPO_BETA, LR, TEMPERATURE = 0.04, 0.1, 1e-6, 1.0
-SIDE_SECONDS = {"full": {"grpo": 110, "dpo": 60, "generate": 90}, "small": {"grpo": 240, "dpo": 240, "generate": 240}}
+SIDE_SECONDS = {"full": {"grpo": 110, "dpo": 60, "generate": 120}, "small": {"grpo": 240, "dpo": 240, "generate": 240}}
 """Most seconds a side's process may take (within what is left of --budget)."""
 
 
@@ -406,12 +418,23 @@ def dpo_trl(arguments, workdir: Path, device: Device) -> dict:
     return summary(arguments, durations, per_step, device, trl=trl.__version__)
 
 
+def stop_ids(size: str) -> list[int]:
+    """The early-stop line's stop tokens: every `stop_every`-th id (t256, t512, ... in the full shape:
+    ~0.4% of a near-uniform random model's draws), so rows end at spread-out lengths and finished rows
+    leave the batch."""
+    every = SHAPES[size]["stop_every"]
+    return list(range(every, MODELS[size]["vocab_size"], every))
+
+
 def generate_both(arguments, workdir: Path, device: Device) -> dict:
-    """Both engines on one bf16 model in this process; rounds interleaved."""
+    """Both engines on one bf16 model in this process, on two lines: every row exactly T new tokens
+    (`full`), and rows that end at the first stop token (`stops`, each engine its own draws, counted
+    by their real tokens). Rounds interleaved; our weight copy is released before each peer round
+    (on the CPU generate keeps it), so the peer's peak memory is its own."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posttrain.rollout import SamplingConfig, generate
+    from posttrain.rollout import SamplingConfig, decoder_weights, generate
 
     shape = SHAPES[arguments.size]
     B, G, T = shape["prompts"], shape["group"], shape["new_tokens"]
@@ -419,39 +442,53 @@ def generate_both(arguments, workdir: Path, device: Device) -> dict:
     model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=dtype).to(arguments.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
     prompts = [json.loads(line)["prompt"] for line in (workdir / "prompts.jsonl").read_text().splitlines()[:B]]
+    stops = stop_ids(arguments.size)
 
-    def ours(new_tokens: int, prompts=prompts) -> int:
-        sampling = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    def ours(new_tokens: int, early: bool) -> int:
+        sampling = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=new_tokens, min_new_tokens=0 if early else new_tokens,
+                                  stop_token_ids=tuple(stops) if early else ())
         rollout = generate(model, tokenizer, prompts, group_size=G, sampling=sampling, seed=SEED)
         return int(rollout.mask.sum())
 
-    def peer(new_tokens: int, prompts=prompts) -> int:
+    def peer(new_tokens: int, early: bool) -> int:
+        decoder_weights.release(model)
         tokenizer.padding_side = "left"
         batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(arguments.device)
         with torch.inference_mode():
             out = model.generate(**batch, do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, num_return_sequences=G, pad_token_id=PAD, eos_token_id=EOS)
-        return int(out.shape[0] * (out.shape[1] - batch["input_ids"].shape[1]))
+                                 min_new_tokens=0 if early else new_tokens, num_return_sequences=G, pad_token_id=PAD,
+                                 eos_token_id=[EOS, *stops] if early else EOS)
+        generated = out[:, batch["input_ids"].shape[1]:]
+        if not early:
+            return int(generated.numel())
+        ended = torch.isin(generated, torch.tensor([EOS, *stops], device=generated.device))
+        first = torch.where(ended.any(1), ended.int().argmax(1) + 1, generated.shape[1])  # tokens up to the stop, inclusive
+        return int(first.sum())
 
     engines = {"ours": ours, "peer": peer}
-    results = {name: {"seconds": [], "peak": 0.0, "tokens": []} for name in engines}
+    lines = {"full": False, "stops": True}
+    results = {line: {name: {"seconds": [], "peak": 0.0, "tokens": []} for name in engines} for line in lines}
     for name, run in engines.items():  # warm-up: kernels, allocator, weight copies
         started = device.now()
-        run(min(8, T))
-        results[name]["warmup_seconds"] = device.now() - started
+        run(min(8, T), False)
+        results["full"][name]["warmup_seconds"] = device.now() - started
     for round_ in range(arguments.rounds):
-        for name in (("ours", "peer") if round_ % 2 == 0 else ("peer", "ours")):
-            device.reset_peak()
-            started = device.now()
-            produced = engines[name](T)
-            results[name]["seconds"].append(device.now() - started)
-            results[name]["tokens"].append(produced)
-            results[name]["peak"] = max(results[name]["peak"], device.peak_gib())
-    for name, result in results.items():
-        assert all(t == B * G * T for t in result["tokens"]), (name, result["tokens"], B * G * T)
-        median = statistics.median(result["seconds"])
-        result.update(median_seconds=median, tokens_per_second=B * G * T / median)
-    return {"ours": results["ours"], "peer": results["peer"], "dtype": str(dtype)}
+        for line, early in lines.items():
+            for name in (("ours", "peer") if round_ % 2 == 0 else ("peer", "ours")):
+                device.reset_peak()
+                started = device.now()
+                produced = engines[name](T, early)
+                results[line][name]["seconds"].append(device.now() - started)
+                results[line][name]["tokens"].append(produced)
+                results[line][name]["peak"] = max(results[line][name]["peak"], device.peak_gib())
+    for line, by_engine in results.items():
+        for name, result in by_engine.items():
+            if line == "full":
+                assert all(t == B * G * T for t in result["tokens"]), (name, result["tokens"], B * G * T)
+            median = statistics.median(result["seconds"])
+            result.update(median_seconds=median, tokens_per_second=statistics.median(
+                t / s for t, s in zip(result["tokens"], result["seconds"])), mean_length=statistics.mean(result["tokens"]) / (B * G))
+    return {"ours": results["full"]["ours"], "peer": results["full"]["peer"], "stops": results["stops"], "dtype": str(dtype)}
 
 
 def summary(arguments, durations, tokens, device: Device, **extra) -> dict:
@@ -506,7 +543,7 @@ def side(name: str, arguments, workdir: Path, deadline: float) -> dict:
     return {**json.loads(lines[-1][len("@@result "):]), "wall": wall}
 
 
-def machine_line(arguments) -> str:
+def machine_line(arguments, described: str) -> str:
     import torch
     import transformers
 
@@ -516,15 +553,10 @@ def machine_line(arguments) -> str:
         trl_version = trl.__version__
     except ImportError:
         trl_version = "absent"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip() or "?"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    except OSError:  # no git on the machine
-        commit, dirty = "?", ""
     gpu = (f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})" if arguments.device.startswith("cuda")
            else f"CPU {platform.machine()} {os.cpu_count()} cores")
     return (f"date {datetime.datetime.now():%Y-%m-%d %H:%M}, {gpu}, python {platform.python_version()}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, trl {trl_version}, posttrain at {commit}{' + local changes' if dirty else ''}")
+            f"transformers {transformers.__version__}, trl {trl_version}, {described}")
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -542,7 +574,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed generation rounds per engine (median reported)")
     parser.add_argument("--generate-dtype", default="bf16", choices=["bf16", "fp32"], help="the generation line's weights, both engines")
     parser.add_argument("--budget", type=float, default=230, help="seconds for all sides together; a side past it is cut")
-    parser.add_argument("--only", default="grpo,dpo,generate", help="comma-separated lines to run")
+    parser.add_argument("--only", default="generate,grpo,dpo",
+                        help="comma-separated lines to run, in this order (generation first: it says most about our engine)")
     parser.add_argument("--side", choices=list(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
@@ -563,7 +596,8 @@ def main() -> None:
     lines = [name.strip() for name in arguments.only.split(",") if name.strip()]
     shape, model = SHAPES[arguments.size], MODELS[arguments.size]
     deadline = time.monotonic() + arguments.budget
-    print(machine_line(arguments), flush=True)
+    commit, described = tree_hash.identity(ROOT / ".whl" / "STAMP")
+    print(machine_line(arguments, described), flush=True)
     print(f"model: random Llama {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads / "
           f"{model['num_key_value_heads']} KV, intermediate {model['intermediate_size']}, vocab {model['vocab_size']}, tied; "
           f"training {arguments.precision}, {arguments.warmup} warm-up + {arguments.steps} timed steps (median); "
@@ -586,6 +620,18 @@ def main() -> None:
     def value(result, key):
         return None if result is None or "error" in result else result[key]
 
+    if "generate" in lines:
+        both = results["generate"]
+        ours, peer = (None, None) if "error" in both else (both["ours"], both["peer"])
+        note = (f"{shape['prompts']} x G={shape['group']} rows x {shape['new_tokens']} new tokens, {arguments.generate_dtype} weights, "
+                f"median of {arguments.rounds} rounds")
+        rows.append(("gpu_generate", value(ours, "tokens_per_second"), value(peer, "tokens_per_second"), "tokens/s", "higher",
+                     value(ours, "tokens_per_second"), value(peer, "tokens_per_second"), value(ours, "peak"), value(peer, "peak"), note))
+        ours, peer = (None, None) if "error" in both else (both["stops"]["ours"], both["stops"]["peer"])
+        note = (f"the same rows, each ending at its first stop token (1 id in {shape['stop_every']}), up to {shape['new_tokens']} new tokens: mean length "
+                f"ours {fmt(value(ours, 'mean_length'), 0)}, peer {fmt(value(peer, 'mean_length'), 0)} (own draws; real tokens counted)")
+        rows.append(("gpu_generate_stops", value(ours, "tokens_per_second"), value(peer, "tokens_per_second"), "tokens/s", "higher",
+                     value(ours, "tokens_per_second"), value(peer, "tokens_per_second"), value(ours, "peak"), value(peer, "peak"), note))
     if "grpo" in lines:
         ours, peer = results["grpo-ours"], results["grpo-trl"]
         same = (value(ours, "prompts") == value(peer, "prompts")) if value(ours, "prompts") and value(peer, "prompts") else None
@@ -602,13 +648,6 @@ def main() -> None:
         note = f"{shape['pairs']} pairs, prompt {shape['pair_prompt']} + 2 x {shape['pair_response']} tokens, beta {DPO_BETA}, live reference"
         rows.append(("gpu_dpo", value(ours, "seconds"), value(peer, "seconds"), "s/step", "lower",
                      value(ours, "tokens_per_second"), value(peer, "tokens_per_second"), value(ours, "peak"), value(peer, "peak"), note))
-    if "generate" in lines:
-        both = results["generate"]
-        ours, peer = (None, None) if "error" in both else (both["ours"], both["peer"])
-        note = (f"{shape['prompts']} x G={shape['group']} rows x {shape['new_tokens']} new tokens, {arguments.generate_dtype} weights, "
-                f"median of {arguments.rounds} rounds")
-        rows.append(("gpu_generate", value(ours, "tokens_per_second"), value(peer, "tokens_per_second"), "tokens/s", "higher",
-                     value(ours, "tokens_per_second"), value(peer, "tokens_per_second"), value(ours, "peak"), value(peer, "peak"), note))
     print(f"| line | ours | peer (TRL / generate) | unit | ratio (> 1: ours better) | ours tokens/s | peer tokens/s | ours {memory} | peer {memory} | setting |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     results_lines = []
@@ -617,7 +656,8 @@ def main() -> None:
         digits = 1 if unit == "tokens/s" else 3
         print(f"| {name} | {fmt(ours, digits)} | {fmt(peer, digits)} | {unit} | {fmt(ratio, 2)} | {fmt(ours_rate, 0)} | {fmt(peer_rate, 0)} | "
               f"{fmt(ours_peak, 2)} | {fmt(peer_peak, 2)} | {note} |")
-        results_lines.append(f"RESULT {name}: ours={fmt(ours, digits)} peer={fmt(peer, digits)} unit={unit} ratio={fmt(ratio, 2)}")
+        results_lines.append(f"RESULT {name}: ours={fmt(ours, digits)} peer={fmt(peer, digits)} unit={unit} ratio={fmt(ratio, 2)} "
+                             f"commit={commit}")
     print("\n".join(results_lines), flush=True)
 
 

@@ -175,11 +175,21 @@ def wrap(model, world: World, placement: Placement | None = None):
 
     options = {"mp_policy": mixed_precision_policy(placement)} if placement is not None else {}
     root = getattr(model, "sharding_root", model)
-    for layer in decoder_layers(root):
+    layers = decoder_layers(root)
+    for layer in layers:
         fully_shard(layer, **options)
     fully_shard(root, **options)
+    # Backward prefetch named explicitly, each unit the one that runs before it in forward (what
+    # FSDP2's default does for a decoder), so that it never reads the recorded forward order: forwards
+    # run by some ranks only (rank 0's evaluation inside full_weights) leave that order different
+    # between ranks, and the ranks' prefetch all-gathers would pair up out of order. Public API, the
+    # same on every torch we accept (no private FSDP state to clear afterwards).
+    root.set_modules_to_backward_prefetch([layers[-1]])
+    for previous, layer in zip([root, *layers[:-1]], layers):
+        layer.set_modules_to_backward_prefetch([previous])
     # Settle which unit is the root now: code that calls the decoder directly (DPO's response-only
-    # LM head) would otherwise make a layer the root on its first forward.
+    # LM head) would otherwise make a layer the root on its first forward. The one private FSDP call
+    # here (no public one exists); the same in torch 2.11 and 2.13 (tests/test_distributed.py).
     root._get_fsdp_state()._lazy_init()
     return model
 
@@ -219,23 +229,15 @@ def full_weights(model):
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    groups = [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
-    order = model._get_fsdp_state()._comm_ctx.post_forward_order
-    marks = len(order), [len(group._post_forward_indices) for group in groups]
     for unit in units:  # kept whole through forwards, so a forward needs no collective
         unit.set_reshard_after_forward(False)
         unit.unshard()
     try:
         yield model
     finally:
-        # FSDP2 records every forward's order to prefetch in the next backward; forwards in here may
-        # run on some ranks only (rank 0's evaluation), so forget them or the ranks' backward
-        # collectives would pair up out of order (private state of torch 2.13's fully_shard).
-        del order[marks[0]:]
-        for group, mark in zip(groups, marks[1]):
-            del group._post_forward_indices[mark:]
         for unit in units:
             unit.reshard()
+        for unit in units[1:]:  # the root (first) stays whole after forward, as FSDP2 sets it up
             unit.set_reshard_after_forward(True)
 
 

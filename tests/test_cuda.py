@@ -25,7 +25,7 @@ import torch
 from posttrain.config import build_config, parse_overrides
 from posttrain.models import load_model
 from posttrain.recipes import dpo, dpo_config, online, online_config, sft
-from posttrain.rollout import SamplingConfig, generate
+from posttrain.rollout import SamplingConfig, decoder_weights, generate
 from tests.test_distributed import GRPO, assert_same_run, run
 from tests.test_dpo import arithmetic_pairs, write_pairs
 from tests.test_hardware import parity_reward
@@ -61,13 +61,20 @@ def online_steps(kind: str, device: str, precision: str = "fp32", steps: int = 2
 
 @pytest.mark.parametrize("kind", ["grpo", "ppo"])
 def test_online_recipe_on_cuda_fp32_equals_cpu(kind):
+    """Step 1 samples from the same weights on both devices: the same seeded tokens and the same
+    losses. After an optimizer step the weights differ by float rounding (other kernels), which can
+    legitimately flip a draw near a tie, so later steps are compared only where their tokens agree."""
     _, on_device = online_steps(kind, DEVICE)
     _, on_cpu = online_steps(kind, "cpu")
-    for (tokens_a, metrics_a), (tokens_b, metrics_b) in zip(on_device, on_cpu):
-        assert torch.equal(tokens_a, tokens_b), "seeded draws differ between the devices"
+    for step, ((tokens_a, metrics_a), (tokens_b, metrics_b)) in enumerate(zip(on_device, on_cpu), start=1):
+        if step == 1:
+            assert torch.equal(tokens_a, tokens_b), "seeded draws of the same weights differ between the devices"
+        elif not torch.equal(tokens_a, tokens_b):
+            assert math.isfinite(metrics_a["loss"])
+            continue
         for key in ("loss", "kl/estimate", "value_loss", "ratio/mean"):
             if key in metrics_b:
-                assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-4, rel=1e-3), key
+                assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-4, rel=1e-3), (step, key)
         assert metrics_a["mismatch/logprob_abs_max"] < 1e-3
 
 
@@ -140,6 +147,26 @@ def test_generation_on_cuda_equals_model_generate_greedy_and_the_cpu_seeded():
     b = generate(cpu_model, tokenizer, prompts, group_size=4, sampling=sampled, seed=7)
     assert torch.equal(a.completion_ids.cpu(), b.completion_ids)
     assert torch.allclose(a.logprobs.cpu(), b.logprobs, atol=1e-4)
+
+
+def test_generation_on_cuda_frees_the_decoder_weight_copy():
+    """On a GPU, generate drops the fast decoder's fused bf16 copy of the weights when it returns (it
+    would otherwise stay allocated through the update that follows); on the CPU it is kept for the
+    next call with the same weights."""
+    model, tokenizer = load_model("tiny", device=DEVICE)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    on_gpu = torch.device(DEVICE).type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=on_gpu):
+        rollout = generate(model, tokenizer, ["12+34=", "7+8="], group_size=4, sampling=sampling, seed=3)
+    assert (decoder_weights.PACKED.get(model) is None) == on_gpu
+    if on_gpu:
+        del rollout
+        torch.cuda.synchronize()
+        parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert torch.cuda.memory_allocated() - before < parameter_bytes / 10  # the copy is half of them (bf16)
 
 
 @pytest.mark.parametrize("first, then", [(DEVICE, "cpu"), ("cpu", DEVICE)], ids=["gpu-then-cpu", "cpu-then-gpu"])

@@ -205,3 +205,22 @@ def test_ppo_with_fsdp2_is_refused_in_one_line(tmp_path):
                             env=env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "ppo under torchrun supports parallel.strategy ddp only" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_fsdp2_code_reads_no_private_fsdp_state():
+    """torch 2.11 and 2.12 keep FSDP2's parameter group in `_fsdp_param_group` (one, Optional), torch
+    2.13 in `_fsdp_param_groups` (a list): code reading either breaks on the other torch. posttrain
+    calls FSDP2's public methods only (the 2-process tests above run them), plus `_lazy_init`, the
+    same in both (no public call settles the root)."""
+    import re
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    private = re.compile(r"\._(fsdp\w*|comm_ctx|post_forward\w*|states_to\w*|get_fsdp_state\(\)\.(?!_lazy_init\(\))\w*)")
+    found = [(path.name, match.group(0)) for path in (ROOT / "posttrain").rglob("*.py")
+             for match in private.finditer(path.read_text())]
+    assert found == []
+    for method in ("set_modules_to_backward_prefetch", "set_reshard_after_forward", "unshard", "reshard", "_get_fsdp_state"):
+        assert callable(getattr(FSDPModule, method)), method
+    assert callable(FSDPState._lazy_init)

@@ -176,6 +176,23 @@ def test_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog)
         kernels.load.cache_clear()
 
 
+def test_tensors_not_cpu_float32_never_build_the_kernels(monkeypatch, tmp_path):
+    """A CUDA or bf16 run asks `usable` about its tensors: the answer is no, without compiling (the
+    build takes about a second and writes a cache file)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("POSTTRAIN_KERNEL_CACHE", str(cache))
+    kernels.load.cache_clear()
+    try:
+        assert not kernels.usable(torch.zeros(2, dtype=torch.bfloat16))
+        assert not kernels.usable(torch.zeros(2, device="meta"))  # stands in for a CUDA tensor
+        assert not kernels.usable(torch.zeros(2), torch.zeros(2, dtype=torch.float16))
+        assert kernels.load.cache_info().misses == 0, "load() was called"
+        assert not cache.exists()
+        assert kernels.usable(torch.zeros(2)) and cache.exists()  # CPU float32 builds them, once
+    finally:
+        kernels.load.cache_clear()
+
+
 def test_attention_args_mirror_the_c_struct():
     """ctypes lays AttentionArgs out as the C compiler lays out pt_attention_args."""
     library = kernels.load()

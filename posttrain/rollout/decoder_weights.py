@@ -3,7 +3,9 @@
 ``build_layers(model, batch_hint)`` reads a Llama-family model (plain or PEFT LoRA) and returns one
 ``Layer`` per decoder layer plus the LM head, with q|k|v and gate|up concatenated and every active
 LoRA adapter folded in (W + B @ A * scaling; the model is not touched). The copy is cached per
-model and rebuilt only when a weight changes (see ``weights_fingerprint``) or the layout does:
+model and rebuilt only when a weight changes (see ``weights_fingerprint``) or the layout does;
+``release(model)`` drops it (``generate`` does so when it returns on a GPU, where the copy would
+otherwise stay allocated through the update that follows). Layouts:
 
 * "blocked" for our C linear kernel (``posttrain.rollout.kernels``), on CPU float32 when it builds;
 * "onednn", prepacked for oneDNN for a batch size, on CPU float32 otherwise;
@@ -146,6 +148,11 @@ def layout_for(weight: torch.Tensor, use_kernels: bool) -> str:
     if use_kernels and kernels.usable(weight):
         return "blocked"
     return "onednn" if can_pack(weight) else "plain"
+
+
+def release(model: torch.nn.Module) -> None:
+    """Forget ``model``'s weight copy, freeing its memory now; the next ``build_layers`` makes a new one."""
+    PACKED.pop(model, None)
 
 
 def build_layers(model: torch.nn.Module, batch_hint: int, use_kernels: bool = True,

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from posttrain.errors import UserError
+from posttrain.rollout import decoder_weights
 from posttrain.rollout.batch import Rollout
 from posttrain.rollout.hf_decoder import HFDecoder
 from posttrain.rollout.llama_decoder import LlamaDecoder, unsupported_reason
@@ -232,6 +233,12 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
                                  pad_id, G) for first in range(0, B, prompts_per_chunk)]
     finally:
         model.train(was_training)
+        if device.type != "cpu":
+            # The fast decoder's fused (bf16 under bf16-mixed) weight copy is the model's size again,
+            # and the optimizer step that usually follows makes it stale: on a GPU it is freed now
+            # rather than held through the update. On the CPU it is kept: the next call with the
+            # same weights (evaluation's sets, refill rounds) reuses the packed layout.
+            decoder_weights.release(model)
     completions, sampler_logprobs, logprobs, lengths, finished = (torch.cat(parts) for parts in zip(*pieces))
     width = int(lengths.max())
     mask = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)  # (N, T)

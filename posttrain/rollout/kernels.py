@@ -127,8 +127,9 @@ def load() -> ctypes.CDLL | None:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels apply: built here, and every tensor float32 on the CPU."""
-    return load() is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    """Whether the kernels apply: every tensor float32 on the CPU, and the kernels built here. The
+    tensors are checked first, so a CUDA or bf16 run never compiles them."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and load() is not None
 
 
 def pack_blocked(weight: torch.Tensor) -> torch.Tensor:
