@@ -31,18 +31,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
 from posttrain.algorithms import PREFERENCE_LOSSES, pair_columns, pair_metrics
-from posttrain.config import save_yaml, to_dict
+from posttrain.config import to_dict
 from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
 from posttrain.data.examples import Example, Task, derived_seed
 from posttrain.data.stream import data_order
 from posttrain.data.preference import load_pairs, prompt_key
 from posttrain.data.provenance import read_provenance
-from posttrain.distributed import World, full_weights, gradient_sync, init_world, unwrap, wrap
+from posttrain.distributed import World, full_weights, gradient_sync, unwrap, wrap
 from posttrain.errors import UserError
-from posttrain.hardware import resolve
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_checker, evaluate_task, heldout_split, independence, set_metrics, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
@@ -54,10 +52,9 @@ from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config, Loss
 from posttrain.rewards import as_verifier, get_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.plots import plot_sets
-from posttrain.runs.checkpoint import seed_everything
-from posttrain.runs.directory import default_output_dir
-from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config, memory_guard
+from posttrain.runs.faults import memory_guard
 from posttrain.runs.timer import Timer
+from posttrain.runs.skeleton import StepLoop, card_run_part, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
@@ -93,9 +90,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     A resume refuses a config that changes the data order or the loss unless `resume_changed_config`;
     SIGTERM / SIGINT stop it after the step in progress, with a checkpoint (`runs/faults.py`)."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
-    placement = resolve(config.hardware)
-    world = init_world(config.parallel, placement)
-    seed_everything(config.seed)
+    placement, world = start(config)
     policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha, placement,
                                     gradient_checkpointing=config.memory.gradient_checkpointing)
     data = config.data
@@ -117,9 +112,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
         checker = as_verifier(None, task_spec["checker"], config.reward_options, config.unsafe_no_sandbox, for_checker=True,
                               setting="acceptance.checker")
         checker.prepare()
-    if config.unsafe_no_sandbox:
-        logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
-                       "(resource limits only). Use this only on a machine you can lose.")
+    warn_if_unsafe(config.unsafe_no_sandbox)
     if held_task is not None:  # a training prompt that is also a held-out problem would leak the answer
         held_keys = {e.prompt_key() for e in held_task.examples}
         before = len(train)
@@ -134,12 +127,8 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
 
         shifted = shifted_sets(config.acceptance.sets, trained, task_spec["task"], task_spec["options"], task_spec["split_seed"],
                                task_spec["eval_size"], config.reward_options, config.unsafe_no_sandbox)
-    run_dir = RunDirectory(config.output_dir or default_output_dir("dpo", world), resume=resume, writer=world.main, trackers=config.trackers())
-    changes = check_resumed_config(run_dir.path, dataclasses.replace(config, data=data), resume_changed_config) if resume else []
     # The config as this run resolved it (a copy; the caller's is untouched): config.yaml, the card and a resume read it.
-    config = dataclasses.replace(config, output_dir=str(run_dir.path), data=data)
-    if world.main:
-        save_yaml(config, run_dir.path / "config.yaml")
+    run_dir, config, changes = open_run("dpo", dataclasses.replace(config, data=data), world, resume, resume_changed_config)
 
     # 0b. The reference: live (a frozen copy / the LoRA base), or precomputed once and cached.
     reference, cached = None, None
@@ -167,10 +156,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
         card["links"]["acceptance"]["sets"] = {held.name: held.spec for held in shifted}
     card["run"]["reference_refreshed_at"] = state.get("reference_refreshed_at", [])
     card["alarms"] = list(alarm.rings)
-    card["run"]["world_size"] = world.size
-    card["run"]["hardware"] = {**placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
-    if changes:
-        card["run"]["resumed_with_changes"] = changes
+    card_run_part(card, config, placement, world, changes)
 
     def write_card() -> None:
         if world.main:
@@ -187,13 +173,19 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     if state["step"] == 0:
         run_dir.log_metrics(0, evaluate_on_rank0(0))
     policy.train()
-    with StopSignals(world) as stop:
-        progress = tqdm(range(state["step"], config.max_steps), desc="dpo", initial=state["step"], total=config.max_steps, disable=not world.main)
-        for step in progress:
-            done, timer, started = step + 1, Timer(placement.synchronize), time.perf_counter()
+
+    def plot() -> None:
+        plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
+        if shifted:
+            plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in shifted], run_dir.plots / "heldout_sets.png")
+
+    with closing(run_dir, write_card), StepLoop("dpo", run_dir, world, state["step"], config.max_steps, config.checkpoint_every,
+                                                 config.acceptance.eval_every) as loop:
+        for done in loop:
+            timer, started = Timer(placement.synchronize), time.perf_counter()
             placement.reset_peak_memory()
             # 1. The next batch of the seeded pair stream.
-            indices = data_order(len(train), config.seed, step * config.batch_size, config.batch_size)
+            indices = data_order(len(train), config.seed, (done - 1) * config.batch_size, config.batch_size)
             batch = encode([train[i] for i in indices])
             # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
             with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
@@ -219,27 +211,15 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
             })
             if placement.is_cuda:
                 metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
-            if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
+            if loop.evaluates(done):
                 metrics.update(evaluate_on_rank0(done))
-            run_dir.log_metrics(done, metrics)
-            if any(key.startswith("heldout/") for key in metrics) and world.main:
-                plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
-                if shifted:
-                    plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in shifted], run_dir.plots / "heldout_sets.png")
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
-            stopping = stop.agreed()
-            if done % config.checkpoint_every == 0 or done == config.max_steps or stopping:
-                save_training(run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=extra_models, world=world, extra_state={
+            loop.end_step(done, metrics, save=lambda: save_training(
+                run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=extra_models, world=world, extra_state={
                     "alarm_history": alarm.history, "alarm_rings": alarm.rings,
-                    "reference_refreshed_at": card["run"]["reference_refreshed_at"],
-                })
-            if stopping and done < config.max_steps:
-                write_card()
-                run_dir.close()
-                raise RunStopped(stopping, done, f"posttrain dpo --resume {run_dir.path}")
-    write_card()
-    del trainer
-    run_dir.close()
+                    "reference_refreshed_at": card["run"]["reference_refreshed_at"]}),
+                after_log=plot if any(key.startswith("heldout/") for key in metrics) and world.main else None,
+                loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
+    del trainer  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
 
@@ -435,6 +415,4 @@ def make_card(config: Config, train, held_pairs, data_stats, provenance, task_sp
                                             "checker_settings": checker.describe()})
         if not independent:
             card["notes"].append(f"acceptance is not independent of the labels: {why}")
-    if config.unsafe_no_sandbox:
-        card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
     return card

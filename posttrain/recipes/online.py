@@ -28,18 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from posttrain.algorithms import aggregate, clipped_surrogate, clipped_value_loss, exact_kl, gae, grpo_advantages, kl_estimate, masked_mean, token_logprobs, whiten
 from posttrain.algorithms import sampler_mismatch, truncated_importance_weights
 from posttrain.algorithms.advantages import explained_variance
 from posttrain.algorithms.kl import kl_in_reward
 from posttrain.algorithms.logprobs import token_entropy
-from posttrain.config import save_yaml, to_dict
+from posttrain.config import to_dict
 from posttrain.data.examples import Task, derived_seed
 from posttrain.data.stream import PromptStream
 from posttrain.data.tasks import load_splits
-from posttrain.distributed import World, full_weights, gradient_sync, init_world, rank_micro_batches, wrap
+from posttrain.distributed import World, full_weights, gradient_sync, rank_micro_batches, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement, resolve
 from posttrain.evaluation.acceptance import (
@@ -64,9 +63,9 @@ from posttrain.rewards import Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
-from posttrain.runs.directory import default_output_dir
-from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config, memory_guard
+from posttrain.runs.faults import memory_guard
 from posttrain.runs.timer import Timer
+from posttrain.runs.skeleton import StepLoop, card_run_part, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
@@ -132,9 +131,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox)
     checker = as_verifier(None, config.acceptance.checker or default_checker(held_out),
                           config.reward_options, config.unsafe_no_sandbox, for_checker=True)
-    if config.unsafe_no_sandbox:
-        logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
-                       "(resource limits only). Use this only on a machine you can lose.")
+    warn_if_unsafe(config.unsafe_no_sandbox)
     logger.info("training reward %s, held-out checker %s (task %s, gold format %s)", verifier.name, checker.name,
                 config.data.task, train.reward_kind)
     independent, why = independence(verifier, checker)
@@ -412,14 +409,10 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     # 0. Set-up: everything that can fail on bad input fails before the run directory exists.
     if config.loss.advantage == "gae" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.parallel.strategy != "ddp":
         raise UserError("ppo under torchrun supports parallel.strategy ddp only (its critic is not sharded with FSDP2)")
-    placement = resolve(config.hardware)
-    world = init_world(config.parallel, placement)
+    placement, world = start(config)
     state = setup(config, reward, world, placement)
     recipe = "grpo" if config.loss.advantage == "group" else "ppo"
-    run_dir = RunDirectory(config.output_dir or default_output_dir(recipe, world), resume=resume, writer=world.main, trackers=config.trackers())
-    changes = check_resumed_config(run_dir.path, config, resume_changed_config) if resume else []
-    if world.main:
-        save_yaml(dataclasses.replace(config, output_dir=str(run_dir.path)), run_dir.path / "config.yaml")
+    run_dir, _, changes = open_run(recipe, config, world, resume, resume_changed_config)
     # A refreshed reference and a critic are state of their own: checkpointed with the policy, restored exactly.
     extra_models = {}
     if state.critic is not None:
@@ -431,24 +424,23 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     state.reference_refreshed_at = saved.get("reference_refreshed_at", [])
     alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []),
                             rings=saved.get("alarm_rings", []))
-    card = make_card(config, state, reward)
-    card["run"]["world_size"] = world.size
-    if changes:
-        card["run"]["resumed_with_changes"] = changes
-    if world.main:
-        write_run_card(run_dir.path, card)
-    try:
-        with StopSignals(world) as stop:
-            _train(state, run_dir, alarm, card, extra_models, stop, recipe)
-    finally:
-        run_dir.close()
-    del state.trainer
+    card = make_card(config, state, reward, changes)
+
+    def write_card() -> None:
+        if world.main:
+            write_run_card(run_dir.path, card)
+
+    write_card()
+    with closing(run_dir, write_card), StepLoop(recipe, run_dir, world, state.step, config.max_steps, config.checkpoint_every,
+                                                 config.acceptance.eval_every) as loop:
+        _train(state, run_dir, alarm, card, extra_models, loop, write_card)
+    del state.trainer  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
 
 
-def _train(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, card: dict, extra_models: dict, stop: StopSignals,
-           recipe: str) -> None:
+def _train(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, card: dict, extra_models: dict, loop: StepLoop,
+           write_card) -> None:
     """`run`'s loop: step 0's evaluation, then sample, step, log, evaluate, checkpoint until max_steps
     or a stop signal (a checkpoint at that step, then `RunStopped`)."""
     config, world, placement = state.config, state.world, state.placement
@@ -458,8 +450,12 @@ def _train(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, card: di
     state.policy.train()
     if state.critic is not None:
         state.critic.train()
-    progress = tqdm(range(state.step, config.max_steps), desc=recipe, initial=state.step, total=config.max_steps, disable=not world.main)
-    for _ in progress:
+
+    def plot() -> None:
+        plot_metrics(run_dir.read_metrics(), PLOTTED[config.loss.advantage], run_dir.plots)
+        plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
+
+    for _ in loop:
         timer, started = Timer(placement.synchronize), time.perf_counter()
         placement.reset_peak_memory()
         with memory_guard(state.step + 1, MEMORY_KNOBS, timer):
@@ -473,28 +469,16 @@ def _train(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, card: di
         if placement.is_cuda:
             metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
         run_dir.log_samples(done, batch.sample_rows(config.samples_per_step))
-        if (config.acceptance.eval_every and done % config.acceptance.eval_every == 0) or done == config.max_steps:
+        if loop.evaluates(done):
             with memory_guard(done, MEMORY_KNOBS, phase="evaluation"):
                 metrics.update(evaluate(state, run_dir, alarm, metrics["reward/mean"]))
             card["alarms"] = list(alarm.rings)
-            if world.main:
-                write_run_card(run_dir.path, card)
-        run_dir.log_metrics(done, metrics)
-        if "heldout/pass@1" in metrics and world.main:
-            plot_metrics(run_dir.read_metrics(), PLOTTED[config.loss.advantage], run_dir.plots)
-            plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
-        progress.set_postfix(reward=f"{metrics['reward/mean'] or 0:.3f}")
-        stopping = stop.agreed()
-        if done % config.checkpoint_every == 0 or done == config.max_steps or stopping:
-            save_training(run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
-                          extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
-                                       "reference_refreshed_at": state.reference_refreshed_at})
-        if stopping and done < config.max_steps:
-            if world.main:
-                write_run_card(run_dir.path, card)
-            raise RunStopped(stopping, done, f"posttrain {recipe} --resume {run_dir.path}")
-    if world.main:
-        write_run_card(run_dir.path, card)
+            write_card()
+        loop.end_step(done, metrics, save=lambda: save_training(
+            run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
+            extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
+                         "reference_refreshed_at": state.reference_refreshed_at}),
+            after_log=plot if "heldout/pass@1" in metrics and world.main else None, reward=f"{metrics['reward/mean'] or 0:.3f}")
 
 
 def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_reward: float | None) -> dict[str, Any]:
@@ -538,14 +522,14 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
     return metrics
 
 
-def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
-    """The run card: the four links and every loss setting that applies."""
+def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()) -> dict[str, Any]:
+    """The run card: the four links and every loss setting that applies (and the run's own part,
+    with `changes`, what a resume accepted)."""
     gae_mode, loss = config.loss.advantage == "gae", config.loss
     recipe = "ppo" if gae_mode else "grpo"
     train, held_out, reference = state.train, state.held_out, state.reference
     card = new_card(recipe, config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
-    card["run"]["hardware"] = {**state.placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
     card["links"]["data"] = {
         "source": "online: the policy's own samples", "task": config.data.task, "options": config.data.load_options(),
         "train_prompts": len(train), "heldout_prompts": len(held_out), "duplicates_removed": train.duplicates_removed,
@@ -587,6 +571,5 @@ def make_card(config: Config, state: State, reward: Any) -> dict[str, Any]:
     }
     if not independent:
         card["notes"].append(f"acceptance is not independent: {why}")
-    if config.unsafe_no_sandbox:
-        card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
+    card_run_part(card, config, state.placement, state.world, list(changes))
     return card

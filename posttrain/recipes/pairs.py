@@ -29,6 +29,7 @@ from posttrain.evaluation.acceptance import DEFAULT_REWARDS
 from posttrain.rewards import Verdict
 from posttrain.rewards.registry import RewardOptions, as_verifier
 from posttrain.rollout import SamplingConfig, generate
+from posttrain.runs.skeleton import warn_if_unsafe
 
 logger = logging.getLogger(__name__)
 
@@ -148,9 +149,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     if name is None:
         raise UserError(f"data.task {data.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")
     verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier")
-    if settings.unsafe_no_sandbox:
-        logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
-                       "(resource limits only). Use this only on a machine you can lose.")
+    warn_if_unsafe(settings.unsafe_no_sandbox)
     verifier.prepare()
     G = settings.group_size
     rows, outcomes = [], {"paired": 0, "all_correct": 0, "all_incorrect": 0, "unscored": 0}

@@ -18,29 +18,26 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm import tqdm
 
-from posttrain.config import RunFields, save_yaml, to_dict
+from posttrain.config import RunFields, to_dict
 from posttrain.data import TokenizedBatch, tokenize_prompt_response
 from posttrain.data.examples import Task, derived_seed
 from posttrain.data.stream import data_order
 from posttrain.data.tasks import load_splits
-from posttrain.distributed import Parallel, World, full_weights, gradient_sync, init_world, is_sharded, wrap
+from posttrain.distributed import Parallel, World, full_weights, gradient_sync, is_sharded, wrap
 from posttrain.errors import UserError
 from posttrain.data.files import is_data_source, resolve_columns, task_load_options
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
-from posttrain.hardware import resolve
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, default_checker, evaluate_task, set_metrics, shifted_sets
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
 from posttrain.optim import Optimization, clip_and_step, make_optimizer
 from posttrain.rewards import RewardOptions, Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
-from posttrain.runs.checkpoint import seed_everything
-from posttrain.runs.directory import default_output_dir
-from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config, memory_guard
+from posttrain.runs.faults import memory_guard
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.timer import Timer
+from posttrain.runs.skeleton import StepLoop, card_run_part, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
@@ -235,9 +232,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     A resume refuses a config that changes the data order or the loss unless `resume_changed_config`;
     SIGTERM / SIGINT stop it after the step in progress, with a checkpoint (`runs/faults.py`)."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
-    placement = resolve(config.hardware)
-    world = init_world(config.parallel, placement)
-    seed_everything(config.seed)
+    placement, world = start(config)
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
     data = load_data(config.data, config.seed, tokenizer)
     if data.task is not None:
@@ -245,49 +240,28 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
                                    shifted=shifted_sets(config.sets, Task(config.data.task, "train", data.train, data.task.reward_kind),
                                                         config.data.task, config.data.task_options, config.seed, config.data.eval_size,
                                                         config.reward_options, config.unsafe_no_sandbox))
-    if config.unsafe_no_sandbox:
-        logger.warning("UNSAFE: unsafe_no_sandbox is set: model-written code runs WITHOUT the bubblewrap sandbox "
-                       "(resource limits only). Use this only on a machine you can lose.")
-    output_dir = config.output_dir or default_output_dir("sft", world)
-    run_dir = RunDirectory(output_dir, resume=resume, writer=world.main, trackers=config.trackers())
-    changes = check_resumed_config(run_dir.path, config, resume_changed_config) if resume else []
-    config = dataclasses.replace(config, output_dir=str(run_dir.path))  # a copy: what config.yaml and a resume read
-    if world.main:
-        save_yaml(config, run_dir.path / "config.yaml")
+    warn_if_unsafe(config.unsafe_no_sandbox)
+    run_dir, config, changes = open_run("sft", config, world, resume, resume_changed_config)
 
     # What forward/backward goes through: DDP, FSDP2 (the model sharded in place) or the wrapper itself.
     trainer = wrap(TrainingForward(model, batch_response_sums, placement, full_forward=world.active and world.strategy == "fsdp2"), world, placement)
     optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
     start_step = restore_training(run_dir, model, optimizer, scheduler, world=world)["step"] if resume else 0
-    card = new_card("sft", config.seed, config=to_dict(config))
-    card["links"]["data"] = data.card
-    card["links"]["reward"] = {"kind": "none (imitation of " + ("gold answers)" if data.task is not None else "the rows' completions)")}
-    card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True,
-                             "loss_on": config.data.loss_on if data.task is None else "the response (gold answer in response_template)"}
-    card["links"]["acceptance"] = ({"heldout": f"{config.data.task} eval split", "checker": config.checker or "task default (strict)"}
-                                   if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {config.data.task}", "metric": "token-mean NLL"})
-    if data.checker is not None:
-        card["links"]["acceptance"].update({
-            "checker_settings": data.checker.describe(), "independent": True,
-            "independence_reason": f"SFT has no reward: it imitates the gold answers, which the checker {data.checker.name} scores",
-            "sets": {IN_DISTRIBUTION: {"task": config.data.task, "size": len(data.task), "checker": data.checker.name},
-                     **{held.name: held.spec for held in data.shifted}}})
-    if config.unsafe_no_sandbox:
-        card["notes"].insert(0, "UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (unsafe_no_sandbox: true)")
-    card["run"]["world_size"] = world.size
-    card["run"]["hardware"] = {**placement.describe(), "gradient_checkpointing": config.memory.gradient_checkpointing}
-    if changes:
-        card["run"]["resumed_with_changes"] = changes
-    if world.main:
-        write_run_card(run_dir.path, card)
+    card = make_card(config, data)
+    card_run_part(card, config, placement, world, changes)
 
+    def write_card() -> None:
+        if world.main:
+            write_run_card(run_dir.path, card)
+
+    write_card()
     model.train()
-    with StopSignals(world) as stop:
-        progress = tqdm(range(start_step, config.max_steps), desc="sft", initial=start_step, total=config.max_steps, disable=not world.main)
-        for step in progress:
-            started, done = time.perf_counter(), step + 1
+    with closing(run_dir, write_card), StepLoop("sft", run_dir, world, start_step, config.max_steps, config.checkpoint_every,
+                                                 config.eval_every) as loop:
+        for done in loop:
+            started = time.perf_counter()
             # 1. The next batch of the seeded data stream.
-            items = [data.train[i] for i in data_order(len(data.train), config.seed, step * config.batch_size, config.batch_size)]
+            items = [data.train[i] for i in data_order(len(data.train), config.seed, (done - 1) * config.batch_size, config.batch_size)]
             batch = data.encode(items).to(placement.device)  # the step's one host-to-device boundary
             # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens; optimizer step.
             timer = Timer(placement.synchronize)
@@ -304,26 +278,35 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
             })
             if placement.is_cuda:
                 metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
-            if (config.eval_every and done % config.eval_every == 0) or done == config.max_steps:
+            if loop.evaluates(done):
                 with full_weights(model), placement.autocast(), memory_guard(done, MEMORY_KNOBS, phase="evaluation"):  # rank 0 evaluates; FSDP2: the others lend shards
                     if world.main:
                         metrics.update(evaluate_and_plot(model, tokenizer, data, config, run_dir, done))
                 world.barrier()
                 model.train()
-            run_dir.log_metrics(done, metrics)
-            progress.set_postfix(loss=f"{metrics['loss']:.3f}")
-            stopping = stop.agreed()
-            if done % config.checkpoint_every == 0 or done == config.max_steps or stopping:
-                save_training(run_dir, done, model, tokenizer, optimizer, scheduler, world=world)
-            if stopping and done < config.max_steps:
-                run_dir.close()
-                raise RunStopped(stopping, done, f"posttrain sft --resume {run_dir.path}")
-    if world.main:
-        write_run_card(run_dir.path, card)
-    del trainer
-    run_dir.close()
+            loop.end_step(done, metrics, save=lambda: save_training(run_dir, done, model, tokenizer, optimizer, scheduler, world=world),
+                          loss=f"{metrics['loss']:.3f}")
+    del trainer  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
+
+
+def make_card(config: Config, data: SFTData) -> dict:
+    """The run card's four links for SFT (the run's own part: `card_run_part`)."""
+    card = new_card("sft", config.seed, config=to_dict(config))
+    card["links"]["data"] = data.card
+    card["links"]["reward"] = {"kind": "none (imitation of " + ("gold answers)" if data.task is not None else "the rows' completions)")}
+    card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True,
+                             "loss_on": config.data.loss_on if data.task is None else "the response (gold answer in response_template)"}
+    card["links"]["acceptance"] = ({"heldout": f"{config.data.task} eval split", "checker": config.checker or "task default (strict)"}
+                                   if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {config.data.task}", "metric": "token-mean NLL"})
+    if data.checker is not None:
+        card["links"]["acceptance"].update({
+            "checker_settings": data.checker.describe(), "independent": True,
+            "independence_reason": f"SFT has no reward: it imitates the gold answers, which the checker {data.checker.name} scores",
+            "sets": {IN_DISTRIBUTION: {"task": config.data.task, "size": len(data.task), "checker": data.checker.name},
+                     **{held.name: held.spec for held in data.shifted}}})
+    return card
 
 
 def evaluate_and_plot(model, tokenizer, data: SFTData, config: Config, run_dir: RunDirectory, step: int) -> dict:
