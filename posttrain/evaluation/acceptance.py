@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from posttrain.data import render_prompt
-from posttrain.data.examples import Example, Task, require_examples, verifier_input
+from posttrain.data.examples import Example, Task, derived_seed, require_examples, verifier_input
 from posttrain.data.files import pick
 from posttrain.data.provenance import write_text_atomically
 from posttrain.errors import UserError
@@ -279,6 +279,30 @@ def set_metrics(name: str, result: dict[str, Any], k: int = 1) -> dict[str, Any]
     if k > 1:
         metrics[f"heldout/{name}/pass@{k}"] = result[f"pass@{k}"]
     return metrics
+
+
+def evaluate_sets(model, tokenizer, held_out: Task, checker, shifted: list[HeldOutSet], *, step: int, eval_dir: Path,
+                  seed: int, k: int = 1, temperature: float = 1.0, max_new_tokens: int = 64, system_prompt: str | None = None,
+                  in_distribution_file: str = "step") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every held-out set of a run at one step: the in-distribution split (`held_out`, scored by
+    `checker`) and each shifted set (its own checker), each written to `eval_dir`
+    (`<in_distribution_file>-<step>.json`, `<set>-step-<step>.json`), sampled with a seed derived
+    from (seed, "eval", [set,] step). Returns the in-distribution result and the metrics:
+    heldout/pass@1 with its interval (and pass@k when k > 1), and heldout/<set>/... for every set."""
+    result = evaluate_task(model, tokenizer, held_out, checker=checker, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
+                           seed=derived_seed(seed, "eval", str(step)), system_prompt=system_prompt,
+                           output_path=eval_dir / f"{in_distribution_file}-{step:06d}.json")
+    low, high = result["pass@1_ci95"]
+    metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high}
+    if k > 1:
+        metrics[f"heldout/pass@{k}"] = result[f"pass@{k}"]
+    metrics.update(set_metrics(IN_DISTRIBUTION, result, k))
+    for held in shifted:
+        metrics.update(set_metrics(held.name, evaluate_task(
+            model, tokenizer, held.task, checker=held.checker, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
+            seed=derived_seed(seed, "eval", held.name, str(step)), system_prompt=system_prompt,
+            output_path=eval_dir / f"{held.name}-step-{step:06d}.json"), k))
+    return result, metrics
 
 
 def heldout_split(spec: str, eval_size: int, seed: int = 0, options: dict | None = None) -> Task:

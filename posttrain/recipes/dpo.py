@@ -35,13 +35,13 @@ import torch
 from posttrain.algorithms import PREFERENCE_LOSSES, pair_columns, pair_metrics
 from posttrain.config import to_dict
 from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
-from posttrain.data.examples import Example, Task, derived_seed
+from posttrain.data.examples import Example, Task
 from posttrain.data.stream import data_order
 from posttrain.data.preference import load_pairs, prompt_key
 from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, gradient_sync, unwrap, wrap
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_checker, evaluate_task, heldout_split, independence, set_metrics, shifted_sets
+from posttrain.evaluation.acceptance import evaluate_sets, IN_DISTRIBUTION, default_checker, heldout_split, independence, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
 from posttrain.models.forward import TrainingForward
@@ -297,19 +297,9 @@ def evaluate(policy, reference, cached, tokenizer, encode: Callable[[list[Prefer
             "heldout/nll": held["loss/nll"],
         })
     if held_task is not None:
-        result = evaluate_task(
-            policy, tokenizer, held_task, checker=checker, k=1, max_new_tokens=config.acceptance.max_new_tokens,
-            seed=derived_seed(config.seed, "eval", str(step)), system_prompt=config.data.system_prompt,
-            output_path=run_dir.eval_dir / f"task-step-{step:06d}.json",
-        )
-        metrics.update({"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": result["pass@1_ci95"][0], "heldout/pass@1_high": result["pass@1_ci95"][1]})
-        metrics.update(set_metrics(IN_DISTRIBUTION, result))
-        for held in shifted:
-            metrics.update(set_metrics(held.name, evaluate_task(
-                policy, tokenizer, held.task, checker=held.checker, k=1, max_new_tokens=config.acceptance.max_new_tokens,
-                seed=derived_seed(config.seed, "eval", held.name, str(step)), system_prompt=config.data.system_prompt,
-                output_path=run_dir.eval_dir / f"{held.name}-step-{step:06d}.json",
-            )))
+        metrics.update(evaluate_sets(policy, tokenizer, held_task, checker, shifted, step=step, eval_dir=run_dir.eval_dir,
+                                     seed=config.seed, max_new_tokens=config.acceptance.max_new_tokens,
+                                     system_prompt=config.data.system_prompt, in_distribution_file="task-step")[1])
     policy.train(was_training)
     return metrics
 

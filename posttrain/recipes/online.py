@@ -46,9 +46,8 @@ from posttrain.evaluation.acceptance import (
     IN_DISTRIBUTION,
     HeldOutSet,
     default_checker,
-    evaluate_task,
+    evaluate_sets,
     independence,
-    set_metrics,
     shifted_sets,
 )
 from posttrain.evaluation.alarms import DivergenceAlarm
@@ -489,25 +488,10 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
         if state.world.main:
             was_training = policy.training
             policy.eval()
-            result = evaluate_task(
-                policy, state.tokenizer, state.held_out, checker=state.checker, k=config.acceptance.k,
-                temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens,
-                seed=derived_seed(config.seed, "eval", str(state.step)), system_prompt=config.data.system_prompt,
-                output_path=run_dir.eval_dir / f"step-{state.step:06d}.json",
-            )
-            low, high = result["pass@1_ci95"]
-            metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high}
-            if config.acceptance.k > 1:
-                metrics[f"heldout/pass@{config.acceptance.k}"] = result[f"pass@{config.acceptance.k}"]
-            metrics.update(set_metrics(IN_DISTRIBUTION, result, config.acceptance.k))
-            for held in state.shifted:
-                shifted = evaluate_task(
-                    policy, state.tokenizer, held.task, checker=held.checker, k=config.acceptance.k,
-                    temperature=config.sampling.temperature, max_new_tokens=config.sampling.max_new_tokens,
-                    seed=derived_seed(config.seed, "eval", held.name, str(state.step)), system_prompt=config.data.system_prompt,
-                    output_path=run_dir.eval_dir / f"{held.name}-step-{state.step:06d}.json",
-                )
-                metrics.update(set_metrics(held.name, shifted, config.acceptance.k))
+            result, metrics = evaluate_sets(
+                policy, state.tokenizer, state.held_out, state.checker, state.shifted, step=state.step, eval_dir=run_dir.eval_dir,
+                seed=config.seed, k=config.acceptance.k, temperature=config.sampling.temperature,
+                max_new_tokens=config.sampling.max_new_tokens, system_prompt=config.data.system_prompt)
             policy.train(was_training)
             if train_reward is not None and result["pass@1"] is not None:
                 # The alarm compares held-out accuracy with the mean training reward since the previous

@@ -28,7 +28,7 @@ from posttrain.distributed import Parallel, World, full_weights, gradient_sync, 
 from posttrain.errors import UserError
 from posttrain.data.files import is_data_source, resolve_columns, task_load_options
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, default_checker, evaluate_task, set_metrics, shifted_sets
+from posttrain.evaluation.acceptance import evaluate_sets, IN_DISTRIBUTION, check_set_specs, default_checker, shifted_sets
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
 from posttrain.optim import Optimization, clip_and_step, make_optimizer
@@ -317,22 +317,9 @@ def evaluate_and_plot(model, tokenizer, data: SFTData, config: Config, run_dir: 
         metrics = {"heldout/nll": heldout_nll(model, data.encode(data.held_out), config.micro_batch_size)}
         plot_metrics(run_dir.read_metrics() + [{"step": step, **metrics}], ["loss", "heldout/nll"], run_dir.plots)
         return metrics
-    held_out = data.task
-    result = evaluate_task(
-        model, tokenizer, held_out, checker=data.checker, k=1, max_new_tokens=config.max_new_tokens,
-        seed=config.seed, system_prompt=config.data.system_prompt, output_path=run_dir.eval_dir / f"step-{step:06d}.json",
-    )
-    low, high = result["pass@1_ci95"]
-    metrics = {
-        "heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high,
-        "heldout/nll": heldout_nll(model, data.encode(data.held_out), config.micro_batch_size),
-        **set_metrics(IN_DISTRIBUTION, result),
-    }
-    for held in data.shifted:
-        shifted = evaluate_task(model, tokenizer, held.task, checker=held.checker, k=1, max_new_tokens=config.max_new_tokens,
-                                seed=config.seed, system_prompt=config.data.system_prompt,
-                                output_path=run_dir.eval_dir / f"{held.name}-step-{step:06d}.json")
-        metrics.update(set_metrics(held.name, shifted))
+    _, metrics = evaluate_sets(model, tokenizer, data.task, data.checker, data.shifted, step=step, eval_dir=run_dir.eval_dir,
+                               seed=config.seed, max_new_tokens=config.max_new_tokens, system_prompt=config.data.system_prompt)
+    metrics["heldout/nll"] = heldout_nll(model, data.encode(data.held_out), config.micro_batch_size)
     rows = run_dir.read_metrics() + [{"step": step, **metrics}]
     plot_metrics(rows, ["loss", "heldout/pass@1", "heldout/nll"], run_dir.plots)
     if data.shifted:
