@@ -29,10 +29,9 @@ from typing import Any
 
 import torch
 
-from posttrain.algorithms import aggregate, clipped_surrogate, clipped_value_loss, exact_kl, gae, grpo_advantages, kl_estimate, masked_mean, token_logprobs, whiten
+from posttrain.algorithms import aggregate, clipped_surrogate, clipped_value_loss, exact_kl, kl_estimate, masked_mean, token_logprobs
 from posttrain.algorithms import sampler_mismatch, truncated_importance_weights
-from posttrain.algorithms.advantages import explained_variance
-from posttrain.algorithms.kl import kl_in_reward
+from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
 from posttrain.algorithms.logprobs import token_entropy
 from posttrain.config import to_dict
 from posttrain.data.examples import Task, derived_seed
@@ -69,10 +68,6 @@ from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
 
-PLOTTED = {
-    "group": ["reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "length/mean", "loss", "entropy"],
-    "gae": ["reward/mean", "heldout/pass@1", "kl/estimate", "value_loss", "length/mean", "loss"],
-}
 
 
 @dataclass
@@ -117,7 +112,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     seed_everything(config.seed)
     policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha, placement,
                                     gradient_checkpointing=config.memory.gradient_checkpointing)
-    critic = make_critic(policy, share_backbone=config.critic.share_backbone) if config.loss.advantage == "gae" else None
+    critic = make_critic(policy, share_backbone=config.critic.share_backbone) if ADVANTAGE_ESTIMATORS[config.loss.advantage].needs_critic else None
     train, held_out = load_splits(config.data.task, train_size=config.data.train_size, eval_size=config.data.eval_size,
                                   seed=config.seed, options=config.data.load_options())
     screening = None
@@ -184,44 +179,37 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     batch = batch.to(state.placement.device)  # the step's one host-to-device boundary
     config, world, rollout, placement = state.config, state.world, batch.rollout, state.placement
     loss_cfg, timer = config.loss, timer or Timer(placement.synchronize)
-    gae_mode, temperature, micro = loss_cfg.advantage == "gae", config.sampling.temperature, config.update.micro_batch_size
+    estimator, temperature, micro = ADVANTAGE_ESTIMATORS[loss_cfg.advantage], config.sampling.temperature, config.update.micro_batch_size
     valid_rows = batch.valid
     if loss_cfg.mask_truncated:
         valid_rows = valid_rows & ~rollout.truncated
     mask = rollout.mask & valid_rows[:, None]  # (N, T): the tokens that reach the loss
     inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-    precompute_old = gae_mode or config.update.epochs > 1 or config.update.mini_batches > 1 or loss_cfg.kl_placement == "reward"
+    # A critic's value targets are the rollout's: its log-probs and values come from a forward before the update.
+    precompute_old = estimator.needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1 or loss_cfg.kl_placement == "reward"
     metrics: dict[str, Any] = {}
     with timer("logprobs"), placement.autocast():
         old_logprobs = rank_logprobs(state.policy, rollout, batch.owners, world, temperature, micro) if precompute_old else None
         ref_logprobs = rank_logprobs(state.reference, rollout, batch.owners, world, temperature, micro) if state.reference else None
-        old_values = returns = None
-        if gae_mode:
+        old_values = None
+        if estimator.needs_critic:
             mine = (batch.owners == world.rank).nonzero().squeeze(1)
             old_values = torch.zeros(mask.shape, device=mask.device)
             if len(mine):
                 old_values[mine] = completion_values(state.critic, inputs, P, T, micro, rows=mine)
             old_values = world.reduce(old_values)
-    # 3. Advantages, with the KL in the reward when placed there.
+    # 3. Advantages (the estimator's entry), with the KL in the reward when placed there.
     in_reward = ref_logprobs is not None and loss_cfg.kl_placement == "reward"
-    if gae_mode:
-        kl = kl_estimate(old_logprobs, ref_logprobs, loss_cfg.kl_estimator) if ref_logprobs is not None else torch.zeros_like(old_logprobs)
-        token_rewards = kl_in_reward(torch.nan_to_num(batch.scores.rewards, nan=0.0), kl, mask, loss_cfg.kl_beta if in_reward else 0.0, per_token=True)
-        advantages, returns = gae(token_rewards, old_values, mask, loss_cfg.gamma, loss_cfg.lam)
-        if loss_cfg.whiten_advantages:
-            advantages = whiten(advantages, mask)
-        ev = explained_variance(old_values, returns, mask)
-        metrics.update({
-            "kl/estimate": float(masked_mean(kl, mask)) if ref_logprobs is not None else None,
-            "values/mean": float(masked_mean(old_values, mask)), "returns/mean": float(masked_mean(returns, mask)),
-            "explained_variance": None if math.isnan(ev) else float(ev),
-        })
-    else:
-        rewards = batch.scores.rewards
-        if in_reward:  # every sampled token of a row pays: the row counts in its group's baseline
-            rewards = kl_in_reward(rewards, kl_estimate(old_logprobs, ref_logprobs, loss_cfg.kl_estimator), rollout.mask, loss_cfg.kl_beta, per_token=False)
-        advantages = grpo_advantages(rewards, config.data.group_size, scale=loss_cfg.advantage_scale, eps=loss_cfg.advantage_eps,
-                                     unbiased_std=loss_cfg.unbiased_std)
+    rollout_kl = ref_logprobs is not None and (in_reward or estimator.kl_metric == "rollout")
+    kl = kl_estimate(old_logprobs, ref_logprobs, loss_cfg.kl_estimator) if rollout_kl else None
+    if estimator.kl_metric == "rollout":
+        metrics["kl/estimate"] = float(masked_mean(kl, mask)) if kl is not None else None
+    estimate = estimator.estimate(
+        StepRewards(batch.scores.rewards, mask, rollout.mask, config.data.group_size, kl=kl,
+                    kl_beta=loss_cfg.kl_beta if in_reward else 0.0, values=old_values),
+        **{name: getattr(loss_cfg, name) for name in estimator.settings})
+    advantages, returns = estimate.advantages, estimate.returns
+    metrics.update({name: None if math.isnan(value) else float(value) for name, value in estimate.metrics.items()})
     # 4. Update: mu epochs over mini-batches, old log-probs fixed.
     with timer("update"):
         if state.reference is not None and config.exact_kl_tokens > 0:
@@ -232,9 +220,9 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     # training forward's, before the update (the precomputed old log-probs, else the first forward's).
     mismatch = sampler_mismatch(old_logprobs if old_logprobs is not None else trainer_logprobs, rollout.logprobs, mask)
     metrics.update({f"mismatch/{name}": float(value) for name, value in mismatch.items()})
-    if gae_mode:
-        update_metrics.pop("kl/estimate", None)  # PPO reports the rollout's KL, measured before the update
-    else:
+    if estimator.kl_metric == "rollout":
+        update_metrics.pop("kl/estimate", None)  # the rollout's KL, measured before the update, is the one reported
+    if not estimator.per_token:
         update_metrics["advantages/abs_mean"] = float(masked_mean(advantages.abs()[:, None].expand_as(mask), mask))
     metrics.update(update_metrics)
     state.step += 1
@@ -242,7 +230,7 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
         state.reference.refresh(state.policy)
         state.reference_refreshed_at.append(state.step)
     metrics["lr"] = state.scheduler.get_last_lr()[0]
-    if gae_mode:
+    if estimator.needs_critic:
         metrics["critic_lr"] = state.scheduler.get_last_lr()[1]
     return metrics
 
@@ -406,11 +394,12 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     it after the step in progress, with a checkpoint (`RunStopped`); memory running out is one line
     (`OutOfMemory`)."""
     # 0. Set-up: everything that can fail on bad input fails before the run directory exists.
-    if config.loss.advantage == "gae" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.parallel.strategy != "ddp":
-        raise UserError("ppo under torchrun supports parallel.strategy ddp only (its critic is not sharded with FSDP2)")
+    estimator = ADVANTAGE_ESTIMATORS[config.loss.advantage]
+    if estimator.needs_critic and int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.parallel.strategy != "ddp":
+        raise UserError(f"{estimator.command} under torchrun supports parallel.strategy ddp only (its critic is not sharded with FSDP2)")
     placement, world = start(config)
     state = setup(config, reward, world, placement)
-    recipe = "grpo" if config.loss.advantage == "group" else "ppo"
+    recipe = estimator.command
     run_dir, _, changes = open_run(recipe, config, world, resume, resume_changed_config)
     # A refreshed reference and a critic are state of their own: checkpointed with the policy, restored exactly.
     extra_models = {}
@@ -451,7 +440,7 @@ def _train(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, card: di
         state.critic.train()
 
     def plot() -> None:
-        plot_metrics(run_dir.read_metrics(), PLOTTED[config.loss.advantage], run_dir.plots)
+        plot_metrics(run_dir.read_metrics(), list(ADVANTAGE_ESTIMATORS[config.loss.advantage].plotted), run_dir.plots)
         plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
 
     for _ in loop:
@@ -509,8 +498,9 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
 def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()) -> dict[str, Any]:
     """The run card: the four links and every loss setting that applies (and the run's own part,
     with `changes`, what a resume accepted)."""
-    gae_mode, loss = config.loss.advantage == "gae", config.loss
-    recipe = "ppo" if gae_mode else "grpo"
+    loss = config.loss
+    estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
+    recipe = estimator.command
     train, held_out, reference = state.train, state.held_out, state.reference
     card = new_card(recipe, config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
@@ -518,21 +508,20 @@ def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()
         "source": "online: the policy's own samples", "task": config.data.task, "options": config.data.load_options(),
         "train_prompts": len(train), "heldout_prompts": len(held_out), "duplicates_removed": train.duplicates_removed,
         "prompts_per_step": config.data.prompts_per_step,
-        ("samples_per_prompt" if gae_mode else "group_size"): config.data.group_size,
+        ("group_size" if estimator.min_group_size > 1 else "samples_per_prompt"): config.data.group_size,
         "sampling": dataclasses.asdict(config.sampling),
         **({"screening": state.screening} if state.screening is not None else {}),
     }
     card["links"]["reward"] = {**state.verifier.describe(), "passed_as": "python object" if reward is not None else "config name"}
-    if gae_mode:
-        card["links"]["reward"]["placement"] = "verifier score on the last response token"
-    precomputed = gae_mode or config.update.epochs > 1 or config.update.mini_batches > 1 or loss.kl_placement == "reward"
+    if estimator.reward_placement is not None:
+        card["links"]["reward"]["placement"] = estimator.reward_placement
+    precomputed = estimator.needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1 or loss.kl_placement == "reward"
     card["links"]["loss"] = {
-        "algorithm": "PPO with a learned critic (GAE advantages, clipped surrogate, clipped value loss)" if gae_mode
-        else "GRPO (group-relative advantages, clipped surrogate, no critic)",
+        "algorithm": estimator.algorithm,
         **loss.settings(),
-        **({f"critic_{k}": v for k, v in dataclasses.asdict(config.critic).items()} if gae_mode else {}),
+        **({f"critic_{k}": v for k, v in dataclasses.asdict(config.critic).items()} if estimator.needs_critic else {}),
         **dataclasses.asdict(config.update),
-        **({} if gae_mode else {"std": "sample (n-1)" if loss.unbiased_std else "population (n)"}),
+        **estimator.describe({name: getattr(loss, name) for name in estimator.settings}),
         "kl_placement_meaning": loss.kl_meaning(),
         "reference": "none (kl_beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
         "old_logprobs": "recomputed by a no-grad forward before the update" if precomputed else "the on-policy forward, detached (ratio exactly 1)",

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from posttrain.algorithms.policy import AGGREGATIONS
 from posttrain.config import PolicyFields
 from posttrain.data.files import resolve_columns, task_load_options
@@ -53,18 +54,17 @@ class Data:
         return task_load_options(self.task_options, self.format, self.columns, self.split)
 
 
-GROUP_ONLY = ("advantage_scale", "advantage_eps", "unbiased_std")
-"""Loss fields of group-relative advantages only."""
-GAE_ONLY = ("gamma", "lam", "whiten_advantages")
-"""Loss fields of GAE only."""
+def estimator_owned(field_name: str) -> list[str]:
+    """The advantage estimators that read the `loss.<field_name>` setting (none: a shared field)."""
+    return [name for name, entry in ADVANTAGE_ESTIMATORS.items() if field_name in entry.settings]
 
 
 @dataclass
 class Loss:
     """Link 3, loss: every setting that makes two "GRPO"s (or "PPO"s) differ, each named."""
 
-    advantage: Literal["group", "gae"] = "group"
-    """group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO)."""
+    advantage: str = "group"
+    """The advantage estimator (`algorithms/estimators.py`): group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO)."""
     clip_low: float = 0.2
     """Ratio clipped below at 1 - clip_low."""
     clip_high: float = 0.2
@@ -106,9 +106,9 @@ class Loss:
     """tis: the truncation C of the importance weight."""
 
     def settings(self) -> dict[str, Any]:
-        """The fields that apply to this advantage estimator (for the run card)."""
-        unused = GAE_ONLY if self.advantage == "group" else GROUP_ONLY
-        return {key: value for key, value in dataclasses.asdict(self).items() if key not in unused}
+        """The fields that apply to this advantage estimator (for the run card): the shared ones and its own."""
+        own = ADVANTAGE_ESTIMATORS[self.advantage].settings
+        return {key: value for key, value in dataclasses.asdict(self).items() if key in own or not estimator_owned(key)}
 
     def kl_meaning(self) -> str:
         """What `kl_placement` does for this advantage estimator, in words (for the run card)."""
@@ -116,10 +116,7 @@ class Loss:
             return "no KL term (kl_beta = 0)"
         if self.kl_placement == "loss":
             return f"beta x the per-token {self.kl_estimator} estimate added to each token's loss, aggregated like the policy loss"
-        if self.advantage == "group":
-            return (f"per-sequence sum: each sequence's reward minus beta x the sum of its per-token {self.kl_estimator} "
-                    "estimates, before the group advantages")
-        return f"per-token penalty: -beta x the {self.kl_estimator} estimate in each token's reward before GAE (Ouyang et al. eq. 2)"
+        return ADVANTAGE_ESTIMATORS[self.advantage].kl_in_reward.format(estimator=self.kl_estimator)
 
 
 @dataclass
@@ -198,10 +195,12 @@ class Config(PolicyFields):
         self.optim.validate()
         self.parallel.validate()
         data, loss, update, critic = self.data, self.loss, self.update, self.critic
-        gae_mode = loss.advantage == "gae"
-        if data.group_size < (1 if gae_mode else 2):
-            raise UserError(f"data.group_size must be at least 2 (a group of one has no relative signal), got {data.group_size}"
-                            if not gae_mode else f"data.group_size must be at least 1, got {data.group_size}")
+        if loss.advantage not in ADVANTAGE_ESTIMATORS:
+            raise UserError(f"loss.advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {loss.advantage!r}")
+        estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
+        if data.group_size < estimator.min_group_size:
+            raise UserError(f"data.group_size must be at least {estimator.min_group_size}"
+                            + (" (a group of one has no relative signal)" if estimator.min_group_size > 1 else "") + f", got {data.group_size}")
         if data.format is not None or data.columns:
             resolve_columns(data.format, data.columns)
         for name in ("train_size", "eval_size", "prompts_per_step"):
@@ -227,12 +226,15 @@ class Config(PolicyFields):
             raise UserError("loss.dynamic_sampling needs groups: data.group_size >= 2")
         if critic.lr <= 0 or critic.value_coef < 0 or critic.warmup_steps < 0:
             raise UserError("critic.lr must be > 0, critic.value_coef and critic.warmup_steps >= 0")
-        if not gae_mode and critic != Critic():
-            raise UserError("the critic section applies to loss.advantage gae (posttrain ppo) only")
+        if not estimator.needs_critic and critic != Critic():
+            with_critic = [entry for entry in ADVANTAGE_ESTIMATORS.values() if entry.needs_critic]
+            raise UserError(f"the critic section applies to loss.advantage {' or '.join(e.name for e in with_critic)} "
+                            f"({', '.join(f'posttrain {e.command}' for e in with_critic)}) only")
         defaults = Loss()
-        for name in GAE_ONLY if not gae_mode else GROUP_ONLY:
-            if getattr(loss, name) != getattr(defaults, name):
-                raise UserError(f"loss.{name} applies to loss.advantage {'gae' if not gae_mode else 'group'} only (this run: {loss.advantage})")
+        for item in dataclasses.fields(Loss):
+            owners = estimator_owned(item.name)
+            if owners and loss.advantage not in owners and getattr(loss, item.name) != getattr(defaults, item.name):
+                raise UserError(f"loss.{item.name} applies to loss.advantage {' or '.join(owners)} only (this run: {loss.advantage})")
         if self.acceptance.sets is not None:
             check_set_specs(self.acceptance.sets)
         rows = data.prompts_per_step * data.group_size

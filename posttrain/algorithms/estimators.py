@@ -1,0 +1,124 @@
+"""The advantage estimators as a table: each entry says what it needs (a critic, groups), which
+`loss.*` settings it reads, how a KL placed in the reward enters it, its run-card text and the
+metrics it plots, and computes the step's advantages from the step's rewards. The online recipe
+asks the entry, never "is it group?".
+
+Adding an estimator (RLOO, REINFORCE++) is one function and one entry in `ADVANTAGE_ESTIMATORS`.
+Pure tensor math like the rest of `algorithms/`: no models, configs or `.item()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from posttrain.algorithms.advantages import explained_variance, gae, grpo_advantages, masked_mean, whiten
+from posttrain.algorithms.kl import kl_in_reward
+
+
+@dataclass(frozen=True)
+class StepRewards:
+    """What an advantage estimator reads of one step's batch: N = B * G rows, group-contiguous
+    (row b * G + g), T response tokens."""
+
+    rewards: torch.Tensor
+    """(N,) verifier rewards; NaN = unscored (infra or data error), left out of every baseline."""
+    mask: torch.Tensor
+    """(N, T) bool: the tokens that reach the loss (valid rows only)."""
+    sampled: torch.Tensor
+    """(N, T) bool: every sampled token (a KL in the reward charges each of them)."""
+    group_size: int
+    """G."""
+    kl: torch.Tensor | None = None
+    """(N, T) per-token KL estimate of the rollout against the reference, when one exists."""
+    kl_beta: float = 0.0
+    """The KL's weight in the reward (0 when the KL is a loss term or there is none)."""
+    values: torch.Tensor | None = None
+    """(N, T) the critic's values of the rollout, for estimators that need a critic."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    advantages: torch.Tensor
+    """(N,) one advantage per sequence, or (N, T) one per token (`per_token` estimators)."""
+    returns: torch.Tensor | None = None
+    """(N, T) the critic's regression targets, for estimators that need a critic."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """0-dim tensors (NaN where undefined) to log, named."""
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    name: str
+    command: str
+    """The `posttrain` command whose default it is (its runs' directories and resume hints)."""
+    algorithm: str
+    """The run card's name for the algorithm it makes."""
+    estimate: Callable[..., Estimate]
+    """estimate(StepRewards, **settings) -> Estimate, settings being the `loss.*` fields named below."""
+    settings: tuple[str, ...]
+    """The `loss.*` fields it reads (others' own fields must stay at their defaults)."""
+    needs_critic: bool
+    per_token: bool
+    """Advantages (N, T) per token; else (N,) per sequence."""
+    min_group_size: int
+    """Samples per prompt it needs: 2 for a group baseline, 1 otherwise."""
+    kl_in_reward: str
+    """What a KL placed in the reward does, for the run card ({estimator}: the KL estimator's name)."""
+    kl_metric: str
+    """Where kl/estimate is measured: "update" (each forward of the update) or "rollout" (before it)."""
+    plotted: tuple[str, ...]
+    """The metrics its runs plot in plots/metrics.png."""
+    reward_placement: str | None = None
+    """Where the sequence reward enters, when it is not the whole sequence's (for the run card)."""
+    describe: Callable[[dict], dict] = lambda settings: {}
+    """Extra run-card entries of its settings."""
+
+
+def group_estimate(inputs: StepRewards, advantage_scale: str, advantage_eps: float, unbiased_std: bool) -> Estimate:
+    """GRPO's group-relative advantages (`grpo_advantages`), each sequence's reward first charged
+    beta x the sum of its per-token KL estimates when the KL is placed in the reward."""
+    rewards = inputs.rewards
+    if inputs.kl is not None and inputs.kl_beta:  # every sampled token of a row pays: the row counts in its group's baseline
+        rewards = kl_in_reward(rewards, inputs.kl, inputs.sampled, inputs.kl_beta, per_token=False)
+    return Estimate(grpo_advantages(rewards, inputs.group_size, scale=advantage_scale, eps=advantage_eps, unbiased_std=unbiased_std))
+
+
+def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten_advantages: bool) -> Estimate:
+    """PPO's per-token advantages: GAE (Schulman et al. arXiv:1506.02438 eq. 16) over per-token
+    rewards (the sequence reward on its last token, -beta x KL on every token when placed in the
+    reward: Ouyang et al. arXiv:2203.02155 eq. 2) and the critic's values; whitened over the
+    batch's counted tokens when asked. Unscored rows (NaN) get reward 0 and no loss (mask)."""
+    values, mask = inputs.values, inputs.mask
+    kl = inputs.kl if inputs.kl is not None else torch.zeros_like(values)
+    token_rewards = kl_in_reward(torch.nan_to_num(inputs.rewards, nan=0.0), kl, mask, inputs.kl_beta, per_token=True)
+    advantages, returns = gae(token_rewards, values, mask, gamma, lam)
+    if whiten_advantages:
+        advantages = whiten(advantages, mask)
+    return Estimate(advantages, returns, {"values/mean": masked_mean(values, mask), "returns/mean": masked_mean(returns, mask),
+                                          "explained_variance": explained_variance(values, returns, mask)})
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "group": AdvantageEstimator(
+        name="group", command="grpo", algorithm="GRPO (group-relative advantages, clipped surrogate, no critic)",
+        estimate=group_estimate, settings=("advantage_scale", "advantage_eps", "unbiased_std"), needs_critic=False,
+        per_token=False, min_group_size=2,
+        kl_in_reward=("per-sequence sum: each sequence's reward minus beta x the sum of its per-token {estimator} "
+                      "estimates, before the group advantages"),
+        kl_metric="update",
+        plotted=("reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "length/mean", "loss", "entropy"),
+        describe=lambda settings: {"std": "sample (n-1)" if settings["unbiased_std"] else "population (n)"},
+    ),
+    "gae": AdvantageEstimator(
+        name="gae", command="ppo", algorithm="PPO with a learned critic (GAE advantages, clipped surrogate, clipped value loss)",
+        estimate=gae_estimate, settings=("gamma", "lam", "whiten_advantages"), needs_critic=True, per_token=True, min_group_size=1,
+        kl_in_reward="per-token penalty: -beta x the {estimator} estimate in each token's reward before GAE (Ouyang et al. eq. 2)",
+        kl_metric="rollout",
+        plotted=("reward/mean", "heldout/pass@1", "kl/estimate", "value_loss", "length/mean", "loss"),
+        reward_placement="verifier score on the last response token",
+    ),
+}
+"""Every advantage estimator by its `loss.advantage` name."""
