@@ -418,3 +418,44 @@ def test_to_moves_every_tensor_and_nothing_else(two_rollouts):
             assert (value.shape, value.dtype) == (original.shape, original.dtype), field.name
         else:
             assert value == original, field.name
+
+
+def episode_like(rollout: Rollout, seen: slice) -> Rollout:
+    """The rollout with the completion columns `seen` turned into a tool's output: attended, not trained."""
+    attention = rollout.mask.clone()
+    mask = rollout.mask.clone()
+    mask[:, seen] = False
+    return dataclasses.replace(rollout, mask=mask, attention=attention)
+
+
+def test_attention_apart_from_the_loss_mask_is_seen_not_trained(tiny):
+    """A completion whose columns 2-3 are a tool's output (attention True, loss mask False): the
+    forward attends to them (a later token's logits change when they change), every row keeps its
+    length, select / concat / to carry the attention mask, and the online loss's gradient at those
+    positions is exactly zero."""
+    from posttrain.algorithms import aggregate, clipped_surrogate, token_logprobs
+    from posttrain.models.forward import completion_logits
+
+    model, tokenizer = tiny
+    rollout = generate(model, tokenizer, ["12+34=", "5+6="], group_size=2, sampling=SamplingConfig(max_new_tokens=8, min_new_tokens=8), seed=1)
+    episode = episode_like(rollout, slice(2, 4))
+    inputs, P, T = episode.forward_inputs(), episode.prompt_ids.shape[1], episode.completion_ids.shape[1]
+    assert torch.equal(inputs["attention_mask"][:, P:].bool(), rollout.mask) and torch.equal(episode.lengths, rollout.lengths)
+    changed = dataclasses.replace(episode, completion_ids=episode.completion_ids.clone())
+    changed.completion_ids[:, 2] = (changed.completion_ids[:, 2] + 1) % model.config.vocab_size
+    rows = torch.arange(4)
+    with torch.no_grad():
+        _, logits = completion_logits(model, inputs, rows, P, T, shared_prefix=False)
+        _, changed_logits = completion_logits(model, changed.forward_inputs(), rows, P, T, shared_prefix=False)
+    assert not torch.allclose(logits[:, 5], changed_logits[:, 5]), "the tool's output is not attended"
+    assert torch.equal(episode.select(torch.tensor([2, 3])).attention, episode.attention[2:])
+    assert torch.equal(Rollout.concat([(episode, [1]), (rollout, [0])]).completion_attention_mask,
+                       torch.cat([episode.attention[2:], rollout.mask[:2]]))
+    assert episode.to("cpu").attention is episode.attention and rollout.attention is None
+
+    _, logits = completion_logits(model, inputs, rows, P, T, shared_prefix=False)
+    logprobs = token_logprobs(logits, episode.completion_ids, 1.0)
+    logprobs.retain_grad()
+    per_token, _ = clipped_surrogate(logprobs, logprobs.detach(), torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.2, 0.2, None)
+    aggregate(per_token, episode.mask, "token_mean", episode.mask.sum(), 4, max_length=T).backward()
+    assert torch.all(logprobs.grad[:, 2:4] == 0) and torch.all(logprobs.grad[episode.mask] != 0)

@@ -25,7 +25,8 @@ class Rollout:
     completion_ids: torch.Tensor
     """(N, T) long: sampled tokens, right-padded with ``pad_token_id`` (which may equal EOS)."""
     mask: torch.Tensor
-    """(N, T) bool: True = this completion token counts, including the EOS that ends it."""
+    """(N, T) bool, the LOSS mask: True = this completion token is trained on (counts in every loss,
+    aggregation, KL, mismatch and entropy), including the EOS that ends it."""
     sampler_logprobs: torch.Tensor
     """(N, T) float32: log-prob of each sampled token under the distribution it was drawn from
     (temperature, then top-k / top-p / min-length EOS ban, renormalised); 0 for greedy; 0 at padding."""
@@ -47,14 +48,24 @@ class Rollout:
     """The settings the rows were sampled with."""
     pad_token_id: int
     """The id used for padding in ``prompt_ids`` and ``completion_ids``."""
+    attention: torch.Tensor | None = None
+    """(N, T) bool, the ATTENTION mask of the completion: True = a real token the model sees (what
+    it generated and, in a multi-turn episode, a tool's output, which is seen but never trained:
+    attention True, ``mask`` False). None: the same as ``mask`` (a single-turn rollout)."""
+
+    @property
+    def completion_attention_mask(self) -> torch.Tensor:
+        """(N, T) bool: ``attention``, or ``mask`` when the two are the same (single turn)."""
+        return self.mask if self.attention is None else self.attention
 
     @property
     def lengths(self) -> torch.Tensor:
-        """(N,) long: number of completion tokens that count (``mask.sum(-1)``)."""
-        return self.mask.sum(-1)
+        """(N,) long: number of real completion tokens (attended: generated, and tool output in an episode)."""
+        return self.completion_attention_mask.sum(-1)
 
     def forward_inputs(self) -> dict[str, torch.Tensor]:
         """Inputs of a no-cache training forward pass over prompt + completion: ``model(**inputs)``.
+        The completion's attention is ``completion_attention_mask`` (never the loss mask).
 
         Layout of a row: ``[left padding][prompt][completion][right padding]``, width P + T. Position
         ids count real tokens only, exactly as during generation, so the logits reproduce the sampler's.
@@ -66,7 +77,7 @@ class Rollout:
             ``position_ids`` (N, P + T) long.
         """
         input_ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
-        attention_mask = torch.cat([self.prompt_attention_mask, self.mask], dim=1).long()
+        attention_mask = torch.cat([self.prompt_attention_mask, self.completion_attention_mask], dim=1).long()
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
@@ -85,6 +96,7 @@ class Rollout:
             finished=self.finished[rows], truncated=self.truncated[rows],
             texts=[self.texts[i] for i in rows.tolist()],
             prompt_index=torch.arange(len(rows) // G, device=self.prompt_index.device).repeat_interleave(G),
+            attention=None if self.attention is None else self.attention[rows],
         )
 
     @classmethod
@@ -119,6 +131,8 @@ class Rollout:
             group_size=G,
             sampling=first.sampling,
             pad_token_id=first.pad_token_id,
+            attention=None if all(r.attention is None for r, _ in pick)
+            else _pad([r.completion_attention_mask[i] for r, i in pick], T, False, left=False),
         )
 
     def to(self, device: torch.device | str) -> Rollout:
