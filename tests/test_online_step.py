@@ -119,3 +119,24 @@ def test_lora_two_steps(tmp_path, recipe):
     assert lora_b and any(value.abs().sum() > 0 for value in lora_b), "LoRA B starts at zero: a non-zero B was trained"
     card = json.loads((run_dir / "run_card.json").read_text())
     assert card["links"]["loss"]["algorithm"].startswith(recipe.upper())
+
+
+def test_the_online_data_source_samples_through_the_states_sampler():
+    """The sampler seam: a sampler that records what it is given and delegates to `single_turn`
+    gives the same batch as the default, and receives the step's examples beside their prompts."""
+    from posttrain.rollout.sampler import single_turn
+
+    config = build_config(online_config.grpo_config, None, copy.deepcopy(SMALL))
+    default = online.sample(online.setup(config, reward=digits))
+    state, calls = online.setup(config, reward=digits), []
+
+    def recording(policy, tokenizer, examples, prompts, **settings):
+        calls.append((list(examples), list(prompts), settings))
+        return single_turn(policy, tokenizer, examples, prompts, **settings)
+
+    state.sampler = recording
+    batch = online.sample(state)
+    assert torch.equal(batch.rollout.completion_ids, default.rollout.completion_ids)
+    (examples, prompts, settings), = calls
+    assert [e.id for e in examples] == [e.id for e in batch.examples] and prompts == batch.rendered
+    assert settings["group_size"] == 4 and settings["shard"] is None

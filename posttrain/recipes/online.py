@@ -63,6 +63,7 @@ from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.timer import Timer
+from posttrain.rollout.sampler import Sampler, single_turn
 from posttrain.runs.skeleton import StepLoop, card_run_part, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
@@ -100,6 +101,8 @@ class State:
     reference_refreshed_at: list[int] = field(default_factory=list)
     placement: Placement = field(default_factory=cpu_placement)
     """The device and precision every model, batch and forward of the run uses."""
+    sampler: Sampler = single_turn
+    """What turns the step's prompts into rows (`rollout/sampler.py`): one turn by default."""
 
 
 def setup(config: Config, reward: Any = None, world: World | None = None, placement: Placement | None = None) -> State:
@@ -168,7 +171,7 @@ def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
         return sample_and_score(
             state.policy, state.tokenizer, state.stream, state.verifier, prompts=config.data.prompts_per_step,
             group_size=config.data.group_size, sampling=config.sampling, seed=config.seed, step=state.step, timer=timer,
-            system_prompt=config.data.system_prompt, refill_rounds=refill_rounds, world=state.world,
+            system_prompt=config.data.system_prompt, refill_rounds=refill_rounds, world=state.world, sampler=state.sampler,
         )
 
 

@@ -18,7 +18,8 @@ from posttrain.data.stream import PromptStream
 from posttrain.distributed import World
 from posttrain.rewards import Verifier
 from posttrain.rewards.scores import Scores, score_rows
-from posttrain.rollout import Rollout, SamplingConfig, generate
+from posttrain.rollout import Rollout, SamplingConfig
+from posttrain.rollout.sampler import Sampler, single_turn
 
 
 @dataclass
@@ -95,8 +96,9 @@ class ScoredBatch:
 
 def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier, *, prompts: int, group_size: int,
                      sampling: SamplingConfig, seed: int, step: int, timer, system_prompt: str | None = None,
-                     refill_rounds: int | None = None, world: World | None = None) -> ScoredBatch:
-    """Sample and score `prompts` (B) x `group_size` (G) rows. With `refill_rounds` (DAPO dynamic
+                     refill_rounds: int | None = None, world: World | None = None,
+                     sampler: Sampler = single_turn) -> ScoredBatch:
+    """Sample (with `sampler`: one turn by default) and score `prompts` (B) x `group_size` (G) rows. With `refill_rounds` (DAPO dynamic
     sampling), groups without signal are dropped and replaced by fresh prompts for up to that many
     extra rounds (the batch may stay short). Under torchrun each rank samples and scores its block
     of each round's prompts and the results are gathered, so every rank returns the same global
@@ -116,8 +118,8 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
         rollout = scores = None
         if len(mine):  # a short refill round may leave a rank nothing to sample
             with timer("generation"):
-                rollout = generate(policy, tokenizer, rendered[mine.start:mine.stop], group_size=G, sampling=sampling,
-                                   seed=round_seed, shard=(mine.start, len(examples)) if world.active else None)
+                rollout = sampler(policy, tokenizer, examples[mine.start:mine.stop], rendered[mine.start:mine.stop], group_size=G,
+                                  sampling=sampling, seed=round_seed, shard=(mine.start, len(examples)) if world.active else None)
             with timer("scoring"):
                 rows = [verifier_input(e) for e in examples[mine.start:mine.stop]]
                 scores = score_rows(verifier, rollout.texts, rows, rollout.prompt_index.tolist())

@@ -1,0 +1,31 @@
+"""The sampler seam: what the online data source calls to turn B rendered prompts into B x G rows.
+
+A sampler is any callable with `Sampler`'s signature that returns a `Rollout` (group-contiguous
+rows, the log-probs of what was sampled, a loss mask and, where it differs, an attention mask).
+`single_turn` (one completion per row, `generate`) is the first; a multi-turn episode sampler that
+runs tools between turns is another, and is one new module here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from posttrain.rollout.batch import Rollout
+from posttrain.rollout.engine import generate
+from posttrain.rollout.sampling import SamplingConfig
+
+
+class Sampler(Protocol):
+    def __call__(self, policy, tokenizer, examples: Sequence[Any], prompts: Sequence[str], *, group_size: int,
+                 sampling: SamplingConfig, seed: int, shard: tuple[int, int] | None) -> Rollout:
+        """B x G rows for the B `examples` (their data records: an episode's environment resets from
+        one) whose `prompts` are rendered as the model sees them. `seed` and `shard` as in `generate`:
+        the same seed gives each row the same tokens whichever rank samples it."""
+        ...
+
+
+def single_turn(policy, tokenizer, examples: Sequence[Any], prompts: Sequence[str], *, group_size: int,
+                sampling: SamplingConfig, seed: int, shard: tuple[int, int] | None = None) -> Rollout:
+    """One completion per row: `generate` on the rendered prompts (the examples are not read)."""
+    return generate(policy, tokenizer, list(prompts), group_size=group_size, sampling=sampling, seed=seed, shard=shard)
