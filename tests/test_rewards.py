@@ -274,3 +274,58 @@ def test_extract_code_and_normalize_output():
     assert extract_code("print(3)", "auto") == "print(3)"
     assert extract_code("print(3)", "fenced") == ""
     assert normalize_output("1 2 \n3\n\n") == normalize_output("1 2\n3") == "1 2\n3"
+
+
+def test_a_reward_kind_registered_with_a_factory_gets_the_runs_placement_and_world():
+    """The open reward seam: a new kind is one registry entry; its factory gets the spec and a
+    context with the run's placement and world (where a reward model would run)."""
+    from posttrain.distributed import World
+    from posttrain.hardware import cpu_placement
+    from posttrain.rewards import registry
+
+    seen = {}
+
+    def factory(spec, context):
+        seen.update(spec=spec, device=str(context.placement.device), world=context.world.size, tests=context.tests)
+        return registry.get_verifier("exact")
+
+    registry.register_reward("test-rm", factory, usage="test-rm:<directory>")
+    try:
+        verifier = as_verifier(None, "test-rm:/models/rm", placement=cpu_placement(), world=World())
+        assert verifier.name == "exact" and seen == {"spec": "/models/rm", "device": "cpu", "world": 1, "tests": "half"}
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register_reward("test-rm", factory, usage="test-rm:<directory>")
+        with pytest.raises(UserError, match="test-rm:<directory>"):  # the kinds a bad name is told about
+            as_verifier(None, "nope")
+    finally:
+        registry.PREFIXED_KINDS.pop("test-rm")
+
+
+class BatchScorer:
+    """Scores a whole batch at once, as a reward model would; counts its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def batch(self, completions, examples):
+        self.calls.append(len(completions))
+        return [float(len(c) % 2) for c in completions]
+
+
+def test_an_object_that_scores_a_batch_is_one_call_per_batch():
+    scorer = BatchScorer()
+    verifier = as_verifier(scorer, "exact")
+    verdicts = verifier.batch(["a", "bb", "ccc"], [{}, {}, {}])
+    assert [v.reward for v in verdicts] == [1.0, 0.0, 1.0] and scorer.calls == [3]
+    scorer.batch = lambda completions, examples: [1.0]  # the wrong length: every row infra_error, named
+    assert {v.status for v in verifier.batch(["a", "b"], [{}, {}])} == {"infra_error"}
+    assert "returned 1 results for 2 rows" in verifier.batch(["a", "b"], [{}, {}])[0].reason
+
+
+def test_verifier_rows_carry_the_conversation_and_the_rendered_prompt():
+    from posttrain.data.examples import Example, verifier_input
+
+    chat = Example(id="c1", messages=[{"role": "user", "content": "2+2?"}], answer="4")
+    row = verifier_input(chat, "<|user|>2+2?<|assistant|>")
+    assert row["prompt"] is None and row["messages"] == [{"role": "user", "content": "2+2?"}]
+    assert row["rendered_prompt"] == "<|user|>2+2?<|assistant|>" and row["answer"] == "4"

@@ -107,9 +107,16 @@ def require_examples(task: Task, batch_size: int = 1) -> None:
         )
 
 
-def verifier_input(example: Example) -> dict[str, Any]:
-    """The plain mapping a verifier scores against (gold answer, tests, entry point, metadata)."""
+def verifier_input(example: Example, rendered_prompt: str | None = None) -> dict[str, Any]:
+    """The plain mapping a verifier scores against (gold answer, tests, entry point, metadata), with
+    the conversation (`messages`) of a chat prompt, whose `prompt` is None, and the prompt as the
+    policy saw it (`rendered_prompt`, chat template applied) when given: what a reward model or a
+    judge re-renders with its own template."""
     row: dict[str, Any] = {"id": example.id, "prompt": example.prompt, **example.metadata}
+    if example.messages is not None:
+        row["messages"] = [dict(message) for message in example.messages]
+    if rendered_prompt is not None:
+        row["rendered_prompt"] = rendered_prompt
     if example.answer is not None:
         row["answer"] = example.answer
     if example.tests is not None:

@@ -110,7 +110,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     checker = None
     if held_task is not None:
         checker = as_verifier(None, task_spec["checker"], config.reward_options, config.unsafe_no_sandbox, for_checker=True,
-                              setting="acceptance.checker")
+                              setting="acceptance.checker", placement=placement, world=world)
         checker.prepare()
     warn_if_unsafe(config.unsafe_no_sandbox)
     if held_task is not None:  # a training prompt that is also a held-out problem would leak the answer

@@ -125,9 +125,10 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
         judge = as_verifier(None, DEFAULT_REWARDS[train.reward_kind], judge_options, config.unsafe_no_sandbox, for_checker=True)
         screening = screen_problems(train, held_out, judge, preflight=config.data.preflight,
                                     exclude_weak_tests=config.data.exclude_weak_tests)
-    verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox)
+    verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox,
+                           placement=placement, world=world)
     checker = as_verifier(None, config.acceptance.checker or default_checker(held_out),
-                          config.reward_options, config.unsafe_no_sandbox, for_checker=True)
+                          config.reward_options, config.unsafe_no_sandbox, for_checker=True, placement=placement, world=world)
     warn_if_unsafe(config.unsafe_no_sandbox)
     logger.info("training reward %s, held-out checker %s (task %s, gold format %s)", verifier.name, checker.name,
                 config.data.task, train.reward_kind)

@@ -121,7 +121,7 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
                 rollout = sampler(policy, tokenizer, examples[mine.start:mine.stop], rendered[mine.start:mine.stop], group_size=G,
                                   sampling=sampling, seed=round_seed, shard=(mine.start, len(examples)) if world.active else None)
             with timer("scoring"):
-                rows = [verifier_input(e) for e in examples[mine.start:mine.stop]]
+                rows = [verifier_input(e, r) for e, r in zip(examples[mine.start:mine.stop], rendered[mine.start:mine.stop])]
                 scores = score_rows(verifier, rollout.texts, rows, rollout.prompt_index.tolist())
         owners = torch.arange(world.size).repeat_interleave(torch.tensor([len(b) for b in world.blocks(len(examples))]) * G)
         if world.active:  # every rank gets the whole round, in global row order (through the CPU: a pickled

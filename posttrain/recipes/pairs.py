@@ -148,7 +148,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     name = settings.verifier or DEFAULT_REWARDS.get(train.reward_kind)
     if name is None:
         raise UserError(f"data.task {data.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")
-    verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier")
+    verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier", placement=placement)
     warn_if_unsafe(settings.unsafe_no_sandbox)
     verifier.prepare()
     G = settings.group_size
@@ -160,7 +160,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
         with placement.autocast():
             rollout = generate(model, tokenizer, prompts, group_size=G, sampling=settings.sampling,
                                seed=derived_seed(settings.seed, "pairs", str(start)))
-        verdicts = verifier.batch(rollout.texts, [verifier_input(chunk[b]) for b in rollout.prompt_index.tolist()])
+        verdicts = verifier.batch(rollout.texts, [verifier_input(chunk[b], prompts[b]) for b in rollout.prompt_index.tolist()])
         for verdict in verdicts:
             if verdict.status in errors:
                 errors[verdict.status] += 1

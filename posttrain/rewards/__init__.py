@@ -11,9 +11,9 @@ for the exploit suite each shipped verifier must pass.
 """
 
 from posttrain.rewards.base import Verifier
-from posttrain.rewards.registry import NAMES, RewardOptions, WeightedSum, as_verifier, get_verifier
+from posttrain.rewards.registry import REWARD_KINDS, RewardContext, RewardOptions, WeightedSum, as_verifier, get_verifier, register_reward
 from posttrain.rewards.sandbox import SandboxConfig, SandboxUnavailable, check_isolation
 from posttrain.rewards.verdict import Verdict
 
-__all__ = ["NAMES", "SandboxConfig", "SandboxUnavailable", "Verdict", "Verifier", "WeightedSum",
+__all__ = ["REWARD_KINDS", "RewardContext", "register_reward", "SandboxConfig", "SandboxUnavailable", "Verdict", "Verifier", "WeightedSum",
            "RewardOptions", "as_verifier", "check_isolation", "get_verifier"]

@@ -9,7 +9,9 @@ ok, bool counting as 0/1, anything else infra_error):
 * a callable object (`FunctionVerifier`, what `as_verifier` makes of a plain callable): run in
   this process, because a function defined in a script or a notebook cannot be imported by a
   worker; it gets a plain dict copy of the example, and an exception is infra_error
-  "<ExceptionType>: <message>".
+  "<ExceptionType>: <message>";
+* an object with a `batch(completions, examples)` method (`BatchFunctionVerifier`): one call per
+  batch in this process (a model that scores rows together), returning one result per row.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import importlib
 import math
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from posttrain.rewards.base import Verifier
@@ -104,3 +106,33 @@ class FunctionVerifier(Verifier):
         except Exception as error:  # noqa: BLE001 - the user's bug, reported, never a silent 0
             return Verdict.infra_error(f"{type(error).__name__}: {error}")
         return verdict_from_result(result, self.name, "user function")
+
+
+class BatchFunctionVerifier(Verifier):
+    """Wraps an object whose `batch(completions, examples)` returns one number or Verdict per row
+    (in order); called once per batch in this process. An exception, or a result of the wrong
+    length, makes every row of that batch infra_error naming it."""
+
+    def __init__(self, scorer: Any):
+        self.scorer = scorer
+        self.name = f"python:{type(scorer).__qualname__}.batch"
+
+    def implementation(self) -> dict[str, str]:
+        """The user's scorer."""
+        return {"function": self.name}
+
+    def score(self, completion: str, example: Mapping) -> Verdict:
+        """One row (see `batch`)."""
+        return self.batch([completion], [example])[0]
+
+    def batch(self, completions: Sequence[str], examples: Sequence[Mapping[str, Any]], workers: int | None = None) -> list[Verdict]:
+        """One call of the scorer's batch on plain dict copies of the examples; each result as `verdict_from_result`."""
+        if len(completions) != len(examples):
+            raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
+        try:
+            results = list(self.scorer.batch(list(completions), [dict(example) for example in examples]))
+        except Exception as error:  # noqa: BLE001 - the user's bug, reported, never a silent 0
+            return [Verdict.infra_error(f"{type(error).__name__}: {error}")] * len(completions)
+        if len(results) != len(completions):
+            return [Verdict.infra_error(f"{self.name} returned {len(results)} results for {len(completions)} rows")] * len(completions)
+        return [verdict_from_result(result, self.name, "user batch scorer") for result in results]

@@ -1,4 +1,5 @@
-"""Verifiers by name, and weighted composition.
+"""Verifiers by name (the reward-kind registry: `REWARD_KINDS`, `PREFIXED_KINDS`, `register_reward`),
+and weighted composition.
 
 Names: `math`, `exact`, `numeric`, `choice`, `integer`, `letter`, `text_match`, `math_equal` and `rg_answer` (checkers), `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
 `callable:<dotted.path>`, and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
@@ -18,7 +19,7 @@ from posttrain.rewards.answers import ChoiceVerifier, ExactVerifier, MathVerifie
 from posttrain.rewards.base import Verifier
 from posttrain.rewards.checkers import IntegerChecker, LetterChecker, MathChecker, StoredAnswerChecker, TextMatchChecker
 from posttrain.rewards.code import CODE_POLICIES, CODE_TESTS, HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
-from posttrain.rewards.custom import CallableVerifier, FunctionVerifier
+from posttrain.rewards.custom import BatchFunctionVerifier, CallableVerifier, FunctionVerifier
 from posttrain.rewards.format import FormatVerifier
 from posttrain.rewards.gym import ReasoningGymVerifier
 from posttrain.rewards.sandbox import SandboxConfig
@@ -30,7 +31,6 @@ ANSWER_VERIFIERS = {"math": MathVerifier, "exact": ExactVerifier, "numeric": Num
 CHECKERS = {"integer": IntegerChecker, "letter": LetterChecker, "text_match": TextMatchChecker, "math_equal": MathChecker,
             "rg_answer": StoredAnswerChecker}
 """Checkers written apart from the training rewards (posttrain/rewards/checkers.py)."""
-NAMES = (*ANSWER_VERIFIERS, *CHECKERS, "format", *CODE_VERIFIERS)
 
 
 class WeightedSum(Verifier):
@@ -78,15 +78,68 @@ class WeightedSum(Verifier):
                 "components": [{"weight": w, **v.describe()} for w, v in self.components]}
 
 
+@dataclass(frozen=True)
+class RewardContext:
+    """What a reward kind's factory may use beyond its name: the sandbox limits and reward settings,
+    and where the run's models live (a reward model or a judge runs on `placement`'s device, batched,
+    and knows its rank from `world`)."""
+
+    sandbox: SandboxConfig | None = None
+    fraction: bool = False
+    """Code rewards: tests passed / total instead of all-or-nothing."""
+    extraction: str | None = None
+    """Answer rewards: the extraction policy (None: the verifier's default)."""
+    tests: str = "all"
+    """Code rewards: which of a row's tests run (`CODE_TESTS`)."""
+    placement: Any = None
+    """The run's `hardware.Placement` (device, precision); None: the CPU in float32."""
+    world: Any = None
+    """The run's `distributed.World`; None: one process."""
+
+
+RewardFactory = Callable[[str, RewardContext], Verifier]
+"""factory(spec, context) -> Verifier: `spec` is the part after `<kind>:` for a prefixed kind, else the name."""
+
+REWARD_KINDS: dict[str, RewardFactory] = {
+    **{name: (lambda spec, context, kind=kind: kind(**({"extraction": context.extraction} if context.extraction else {})))
+       for name, kind in ANSWER_VERIFIERS.items()},
+    **{name: (lambda spec, context, kind=kind: kind()) for name, kind in CHECKERS.items()},
+    "format": lambda spec, context: FormatVerifier(),
+    **{name: (lambda spec, context, kind=kind: kind(sandbox=context.sandbox, fraction=context.fraction, tests=context.tests))
+       for name, kind in CODE_VERIFIERS.items()},
+}
+"""Reward kinds by name: one entry per verifier a config can name."""
+PREFIXED_KINDS: dict[str, tuple[RewardFactory, str]] = {"callable": (lambda path, context: CallableVerifier(path), "callable:<dotted.path>")}
+"""Reward kinds named `<kind>:<spec>`, each (factory, how it is written): callable:<dotted.path>
+(a reward model's rm:<directory> would be one more)."""
+
+
+def register_reward(name: str, factory: RewardFactory, usage: str | None = None) -> None:
+    """Add a reward kind: `name` then builds `factory(name, context)`; with `usage` (how it is
+    written, e.g. "rm:<directory>") it is a prefixed kind and `name:<spec>` builds `factory(spec, context)`."""
+    if name in REWARD_KINDS or name in PREFIXED_KINDS:
+        raise ValueError(f"reward kind {name!r} is already registered")
+    if usage is None:
+        REWARD_KINDS[name] = factory
+    else:
+        PREFIXED_KINDS[name] = (factory, usage)
+
+
 def get_verifier(name: str, *, sandbox: SandboxConfig | None = None, fraction: bool = False,
-                 extraction: str | None = None, tests: str = "all") -> Verifier:
-    """Build a verifier from its name (see the module docstring).
+                 extraction: str | None = None, tests: str = "all", placement: Any = None, world: Any = None) -> Verifier:
+    """Build a verifier from its name (see the module docstring) through the reward-kind registry.
 
     `sandbox` sets the limits of code verifiers (and `unsafe_no_sandbox`); `fraction` makes
     code rewards passed/total instead of all-or-nothing; `extraction` overrides the answer
     extraction policy of math/exact/numeric/rg; `tests` which of a row's tests code verifiers run
-    (`CODE_TESTS`: all, half).
+    (`CODE_TESTS`: all, half); `placement` and `world` where model-based rewards run.
     """
+    return build_reward(name, RewardContext(sandbox=sandbox, fraction=fraction, extraction=extraction, tests=tests,
+                                            placement=placement, world=world))
+
+
+def build_reward(name: str, context: RewardContext) -> Verifier:
+    """The verifier `name` names in `context`: a weighted sum of kinds, `<kind>:<spec>`, or a kind."""
     name = name.strip()
     if "+" in name or "*" in name:
         components = []
@@ -95,21 +148,15 @@ def get_verifier(name: str, *, sandbox: SandboxConfig | None = None, fraction: b
             if not match:
                 raise ValueError(f"cannot read verifier term {term!r} in {name!r}")
             weight = float(match.group(1)) if match.group(1) else 1.0
-            components.append((weight, get_verifier(match.group(2), sandbox=sandbox, fraction=fraction,
-                                                    extraction=extraction, tests=tests)))
+            components.append((weight, build_reward(match.group(2), context)))
         return WeightedSum(components)
-    if name.startswith("callable:"):
-        return CallableVerifier(name.partition(":")[2])
-    if name in CODE_VERIFIERS:
-        return CODE_VERIFIERS[name](sandbox=sandbox, fraction=fraction, tests=tests)
-    if name in ANSWER_VERIFIERS:
-        return ANSWER_VERIFIERS[name](**({"extraction": extraction} if extraction else {}))
-    if name in CHECKERS:
-        return CHECKERS[name]()
-    if name == "format":
-        return FormatVerifier()
-    raise ValueError(f"unknown verifier {name!r}; choose from {', '.join(NAMES)}, "
-                     "callable:<dotted.path> or a weighted sum like 0.9*math+0.1*format")
+    kind, separator, spec = name.partition(":")
+    if separator and kind in PREFIXED_KINDS:
+        return PREFIXED_KINDS[kind][0](spec, context)
+    if name in REWARD_KINDS:
+        return REWARD_KINDS[name](name, context)
+    raise ValueError(f"unknown verifier {name!r}; choose from {', '.join(REWARD_KINDS)}, "
+                     + ", ".join(usage for _, usage in PREFIXED_KINDS.values()) + " or a weighted sum like 0.9*math+0.1*format")
 
 
 @dataclass(frozen=True)
@@ -141,22 +188,26 @@ class RewardOptions:
 
 
 def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str, options: RewardOptions | None = None,
-                unsafe_no_sandbox: bool = False, *, for_checker: bool = False, setting: str | None = None) -> Verifier:
-    """The reward a recipe scores with: a `Verifier` as is; a plain callable `fn(completion,
-    example)` as a `FunctionVerifier` (in this process, named `python:<qualname>`); otherwise
-    (None) the verifier called `name` with `options` (a held-out checker, `for_checker`, never takes
-    partial credit), whose ValueError becomes a one-line `UserError` naming `setting` (default
-    `reward`, or `acceptance.checker` for a checker)."""
+                unsafe_no_sandbox: bool = False, *, for_checker: bool = False, setting: str | None = None,
+                placement: Any = None, world: Any = None) -> Verifier:
+    """The reward a recipe scores with: a `Verifier` as is; an object with a `batch(completions,
+    examples)` method as a `BatchFunctionVerifier` (one call per batch); a plain callable
+    `fn(completion, example)` as a `FunctionVerifier` (in this process, named `python:<qualname>`);
+    otherwise (None) the verifier called `name` with `options`, built in the run's `placement` and
+    `world` (a held-out checker, `for_checker`, never takes partial credit), whose ValueError becomes
+    a one-line `UserError` naming `setting` (default `reward`, or `acceptance.checker` for a checker)."""
     if isinstance(reward, Verifier):
         return reward
+    if callable(getattr(reward, "batch", None)):
+        return BatchFunctionVerifier(reward)
     if callable(reward):
         return FunctionVerifier(reward)
     options = options or RewardOptions()
     try:
-        verifier = get_verifier(name, sandbox=options.sandbox(unsafe_no_sandbox),
-                                fraction=options.partial_credit and not for_checker,
-                                extraction=None if _is_code(name) else options.extraction,
-                                tests="all" if for_checker else options.tests)
+        verifier = build_reward(name, RewardContext(
+            sandbox=options.sandbox(unsafe_no_sandbox), fraction=options.partial_credit and not for_checker,
+            extraction=None if _is_code(name) else options.extraction, tests="all" if for_checker else options.tests,
+            placement=placement, world=world))
     except (ValueError, TypeError) as error:
         raise UserError(f"{setting or ('acceptance.checker' if for_checker else 'reward')}: {error}") from None
     if options.extraction and _is_code(name):
