@@ -66,7 +66,7 @@ class Config:
     eval_size: int = 500
     """Held-out problems, never trained on, scored by the `integer` checker (written apart from the
     `exact` training reward and labeller: posttrain/rewards/checkers.py)."""
-    sft_steps: int = 400
+    sft_steps: int = 600
     """SFT steps (presets/tiny-sft.yaml): enough for partial competence (some groups right, some wrong)."""
     grpo_steps: int = 50
     """GRPO steps (presets/tiny-grpo.yaml), and DPO steps."""
