@@ -8,8 +8,8 @@ so alone, says why, and rewrites the files:
 
     POSTTRAIN_GOLDEN_WRITE=1 .venv/bin/python -m pytest tests/test_golden.py
 
-Exact float equality holds for one build of torch on one kind of processor (oneDNN and the rollout
-kernels choose their code by the CPU's instruction sets). Each file records the machine it was
+Exact float equality holds for one build of torch and transformers on one kind of processor (oneDNN
+and the rollout kernels choose their code by the CPU's instruction sets). Each file records the machine it was
 written on; on another (other instruction sets, another torch), the metrics are compared to 1e-4
 relative and each tensor's float64 sum, sum of squares and dot with a fixed random vector to 1e-4
 relative, and the test says which machine it fell back from.
@@ -56,13 +56,17 @@ CASES = {
 
 
 def machine() -> dict:
-    """What exact float results depend on: torch, the processor's vector instruction sets, threads."""
+    """What exact float results depend on: torch and transformers, the processor's vector
+    instruction sets, threads."""
+    import transformers
+
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
     except (OSError, StopIteration):
         flags = []
     vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4", "f16c")))
-    return {"torch": torch.__version__, "arch": platform.machine(), "vector_flags": vector, "threads": 1}
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "arch": platform.machine(),
+            "vector_flags": vector, "threads": 1}
 
 
 def tensor_record(tensor: torch.Tensor) -> dict:
