@@ -41,7 +41,7 @@ from posttrain.data.preference import load_pairs, prompt_key
 from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, gradient_sync, unwrap, wrap
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import evaluate_sets, IN_DISTRIBUTION, default_checker, heldout_split, independence, shifted_sets
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_checker, evaluate_sets, heldout_split, independence, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
 from posttrain.models.forward import TrainingForward
@@ -50,11 +50,11 @@ from posttrain.models.pair_forward import PairLogprobs, pair_logprobs, precomput
 from posttrain.optim import clip_and_step, make_optimizer
 from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config, Loss
 from posttrain.rewards import as_verifier, get_verifier
-from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
+from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.timer import Timer
-from posttrain.runs.skeleton import StepLoop, card_run_part, closing, open_run, start, warn_if_unsafe
+from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
@@ -158,9 +158,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     card["alarms"] = list(alarm.rings)
     card_run_part(card, config, placement, world, changes)
 
-    def write_card() -> None:
-        if world.main:
-            write_run_card(run_dir.path, card)
+    write_card = card_writer(run_dir, card, world)
 
     def evaluate_on_rank0(step: int) -> dict:
         with full_weights(policy), full_weights(frozen), placement.autocast(), memory_guard(step, MEMORY_KNOBS, phase="evaluation"):

@@ -58,13 +58,13 @@ from posttrain.recipes.online_config import Config
 from posttrain.recipes.online_data import ScoredBatch, sample_and_score
 from posttrain.recipes.screening import LAYOUTS, screen_problems
 from posttrain.rewards import Verifier, as_verifier
-from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
+from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.timer import Timer
 from posttrain.rollout.sampler import Sampler, single_turn
-from posttrain.runs.skeleton import StepLoop, card_run_part, closing, open_run, start, warn_if_unsafe
+from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
@@ -418,9 +418,7 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
                             rings=saved.get("alarm_rings", []))
     card = make_card(config, state, reward, changes)
 
-    def write_card() -> None:
-        if world.main:
-            write_run_card(run_dir.path, card)
+    write_card = card_writer(run_dir, card, world)
 
     write_card()
     with closing(run_dir, write_card), StepLoop(recipe, run_dir, world, state.step, config.max_steps, config.checkpoint_every,

@@ -28,16 +28,16 @@ from posttrain.distributed import Parallel, World, full_weights, gradient_sync, 
 from posttrain.errors import UserError
 from posttrain.data.files import is_data_source, resolve_columns, task_load_options
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
-from posttrain.evaluation.acceptance import evaluate_sets, IN_DISTRIBUTION, check_set_specs, default_checker, shifted_sets
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, default_checker, evaluate_sets, shifted_sets
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
 from posttrain.optim import Optimization, clip_and_step, make_optimizer
 from posttrain.rewards import RewardOptions, Verifier, as_verifier
-from posttrain.runs import RunDirectory, new_card, plot_metrics, write_run_card
+from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.timer import Timer
-from posttrain.runs.skeleton import StepLoop, card_run_part, closing, open_run, start, warn_if_unsafe
+from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
@@ -250,9 +250,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     card = make_card(config, data)
     card_run_part(card, config, placement, world, changes)
 
-    def write_card() -> None:
-        if world.main:
-            write_run_card(run_dir.path, card)
+    write_card = card_writer(run_dir, card, world)
 
     write_card()
     model.train()

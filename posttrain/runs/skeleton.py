@@ -5,6 +5,7 @@ numbered loop.
     ...                                                    # the links: what fails on bad input fails here
     run_dir, config, changes = open_run("sft", config, world, resume, resume_changed_config)
     card_run_part(card, config, placement, world, changes)
+    write_card = card_writer(run_dir, card, world)
     with closing(run_dir, write_card), StepLoop("sft", run_dir, world, first, max_steps, checkpoint_every, eval_every) as loop:
         for done in loop:
             ...                                            # sample / score / step
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from posttrain.config import save_yaml
 from posttrain.distributed import World, init_world
 from posttrain.hardware import Placement, resolve
+from posttrain.runs.card import write_run_card
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import RunDirectory, default_output_dir
 from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config
@@ -79,6 +81,14 @@ def card_run_part(card: dict[str, Any], config, placement: Placement, world: Wor
         card["run"]["resumed_with_changes"] = changes
     if config.unsafe_no_sandbox and UNSAFE_NOTE not in card["notes"]:
         card["notes"].insert(0, UNSAFE_NOTE)
+
+
+def card_writer(run_dir: RunDirectory, card: dict[str, Any], world: World) -> Callable[[], None]:
+    """A function that writes `card` (as it is when called) into the run directory, on rank 0 only."""
+    def write() -> None:
+        if world.main:
+            write_run_card(run_dir.path, card)
+    return write
 
 
 @contextlib.contextmanager
