@@ -30,7 +30,10 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = ROOT / "tests" / "data" / "golden"
+GOLDEN = Path(os.environ.get("POSTTRAIN_GOLDEN_DIR") or ROOT / "tests" / "data" / "golden")
+"""Where the pinned files are; POSTTRAIN_GOLDEN_DIR points elsewhere, e.g. at a baseline written
+on this machine (with POSTTRAIN_GOLDEN_WRITE=1 at the commit before a refactor) to check a change
+bit-identically where the committed files' machine differs."""
 WRITE = os.environ.get("POSTTRAIN_GOLDEN_WRITE") == "1"
 UNPINNED = ("seconds/", "tokens_per_second", "memory/")  # timings, throughput, memory: not behaviour
 
