@@ -132,7 +132,7 @@ def test_golden_trajectory(name, tmp_path):
     if WRITE:
         GOLDEN.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"machine": machine(), "arguments": CASES[name], **got}, indent=1, sort_keys=True) + "\n")
-        pytest.skip(f"wrote {path.relative_to(ROOT)}")
+        pytest.skip(f"wrote {path}")
     expected = json.loads(path.read_text())
     if expected["machine"] == machine():  # the machine the values were written on: bit-identical
         if name == "pairs":
