@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.data.provenance import write_atomically
 from posttrain.errors import WriteFailed, format_bytes, write_errno, write_failed
 from posttrain.runs import (
     RunDirectory, latest_checkpoint, load_trainer_state, plot_metrics, read_jsonl, save_checkpoint, verify_checkpoint,
@@ -294,6 +295,31 @@ def test_a_plot_that_cannot_be_written_leaves_the_previous_one(tmp_path):
     assert re.fullmatch(rf"cannot write {re.escape(str(previous))}: File too large {FREE}", result.stdout.strip()), result.stdout
     assert previous.read_bytes() == before and len(before) > 4096
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]
+
+
+TORCH_SAVE_PAST_THE_LIMIT = """
+import sys, torch
+from posttrain.data.provenance import write_atomically
+from posttrain.errors import WriteFailed
+try:
+    write_atomically(sys.argv[1], lambda handle: torch.save({"train": torch.zeros(100_000, 2)}, handle))
+except WriteFailed as error:
+    print(error)
+"""
+
+
+def test_a_reference_cache_that_cannot_be_written_leaves_the_previous_one(tmp_path):
+    """The DPO reference cache is a torch.save through `write_atomically` (torch's writer raises a
+    RuntimeError over the OSError): 800 KB of log-probs past a 64 KiB file-size limit is one line
+    naming the cache, the previous file is left byte for byte and no temporary file stays."""
+    cache = tmp_path / "reference_logprobs.pt"
+    write_atomically(cache, lambda handle: torch.save({"train": torch.ones(3, 2), "fingerprint": "f"}, handle))
+    before = cache.read_bytes()
+    result = python(TORCH_SAVE_PAST_THE_LIMIT, 64 * 2**10, str(cache))
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(rf"cannot write {re.escape(str(cache))}: File too large {FREE}", result.stdout.strip()), result.stdout
+    assert cache.read_bytes() == before and torch.load(cache, weights_only=True)["fingerprint"] == "f"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference_logprobs.pt"]
 
 # --- the command line ------------------------------------------------------------------------------
 

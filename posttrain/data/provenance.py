@@ -1,6 +1,8 @@
 """A data file's provenance sidecar: `pairs.jsonl` -> `pairs.meta.json`, next to it, saying where the
 rows came from (for `posttrain pairs` files: model, verifier, task, seed, sampling) and holding the
-file's SHA-256, so a reader can tell whether the file is still the one it describes.
+file's SHA-256, so a reader can tell whether the file is still the one it describes. Also the atomic
+file writer (`write_atomically`; `write_text_atomically` for text) that these files, the run card, eval
+results and the DPO reference cache go through.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 from posttrain.errors import UserError, WriteFailed, write_errno
 
@@ -44,25 +46,32 @@ def read_provenance(data_path: str | Path) -> dict[str, Any] | None:
     return meta
 
 
-def write_text_atomically(path: str | Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file in the same directory, fsync and rename: a crash
-    leaves the old file or the new one, never half of it. A full disk (or another write failure of
-    `errors.DISK_ERRNOS`) is a one-line `WriteFailed` naming `path`, the temporary file removed."""
+def write_atomically(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write `path` by calling `write` with a binary file open on a temporary file in the same
+    directory, then fsync and rename: a crash leaves the old file or the new one, never half of it. A
+    full disk (or another write failure of `errors.DISK_ERRNOS`, also behind torch's writer) is a
+    one-line `WriteFailed` naming `path`; the temporary file is removed whatever stopped the write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
+        with os.fdopen(handle, "wb") as stream:
+            write(stream)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
     except BaseException as error:
-        failure = WriteFailed(path, error.strerror or str(error)) if isinstance(error, OSError) and write_errno(error) else None
+        number = write_errno(error)
+        failure = WriteFailed(path, os.strerror(number)) if number else None
         Path(temporary).unlink(missing_ok=True)
         if failure is not None:
             raise failure from error
         raise
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """`write_atomically` of `text`, UTF-8."""
+    write_atomically(path, lambda stream: stream.write(text.encode("utf-8")))
 
 
 def write_with_provenance(out: str | Path, rows: list[dict], provenance: dict[str, Any]) -> None:

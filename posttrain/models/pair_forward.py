@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -19,6 +18,7 @@ from typing import Callable, Iterable
 import torch
 
 from posttrain.data import PreferenceBatch, PreferencePair, position_ids_from_attention_mask
+from posttrain.data.provenance import write_atomically
 from posttrain.distributed import World, full_weights
 from posttrain.errors import UserError
 from posttrain.models.adapters import ReferenceModel
@@ -148,10 +148,6 @@ def precomputed_reference(path: Path, model, pairs: dict[str, list[PreferencePai
     cache["fingerprint"] = fingerprint
     if not world.main:
         return cache
-    temporary = path.with_suffix(".tmp")
-    torch.save(cache, temporary)
-    with open(temporary, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    write_atomically(path, lambda handle: torch.save(cache, handle))
     logger.info("reference log-probs of %s pairs cached in %s", " + ".join(str(len(rows)) for rows in pairs.values()), path)
     return cache
