@@ -1,9 +1,10 @@
 """`posttrain <command>`: the command line.
 
-Each command lives in its own module under `posttrain/commands/` and exposes
-`register(subparsers)`, which adds its parser and sets `func` (a callable taking the parsed
-arguments and returning an exit code). Modules are found automatically, so adding a command never
-edits this file.
+The training recipes (sft, grpo, ppo, dpo, demo) are rows of one table,
+`posttrain.commands._recipe.RECIPES`; every other command lives in its own module under
+`posttrain/commands/` and exposes `register(subparsers)`, which adds its parser and sets `func` (a
+callable taking the parsed arguments and returning an exit code). Modules are found automatically,
+so adding a command never edits this file.
 """
 
 from __future__ import annotations
@@ -14,13 +15,41 @@ import logging
 import os
 import pkgutil
 import sys
+from typing import Callable
 
 from posttrain import __version__, commands
+from posttrain.commands._recipe import RECIPES
 from posttrain.errors import UserError, file_being_written, write_errno, write_failed
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are a single line and exit code 2 (no usage dump)."""
+    """An ArgumentParser whose errors are a single line and exit code 2 (no usage dump).
+
+    `deferred(parser)`, if given, adds what needs a heavy import (a recipe's config fields in the
+    epilog, explain's loss names); it is called once, the first time the parser parses or shows its
+    help, so that `posttrain --help` and every other command start without importing torch.
+    """
+
+    def __init__(self, *args, deferred: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._deferred = deferred
+
+    def _add_deferred(self) -> None:
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            deferred(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._add_deferred()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._add_deferred()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._add_deferred()
+        return super().format_usage()
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -33,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=OneLineErrorParser
     )
-    for module_info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        if module_info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{commands.__name__}.{module_info.name}")
-        module.register(subparsers)
+    registrars = {recipe.command: recipe.register for recipe in RECIPES}
+    for module_info in pkgutil.iter_modules(commands.__path__):
+        if not module_info.name.startswith("_"):
+            registrars[module_info.name] = importlib.import_module(f"{commands.__name__}.{module_info.name}").register
+    for name in sorted(registrars):  # `posttrain --help` lists the commands in this order
+        registrars[name](subparsers)
     return parser
 
 

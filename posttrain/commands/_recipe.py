@@ -1,5 +1,6 @@
-"""Command-line glue shared by the commands whose settings are a config dataclass (sft, grpo, ppo,
-dpo, demo, and pairs, which is not a training recipe).
+"""The recipe commands (sft, grpo, ppo, dpo, demo): one table, `RECIPES`, from which `posttrain/cli.py`
+registers each; and the command-line glue of every command whose settings are a config dataclass
+(the recipes, and `pairs`, which is not a training recipe: `config_command`).
 
 Every such command takes `--config FILE` and any config field as `--key value` (dotted for
 sections); a recipe command also takes `--output-dir DIR`, `--max-steps N`, `--seed N` and
@@ -12,9 +13,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.config import build_config, describe_fields, load_yaml, parse_overrides
 from posttrain.errors import UserError
 
 RESUMABLE_OVERRIDES = {"max_steps"}
@@ -27,6 +28,8 @@ def resolve_config(config_cls, args: argparse.Namespace):
     unless `--resume-changed-config` is given: then any `--key value` applies, and the recipe
     records the changes that alter the data order or the loss in the run card (`runs/faults.py`).
     """
+    from posttrain.config import build_config, load_yaml, parse_overrides  # here: posttrain.config imports torch (hardware)
+
     overrides = parse_overrides(list(getattr(args, "overrides", []) or []))
     for flag in ("output_dir", "max_steps", "seed"):
         if getattr(args, flag, None) is not None:
@@ -67,48 +70,59 @@ def config_command(subparsers, name: str, module: str, help_text: str, config: s
     `module` (a dataclass, or a function returning the defaults) as `--key value`, dotted for
     sections, and a --help that lists them. The caller adds its own flags and `func`.
 
-    `module` is imported only when --help is shown (or by the caller's `func`), so that every other
-    command starts without importing torch, transformers and peft.
+    `module` is imported only when the command is parsed or its --help shown (the epilog is the
+    parser's `deferred` part, `posttrain.cli.OneLineErrorParser`), so that every other command
+    starts without importing torch, transformers and peft.
     """
-
-    class ConfigParser(subparsers._parser_class):  # the CLI's one-line-error parser, plus a lazy epilog
-        def format_help(self) -> str:
-            fields = describe_fields(settings_factory(module, config))
-            width = max(len(key) for key, _, _ in fields)
-            self.epilog = "config fields (as --key value, or in the YAML file):\n" + "\n".join(
-                f"  {key:<{width}}  {doc} [default {default}]" for key, default, doc in fields
-            )
-            return super().format_help()
-
     parser = subparsers.add_parser(
         name, help=help_text, description=description or help_text, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        deferred=lambda parser: setattr(parser, "epilog", fields_epilog(settings_factory(module, config))),
     )
-    parser.__class__ = ConfigParser
     parser.add_argument("--config", help="YAML preset; its keys override the defaults")
     parser.set_defaults(accepts_overrides=True)
     return parser
 
 
-def register_recipe(subparsers, name: str, module: str, help_text: str, config: str = "Config") -> None:
-    """Add `posttrain NAME` with the common flags; other `--key value` pairs override config fields.
+def fields_epilog(settings) -> str:
+    """The --help epilog of a config command: every field of `settings` (a config class or a
+    defaults function), its docstring and its default."""
+    from posttrain.config import describe_fields  # here: posttrain.config imports torch (hardware)
 
-    `module` (e.g. "posttrain.recipes.sft") must define `run(config, resume=False)`; `config` names
-    its config class or a function returning the command's default config, in `module` or as
-    "other.module:name" (two commands may share a recipe with different defaults: grpo and ppo).
-    It is imported only when the command runs or its --help is shown (see `config_command`).
-    """
-    parser = config_command(subparsers, name, module, help_text, config)
-    parser.add_argument("--output-dir", help="run directory (default: runs/<recipe>-<time>)")
-    parser.add_argument("--max-steps", type=int, help="training steps")
-    parser.add_argument("--seed", type=int, help="random seed")
-    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
-    parser.add_argument("--resume-changed-config", action="store_true",
-                        help="with --resume: accept --key value changes that alter the data order or the loss (recorded in the run card)")
+    fields = describe_fields(settings)
+    width = max(len(key) for key, _, _ in fields)
+    return "config fields (as --key value, or in the YAML file):\n" + "\n".join(
+        f"  {key:<{width}}  {doc} [default {default}]" for key, default, doc in fields
+    )
 
-    def handler(args) -> int:
-        loaded = importlib.import_module(module)
-        settings = resolve_config(settings_factory(module, config), args)
+
+@dataclass(frozen=True)
+class Recipe:
+    """One training command, `posttrain <command>`: its module defines `run(config, resume=False)`;
+    `settings` names the config class or a function returning the command's defaults, in `module`
+    or as "other.module:name" (two commands may share a recipe with different defaults: grpo and
+    ppo). Nothing is imported until the command runs or its --help is shown."""
+
+    command: str
+    module: str
+    help: str
+    settings: str = "Config"
+
+    def register(self, subparsers) -> None:
+        """Add `posttrain <command>` with the common flags; other `--key value` pairs override config fields."""
+        parser = config_command(subparsers, self.command, self.module, self.help, self.settings)
+        parser.add_argument("--output-dir", help="run directory (default: runs/<recipe>-<time>)")
+        parser.add_argument("--max-steps", type=int, help="training steps")
+        parser.add_argument("--seed", type=int, help="random seed")
+        parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
+        parser.add_argument("--resume-changed-config", action="store_true",
+                            help="with --resume: accept --key value changes that alter the data order or the loss (recorded in the run card)")
+        parser.set_defaults(func=self.run)
+
+    def run(self, args: argparse.Namespace) -> int:
+        """The command's `func`: build the config, run the recipe, print where its report is."""
+        loaded = importlib.import_module(self.module)
+        settings = resolve_config(settings_factory(self.module, self.settings), args)
         extra = {"resume_changed_config": True} if args.resume_changed_config else {}
         run_dir = loaded.run(settings, resume=bool(args.resume), **extra)
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone speaks
@@ -117,4 +131,16 @@ def register_recipe(subparsers, name: str, module: str, help_text: str, config: 
         print(f"report: {report}" if report.is_file() else f"results: {run_dir}")
         return 0
 
-    parser.set_defaults(func=handler)
+
+RECIPES = (
+    Recipe("demo", "posttrain.recipes.demo",
+           "the main job: SFT -> GRPO vs pairs+DPO on the tiny model, with held-out acceptance and a report"),
+    Recipe("dpo", "posttrain.recipes.dpo", "DPO family: pairwise preference loss against a frozen reference",
+           settings="posttrain.recipes.dpo_config:Config"),
+    Recipe("grpo", "posttrain.recipes.online", "GRPO: group-relative advantages, clipped surrogate, no critic",
+           settings="posttrain.recipes.online_config:grpo_config"),
+    Recipe("ppo", "posttrain.recipes.online", "PPO with a learned critic: GAE, clipped surrogate, clipped value loss",
+           settings="posttrain.recipes.online_config:ppo_config"),
+    Recipe("sft", "posttrain.recipes.sft", "supervised fine-tuning: masked NLL on response tokens"),
+)
+"""Every training command. `posttrain demo` runs SFT, then GRPO and pairs + DPO from the same start."""

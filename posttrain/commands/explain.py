@@ -10,22 +10,16 @@ import argparse
 import json
 import math
 
-import torch
-
-from posttrain.algorithms import (
-    LABEL_SMOOTHED,
-    PREFERENCE_LOSSES,
-    ESTIMATORS,
-    clipped_surrogate,
-    exact_kl,
-    group_statistics,
-    grpo_advantages,
-    kl_estimate,
-)
 from posttrain.errors import UserError
 
+# torch and posttrain.algorithms are imported inside the functions, so that `posttrain --help` and
+# the other commands start without torch.
 
-def _tensor(values) -> torch.Tensor:
+
+def _tensor(values):
+    """`values` as a float64 torch.Tensor."""
+    import torch
+
     return torch.tensor(values, dtype=torch.float64)
 
 
@@ -68,6 +62,10 @@ def _round(values, digits: int = 4) -> list[float]:
 
 
 def explain_advantages(args) -> int:
+    import torch
+
+    from posttrain.algorithms import group_statistics, grpo_advantages
+
     rewards = args.rewards
     group_size = args.group_size or len(rewards)
     if group_size < 2:
@@ -106,6 +104,8 @@ def explain_advantages(args) -> int:
 
 
 def explain_clip(args) -> int:
+    from posttrain.algorithms import clipped_surrogate
+
     old_prob = _probability("--old-prob", args.old_prob)
     new_prob = _probability("--new-prob", args.new_prob)
     logprobs = _tensor([[math.log(new_prob)]])
@@ -130,6 +130,8 @@ def explain_clip(args) -> int:
 
 
 def explain_dpo(args) -> int:
+    from posttrain.algorithms import LABEL_SMOOTHED, PREFERENCE_LOSSES
+
     if args.beta <= 0:
         raise UserError(f"--beta must be > 0, got {args.beta}")
     loss_fn = PREFERENCE_LOSSES[args.loss]
@@ -164,6 +166,8 @@ def explain_dpo(args) -> int:
 
 
 def explain_kl(args) -> int:
+    from posttrain.algorithms import ESTIMATORS, exact_kl, kl_estimate
+
     policy, reference = args.policy, args.reference
     if len(policy) != len(reference):
         raise UserError(f"--policy has {len(policy)} probabilities but --reference has {len(reference)}")
@@ -189,7 +193,14 @@ def explain_kl(args) -> int:
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("explain", help="the seed's worked examples, computed by the library")
+    subparsers.add_parser("explain", help="the seed's worked examples, computed by the library", deferred=add_examples)
+
+
+def add_examples(parser) -> None:
+    """The examples, each a subcommand; added when `explain` is parsed or its --help shown (the
+    loss names come from posttrain.algorithms, which imports torch)."""
+    from posttrain.algorithms import PREFERENCE_LOSSES
+
     commands = parser.add_subparsers(dest="example", metavar="EXAMPLE", required=True, parser_class=type(parser))
 
     advantages = commands.add_parser("advantages", help="GRPO group-relative advantages")

@@ -6,7 +6,6 @@ verified samples (see posttrain/recipes/pairs.py). Every field of `PairSettings`
 from __future__ import annotations
 
 from posttrain.commands._recipe import config_command
-from posttrain.config import build_config, parse_overrides
 from posttrain.errors import UserError
 
 SAMPLING_FLAGS = {"--temperature": "--sampling.temperature", "--top-p": "--sampling.top_p", "--top-k": "--sampling.top_k",
@@ -30,6 +29,8 @@ def register(subparsers) -> None:
 
 def settings_overrides(arguments: list[str], stops: list[str]) -> dict:
     """The `--key value` overrides, with the old sampling flags read as their sampling keys."""
+    from posttrain.config import parse_overrides  # here: posttrain.config imports torch (hardware)
+
     renamed = []
     for argument in arguments:
         flag, separator, value = argument.partition("=")
@@ -44,6 +45,7 @@ def settings_overrides(arguments: list[str], stops: list[str]) -> dict:
 
 
 def handle(args) -> int:
+    from posttrain.config import build_config
     from posttrain.data.provenance import provenance_path
     from posttrain.recipes.pairs import PairSettings, build_pairs
 
