@@ -53,10 +53,13 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
     from posttrain.config import build_config
     from posttrain.data import PreferencePair, tokenize_preference_pairs
     from posttrain.models import make_reference
-    from posttrain.models.pair_forward import reference_logprobs
-    from posttrain.recipes import dpo, dpo_config
+    from posttrain.losses.preference import PreferenceModels
+    from posttrain.losses.preference import step as loss_step
+    from posttrain.models.forward import TrainingForward
     from posttrain.models.loading import load_policy
-    from posttrain.optim import clip_and_step, make_optimizer
+    from posttrain.models.pair_forward import pair_logprobs, reference_logprobs
+    from posttrain.optim import Trainable, make_optimizer
+    from posttrain.recipes import dpo_config
 
     policy, tokenizer = load_policy(model_name)  # as the recipe loads it
     total = steps + warmup
@@ -76,7 +79,9 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
     else:
         cache, reference = None, make_reference(policy)
     setup_seconds = time.perf_counter() - started
-    optimizer, scheduler = make_optimizer(policy.parameters(), config.optim, total)
+    trainer = TrainingForward(policy, pair_logprobs)  # what the recipe trains through, in one process
+    optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, total)
+    models = PreferenceModels(Trainable(trainer, optimizer, scheduler, config.optim.max_grad_norm), reference)
     policy.train()
     tokens = 0
     for step in range(total):
@@ -86,8 +91,7 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
         batch = encode(pairs[rows_of_step])
         tokens += int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum()) if step >= warmup else 0
         ref = cache[rows_of_step] if cache is not None else None
-        dpo.train_step(policy, reference, ref, batch, config.loss, config.micro_batch_size)
-        clip_and_step(policy.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+        loss_step(models, batch, config.loss, config.micro_batch_size, cached_reference=ref)
     seconds = time.perf_counter() - started
     return {"steps_per_second": steps / seconds, "tokens_per_step": tokens / steps, "reference_seconds": setup_seconds,
             "peak_rss_mb": peak_rss_mb(), "threads": torch.get_num_threads()}

@@ -89,6 +89,10 @@ class World:
         """This rank's contiguous share of `count` items."""
         return self.blocks(count)[self.rank]
 
+    def block_owners(self, count: int) -> torch.Tensor:
+        """(count,) the rank whose `block` holds each item (the `owners` of `rank_micro_batches`)."""
+        return torch.repeat_interleave(torch.arange(self.size), torch.tensor([len(block) for block in self.blocks(count)]))
+
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """All-reduce `tensor` in place with `op` (sum | max | min) and return it."""
         if self.active:

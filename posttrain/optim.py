@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -94,3 +94,31 @@ def clip_and_step(parameters, optimizer, scheduler, max_grad_norm: float | None)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
+
+
+def clip_groups_and_step(optimizer, scheduler, max_grad_norm: float | None) -> list[float]:
+    """`clip_and_step` with each of the optimizer's parameter groups clipped on its own (a policy
+    and its critic: neither's gradient scale limits the other's); returns each group's
+    pre-clipping norm."""
+    max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
+    norms = [float(torch.nn.utils.clip_grad_norm_([p for p in group["params"] if p.grad is not None], max_norm))
+             for group in optimizer.param_groups]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norms
+
+
+@dataclasses.dataclass
+class Trainable:
+    """What a loss step (`posttrain/losses/`) moves: the module forward/backward goes through (a
+    `TrainingForward`, possibly in DDP / FSDP2), its optimizer and schedule, and the clip."""
+
+    trainer: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    max_grad_norm: float | None = None
+
+    def step(self) -> float:
+        """Clip, step, zero (`clip_and_step`); returns the pre-clipping gradient norm."""
+        return clip_and_step(self.trainer.parameters(), self.optimizer, self.scheduler, self.max_grad_norm)

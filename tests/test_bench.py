@@ -37,7 +37,7 @@ def test_bench_script_ends_with_its_result_line(name, arguments):
 
 @pytest.mark.parametrize("side", ["ours", "ours-precomputed"])
 def test_dpo_bench_runs_our_side(side):
-    """Our side of bench/dpo.py (the recipe's train_step) in the default suite; the whole script,
+    """Our side of bench/dpo.py (the library's loss step, `losses.preference.step`) in the default suite; the whole script,
     TRL's sides included, is the slow case above."""
     result = json.loads(bench("dpo", "--side", side, "--model", "tiny", "--steps", "1", "--warmup", "1").strip().splitlines()[-1])
     assert result["steps_per_second"] > 0 and result["peak_rss_mb"] > 0

@@ -27,7 +27,11 @@ from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
 from posttrain.models import forward as model_forward
 from posttrain.models import pair_forward
+from posttrain.losses.preference import OBJECTIVES, Loss, PreferenceModels, preference_losses
+from posttrain.losses.preference import step as preference_step
+from posttrain.models.forward import TrainingForward
 from posttrain.recipes import dpo, dpo_config
+from tests.gradients import KeptGradients
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,8 +74,8 @@ def sums(chosen, rejected, chosen_lengths=(1,), rejected_lengths=(1,)) -> pair_f
 def test_seed_pair_through_the_recipe_loss():
     """The seed: policy chosen -2, rejected -4; reference -3, -3; beta 0.2.
     h = (-2 - -3) - (-4 - -3) = 2, logit 0.4, loss = log(1 + e^-0.4) = 0.51302; rewards +0.2 / -0.2."""
-    losses, chosen_rewards, rejected_rewards = dpo.preference_losses(
-        dpo_config.Loss(type="sigmoid", beta=0.2), sums([-2.0], [-4.0]), torch.tensor([-3.0]), torch.tensor([-3.0]))
+    losses, chosen_rewards, rejected_rewards = preference_losses(
+        Loss(type="sigmoid", beta=0.2), sums([-2.0], [-4.0]), torch.tensor([-3.0]), torch.tensor([-3.0]))
     assert losses.item() == pytest.approx(math.log(1 + math.exp(-0.4)), abs=1e-6)
     assert losses.item() == pytest.approx(0.5130, abs=5e-5)
     assert chosen_rewards.item() == pytest.approx(0.2) and rejected_rewards.item() == pytest.approx(-0.2)
@@ -81,29 +85,29 @@ def test_seed_pair_through_the_recipe_loss():
     "loss, expected",
     [
         # h = 2, beta = 0.2, beta h = 0.4; softplus(-0.4) = 0.513015, softplus(0.4) = 0.913015.
-        (dpo_config.Loss(type="sigmoid", beta=0.2), 0.513015),
+        (Loss(type="sigmoid", beta=0.2), 0.513015),
         # cDPO, e = 0.1: 0.9 * 0.513015 + 0.1 * 0.913015 = 0.553015
-        (dpo_config.Loss(type="conservative", beta=0.2, label_smoothing=0.1), 0.553015),
+        (Loss(type="conservative", beta=0.2, label_smoothing=0.1), 0.553015),
         # robust, e = 0.1: (0.9 * 0.513015 - 0.1 * 0.913015) / 0.8 = 0.463015
-        (dpo_config.Loss(type="robust", beta=0.2, label_smoothing=0.1), 0.463015),
+        (Loss(type="robust", beta=0.2, label_smoothing=0.1), 0.463015),
         # IPO: (h - 1 / (2 beta))^2 = (2 - 2.5)^2 = 0.25
-        (dpo_config.Loss(type="ipo", beta=0.2), 0.25),
+        (Loss(type="ipo", beta=0.2), 0.25),
         # hinge: max(0, 1 - beta h) = 0.6
-        (dpo_config.Loss(type="hinge", beta=0.2), 0.6),
+        (Loss(type="hinge", beta=0.2), 0.6),
         # length-normalised, lengths 2 (chosen) and 4 (rejected): chosen -2/2 - -3/2 = 0.5,
         # rejected -4/4 - -3/4 = -0.25, h = 0.75, beta h = 0.15, softplus(-0.15) = 0.620957
-        (dpo_config.Loss(type="length_normalized", beta=0.2), 0.620957),
+        (Loss(type="length_normalized", beta=0.2), 0.620957),
     ],
 )
 def test_each_loss_type_by_hand(loss, expected):
-    losses, _, _ = dpo.preference_losses(loss, sums([-2.0], [-4.0], [2], [4]), torch.tensor([-3.0]), torch.tensor([-3.0]))
+    losses, _, _ = preference_losses(loss, sums([-2.0], [-4.0], [2], [4]), torch.tensor([-3.0]), torch.tensor([-3.0]))
     assert losses.item() == pytest.approx(expected, abs=1e-5)
 
 
 def test_every_loss_type_is_a_row_of_the_one_table():
     """The config's choices, the loss table and the run card's descriptions name the same losses."""
-    choices = typing.get_args(typing.get_type_hints(dpo_config.Loss)["type"])
-    assert set(choices) == set(PREFERENCE_LOSSES) == set(dpo_config.OBJECTIVES)
+    choices = typing.get_args(typing.get_type_hints(Loss)["type"])
+    assert set(choices) == set(PREFERENCE_LOSSES) == set(OBJECTIVES)
 
 
 def naive_response_sum(model, prompt_ids, response_ids) -> float:
@@ -148,16 +152,19 @@ def test_policy_equal_to_reference_gives_ln2_and_precomputed_equals_live(tmp_pat
     pairs = pairs_of(arithmetic_pairs(4))
     batch = tokenize_preference_pairs(tokenizer, pairs)
     reference = make_reference(policy)
-    live = dpo.train_step(policy, reference, None, batch, config.loss, config.micro_batch_size)
-    live_grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
-    policy.zero_grad()
+    kept = KeptGradients(policy)
+    models = PreferenceModels(kept.trainable(TrainingForward(policy, pair_forward.pair_logprobs)), reference)
+    live = preference_step(models, batch, config.loss, config.micro_batch_size)
+    live_grads = kept.grads
+    assert all(p.grad is None for p in policy.parameters())  # the step zeroes what it applied
     cached = pair_forward.reference_logprobs(policy, (tokenize_preference_pairs(tokenizer, pairs[start : start + 3]) for start in (0, 3)))
     assert cached.shape == (4, 2)
-    precomputed = dpo.train_step(policy, None, cached, batch, config.loss, config.micro_batch_size)
+    precomputed = preference_step(PreferenceModels(models.policy), batch, config.loss, config.micro_batch_size, cached_reference=cached)
     assert live["loss"] == pytest.approx(math.log(2), abs=1e-6) and precomputed["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert live["logps/chosen"] < -5 and live["rewards/accuracy"] == 0.0 and live["logratio/chosen"] == 0.0
-    for name, param in policy.named_parameters():
-        assert torch.allclose(param.grad, live_grads[name], atol=1e-6), name
+    assert live["grad_norm"] == pytest.approx(precomputed["grad_norm"], rel=1e-5) and live["grad_norm"] > 0
+    for name, grad in kept.grads.items():
+        assert torch.allclose(grad, live_grads[name], atol=1e-6), name
     # After an optimizer step the live reference still gives the cached values.
     torch.optim.SGD(policy.parameters(), lr=0.1).step()
     again = pair_forward.pair_logprobs(reference, batch)
@@ -263,12 +270,12 @@ def test_micro_batch_split_gives_the_same_gradient(tmp_path, pairs_file):
             param.add_(0.02 * torch.randn_like(param))
     reference = make_reference(load_model("tiny")[0])
     batch = tokenize_preference_pairs(tokenizer, pairs_of(arithmetic_pairs(4)))
-    results = []
+    results, kept = [], KeptGradients(policy)
+    models = PreferenceModels(kept.trainable(TrainingForward(policy, pair_forward.pair_logprobs)), reference)
     for micro in (4, 1):
         config = small_config(tmp_path, pairs_file, "--loss.nll_weight", "0.5", "--micro_batch_size", str(micro))
-        policy.zero_grad()
-        metrics = dpo.train_step(policy, reference, None, batch, config.loss, config.micro_batch_size)
-        results.append((metrics, {n: p.grad.clone() for n, p in policy.named_parameters()}))
+        metrics = preference_step(models, batch, config.loss, config.micro_batch_size)
+        results.append((metrics, kept.grads))
     (first, grads), (second, other) = results
     assert first["loss"] != pytest.approx(math.log(2), abs=1e-3)
     for key in ("loss", "loss/nll", "rewards/margins", "rewards/accuracy"):

@@ -15,7 +15,7 @@ import torch
 from posttrain.data import PreferencePair, tokenize_preference_pairs
 from posttrain.models import load_model
 from posttrain.models.pair_forward import pair_logprobs
-from posttrain.recipes import dpo, dpo_config
+from posttrain.losses.preference import Loss, preference_losses
 from tests.test_dpo import arithmetic_pairs
 
 trl = pytest.importorskip("trl")
@@ -61,7 +61,7 @@ def test_per_pair_losses_equal_trl(tmp_path, models, ours, theirs, label_smoothi
     assert batch.chosen.input_ids[0].tolist() == trainer.train_dataset[0]["prompt_ids"] + trainer.train_dataset[0]["chosen_ids"]
     with torch.no_grad():
         policy_sums, reference_sums = pair_logprobs(policy, batch), pair_logprobs(reference, batch)
-    losses, _, _ = dpo.preference_losses(dpo_config.Loss(type=ours, beta=beta, label_smoothing=label_smoothing),
+    losses, _, _ = preference_losses(Loss(type=ours, beta=beta, label_smoothing=label_smoothing),
                                          policy_sums, reference_sums.chosen, reference_sums.rejected)
     assert len(set(round(x, 3) for x in expected)) == len(expected), "pairs should differ"
     assert losses.tolist() == pytest.approx(expected, abs=1e-5)

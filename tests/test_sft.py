@@ -8,7 +8,9 @@ import torch
 from posttrain.data import tokenize_prompt_response
 from posttrain.models import LoraSettings, apply_lora, build_tiny_model, lean_mlp
 from posttrain.models.forward import TrainingForward, batch_response_sums
-from posttrain.recipes.sft import sft_loss, train_step
+from posttrain.losses.sft import sft_loss
+from posttrain.losses.sft import step as sft_step
+from posttrain.optim import Trainable
 
 PROMPTS = ["12+30=", "7+5=", "101+99=", "3+4="]
 RESPONSES = ["<answer>42</answer>", "<answer>12</answer>", "<answer>200</answer>", "7"]
@@ -58,22 +60,28 @@ def test_micro_batches_add_up_to_the_batch_loss_and_gradient():
     assert torch.allclose(parts_grad, whole_grad, atol=1e-6)
 
 
-def test_train_step_is_the_same_whatever_the_micro_batch():
-    """The public step over 4 rows in one micro-batch and in micro-batches of 3 (3 + 1 rows): the
-    same token-mean loss (the naive full-logits NLL) and the same gradient."""
-    model, tokenizer = build_tiny_model(seed=7)
-    batch = tokenize_prompt_response(tokenizer, PROMPTS, RESPONSES)
+def test_loss_step_is_the_same_whatever_the_micro_batch():
+    """The public loss step over 4 rows in one micro-batch and in micro-batches of 3 (3 + 1 rows):
+    the same token-mean loss (the naive full-logits NLL), the same gradient norm and, after one
+    plain SGD step (lr 1: the parameters move by exactly the gradient), the same parameters."""
+    batch = tokenize_prompt_response(build_tiny_model(seed=7)[1], PROMPTS, RESPONSES)
     results = []
     for micro_batch_size in (4, 3):
-        model.zero_grad(set_to_none=True)
-        metrics = train_step(TrainingForward(model, batch_response_sums), batch, micro_batch_size)
-        results.append((metrics["loss"], {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (whole, whole_grads), (split, split_grads) = results
-    with torch.no_grad():
-        assert whole == pytest.approx(naive_loss(model, batch).item(), abs=1e-5)
-    assert split == pytest.approx(whole, abs=1e-6)
-    for name, grad in whole_grads.items():
-        assert torch.allclose(split_grads[name], grad, atol=1e-6), name
+        model, _ = build_tiny_model(seed=7)
+        with torch.no_grad():
+            naive = naive_loss(model, batch).item()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        models = Trainable(TrainingForward(model, batch_response_sums), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+        metrics = sft_step(models, batch, micro_batch_size)
+        assert metrics["loss"] == pytest.approx(naive, abs=1e-5)
+        assert all(p.grad is None for p in model.parameters())  # the step zeroes what it applied
+        results.append((metrics, {n: before[n] - p.detach() for n, p in model.named_parameters()}))
+    (whole, whole_moves), (split, split_moves) = results
+    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5) and whole["grad_norm"] > 0
+    for name, move in whole_moves.items():
+        assert torch.allclose(split_moves[name], move, atol=1e-6), name
 
 
 def test_sft_evaluates_shifted_held_out_sets(tmp_path):

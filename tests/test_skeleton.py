@@ -57,12 +57,12 @@ def test_a_failing_run_still_closes_its_run_directory(tmp_path, monkeypatch, rec
     monkeypatch.setattr(RunDirectory, "close", lambda self: (closed.append(self.path), original(self)))
     out = str(tmp_path / "run")
     if recipe == "sft":
-        monkeypatch.setattr(sft, "train_step", failing)
+        monkeypatch.setattr(sft, "loss_step", failing)
         config = build_config(sft.Config, None, parse_overrides(["--max-steps", "2", "--data.train_size", "16", "--data.eval_size", "4",
                                                                   "--batch_size", "4", "--micro_batch_size", "2", "--output-dir", out]))
         run = lambda: sft.run(config)  # noqa: E731
     elif recipe == "dpo":
-        monkeypatch.setattr(dpo, "train_step", failing)
+        monkeypatch.setattr(dpo, "loss_step", failing)
         pairs = write_pairs(tmp_path / "pairs.jsonl", arithmetic_pairs())
         config = build_config(dpo_config.Config, None, parse_overrides(["--data.pairs", str(pairs), "--data.heldout_pairs", "2",
                                                                          "--max-steps", "2", "--output-dir", out]))

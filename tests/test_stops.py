@@ -135,8 +135,8 @@ def test_out_of_memory_in_each_online_phase_is_one_line(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize("recipe, target, phase, knob", [
-    ("sft", "posttrain.recipes.sft.train_step", "update", "micro_batch_size"),
-    ("dpo", "posttrain.recipes.dpo.train_step", "update", "memory.gradient_checkpointing"),
+    ("sft", "posttrain.recipes.sft.loss_step", "update", "micro_batch_size"),
+    ("dpo", "posttrain.recipes.dpo.loss_step", "update", "memory.gradient_checkpointing"),
 ])
 def test_out_of_memory_in_sft_and_dpo_updates(tmp_path, monkeypatch, recipe, target, phase, knob):
     """CPU MemoryError in the update of sft and dpo: the same one-line error."""

@@ -12,15 +12,16 @@ computed once for both responses (a shared KV cache), loss, backward (micro-batc
 batch's normalisers), 4. log, alarm, refresh the reference, evaluate, checkpoint.
 The pieces live where their concept does: loading and splitting the pairs in `posttrain/data/preference.py`,
 their provenance in `posttrain/data/provenance.py`, the pair forward in `posttrain/models/pair_forward.py`,
-the losses and pair metrics in `posttrain/algorithms/preference.py`, the alarm in
-`posttrain/evaluation/alarms.py`; the settings in `dpo_config.py`; this file is the loop and the run card.
+the objectives and pair metrics in `posttrain/algorithms/preference.py`, the loss section and its
+step (steps 2-3 and the optimizer step) in `posttrain/losses/preference.py`, the alarm in
+`posttrain/evaluation/alarms.py`; the other settings in `dpo_config.py`; this file is the loop and
+the run card.
 
     posttrain dpo --config presets/tiny-dpo.yaml --data.pairs pairs.jsonl --max-steps 50
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,23 +33,25 @@ from typing import Any, Callable
 
 import torch
 
-from posttrain.algorithms import PREFERENCE_LOSSES, pair_columns, pair_metrics
+from posttrain.algorithms import pair_columns
 from posttrain.config import to_dict
 from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
 from posttrain.data.examples import Example, Task
 from posttrain.data.stream import data_order
 from posttrain.data.preference import load_pairs, prompt_key
 from posttrain.data.provenance import read_provenance
-from posttrain.distributed import World, full_weights, gradient_sync, unwrap, wrap
+from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_checker, evaluate_sets, heldout_split, independence, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.models import make_reference
 from posttrain.models.forward import TrainingForward
 from posttrain.models.loading import load_policy
-from posttrain.models.pair_forward import PairLogprobs, pair_logprobs, precomputed_reference
-from posttrain.optim import clip_and_step, make_optimizer
-from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config, Loss
+from posttrain.models.pair_forward import pair_logprobs, precomputed_reference
+from posttrain.losses.preference import PreferenceModels, preference_losses, step_metrics
+from posttrain.losses.preference import step as loss_step
+from posttrain.optim import Trainable, make_optimizer
+from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config
 from posttrain.rewards import as_verifier, get_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.plots import plot_sets
@@ -63,20 +66,6 @@ REFERENCE_CACHE = "reference_logprobs.pt"
 """The precomputed reference's file in the run directory."""
 PLOTTED = ["loss", "rewards/accuracy", "rewards/margins", "logratio/chosen", "logratio/rejected",
            "heldout/preference_accuracy", "heldout/pass@1"]
-
-
-def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
-    """Per-pair losses and implicit rewards of the configured objective; each (P,)."""
-    return PREFERENCE_LOSSES[loss.type](
-        policy.chosen, policy.rejected, ref_chosen, ref_rejected, policy.chosen_lengths, policy.rejected_lengths,
-        beta=loss.beta, label_smoothing=loss.label_smoothing,
-    )
-
-
-def step_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[str, float]:
-    """The logged means of (7, P) `pair_columns`, with loss = preference loss + nll_weight * nll."""
-    means = {key: float(value) for key, value in pair_metrics(columns).items()}
-    return {"loss": means["loss/preference"] + nll_weight * nll, "loss/preference": means["loss/preference"], "loss/nll": nll, **means}
 
 
 MEMORY_KNOBS = {"reference": ["micro_batch_size", "hardware.precision", "data.max_response_tokens"],
@@ -146,6 +135,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     # policy itself); FSDP2 takes the plain forward so the root's shards are gathered.
     trainer = wrap(TrainingForward(policy, pair_logprobs, placement, full_forward=sharded), world, placement)
     optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
+    models = PreferenceModels(Trainable(trainer, optimizer, scheduler, config.optim.max_grad_norm), reference)
     refreshing = bool(config.loss.reference_refresh_every)
     extra_models = {"reference": reference.model} if refreshing else None  # a refreshed reference is state
     state = restore_training(run_dir, policy, optimizer, scheduler, extra_models, world=world) if resume else {"step": 0}
@@ -189,8 +179,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
             with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
                 ref = cached["train"][indices].to(placement.device) if cached is not None else None
                 with full_weights(frozen):
-                    metrics = train_step(trainer, reference, ref, batch, config.loss, config.micro_batch_size, world)
-                metrics["grad_norm"] = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+                    metrics = loss_step(models, batch, config.loss, config.micro_batch_size, world, cached_reference=ref)
             # 4. Log, alarm, refresh, evaluate, checkpoint.
             message = alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"])
             if message:
@@ -217,54 +206,9 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
                     "reference_refreshed_at": card["run"]["reference_refreshed_at"]}),
                 after_log=plot if any(key.startswith("heldout/") for key in metrics) and world.main else None,
                 loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
-    del trainer  # DDP wrappers first, then the process group
+    del trainer, models  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
-
-
-def train_step(trainer, reference, ref: torch.Tensor | None, batch: PreferenceBatch, loss: Loss, micro_batch_size: int,
-               world: World | None = None) -> dict[str, float]:
-    """Forward/backward over micro-batches; the loss is the batch mean of the per-pair losses plus
-    nll_weight * the batch's chosen-token-mean NLL, normalised by the whole batch's counts so the
-    gradient does not depend on micro_batch_size or the world size. `trainer` is the policy (or a
-    `TrainingForward` over `pair_logprobs`, possibly in DDP); `ref` is (P, 2) cached reference log-probs or None (then
-    `reference` runs). Under torchrun each rank takes its block of the pairs, all ranks running as
-    many micro-batches (a short rank a zero-weight one). Returns the step's metrics over the whole
-    batch (gradients are left in the policy)."""
-    world = world or World()
-    P = batch.chosen.input_ids.shape[0]
-    chosen_tokens = batch.chosen.mask[:, 1:].sum().clamp(min=1)
-    device = batch.chosen.input_ids.device
-    parts, nll_total = [torch.zeros(7, 0, device=device)], torch.zeros(1, dtype=torch.float64, device=device)
-    forward = unwrap(trainer)
-    autocast = forward.placement.autocast if isinstance(forward, TrainingForward) else contextlib.nullcontext
-    mine, m = world.block(P), micro_batch_size
-    micro_count = max(-(-len(block) // m) for block in world.blocks(P))
-    for micro in range(micro_count):
-        start = mine.start + micro * m
-        rows = slice(start, min(start + m, mine.stop))
-        weight = 1.0 if rows.stop > rows.start else 0.0
-        rows = rows if weight else slice(0, 1)  # a zero-weight stand-in keeps the ranks' collectives paired
-        if ref is None:
-            # The same LM-head path as the policy's, so policy == reference gives rewards of exactly 0.
-            with autocast():  # the policy's precision
-                reference_sums = pair_logprobs(reference, batch, rows, full_forward=getattr(unwrap(trainer), "full_forward", False))
-            ref_chosen, ref_rejected = reference_sums.chosen, reference_sums.rejected
-        else:
-            ref_chosen, ref_rejected = ref[rows, 0], ref[rows, 1]
-        with gradient_sync(trainer, micro == micro_count - 1):
-            sums = trainer(batch, rows) if isinstance(unwrap(trainer), TrainingForward) else pair_logprobs(trainer, batch, rows)
-            losses, chosen_rewards, rejected_rewards = preference_losses(loss, sums, ref_chosen, ref_rejected)
-            nll = -sums.chosen.sum() / chosen_tokens  # RPO term: this micro-batch's share of the batch token mean
-            total = losses.sum() / P + (loss.nll_weight * nll if loss.nll_weight else 0.0)
-            (total * (weight * world.size)).backward()  # DDP / FSDP2 average gradients over ranks
-        if weight:
-            nll_total += nll.detach().double()
-            parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums.chosen, sums.rejected, ref_chosen, ref_rejected))
-    columns = torch.cat(parts, dim=1)
-    if world.active:  # through the CPU: a pickled CUDA tensor would unpickle onto the sender's GPU
-        columns = torch.cat([part.to(device) for part in world.gather(columns.cpu())], dim=1)
-    return step_metrics(columns, float(world.reduce(nll_total)), loss.nll_weight)
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
-"""The settings of `posttrain dpo`: the pairs (data), the objective (loss), held-out acceptance,
-checked in `validate` (called once, by `build_config`). What the recipe does with them is `dpo.py`.
+"""The settings of `posttrain dpo`: the pairs (data), the objective (loss: its section lives with its
+step in `posttrain/losses/preference.py`), held-out acceptance, checked in `validate` (called once,
+by `build_config`). What the recipe does with them is `dpo.py`.
 """
 
 from __future__ import annotations
@@ -7,25 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.algorithms import LABEL_SMOOTHED
 from posttrain.config import PolicyFields
 from posttrain.data import TruncationPolicy
 from posttrain.data.files import resolve_columns
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import check_set_specs
+from posttrain.losses.preference import OBJECTIVES, Loss  # noqa: F401  (the loss section, re-exported with its card texts)
 from posttrain.optim import Optimization
-
-OBJECTIVES = {
-    "sigmoid": "DPO sigmoid loss (arXiv:2305.18290 eq. 7)",
-    "conservative": "conservative DPO, label smoothing (Mitchell 2023)",
-    "robust": "robust DPO, unbiased under label noise (arXiv:2403.00409 eq. 8)",
-    "ipo": "IPO squared loss (arXiv:2310.12036 eq. 17) on summed log-ratios",
-    "hinge": "hinge / SLiC (arXiv:2305.10425 eq. 3)",
-    "length_normalized": "length-normalised DPO: sigmoid loss on per-token MEAN log-probs (a different objective)",
-    "length_normalized_ipo": "length-normalised IPO (TRL's ipo): IPO squared loss on per-token MEAN log-ratios (a different objective)",
-}
-"""What the run card says each `loss.type` is."""
 
 
 @dataclass
@@ -64,26 +54,6 @@ class Data:
 
     def truncation(self) -> TruncationPolicy:
         return TruncationPolicy(self.max_prompt_tokens, self.max_response_tokens, self.prompt_truncation, self.response_truncation)
-
-
-@dataclass
-class Loss:
-    """Link 3, loss: the objective, beta, length handling, reference handling."""
-
-    type: Literal["sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized", "length_normalized_ipo"] = "sigmoid"
-    """sigmoid (DPO; cDPO with label_smoothing, unlike TRL's sigmoid) | conservative (cDPO) | robust | ipo (summed
-    log-ratios) | hinge | length_normalized (token-mean objective, TRL's sigmoid_norm) | length_normalized_ipo
-    (token-mean IPO, TRL's ipo)."""
-    beta: float = 0.1
-    """Inverse temperature of the implicit reward beta * (log pi - log pi_ref)."""
-    label_smoothing: float = 0.0
-    """Assumed label-flip rate (sigmoid, conservative: > 0, robust)."""
-    nll_weight: float = 0.0
-    """RPO (arXiv:2404.19733): add weight * token-mean NLL of the chosen responses (0: off)."""
-    reference: Literal["live", "precomputed"] = "live"
-    """live: a frozen copy (or, with LoRA, the base with adapters off); precomputed: one pass at start, cached."""
-    reference_refresh_every: int = 0
-    """TR-DPO hard update (arXiv:2404.09656): copy the policy into the reference every N steps (0: never)."""
 
 
 @dataclass
@@ -134,24 +104,11 @@ class Config(PolicyFields):
         super().validate()
         self.optim.validate()
         self.parallel.validate()
-        loss = self.loss
         if not self.data.pairs:
             raise UserError("data.pairs: give the preference JSONL to train on (--data.pairs FILE)")
         if self.data.format is not None or self.data.columns:
             resolve_columns(self.data.format, self.data.columns)
-        if loss.beta <= 0:
-            raise UserError(f"loss.beta must be > 0, got {loss.beta}")
-        if loss.type not in LABEL_SMOOTHED and loss.label_smoothing:
-            raise UserError(f"loss.label_smoothing applies to {', '.join(LABEL_SMOOTHED)}, not {loss.type}")
-        low = 0.0 if loss.type != "conservative" else 1e-12
-        if not low <= loss.label_smoothing < 0.5:
-            raise UserError(f"loss.label_smoothing must be in {'(0' if low else '[0'}, 0.5) for {loss.type}, got {loss.label_smoothing}")
-        if loss.nll_weight < 0 or loss.reference_refresh_every < 0:
-            raise UserError("loss.nll_weight and loss.reference_refresh_every must be >= 0")
-        if loss.reference_refresh_every and loss.reference == "precomputed":
-            raise UserError("loss.reference_refresh_every needs a live reference (loss.reference: live)")
-        if loss.reference_refresh_every and self.lora_rank:
-            raise UserError("loss.reference_refresh_every: a LoRA reference is the base model and cannot be refreshed")
+        self.loss.validate(self.lora_rank)
         for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")

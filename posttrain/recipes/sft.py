@@ -24,14 +24,16 @@ from posttrain.data import TokenizedBatch, tokenize_prompt_response
 from posttrain.data.examples import Task, derived_seed
 from posttrain.data.stream import data_order
 from posttrain.data.tasks import load_splits
-from posttrain.distributed import Parallel, World, full_weights, gradient_sync, is_sharded, wrap
+from posttrain.distributed import Parallel, full_weights, is_sharded, wrap
 from posttrain.errors import UserError
 from posttrain.data.files import is_data_source, resolve_columns, task_load_options
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, default_checker, evaluate_sets, shifted_sets
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
-from posttrain.optim import Optimization, clip_and_step, make_optimizer
+from posttrain.losses.sft import sft_loss
+from posttrain.losses.sft import step as loss_step
+from posttrain.optim import Optimization, Trainable, make_optimizer
 from posttrain.rewards import RewardOptions, Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.faults import memory_guard
@@ -189,39 +191,6 @@ def make_checker(name: str | None, task: Task, options: RewardOptions, unsafe_no
     return checker
 
 
-def _device_of(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def sft_loss(forward: TrainingForward, batch, rows: slice, global_tokens: torch.Tensor) -> torch.Tensor:
-    """Token-mean NLL of the response tokens of `rows`, normalised by the whole batch's token count
-    `global_tokens` (so micro-batches and ranks add up to the batch's token mean)."""
-    return -forward(batch, rows).sum() / global_tokens
-
-
-def train_step(trainer, batch: TokenizedBatch, micro_batch_size: int, world: World | None = None) -> dict[str, float]:
-    """Forward/backward of one batch in micro-batches, each normalised by the whole batch's response
-    tokens, so the gradient (left in the model) does not depend on micro_batch_size or the world
-    size. `trainer` is a `TrainingForward` over `batch_response_sums` (possibly in DDP / FSDP2).
-    Under torchrun each rank takes its block of the rows, all ranks running as many micro-batches
-    (a short rank a zero-weight one). Returns {"loss": the batch's token-mean NLL}."""
-    world = world or World()
-    rows_total = batch.input_ids.shape[0]
-    global_tokens = batch.mask[:, 1:].sum()
-    total_loss = torch.zeros(1, dtype=torch.float64, device=batch.input_ids.device)
-    mine = world.block(rows_total)
-    micro_count = max(-(-len(block) // micro_batch_size) for block in world.blocks(rows_total))
-    for micro in range(micro_count):
-        start = mine.start + micro * micro_batch_size
-        rows = slice(start, min(start + micro_batch_size, mine.stop))
-        weight = 1.0 if rows.stop > rows.start else 0.0
-        with gradient_sync(trainer, micro == micro_count - 1):
-            loss = sft_loss(trainer, batch, rows if weight else slice(0, 1), global_tokens)
-            (loss * weight * world.size).backward()  # DDP / FSDP2 average over ranks
-        total_loss += weight * loss.detach().double()
-    return {"loss": float(world.reduce(total_loss))}
-
-
 MEMORY_KNOBS = {"update": ["micro_batch_size", "memory.gradient_checkpointing", "hardware.precision"],
                 "evaluation": ["max_new_tokens", "micro_batch_size", "hardware.precision"]}
 """The settings that shrink each phase's memory, for the out-of-memory message (`runs/faults.py`)."""
@@ -246,6 +215,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     # What forward/backward goes through: DDP, FSDP2 (the model sharded in place) or the wrapper itself.
     trainer = wrap(TrainingForward(model, batch_response_sums, placement, full_forward=world.active and world.strategy == "fsdp2"), world, placement)
     optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
+    models = Trainable(trainer, optimizer, scheduler, config.optim.max_grad_norm)
     start_step = restore_training(run_dir, model, optimizer, scheduler, world=world)["step"] if resume else 0
     card = make_card(config, data)
     card_run_part(card, config, placement, world, changes)
@@ -265,11 +235,10 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
             timer = Timer(placement.synchronize)
             placement.reset_peak_memory()
             with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
-                metrics = train_step(trainer, batch, config.micro_batch_size, world)
-                grad_norm = clip_and_step(trainer.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+                metrics = loss_step(models, batch, config.micro_batch_size, world)
             # 3. Log; evaluate and checkpoint on schedule.
             metrics.update({
-                "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+                "lr": scheduler.get_last_lr()[0],
                 "tokens_per_second": int(batch.attention_mask.sum()) / (time.perf_counter() - started),
                 "seconds/train": timer.seconds.get("train", 0.0),
                 "tokens_per_second/training": int(batch.attention_mask.sum()) / max(1e-9, timer.seconds.get("train", 0.0)),
@@ -284,7 +253,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
                 model.train()
             loop.end_step(done, metrics, save=lambda: save_training(run_dir, done, model, tokenizer, optimizer, scheduler, world=world),
                           loss=f"{metrics['loss']:.3f}")
-    del trainer  # DDP wrappers first, then the process group
+    del trainer, models  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
 
@@ -326,6 +295,10 @@ def evaluate_and_plot(model, tokenizer, data: SFTData, config: Config, run_dir: 
 
 
 @torch.no_grad()
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 def heldout_nll(model, batch: TokenizedBatch, micro_batch_size: int) -> float:
     """Token-mean NLL of the masked (response) tokens of a held-out batch."""
     rows = batch.input_ids.shape[0]

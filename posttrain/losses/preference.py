@@ -1,0 +1,134 @@
+"""The preference loss step: the DPO family on summed response log-probs of chosen and rejected
+responses against a reference (live, or precomputed once), plus an optional NLL term on the chosen
+responses (RPO). The objectives themselves are pure functions in `posttrain/algorithms/preference.py`.
+
+    metrics = step(PreferenceModels(Trainable(trainer, optimizer, scheduler, max_grad_norm), reference),
+                   batch, loss, micro_batch_size, world)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from posttrain.algorithms import LABEL_SMOOTHED, PREFERENCE_LOSSES, pair_columns, pair_metrics
+from posttrain.data import PreferenceBatch
+from posttrain.distributed import World, gradient_sync, rank_micro_batches, unwrap
+from posttrain.errors import UserError
+from posttrain.models.pair_forward import PairLogprobs, pair_logprobs
+from posttrain.optim import Trainable
+
+OBJECTIVES = {
+    "sigmoid": "DPO sigmoid loss (arXiv:2305.18290 eq. 7)",
+    "conservative": "conservative DPO, label smoothing (Mitchell 2023)",
+    "robust": "robust DPO, unbiased under label noise (arXiv:2403.00409 eq. 8)",
+    "ipo": "IPO squared loss (arXiv:2310.12036 eq. 17) on summed log-ratios",
+    "hinge": "hinge / SLiC (arXiv:2305.10425 eq. 3)",
+    "length_normalized": "length-normalised DPO: sigmoid loss on per-token MEAN log-probs (a different objective)",
+    "length_normalized_ipo": "length-normalised IPO (TRL's ipo): IPO squared loss on per-token MEAN log-ratios (a different objective)",
+}
+"""What the run card says each `loss.type` is."""
+
+
+@dataclass
+class Loss:
+    """Link 3, loss: the objective, beta, length handling, reference handling."""
+
+    type: Literal["sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized", "length_normalized_ipo"] = "sigmoid"
+    """sigmoid (DPO; cDPO with label_smoothing, unlike TRL's sigmoid) | conservative (cDPO) | robust | ipo (summed
+    log-ratios) | hinge | length_normalized (token-mean objective, TRL's sigmoid_norm) | length_normalized_ipo
+    (token-mean IPO, TRL's ipo)."""
+    beta: float = 0.1
+    """Inverse temperature of the implicit reward beta * (log pi - log pi_ref)."""
+    label_smoothing: float = 0.0
+    """Assumed label-flip rate (sigmoid, conservative: > 0, robust)."""
+    nll_weight: float = 0.0
+    """RPO (arXiv:2404.19733): add weight * token-mean NLL of the chosen responses (0: off)."""
+    reference: Literal["live", "precomputed"] = "live"
+    """live: a frozen copy (or, with LoRA, the base with adapters off); precomputed: one pass at start, cached."""
+    reference_refresh_every: int = 0
+    """TR-DPO hard update (arXiv:2404.09656): copy the policy into the reference every N steps (0: never)."""
+
+    def validate(self, lora_rank: int = 0) -> None:
+        """One UserError line naming the `loss.*` field that is out of range or does not apply."""
+        if self.beta <= 0:
+            raise UserError(f"loss.beta must be > 0, got {self.beta}")
+        if self.type not in LABEL_SMOOTHED and self.label_smoothing:
+            raise UserError(f"loss.label_smoothing applies to {', '.join(LABEL_SMOOTHED)}, not {self.type}")
+        low = 0.0 if self.type != "conservative" else 1e-12
+        if not low <= self.label_smoothing < 0.5:
+            raise UserError(f"loss.label_smoothing must be in {'(0' if low else '[0'}, 0.5) for {self.type}, got {self.label_smoothing}")
+        if self.nll_weight < 0 or self.reference_refresh_every < 0:
+            raise UserError("loss.nll_weight and loss.reference_refresh_every must be >= 0")
+        if self.reference_refresh_every and self.reference == "precomputed":
+            raise UserError("loss.reference_refresh_every needs a live reference (loss.reference: live)")
+        if self.reference_refresh_every and lora_rank:
+            raise UserError("loss.reference_refresh_every: a LoRA reference is the base model and cannot be refreshed")
+
+
+@dataclass
+class PreferenceModels:
+    """What a preference step moves and reads: the policy (its `Trainable`, whose trainer is a
+    `TrainingForward` over `pair_logprobs`, possibly in DDP / FSDP2) and the live reference (a
+    `ReferenceModel`; None when the reference log-probs are precomputed)."""
+
+    policy: Trainable
+    reference: Any = None
+
+
+def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
+    """Per-pair losses and implicit rewards of the configured objective; each (P,)."""
+    return PREFERENCE_LOSSES[loss.type](
+        policy.chosen, policy.rejected, ref_chosen, ref_rejected, policy.chosen_lengths, policy.rejected_lengths,
+        beta=loss.beta, label_smoothing=loss.label_smoothing,
+    )
+
+
+def step_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[str, float]:
+    """The logged means of (7, P) `pair_columns`, with loss = preference loss + nll_weight * nll."""
+    means = {key: float(value) for key, value in pair_metrics(columns).items()}
+    return {"loss": means["loss/preference"] + nll_weight * nll, "loss/preference": means["loss/preference"], "loss/nll": nll, **means}
+
+
+def step(models: PreferenceModels, batch: PreferenceBatch, loss: Loss, micro_batch_size: int, world: World | None = None,
+         cached_reference: torch.Tensor | None = None) -> dict[str, float]:
+    """One optimizer step on a batch of P pairs: forward/backward over micro-batches of at most
+    `micro_batch_size` pairs, then clip and step. The loss is the batch mean of the per-pair losses
+    plus nll_weight * the batch's chosen-token-mean NLL, normalised by the whole batch's counts, so
+    the gradient does not depend on micro_batch_size or the world size. The reference log-probs are
+    `cached_reference` ((P, 2) chosen / rejected sums, precomputed) or, when it is None, a forward of
+    `models.reference`. Under torchrun each rank takes its block of the pairs, all ranks running as
+    many micro-batches (a short rank a zero-weight one). Returns the step's metrics over the whole
+    batch, with "grad_norm" (pre-clipping)."""
+    world = world or World()
+    trainer = models.policy.trainer
+    forward = unwrap(trainer)
+    P = batch.chosen.input_ids.shape[0]
+    chosen_tokens = batch.chosen.mask[:, 1:].sum().clamp(min=1)
+    device = batch.chosen.input_ids.device
+    parts, nll_total = [torch.zeros(7, 0, device=device)], torch.zeros(1, dtype=torch.float64, device=device)
+    for rows, weight, last in rank_micro_batches(torch.arange(P), world.block_owners(P), world, micro_batch_size):
+        if cached_reference is None:
+            # The same LM-head path as the policy's, so policy == reference gives rewards of exactly 0.
+            with forward.placement.autocast():  # the policy's precision
+                reference = pair_logprobs(models.reference, batch, rows, full_forward=forward.options.get("full_forward", False))
+            ref_chosen, ref_rejected = reference.chosen, reference.rejected
+        else:
+            ref_chosen, ref_rejected = cached_reference[rows, 0], cached_reference[rows, 1]
+        with gradient_sync(trainer, last):
+            sums = trainer(batch, rows)
+            losses, chosen_rewards, rejected_rewards = preference_losses(loss, sums, ref_chosen, ref_rejected)
+            nll = -sums.chosen.sum() / chosen_tokens  # RPO term: this micro-batch's share of the batch token mean
+            total = losses.sum() / P + (loss.nll_weight * nll if loss.nll_weight else 0.0)
+            (total * (weight * world.size)).backward()  # DDP / FSDP2 average gradients over ranks
+        if weight:
+            nll_total += nll.detach().double()
+            parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums.chosen, sums.rejected, ref_chosen, ref_rejected))
+    columns = torch.cat(parts, dim=1)
+    if world.active:  # through the CPU: a pickled CUDA tensor would unpickle onto the sender's GPU
+        columns = torch.cat([part.to(device) for part in world.gather(columns.cpu())], dim=1)
+    metrics = step_metrics(columns, float(world.reduce(nll_total)), loss.nll_weight)
+    metrics["grad_norm"] = models.policy.step()
+    return metrics
