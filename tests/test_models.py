@@ -8,7 +8,7 @@ import torch
 
 from posttrain.data import tokenize_prompt_response
 from posttrain.errors import UserError
-from posttrain.models import LoraSettings, apply_lora, build_tiny_model, load_model, save_checkpoint
+from posttrain.models import LoraSettings, apply_lora, build_tiny_model, load_model, save_model
 from posttrain.models import smollm2_cache_path
 from posttrain.models.loading import SMOLLM2_PACKAGE
 
@@ -107,7 +107,7 @@ def test_smollm2_adapter_names_its_spec(smollm2, tmp_path):
     model, tokenizer = smollm2
     policy = apply_lora(model, LoraSettings(rank=2, target_modules=["q_proj"]))
     try:
-        save_checkpoint(policy, tokenizer, tmp_path)
+        save_model(policy, tokenizer, tmp_path)
         config = json.loads((tmp_path / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == "smollm2-135m"
     finally:

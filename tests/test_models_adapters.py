@@ -13,8 +13,8 @@ from posttrain.models import (
     load_model,
     make_critic,
     make_reference,
-    save_checkpoint,
     save_critic,
+    save_model,
 )
 
 TOKENS = torch.randint(4, 101, (3, 12), generator=torch.Generator().manual_seed(0))
@@ -36,7 +36,7 @@ def perturb_lora(model, seed=1):
 
 def test_checkpoint_reloads_with_plain_transformers(tmp_path):
     model, tokenizer = small_model()
-    save_checkpoint(model, tokenizer, tmp_path / "ckpt")
+    save_model(model, tokenizer, tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "model.safetensors").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     assert torch.equal(model(TOKENS).logits, reloaded(TOKENS).logits)
@@ -69,11 +69,11 @@ def test_lora_reference_is_the_base_model_and_adapter_round_trips(tmp_path):
     with pytest.raises(UserError, match="cannot be refreshed"):
         reference.refresh(policy)
 
-    save_checkpoint(policy, tokenizer, tmp_path / "adapter")
+    save_model(policy, tokenizer, tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     # The adapter names its base spec ("tiny"); reload it over a 2-layer base by hand, and via a
     # merged checkpoint that plain transformers loads.
-    save_checkpoint(policy, tokenizer, tmp_path / "merged", merge_lora_weights=True)
+    save_model(policy, tokenizer, tmp_path / "merged", merge_lora_weights=True)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert torch.allclose(merged(TOKENS).logits, policy_logits, atol=1e-5)
     assert policy(input_ids=TOKENS).logits.equal(policy_logits)  # merging worked on a copy
@@ -84,7 +84,7 @@ def test_adapter_directory_loads_through_load_model(tmp_path):
     policy = apply_lora(base, LoraSettings(rank=2, alpha=4))
     perturb_lora(policy, seed=3)
     expected = policy(input_ids=TOKENS).logits
-    save_checkpoint(policy, tokenizer, tmp_path / "adapter")
+    save_model(policy, tokenizer, tmp_path / "adapter")
     reloaded, _ = load_model(str(tmp_path / "adapter"))
     assert torch.allclose(reloaded(input_ids=TOKENS).logits, expected, atol=1e-6)
 

@@ -14,9 +14,9 @@ from posttrain.runs import (
     new_card,
     plot_metrics,
     rng_state,
-    save_checkpoint,
     set_rng_state,
     write_run_card,
+    write_step_checkpoint,
 )
 
 
@@ -30,7 +30,7 @@ def write_weights(value):
 
 def test_save_and_load_newest(tmp_path):
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, write_weights(step), {"data_position": step * 10}, keep=2)
+        write_step_checkpoint(tmp_path, step, write_weights(step), {"data_position": step * 10}, keep=2)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-000002", "step-000003"]  # rotated, no temp dirs left
     newest = latest_checkpoint(tmp_path)
@@ -40,8 +40,8 @@ def test_save_and_load_newest(tmp_path):
 
 
 def test_truncated_newest_falls_back_with_warning(tmp_path, caplog):
-    save_checkpoint(tmp_path, 1, write_weights(1), {}, keep=3)
-    newest = save_checkpoint(tmp_path, 2, write_weights(2), {}, keep=3)
+    write_step_checkpoint(tmp_path, 1, write_weights(1), {}, keep=3)
+    newest = write_step_checkpoint(tmp_path, 2, write_weights(2), {}, keep=3)
     weights = newest / "model" / "weights.pt"
     weights.write_bytes(weights.read_bytes()[:100])
     with caplog.at_level(logging.WARNING):
@@ -50,7 +50,7 @@ def test_truncated_newest_falls_back_with_warning(tmp_path, caplog):
 
 
 def test_write_interrupted_before_manifest_is_ignored(tmp_path):
-    save_checkpoint(tmp_path, 1, write_weights(1), {})
+    write_step_checkpoint(tmp_path, 1, write_weights(1), {})
     # A crash after the rename target was created but before the manifest: no MANIFEST.json.
     partial = tmp_path / "step-000002"
     partial.mkdir()

@@ -24,7 +24,7 @@ import torch
 from posttrain.data.provenance import write_atomically
 from posttrain.errors import WriteFailed, format_bytes, write_errno, write_failed
 from posttrain.runs import (
-    RunDirectory, latest_checkpoint, load_trainer_state, plot_metrics, read_jsonl, save_checkpoint, verify_checkpoint,
+    RunDirectory, latest_checkpoint, load_trainer_state, plot_metrics, read_jsonl, verify_checkpoint, write_step_checkpoint,
 )
 from posttrain.runs import checkpoint as checkpoint_module
 
@@ -86,7 +86,7 @@ CHECKPOINT_PAST_THE_LIMIT = """
 import json, sys, torch
 from pathlib import Path
 from posttrain.errors import WriteFailed
-from posttrain.runs import save_checkpoint
+from posttrain.runs import write_step_checkpoint
 """ + WRITE_WEIGHTS + """
 results = []
 for directory, models, state in [
@@ -94,7 +94,7 @@ for directory, models, state in [
     (sys.argv[2], write_weights(2, 100_000), {}),                         # model/weights.pt, through torch.save(path)
 ]:
     try:
-        save_checkpoint(directory, 2, models, state)
+        write_step_checkpoint(directory, 2, models, state)
         results.append(None)
     except WriteFailed as error:
         results.append([str(error), error.exit_code])
@@ -108,7 +108,7 @@ def test_checkpoint_past_the_file_size_limit_is_one_line_and_leaves_the_previous
     is known; a model written by torch.save to a path hides it ("torch's writer failed")."""
     state_dir, model_dir = tmp_path / "state", tmp_path / "model"
     for directory in (state_dir, model_dir):
-        save_checkpoint(directory, 1, write_weights(1, 100), {"data_position": 10})
+        write_step_checkpoint(directory, 1, write_weights(1, 100), {"data_position": 10})
     result = python(CHECKPOINT_PAST_THE_LIMIT, 65536, str(state_dir), str(model_dir))
     assert result.returncode == 0, result.stderr
     (state_message, state_code), (model_message, model_code) = json.loads(result.stdout.splitlines()[-1])
@@ -128,13 +128,13 @@ FILL_SMALL_FILESYSTEM = """
 import json, logging, sys, torch
 from pathlib import Path
 from posttrain.errors import WriteFailed
-from posttrain.runs import save_checkpoint, verify_checkpoint
+from posttrain.runs import verify_checkpoint, write_step_checkpoint
 """ + WRITE_WEIGHTS + """
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 checkpoints = Path(sys.argv[1])
-first = save_checkpoint(checkpoints, 1, write_weights(1, 120_000), {})  # 480 KB of a 1 MiB filesystem
+first = write_step_checkpoint(checkpoints, 1, write_weights(1, 120_000), {})  # 480 KB of a 1 MiB filesystem
 try:
-    save_checkpoint(checkpoints, 2, write_weights(2, 100), {"big": torch.zeros(200_000)})  # 800 KB: no room
+    write_step_checkpoint(checkpoints, 2, write_weights(2, 100), {"big": torch.zeros(200_000)})  # 800 KB: no room
     message = None
 except WriteFailed as error:
     message = str(error)
@@ -166,14 +166,14 @@ def test_checkpoint_on_a_full_filesystem_is_one_line_and_leaves_the_previous_one
 def test_free_space_warning_names_both_numbers(tmp_path, monkeypatch, caplog):
     """The warning compares the free space with the newest complete checkpoint's manifest bytes
     (the model file and trainer_state.pt), and is silent with room to spare."""
-    first = save_checkpoint(tmp_path, 1, write_weights(1, 1000), {})
+    first = write_step_checkpoint(tmp_path, 1, write_weights(1, 1000), {})
     size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
     with caplog.at_level(logging.WARNING):
-        save_checkpoint(tmp_path, 2, write_weights(2, 1000), {})  # the real disk: room to spare
+        write_step_checkpoint(tmp_path, 2, write_weights(2, 1000), {})  # the real disk: room to spare
     assert "may not fit" not in caplog.text
     monkeypatch.setattr(checkpoint_module, "free_space", lambda path: (Path("/mnt/runs"), int(1.4 * size)))
     with caplog.at_level(logging.WARNING):
-        save_checkpoint(tmp_path, 3, write_weights(3, 1000), {})
+        write_step_checkpoint(tmp_path, 3, write_weights(3, 1000), {})
     assert (f"{tmp_path}: {format_bytes(int(1.4 * size))} free on /mnt/runs, and the last checkpoint (step-000002) "
             f"took {format_bytes(size)}: the next one may not fit") in caplog.text
 
@@ -184,9 +184,9 @@ def test_an_interrupted_checkpoint_removes_its_temporary_directory_and_other_err
         (directory / "model" / "part").write_bytes(b"x" * 100)
         raise ValueError("a bug in write_models")
 
-    save_checkpoint(tmp_path, 1, write_weights(1, 10), {})
+    write_step_checkpoint(tmp_path, 1, write_weights(1, 10), {})
     with pytest.raises(ValueError, match="a bug in write_models"):
-        save_checkpoint(tmp_path, 2, broken, {})
+        write_step_checkpoint(tmp_path, 2, broken, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
 
 

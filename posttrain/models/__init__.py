@@ -24,7 +24,7 @@ from posttrain.models.adapters import (
     make_reference,
     merge_lora,
 )
-from posttrain.models.checkpoint import describe_model, load_critic, save_checkpoint, save_critic
+from posttrain.models.checkpoint import describe_model, load_critic, save_critic, save_model
 from posttrain.models.loading import cache_dir, load_model, load_policy, smollm2_cache_path
 from posttrain.models.memory import lean_mlp
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
@@ -47,7 +47,7 @@ __all__ = [
     "make_critic",
     "make_reference",
     "merge_lora",
-    "save_checkpoint",
     "save_critic",
+    "save_model",
     "smollm2_cache_path",
 ]

@@ -3,8 +3,9 @@
 A full model saves as `config.json` + `model.safetensors` + tokenizer files, which plain
 `AutoModelForCausalLM.from_pretrained` loads. A LoRA policy saves its adapter
 (`adapter_config.json` + `adapter_model.safetensors`, naming its base spec) or, with
-`merge_lora=True`, the merged full model. The caller (the run directory) makes the write atomic by
-saving into a temporary directory and renaming it.
+`merge_lora_weights=True`, the merged full model. `save_model` is the export of a model; atomic
+writes are the caller's (a run's step checkpoints: `runs.checkpoint.write_step_checkpoint`, a
+temporary directory renamed when complete).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ CRITIC_CONFIG = "critic.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
-def save_checkpoint(model, tokenizer, directory: str | Path, *, merge_lora_weights: bool = False) -> Path:
+def save_model(model, tokenizer, directory: str | Path, *, merge_lora_weights: bool = False) -> Path:
     """Write `model` and `tokenizer` to `directory` (created if needed); returns the directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

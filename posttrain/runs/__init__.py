@@ -5,9 +5,9 @@ from posttrain.runs.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
     rng_state,
-    save_checkpoint,
     set_rng_state,
     verify_checkpoint,
+    write_step_checkpoint,
 )
 from posttrain.runs.directory import RunDirectory, read_jsonl
 from posttrain.runs.plots import plot_metrics
@@ -20,8 +20,8 @@ __all__ = [
     "plot_metrics",
     "read_jsonl",
     "rng_state",
-    "save_checkpoint",
     "set_rng_state",
     "verify_checkpoint",
     "write_run_card",
+    "write_step_checkpoint",
 ]

@@ -72,7 +72,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(
+def write_step_checkpoint(
     checkpoints_dir: str | Path,
     step: int,
     write_models: Callable[[Path], None],

@@ -12,7 +12,7 @@ import torch
 
 from posttrain.distributed import World, is_sharded, load_model_state, load_optimizer_state, model_state, optimizer_state, unwrap
 from posttrain.errors import UserError
-from posttrain.runs.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from posttrain.runs.checkpoint import latest_checkpoint, load_trainer_state, rng_state, set_rng_state, write_step_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def save_training(
         "world_size": world.size,
         **(extra_state or {}),
     }
-    return save_checkpoint(run_dir.checkpoints, step, write_models, state, keep=keep)
+    return write_step_checkpoint(run_dir.checkpoints, step, write_models, state, keep=keep)
 
 
 def _load_weights(model, directory: Path) -> None:
