@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from posttrain.algorithms import clipped_surrogate
 from posttrain.config import build_config
 from posttrain.data.examples import derived_seed
+from posttrain.losses import policy_gradient
 from posttrain.recipes import online, online_config
 from posttrain.runs.timer import Timer
 from posttrain.rollout import generate
@@ -39,7 +40,7 @@ def fixed_batch(state) -> ScoredBatch:
 
 
 def recorded_surrogates(monkeypatch) -> list[dict]:
-    """Every call of the recipe's clipped surrogate: its advantages and statistics."""
+    """Every call of the loss step's clipped surrogate: its advantages and statistics."""
     calls = []
 
     def recording(logprobs, old, advantages, clip_low, clip_high, dual_clip):
@@ -47,7 +48,7 @@ def recorded_surrogates(monkeypatch) -> list[dict]:
         calls.append({"advantages": advantages.detach().clone(), **{k: v.detach().clone() for k, v in stats.items()}})
         return per_token, stats
 
-    monkeypatch.setattr(online, "clipped_surrogate", recording)
+    monkeypatch.setattr(policy_gradient, "clipped_surrogate", recording)
     return calls
 
 

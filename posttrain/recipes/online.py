@@ -8,9 +8,9 @@ variant an argument; acceptance = held-out prompts scored by a separately config
 
 Each step: 1. sample, 2. score (`sample`: the data and reward links, refilling zero-signal groups
 when asked), 3. old / reference log-probs (and values), KL in the reward when placed there,
-advantages, 4. update (mu epochs over mini-batches, old log-probs fixed), 5. log, evaluate,
-checkpoint (`run`). Steps 3-4 are `step(state, batch) -> metrics`, public: run(), the tests and
-bench/grpo.py all call it.
+advantages, 4. update (mu epochs over mini-batches, old log-probs fixed: the loss link's
+`losses.policy_gradient.step`), 5. log, evaluate, checkpoint (`run`). Steps 3-4 are
+`step(state, batch) -> metrics`, public: run(), the tests and bench/grpo.py all call it.
 
     posttrain grpo --config presets/tiny-grpo.yaml --max-steps 20
     posttrain ppo --config presets/tiny-ppo.yaml --max-steps 20
@@ -29,15 +29,14 @@ from typing import Any
 
 import torch
 
-from posttrain.algorithms import aggregate, clipped_surrogate, clipped_value_loss, exact_kl, kl_estimate, masked_mean, token_logprobs
-from posttrain.algorithms import sampler_mismatch, truncated_importance_weights
+from posttrain.algorithms import kl_estimate, masked_mean
+from posttrain.algorithms import sampler_mismatch
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
-from posttrain.algorithms.logprobs import token_entropy
 from posttrain.config import to_dict
 from posttrain.data.examples import Task, derived_seed
 from posttrain.data.stream import PromptStream
 from posttrain.data.tasks import load_splits
-from posttrain.distributed import World, full_weights, gradient_sync, rank_micro_batches, wrap
+from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement, resolve
 from posttrain.evaluation.acceptance import (
@@ -51,9 +50,11 @@ from posttrain.evaluation.acceptance import (
 )
 from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.models import make_critic, make_reference
-from posttrain.models.forward import TrainingForward, completion_logits, completion_values, policy_and_critic, policy_logits, rank_logprobs
+from posttrain.models.forward import TrainingForward, completion_values, policy_and_critic, policy_logits, rank_logprobs
 from posttrain.models.loading import load_policy
-from posttrain.optim import make_optimizer
+from posttrain.losses.policy_gradient import PolicyModels, UpdateBatch, UpdateSettings, exact_kl_metric
+from posttrain.losses.policy_gradient import step as loss_step
+from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.online_config import Config
 from posttrain.recipes.online_data import ScoredBatch, sample_and_score
 from posttrain.recipes.screening import LAYOUTS, screen_problems
@@ -215,11 +216,16 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     advantages, returns = estimate.advantages, estimate.returns
     metrics.update({name: None if math.isnan(value) else float(value) for name, value in estimate.metrics.items()})
     # 4. Update: mu epochs over mini-batches, old log-probs fixed.
+    update_batch = UpdateBatch(rollout, mask, advantages, batch.owners, seed=derived_seed(config.seed, "minibatch", str(state.step)),
+                               old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, old_values=old_values, returns=returns)
     with timer("update"):
         if state.reference is not None and config.exact_kl_tokens > 0:
-            metrics["kl/exact"] = exact_kl_metric(state, rollout, mask, batch.owners)
-        update_metrics, trainer_logprobs = update(state, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, batch.owners,
-                                                  old_values=old_values, returns=returns)
+            with placement.autocast():
+                metrics["kl/exact"] = exact_kl_metric(state.policy, state.reference, update_batch, config.exact_kl_tokens,
+                                                      temperature, world)
+        update_metrics, trainer_logprobs = loss_step(
+            PolicyModels(Trainable(state.trainer, state.optimizer, state.scheduler, config.optim.max_grad_norm), state.critic is not None),
+            update_batch, update_settings(state), world)
     # The sampler-trainer mismatch: the rollout engine's log-probs of the sampled tokens vs the
     # training forward's, before the update (the precomputed old log-probs, else the first forward's).
     mismatch = sampler_mismatch(old_logprobs if old_logprobs is not None else trainer_logprobs, rollout.logprobs, mask)
@@ -239,136 +245,11 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     return metrics
 
 
-def update(state: State, rollout, inputs, mask, advantages, old_logprobs, ref_logprobs, owners: torch.Tensor,
-           old_values: torch.Tensor | None = None, returns: torch.Tensor | None = None) -> dict[str, Any]:
-    """Step 4: `epochs` passes over `mini_batches` mini-batches, each accumulated over micro-batches
-    with the mini-batch's global token and sequence counts, so the gradient does not depend on the
-    micro-batch size or the world size. With a critic the total loss is the policy loss + value_coef
-    x the (clipped) value loss; during critic warm-up only the value loss (a shared backbone then
-    gets no gradient). Mini-batches are drawn over the global batch; each rank forwards the rows of
-    a mini-batch it owns (`owners`), all ranks running equally many micro-batches (a rank short of
-    rows runs a zero-weight one) with the gradient synced on the last. Returns the step's loss and
-    per-token statistics, summed over ranks.
-
-    Shapes: mask (N, T) bool; advantages (N,) for group advantages or (N, T) for GAE; old_logprobs,
-    ref_logprobs, old_values, returns (N, T) or None (old None: the detached on-policy ones).
-    Returns (metrics, the (N, T) log-probs of the first forward of each row, detached: with old None
-    these are the trainer's log-probs before the update, for the sampler-trainer mismatch)."""
-    config, world, trainer = state.config, state.world, state.trainer
-    loss_cfg, update_cfg, critic_cfg = config.loss, config.update, config.critic
-    N, T = rollout.completion_ids.shape
-    P = rollout.prompt_ids.shape[1]
-    temperature, max_length = config.sampling.temperature, config.sampling.max_new_tokens
-    critic_only = state.critic is not None and state.step < critic_cfg.warmup_steps
-    device = mask.device
-    names = ["loss", "value_loss", "clip/low", "clip/high", "clip/dual", "clip/value", "ratio", "kl", "entropy", "tokens",
-             "tis/weight", "tis/capped"]
-    # Sums stay on the device (float64) until the end: no host synchronisation per micro-batch.
-    sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
-    extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64, device=device)  # (min ratio, -max ratio)
-    first_logprobs = torch.zeros(N, T, device=device)  # each row's log-probs at its first forward
-    tis = loss_cfg.sampler_correction == "tis"
-    groups = [group["params"] for group in state.optimizer.param_groups]  # each clipped on its own
-    grad_norms = []
-    generator = torch.Generator().manual_seed(derived_seed(config.seed, "minibatch", str(state.step)))
-    scale = update_cfg.epochs * update_cfg.mini_batches
-    for epoch in range(update_cfg.epochs):
-        order = torch.randperm(N, generator=generator) if update_cfg.mini_batches > 1 else torch.arange(N)
-        # Exactly `mini_batches` optimizer steps even when dynamic sampling left the batch short.
-        for mini in torch.tensor_split(order, update_cfg.mini_batches):
-            if len(mini) == 0:
-                continue
-            global_tokens, global_sequences = mask[mini].sum(), len(mini)
-            for rows, weight, last in rank_micro_batches(mini, owners, world, update_cfg.micro_batch_size):
-                micro_mask = mask[rows] & bool(weight)
-                with gradient_sync(trainer, last):
-                    logits, values = trainer(inputs, rows, P, T, detach_hidden=critic_only)
-                    logprobs = token_logprobs(logits, rollout.completion_ids[rows], temperature)
-                    old = old_logprobs[rows] if old_logprobs is not None else logprobs.detach()
-                    per_token, stats = clipped_surrogate(logprobs, old, advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)
-                    if tis:  # truncated importance sampling: the sampler drew these tokens, not the trainer's policy
-                        weights = truncated_importance_weights(old, rollout.sampler_logprobs[rows], loss_cfg.sampler_correction_cap)
-                        per_token = per_token * weights
-                        sums["tis/weight"] += (weights * micro_mask).sum().double()
-                        sums["tis/capped"] += ((weights >= loss_cfg.sampler_correction_cap) & micro_mask).sum().double()
-                    if ref_logprobs is not None:
-                        kl = kl_estimate(logprobs, ref_logprobs[rows], loss_cfg.kl_estimator)
-                        if loss_cfg.kl_placement == "loss":
-                            per_token = per_token + loss_cfg.kl_beta * kl
-                        sums["kl"] += (kl.detach() * micro_mask).sum().double()
-                    policy_loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
-                    loss = policy_loss
-                    if values is not None:
-                        value_per_token, value_clipped = clipped_value_loss(values, old_values[rows], returns[rows], critic_cfg.value_clip)
-                        value_loss = aggregate(value_per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
-                        loss = critic_cfg.value_coef * value_loss if critic_only else critic_cfg.value_coef * value_loss + policy_loss
-                        sums["value_loss"] += weight * value_loss.detach().double() / scale
-                        sums["clip/value"] += (value_clipped.float() * micro_mask).sum().double()
-                    # DDP and FSDP2 average gradients over ranks; the loss is a share of a global sum.
-                    # With a critic every parameter is in the graph each backward (DDP waits for all).
-                    in_graph = 0.0 * logits.sum() if values is not None else 0.0
-                    (loss * (weight * world.size) + in_graph).backward()
-                sums["loss"] += weight * loss.detach().double() / scale
-                sums["tokens"] += micro_mask.sum().double()
-                for name, key in (("clip/low", "clipped_low"), ("clip/high", "clipped_high"), ("clip/dual", "dual_clipped"), ("ratio", "ratio")):
-                    sums[name] += (stats[key].float() * micro_mask).sum().double()
-                sums["entropy"] += (token_entropy(logits, temperature) * micro_mask).sum().double()
-                ratios = stats["ratio"].double()
-                low = ratios.masked_fill(~micro_mask, float("inf")).min()
-                high = ratios.masked_fill(~micro_mask, float("-inf")).max()
-                extremes = torch.minimum(extremes, torch.stack([low, -high]))
-                if epoch == 0 and weight:  # every row is in exactly one micro-batch of an epoch
-                    first_logprobs[rows] = logprobs.detach()
-            if critic_only:
-                for parameter in groups[0]:
-                    parameter.grad = None  # AdamW skips parameters without a gradient
-            max_norm = config.optim.max_grad_norm if config.optim.max_grad_norm is not None else float("inf")
-            norms = [float(torch.nn.utils.clip_grad_norm_([p for p in group if p.grad is not None], max_norm)) for group in groups]
-            grad_norms.append(norms[0])
-            state.optimizer.step()
-            state.scheduler.step()
-            state.optimizer.zero_grad(set_to_none=True)
-    totals = world.reduce(torch.stack([sums[name] for name in names])).tolist()
-    sums = dict(zip(names, totals))
-    world.reduce(extremes, "min")
-    extremes = extremes.tolist()
-    tokens = max(1.0, sums["tokens"])
-    metrics = {
-        "loss": sums["loss"],
-        "clip/low": sums["clip/low"] / tokens, "clip/high": sums["clip/high"] / tokens, "clip/dual": sums["clip/dual"] / tokens,
-        "ratio/mean": sums["ratio"] / tokens, "ratio/min": float(extremes[0]) if math.isfinite(extremes[0]) else None,
-        "ratio/max": -float(extremes[1]) if math.isfinite(extremes[1]) else None,
-        "entropy": sums["entropy"] / tokens, "grad_norm": sum(grad_norms) / len(grad_norms),
-    }
-    if ref_logprobs is not None:
-        metrics["kl/estimate"] = sums["kl"] / tokens
-    if state.critic is not None:
-        metrics.update({"value_loss": sums["value_loss"], "clip/value": sums["clip/value"] / tokens, "critic_only": critic_only})
-    if tis:
-        metrics.update({"tis/weight_mean": sums["tis/weight"] / tokens, "tis/capped_fraction": sums["tis/capped"] / tokens})
-    return metrics, world.reduce(first_logprobs.masked_fill(~mask, 0.0))
-
-
-@torch.no_grad()
-def exact_kl_metric(state: State, rollout, mask: torch.Tensor, owners: torch.Tensor) -> float | None:
-    """Exact full-vocabulary KL(policy || reference) per token before the update, averaged over the
-    first `exact_kl_tokens` counted tokens of each rank's rows (cheap enough to log every step)."""
-    world, max_tokens, temperature = state.world, state.config.exact_kl_tokens, state.config.sampling.temperature
-    mine = (owners == world.rank).nonzero().squeeze(1)
-    mine = mine[: int((mask[mine].sum(-1).cumsum(0) < max_tokens).sum()) + 1]
-    inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-    total = torch.zeros(2, dtype=torch.float64, device=mask.device)
-    with full_weights(state.policy), full_weights(state.reference), state.placement.autocast():
-        if len(mine):
-            _, logits = completion_logits(state.policy, inputs, mine, P, T)
-            _, ref_logits = completion_logits(state.reference, inputs, mine, P, T)
-            positions = mask[mine].nonzero()[:max_tokens]
-            if positions.numel():
-                rows, columns = positions[:, 0], positions[:, 1]
-                kl = exact_kl(logits[rows, columns], ref_logits[rows, columns], temperature=temperature)
-                total += torch.stack([kl.sum().double(), kl.new_tensor(kl.numel(), dtype=torch.float64)])
-    kl_sum, count = world.reduce(total).tolist()
-    return kl_sum / count if count else None
+def update_settings(state: State) -> UpdateSettings:
+    """What the loss step reads of the run's config at this step (critic warm-up: critic only)."""
+    config = state.config
+    return UpdateSettings(config.loss, config.update, config.critic, config.sampling.temperature, config.sampling.max_new_tokens,
+                          critic_only=state.critic is not None and state.step < config.critic.warmup_steps)
 
 
 def training_reward(config: Config, train: Task) -> str:

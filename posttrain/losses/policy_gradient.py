@@ -1,0 +1,227 @@
+"""The policy-gradient loss step: the clipped surrogate over a batch of scored rollouts (GRPO, PPO),
+with truncated importance sampling, the KL term in the loss, and a critic's clipped value loss.
+
+`step` runs `update.epochs` passes over `update.mini_batches` mini-batches, one optimizer step each,
+with the old log-probs fixed; `exact_kl_metric` measures the full-vocabulary KL to the reference
+before it. What produced the batch (sampling, scoring, old / reference log-probs and advantages) is
+the recipe's (`posttrain/recipes/online.py`); the tensor math is `posttrain/algorithms/`.
+
+    metrics, first_logprobs = step(PolicyModels(Trainable(trainer, optimizer, scheduler, max_grad_norm)),
+                                   UpdateBatch(rollout, mask, advantages, owners, seed=...), settings, world)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.algorithms import aggregate, clipped_surrogate, clipped_value_loss, exact_kl, kl_estimate, token_logprobs
+from posttrain.algorithms import truncated_importance_weights
+from posttrain.algorithms.logprobs import token_entropy
+from posttrain.distributed import World, full_weights, gradient_sync, rank_micro_batches
+from posttrain.models.forward import completion_logits
+from posttrain.optim import Trainable, clip_groups_and_step
+
+SUMMED = ("loss", "value_loss", "clip/low", "clip/high", "clip/dual", "clip/value", "ratio", "kl", "entropy", "tokens",
+          "tis/weight", "tis/capped")
+"""The per-step sums `step` accumulates on the device (float64) and reduces over ranks once."""
+
+
+@dataclass
+class PolicyModels:
+    """What the step moves: the policy's `Trainable` (its trainer a `TrainingForward` over
+    `policy_logits`, or over `policy_and_critic` with the optimizer's groups [policy, critic])."""
+
+    policy: Trainable
+    has_critic: bool = False
+
+
+@dataclass
+class UpdateBatch:
+    """One step's rollouts and what the step computed from them before the update.
+
+    Shapes: mask (N, T) bool (the tokens that reach the loss); advantages (N,) per sequence or (N, T)
+    per token; owners (N,) the rank each row belongs to; old_logprobs, ref_logprobs, old_values,
+    returns (N, T) or None (old None: the detached on-policy log-probs, ratio exactly 1)."""
+
+    rollout: Any
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    owners: torch.Tensor
+    seed: int
+    """Seeds the mini-batches' row order (derive it from the run's seed and step)."""
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The sections the step reads: the loss (clip, dual clip, aggregation, KL, sampler correction),
+    the update (epochs, mini-batches, micro-batches), the critic (value clip and weight), the
+    sampling temperature of the log-probs, the completion budget (the Dr. GRPO normaliser), and
+    whether this step trains the critic only (critic warm-up: the policy gets no gradient)."""
+
+    loss: Any
+    update: Any
+    critic: Any
+    temperature: float
+    max_length: int
+    critic_only: bool = False
+
+
+def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, world: World) -> tuple[dict[str, Any], torch.Tensor]:
+    """`epochs` passes over `mini_batches` mini-batches, each accumulated over micro-batches with
+    the mini-batch's global token and sequence counts, so the gradient does not depend on the
+    micro-batch size or the world size; one clipped optimizer step per mini-batch (each parameter
+    group clipped on its own). With a critic the loss is the policy loss + value_coef x the
+    (clipped) value loss; during critic warm-up only the value loss. Mini-batches are drawn over
+    the global batch; each rank forwards the rows it owns (`batch.owners`), all ranks running
+    equally many micro-batches with the gradient synced on the last.
+
+    Returns (the step's metrics summed over ranks, the (N, T) log-probs of each row's first
+    forward, detached: with no old log-probs these are the trainer's before the update, for the
+    sampler-trainer mismatch)."""
+    update, mask = settings.update, batch.mask
+    N, T = batch.rollout.completion_ids.shape
+    inputs, P = batch.rollout.forward_inputs(), batch.rollout.prompt_ids.shape[1]
+    sums = {name: torch.zeros((), dtype=torch.float64, device=mask.device) for name in SUMMED}
+    extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64, device=mask.device)  # (min ratio, -max ratio)
+    first_logprobs = torch.zeros(N, T, device=mask.device)
+    grad_norms, scale = [], update.epochs * update.mini_batches
+    generator = torch.Generator().manual_seed(batch.seed)
+    for epoch in range(update.epochs):
+        order = torch.randperm(N, generator=generator) if update.mini_batches > 1 else torch.arange(N)
+        # Exactly `mini_batches` optimizer steps even when dynamic sampling left the batch short.
+        for mini in torch.tensor_split(order, update.mini_batches):
+            if len(mini) == 0:
+                continue
+            normalisers = (mask[mini].sum(), len(mini))
+            for rows, weight, last in rank_micro_batches(mini, batch.owners, world, update.micro_batch_size):
+                micro_mask = mask[rows] & bool(weight)
+                with gradient_sync(models.policy.trainer, last):
+                    loss, logprobs, logits, parts = _micro_loss(models.policy.trainer, batch, (inputs, P, T), rows, micro_mask,
+                                                                (settings, normalisers))
+                    # DDP and FSDP2 average gradients over ranks; the loss is a share of a global sum.
+                    # With a critic every parameter is in the graph each backward (DDP waits for all).
+                    in_graph = 0.0 * logits.sum() if models.has_critic else 0.0
+                    (loss * (weight * world.size) + in_graph).backward()
+                stats = parts.pop("_stats")
+                for name, value in parts.items():
+                    sums[name] += weight * value / scale if name == "value_loss" else value
+                sums["loss"] += weight * loss.detach().double() / scale
+                sums["tokens"] += micro_mask.sum().double()
+                extremes = _add_token_stats(sums, extremes, stats, logits, micro_mask, settings.temperature)
+                if epoch == 0 and weight:  # every row is in exactly one micro-batch of an epoch
+                    first_logprobs[rows] = logprobs.detach()
+            grad_norms.append(_optimizer_step(models.policy, settings.critic_only))
+    present = {"kl"} if batch.ref_logprobs is not None else set()
+    present |= {"critic"} if models.has_critic else set()
+    present |= {"tis"} if settings.loss.sampler_correction == "tis" else set()
+    metrics = _step_metrics(sums, extremes, grad_norms, world, present)
+    if models.has_critic:
+        metrics["critic_only"] = settings.critic_only
+    return metrics, world.reduce(first_logprobs.masked_fill(~mask, 0.0))
+
+
+def _micro_loss(trainer, batch: UpdateBatch, shape: tuple, rows: torch.Tensor, micro_mask: torch.Tensor, context: tuple):
+    """One micro-batch's forward and loss: (loss, (n, T) log-probs, (n, T, V) logits, the detached
+    per-micro-batch sums it adds, with the surrogate's per-token statistics under "_stats")."""
+    (inputs, P, T), (settings, (global_tokens, global_sequences)) = shape, context
+    loss_cfg, critic_cfg, max_length = settings.loss, settings.critic, settings.max_length
+    logits, values = trainer(inputs, rows, P, T, detach_hidden=settings.critic_only)
+    logprobs = token_logprobs(logits, batch.rollout.completion_ids[rows], settings.temperature)
+    old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
+    per_token, stats = clipped_surrogate(logprobs, old, batch.advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)
+    parts: dict[str, Any] = {"_stats": stats}
+    if loss_cfg.sampler_correction == "tis":  # truncated importance sampling: the sampler drew these tokens, not the trainer's policy
+        weights = truncated_importance_weights(old, batch.rollout.sampler_logprobs[rows], loss_cfg.sampler_correction_cap)
+        per_token = per_token * weights
+        parts["tis/weight"] = (weights * micro_mask).sum().double()
+        parts["tis/capped"] = ((weights >= loss_cfg.sampler_correction_cap) & micro_mask).sum().double()
+    if batch.ref_logprobs is not None:
+        kl = kl_estimate(logprobs, batch.ref_logprobs[rows], loss_cfg.kl_estimator)
+        if loss_cfg.kl_placement == "loss":
+            per_token = per_token + loss_cfg.kl_beta * kl
+        parts["kl"] = (kl.detach() * micro_mask).sum().double()
+    loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
+    if values is not None:
+        value_per_token, value_clipped = clipped_value_loss(values, batch.old_values[rows], batch.returns[rows], critic_cfg.value_clip)
+        value_loss = aggregate(value_per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
+        loss = critic_cfg.value_coef * value_loss if settings.critic_only else critic_cfg.value_coef * value_loss + loss
+        parts["value_loss"] = value_loss.detach().double()
+        parts["clip/value"] = (value_clipped.float() * micro_mask).sum().double()
+    return loss, logprobs, logits, parts
+
+
+def _add_token_stats(sums: dict, extremes: torch.Tensor, stats: dict, logits: torch.Tensor, micro_mask: torch.Tensor,
+                     temperature: float) -> torch.Tensor:
+    """Add a micro-batch's clip fractions, ratios and entropy to `sums`; returns the updated
+    (min ratio, -max ratio) over its counted tokens."""
+    for name, key in (("clip/low", "clipped_low"), ("clip/high", "clipped_high"), ("clip/dual", "dual_clipped"), ("ratio", "ratio")):
+        sums[name] += (stats[key].float() * micro_mask).sum().double()
+    sums["entropy"] += (token_entropy(logits, temperature) * micro_mask).sum().double()
+    ratios = stats["ratio"].double()
+    low = ratios.masked_fill(~micro_mask, float("inf")).min()
+    high = ratios.masked_fill(~micro_mask, float("-inf")).max()
+    return torch.minimum(extremes, torch.stack([low, -high]))
+
+
+def _optimizer_step(policy: Trainable, critic_only: bool) -> float:
+    """One clipped optimizer step (each group on its own); returns the policy group's norm. During
+    critic warm-up the policy's gradients are dropped first (AdamW skips parameters without one)."""
+    if critic_only:
+        for parameter in policy.optimizer.param_groups[0]["params"]:
+            parameter.grad = None
+    return clip_groups_and_step(policy.optimizer, policy.scheduler, policy.max_grad_norm)[0]
+
+
+def _step_metrics(sums: dict, extremes: torch.Tensor, grad_norms: list[float], world: World, present: set[str]) -> dict[str, Any]:
+    """The step's metrics from its device sums, reduced over ranks once (token means over the
+    counted tokens; the loss summed over the step's mini-batches, each 1/(epochs x mini_batches));
+    `present` names the optional groups that apply: kl (a reference), critic, tis."""
+    totals = dict(zip(SUMMED, world.reduce(torch.stack([sums[name] for name in SUMMED])).tolist()))
+    world.reduce(extremes, "min")
+    low, high = extremes.tolist()
+    tokens = max(1.0, totals["tokens"])
+    metrics = {
+        "loss": totals["loss"],
+        "clip/low": totals["clip/low"] / tokens, "clip/high": totals["clip/high"] / tokens, "clip/dual": totals["clip/dual"] / tokens,
+        "ratio/mean": totals["ratio"] / tokens, "ratio/min": float(low) if math.isfinite(low) else None,
+        "ratio/max": -float(high) if math.isfinite(high) else None,
+        "entropy": totals["entropy"] / tokens, "grad_norm": sum(grad_norms) / len(grad_norms),
+    }
+    if "kl" in present:
+        metrics["kl/estimate"] = totals["kl"] / tokens
+    if "critic" in present:
+        metrics.update({"value_loss": totals["value_loss"], "clip/value": totals["clip/value"] / tokens})
+    if "tis" in present:
+        metrics.update({"tis/weight_mean": totals["tis/weight"] / tokens, "tis/capped_fraction": totals["tis/capped"] / tokens})
+    return metrics
+
+
+@torch.no_grad()
+def exact_kl_metric(policy, reference, batch: UpdateBatch, max_tokens: int, temperature: float, world: World) -> float | None:
+    """Exact full-vocabulary KL(policy || reference) per token before the update, averaged over the
+    first `max_tokens` counted tokens of each rank's rows (cheap enough to log every step). Call it
+    under the run's precision (`placement.autocast()`); under FSDP2 every rank lends its shards."""
+    mask, rollout = batch.mask, batch.rollout
+    mine = (batch.owners == world.rank).nonzero().squeeze(1)
+    mine = mine[: int((mask[mine].sum(-1).cumsum(0) < max_tokens).sum()) + 1]
+    inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    total = torch.zeros(2, dtype=torch.float64, device=mask.device)
+    with full_weights(policy), full_weights(reference):
+        if len(mine):
+            _, logits = completion_logits(policy, inputs, mine, P, T)
+            _, ref_logits = completion_logits(reference, inputs, mine, P, T)
+            positions = mask[mine].nonzero()[:max_tokens]
+            if positions.numel():
+                rows, columns = positions[:, 0], positions[:, 1]
+                kl = exact_kl(logits[rows, columns], ref_logits[rows, columns], temperature=temperature)
+                total += torch.stack([kl.sum().double(), kl.new_tensor(kl.numel(), dtype=torch.float64)])
+    kl_sum, count = world.reduce(total).tolist()
+    return kl_sum / count if count else None
