@@ -28,7 +28,7 @@ from posttrain.rollout.sampling import SamplingConfig, sample_step
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "fast", "hf", "vllm")
+BACKENDS = ("auto", "fast", "hf")
 
 
 def _as_id_lists(tokenizer, prompts, add_special_tokens: bool) -> list[list[int]]:
@@ -183,9 +183,7 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
         seed: the same seed, prompts and settings give the same tokens whatever ``max_batch_size``.
         max_batch_size: at most this many rows (whole groups, so at least G) are decoded together;
             bounds the KV cache and activation memory.
-        backend: "auto" (fast decoder when supported, else the generic one), "fast", "hf", or
-            "vllm" (optional, GPU only, untested here: ``model`` is then a ``vllm.LLM``; see
-            ``posttrain.rollout.vllm_backend``).
+        backend: "auto" (fast decoder when supported, else the generic one), "fast" or "hf".
         add_special_tokens: passed to the tokenizer for string prompts (False: no BOS added).
         shard: ``(first, total)``: these prompts are prompts ``first ..`` of a batch of ``total``
             prompts drawn with ``seed`` (one rank's share under torchrun); each row then samples
@@ -206,11 +204,6 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     id_lists = _as_id_lists(tokenizer, prompts, add_special_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     pad_id = 0 if pad_id is None else int(pad_id)
-    if backend == "vllm":
-        from posttrain.rollout.vllm_backend import generate_vllm
-
-        return generate_vllm(model, tokenizer, id_lists, group_size=group_size, sampling=sampling, seed=seed,
-                             pad_id=pad_id)
     device = _device_of(model)
     eos_ids = torch.tensor(stop_token_ids(model, tokenizer, sampling), dtype=torch.long, device=device)
     stops = _StopStrings(tokenizer, sampling.stop_strings) if sampling.stop_strings else None
