@@ -18,9 +18,10 @@ from posttrain.config import build_config
 from posttrain.data import load_splits, load_task
 from posttrain.data.files import FORMATS, map_row, resolve_columns
 from posttrain.data.prompts import validate_prompt_file
+from posttrain.data.source import TaskSource
 from posttrain.data.validation import last_boxed, parse_gsm8k_gold
 from posttrain.errors import UserError
-from posttrain.recipes import online, online_config
+from posttrain.recipes import online, online_config, pairs, sft
 from posttrain.rewards.answers import choice_letter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +154,32 @@ def test_an_unreadable_file_is_one_line(tmp_path):
     path.write_bytes(b"not parquet at all")
     with pytest.raises(UserError, match=f"{path}: cannot be read as parquet"):
         load_task(str(path), options={"format": "gsm8k"})
+
+
+RECIPE_DATA = {  # each command's settings, and what its validate needs besides the data section
+    "grpo": (online_config.grpo_config, {}),
+    "sft": (sft.Config, {}),
+    "pairs": (pairs.PairSettings, {"model": "tiny", "out": "pairs.jsonl"}),
+}
+
+
+@pytest.mark.parametrize("command", RECIPE_DATA)
+def test_every_data_section_is_one_task_source(command):
+    """grpo / ppo, sft and pairs read a source alike: the same load options from the same fields, and
+    the same one-line checks (sizes at least 1, a known format, known columns)."""
+    settings, required = RECIPE_DATA[command]
+    source = {"task": "arithmetic", "task_options": {"digits": 2}, "format": "gsm8k", "columns": {"prompt": "q"}, "split": "test"}
+    config = build_config(settings, None, {**required, "data": source})
+    assert isinstance(config.data, TaskSource)
+    assert config.data.load_options() == TaskSource(**source).load_options() == {
+        "digits": 2, "format": "gsm8k", "columns": {"prompt": "q"}, "split": "test"}
+    size_flag = "--data.eval_size" if command == "pairs" else "data.eval_size"
+    for data, message in (({"eval_size": 0}, f"{size_flag} must be at least 1, got 0"),
+                          ({"format": "alpaca"}, "data.format 'alpaca': unknown"),
+                          ({"columns": {"query": "q"}}, "data.columns: unknown key 'query'")):
+        with pytest.raises(UserError) as error:
+            build_config(settings, None, {**required, "data": {"task": "arithmetic", **data}})
+        assert message in str(error.value) and "\n" not in str(error.value)
 
 
 def test_map_row_renames_and_keeps_the_rest():

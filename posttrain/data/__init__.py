@@ -62,6 +62,12 @@ Provenance and order (posttrain.data.provenance, .stream: one epoch stream, two 
     data_order(num_examples, seed, position, count) -> list[int]   # SFT / DPO rows, seeded epochs
     PromptStream(task, seed, position=0).take(count) -> list[Example]  # the online recipes' prompts
 
+Sources (posttrain.data.source)
+    TaskSource(task="arithmetic", task_options={}, format=None, columns={}, split=None, eval_size=200,
+        system_prompt=None): the settings every recipe's data section extends (online, SFT, pairs);
+        .load_options() -> dict (what load_splits takes); .validate(prefix="data.") (its `sizes` at
+        least 1, a known format and columns)
+
 Validation (posttrain.data.validation)
     ValidationReport(source, rows_read, problems: list[BadRow]); .lines() -> ["FILE:LINE: field: reason"];
     .rows_bad; .enforce(strict) raises UserError listing every problem when strict.

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from posttrain.algorithms.policy import AGGREGATIONS
 from posttrain.config import PolicyFields
-from posttrain.data.files import resolve_columns, task_load_options
+from posttrain.data.files import resolve_columns
+from posttrain.data.source import TaskSource
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import check_set_specs
@@ -21,37 +22,22 @@ from posttrain.rollout import SamplingConfig
 
 
 @dataclass
-class Data:
-    """Link 1, data: which prompts, how many per step, and the held-out split kept apart."""
+class Data(TaskSource):
+    """Link 1, data: which prompts (task, format, columns, split, system_prompt, eval_size: the
+    shared `TaskSource`), how many per step, and the held-out split kept apart."""
 
-    task: str = "arithmetic"
-    """Task spec: arithmetic | rg:<dataset> | humaneval | a data file (.jsonl, .parquet, .csv, .json, .arrow) | a save_to_disk directory | a cached owner/name."""
-    task_options: dict = field(default_factory=dict)
-    """Task options, e.g. {digits: 2} for arithmetic, a reasoning-gym dataset's config, {answer_format: gsm8k} for a file."""
-    format: str | None = None
-    """A data file's public layout: gsm8k | math | trl_prompt (its column mapping and gold format; docs/data.md)."""
-    columns: dict = field(default_factory=dict)
-    """Our column names -> the file's, e.g. {prompt: question, answer: answer} (overrides the format's)."""
-    split: str | None = None
-    """The split of a saved or cached dataset with several (default train)."""
+    sizes: ClassVar[tuple[str, ...]] = ("train_size", "eval_size", "prompts_per_step")
+
     train_size: int | None = None
     """Training prompts; None: 20000 for a generated task (arithmetic, rg:), every row not held out for a file."""
-    eval_size: int = 200
-    """Held-out prompts, disjoint from training (checked)."""
     prompts_per_step: int = 8
     """B: prompts sampled per step."""
     group_size: int = 8
     """G: completions per prompt (>= 2 for group advantages; 1 is fine with a critic)."""
-    system_prompt: str | None = None
-    """Optional system prompt for chat models."""
     preflight: bool = True
     """Code tasks: run each problem's reference solution (MBPP `code`, HumanEval `canonical_solution`, a `solution` column) in the sandbox first; a problem failing its own tests is removed and counted."""
     exclude_weak_tests: bool = False
     """Code tasks: drop training problems whose tests accept a trivial program (a lookup of the prompt's examples, a constant, an echo, a catch-all; `posttrain audit --data`), counted in the card."""
-
-    def load_options(self) -> dict:
-        """The options `load_splits` takes (`data.files.task_load_options`)."""
-        return task_load_options(self.task_options, self.format, self.columns, self.split)
 
 
 def estimator_owned(field_name: str) -> list[str]:

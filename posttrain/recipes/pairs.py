@@ -17,11 +17,11 @@ import logging
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
-from typing import Any
+from typing import Any, ClassVar
 
 from posttrain.data import load_splits, render_prompt
 from posttrain.data.examples import derived_seed, verifier_input
-from posttrain.data.files import resolve_columns, task_load_options
+from posttrain.data.source import TaskSource
 from posttrain.data.provenance import write_with_provenance
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, resolve
@@ -35,30 +35,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PairData:
-    """Which prompts are sampled: the task (or file) and its training split."""
+class PairData(TaskSource):
+    """Which prompts are sampled: the task (or file) and its training split (the shared
+    `TaskSource`; its held-out split is reserved, never sampled), and how many."""
+
+    sizes: ClassVar[tuple[str, ...]] = ("max_prompts", "eval_size")
 
     task: str = ""
     """Task spec whose training split gives the prompts: arithmetic | rg:<dataset> | humaneval | a data file (.jsonl, .parquet, .csv, .json, .arrow) | a save_to_disk directory | a cached owner/name (required)."""
-    task_options: dict = field(default_factory=dict)
-    """Task options, e.g. {digits: 2} for arithmetic, {answer_format: gsm8k} for a file."""
-    format: str | None = None
-    """A data file's public layout: gsm8k | math | mmlu | mbpp | humaneval | code_contests | trl_prompt (docs/data.md)."""
-    columns: dict = field(default_factory=dict)
-    """Our column names -> the file's, e.g. {prompt: question} (overrides the format's)."""
-    split: str | None = None
-    """The split of a saved or cached dataset with several (default train)."""
     max_prompts: int = 256
     """Training prompts to sample (the first of the seeded training split)."""
-    eval_size: int = 200
-    """Held-out problems reserved (never sampled), as in the DPO/GRPO runs that evaluate on them."""
-    system_prompt: str | None = None
-    """System prompt for chat models."""
-
-    def load_options(self) -> dict:
-        """The options `load_splits` takes (`data.files.task_load_options`); recorded in the sidecar
-        so that DPO rebuilds the same held-out split."""
-        return task_load_options(self.task_options, self.format, self.columns, self.split)
 
 
 @dataclass
@@ -99,14 +85,12 @@ class PairSettings:
                 raise UserError(f"--{name}: required (posttrain pairs --model M --data.task T --out FILE.jsonl)")
         if self.group_size < 2:
             raise UserError(f"--group-size must be at least 2 (a pair needs two answers), got {self.group_size}")
-        for name, value in (("data.max_prompts", self.data.max_prompts), ("data.eval_size", self.data.eval_size),
-                            ("pairs_per_prompt", self.pairs_per_prompt), ("batch_size", self.batch_size)):
+        self.data.validate(prefix="--data.")
+        for name, value in (("pairs_per_prompt", self.pairs_per_prompt), ("batch_size", self.batch_size)):
             if value < 1:
                 raise UserError(f"--{name} must be at least 1, got {value}")
         if not self.out.endswith(".jsonl"):
             raise UserError(f"--out {self.out}: the pairs file must end in .jsonl")
-        if self.data.format is not None or self.data.columns:
-            resolve_columns(self.data.format, self.data.columns)
 
 
 def pair_up(texts: list[str], verdicts: list[Verdict], threshold: float, limit: int) -> tuple[list[tuple[int, int]], str]:

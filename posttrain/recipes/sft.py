@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -26,7 +26,8 @@ from posttrain.data.stream import data_order
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import Parallel, full_weights, is_sharded, wrap
 from posttrain.errors import UserError
-from posttrain.data.files import is_data_source, resolve_columns, task_load_options
+from posttrain.data.files import is_data_source
+from posttrain.data.source import TaskSource
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, default_checker, evaluate_sets, shifted_sets
 from posttrain.models.forward import TrainingForward, batch_response_sums
@@ -46,44 +47,27 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class Data:
-    """Link 1, data: the task or file to imitate, how its columns map, and the held-out split."""
+class Data(TaskSource):
+    """Link 1, data: the task or file to imitate, how its columns map, and the held-out split (the
+    shared `TaskSource`), with SFT's own loss mask, response template and training size."""
+
+    sizes: ClassVar[tuple[str, ...]] = ("train_size", "eval_size")
 
     task: str = "arithmetic"
     """Task spec: arithmetic | rg:<dataset> | a data file of prompts with answers | a data file of SFT rows (messages, or prompt + completion; docs/data.md)."""
-    task_options: dict = dataclasses.field(default_factory=dict)
-    """Task options, e.g. {digits: 2} for arithmetic."""
-    format: str | None = None
-    """A data file's public layout: gsm8k | math | mmlu | trl_prompt | trl_sft."""
-    columns: dict = dataclasses.field(default_factory=dict)
-    """Our column names -> the file's, e.g. {prompt: instruction, completion: output}."""
-    split: str | None = None
-    """The split of a saved or cached dataset with several (default train)."""
     loss_on: str = "assistant"
     """SFT rows: assistant (every assistant turn; a prompt/completion row's completion) | completion (the last assistant turn) | all (every token)."""
     response_template: str = "<answer>{answer}</answer>"
     """How a gold answer becomes the training response."""
     train_size: int = 20000
     """Training examples (procedural tasks generate this many; a file's rows are capped at it)."""
-    eval_size: int = 200
-    """Held-out examples, disjoint from training."""
-    system_prompt: str | None = None
-    """Optional system prompt for chat models."""
 
     def validate(self) -> None:
-        for name in ("train_size", "eval_size"):
-            if getattr(self, name) < 1:
-                raise UserError(f"data.{name} must be at least 1, got {getattr(self, name)}")
+        super().validate()
         if "{answer}" not in self.response_template:
             raise UserError("data.response_template must contain {answer}")
         if self.loss_on not in LOSS_ON:
             raise UserError(f"data.loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
-        if self.format is not None or self.columns:
-            resolve_columns(self.format, self.columns)
-
-    def load_options(self) -> dict:
-        """The options `load_splits` takes (`data.files.task_load_options`)."""
-        return task_load_options(self.task_options, self.format, self.columns, self.split)
 
 
 @dataclasses.dataclass
