@@ -38,8 +38,9 @@ prompt has exactly the same number of tokens, so no side pads. Both are saved wi
 2. DPO, one step = 16 pairs, prompt 256 + chosen / rejected 256 tokens each (+ EOS), sigmoid loss,
    beta 0.1, AdamW lr 1e-6, clipping at 1.0, a live frozen reference, bf16-mixed, no gradient
    checkpointing on either side (TRL's DPOConfig turns it on by default; off here so both do the
-   same computation). Ours: the recipe's `dpo.train_step` + `optim.clip_and_step` on the recipe's
-   placement (as bench/dpo.py); TRL: `DPOTrainer.train()`, timed between `on_step_end` callbacks.
+   same computation). Ours: the loss link's `losses.preference.step` (forward, backward, clip and
+   optimizer step) through the recipe's `TrainingForward` on its placement (as bench/dpo.py); TRL:
+   `DPOTrainer.train()`, timed between `on_step_end` callbacks.
 3. Generation (run first: it says most about our engine), 8 prompts x G=8 = 64 rows, temperature 1,
    on the same model with bfloat16 weights for both engines: `posttrain.rollout.generate` vs
    transformers' `model.generate(num_return_sequences=8)`, in one process, after one short warm-up
@@ -56,7 +57,10 @@ activations, generation), a crash or a hang (out of memory, a CUDA error) costs 
 each side gets a timeout within `--budget` seconds, so the script always ends with its table. The
 generation line shares one model between the engines, with `torch.cuda.reset_peak_memory_stats`
 before each engine's calls. Times are medians of the timed steps / rounds after `--warmup` warm-up
-steps, with `torch.cuda.synchronize()` before each clock read. tokens/s: completion tokens (GRPO,
+steps, with `torch.cuda.synchronize()` before each clock read. Before each side's first step (ours:
+before its loop; TRL: at `on_train_begin`; generation: before the warm-up calls) the garbage collector
+runs and freezes what survives (`settle_garbage`), so a full collection of the setup's objects (torch,
+transformers, the model) never lands in a timed step. tokens/s: completion tokens (GRPO,
 generation) or real pair tokens (DPO) per second of the whole step. On the CPU, "peak" is the
 process's peak RSS instead.
 
@@ -77,8 +81,8 @@ skipped and exits 0 (so `make bench` passes on the development machines).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -207,19 +211,18 @@ class Device:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def hardware_keys() -> bool:
-    """True when posttrain's configs have the `hardware` section (device placement, precision)."""
-    from posttrain.recipes import online_config
-
-    return any(f.name == "hardware" for f in dataclasses.fields(online_config.Config))
+def settle_garbage() -> None:
+    """Collect now and move every surviving object to the permanent generation (`gc.freeze`). A
+    full (generation 2) collection scans the whole heap, and when one runs depends on the count of
+    objects allocated since setup began: without this it fell in whichever timed step crossed the
+    threshold (any import or object before the loop moved it), and with two timed steps that step
+    is half the median. After it, a collection scans only what the steps themselves keep."""
+    gc.collect()
+    gc.freeze()
 
 
 def hardware_settings(arguments) -> dict:
-    if hardware_keys():
-        return {"hardware": {"device": arguments.device, "precision": arguments.precision}}
-    if arguments.device != "cpu":
-        raise SystemExit("posttrain has no `hardware` config section yet: ours cannot run on the GPU")
-    return {}  # an older posttrain: the CPU in float32
+    return {"hardware": {"device": arguments.device, "precision": arguments.precision}}
 
 
 def training_steps(arguments) -> int:
@@ -243,6 +246,7 @@ def grpo_ours(arguments, workdir: Path, device: Device) -> dict:
     })
     state = online.setup(config, reward=lambda completion, example: reward_of(completion))
     state.policy.train()
+    settle_garbage()
     durations, tokens, generation, prompts = [], [], [], []
     for _ in range(total):
         timer = Timer()
@@ -254,7 +258,7 @@ def grpo_ours(arguments, workdir: Path, device: Device) -> dict:
         generation.append(timer.seconds.get("generation", 0.0))
         prompts.append([e.id for e in batch.examples])
     return summary(arguments, durations, tokens, device, generation=generation, prompts=prompts,
-                   placement=getattr(getattr(state, "placement", None), "describe", lambda: {"device": "cpu", "precision": "fp32"})())
+                   placement=state.placement.describe())
 
 
 def grpo_examples(arguments, workdir: Path) -> list:
@@ -272,8 +276,7 @@ def precision_flags(arguments) -> dict:
     """TRL's (HF Trainer's) flags for our precision: bf16-mixed = bf16=True (autocast, float32 weights)."""
     if arguments.precision not in ("bf16-mixed", "fp32"):
         raise SystemExit(f"TRL has no counterpart here for precision {arguments.precision}")
-    bf16 = arguments.precision == "bf16-mixed" and hardware_keys()  # an older posttrain trains in float32: TRL too
-    return {"bf16": bf16, "use_cpu": arguments.device == "cpu"}
+    return {"bf16": arguments.precision == "bf16-mixed", "use_cpu": arguments.device == "cpu"}
 
 
 def clock_callback(device: Device, marks: list[float]):
@@ -281,6 +284,7 @@ def clock_callback(device: Device, marks: list[float]):
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
+            settle_garbage()
             marks.append(device.now())
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -343,12 +347,15 @@ def dpo_pairs(arguments, workdir: Path) -> list[dict]:
 def dpo_ours(arguments, workdir: Path, device: Device) -> dict:
     from posttrain.config import build_config
     from posttrain.data import PreferencePair, tokenize_preference_pairs
+    from posttrain.hardware import resolve
+    from posttrain.losses.preference import PreferenceModels
+    from posttrain.losses.preference import step as loss_step
     from posttrain.models import make_reference
     from posttrain.models.forward import TrainingForward
     from posttrain.models.loading import load_policy
     from posttrain.models.pair_forward import pair_logprobs
-    from posttrain.optim import clip_and_step, make_optimizer
-    from posttrain.recipes import dpo, dpo_config
+    from posttrain.optim import Trainable, make_optimizer
+    from posttrain.recipes import dpo_config
 
     shape, total = SHAPES[arguments.size], training_steps(arguments)
     P = shape["pairs"]
@@ -357,33 +364,23 @@ def dpo_ours(arguments, workdir: Path, device: Device) -> dict:
         "batch_size": P, "micro_batch_size": P, "optim": {"lr": LR}, "loss": {"beta": DPO_BETA, "reference": "live"},
         **hardware_settings(arguments),
     })
-    if hardware_keys():
-        from posttrain.hardware import resolve
-
-        placement = resolve(config.hardware)
-        policy, tokenizer = load_policy(config.model, placement=placement)
-        trainer = TrainingForward(policy, pair_logprobs, placement=placement)
-        described = placement.describe()
-    else:
-        placement, described = None, {"device": "cpu", "precision": "fp32"}
-        policy, tokenizer = load_policy(config.model)
-        trainer = policy
-    reference = make_reference(policy)
-    optimizer, scheduler = make_optimizer(policy.parameters(), config.optim, total)
+    placement = resolve(config.hardware)
+    policy, tokenizer = load_policy(config.model, placement=placement)
+    trainer = TrainingForward(policy, pair_logprobs, placement=placement)  # what the recipe trains through
+    optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, total)
+    models = PreferenceModels(Trainable(trainer, optimizer, scheduler, config.optim.max_grad_norm), make_reference(policy))
     rows = [PreferencePair(r["id"], r["prompt"], r["chosen"], r["rejected"]) for r in dpo_pairs(arguments, workdir)]
     policy.train()
+    settle_garbage()
     durations, tokens = [], []
     for step in range(total):
         started = device.now()
         batch = tokenize_preference_pairs(tokenizer, rows[step * P:(step + 1) * P], truncation=config.data.truncation(),
                                           use_chat_template=config.data.use_chat_template)
         tokens.append(int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum()))
-        if placement is not None:
-            batch = batch.to(placement.device)
-        dpo.train_step(trainer, reference, None, batch, config.loss, config.micro_batch_size)
-        clip_and_step(policy.parameters(), optimizer, scheduler, config.optim.max_grad_norm)
+        loss_step(models, batch.to(placement.device), config.loss, config.micro_batch_size)
         durations.append(device.now() - started)
-    return summary(arguments, durations, tokens, device, placement=described)
+    return summary(arguments, durations, tokens, device, placement=placement.describe())
 
 
 def dpo_trl(arguments, workdir: Path, device: Device) -> dict:
@@ -468,6 +465,7 @@ def generate_both(arguments, workdir: Path, device: Device) -> dict:
     engines = {"ours": ours, "peer": peer}
     lines = {"full": False, "stops": True}
     results = {line: {name: {"seconds": [], "peak": 0.0, "tokens": []} for name in engines} for line in lines}
+    settle_garbage()
     for name, run in engines.items():  # warm-up: kernels, allocator, weight copies
         started = device.now()
         run(min(8, T), False)
@@ -600,8 +598,7 @@ def main() -> None:
     print(machine_line(arguments, described), flush=True)
     print(f"model: random Llama {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads / "
           f"{model['num_key_value_heads']} KV, intermediate {model['intermediate_size']}, vocab {model['vocab_size']}, tied; "
-          f"training {arguments.precision}, {arguments.warmup} warm-up + {arguments.steps} timed steps (median); "
-          f"posttrain hardware keys: {'yes' if hardware_keys() else 'NO (ours on the CPU in float32)'}", flush=True)
+          f"training {arguments.precision}, {arguments.warmup} warm-up + {arguments.steps} timed steps (median)", flush=True)
     with tempfile.TemporaryDirectory(prefix="posttrain-gpu-bench-") as directory:
         workdir = Path(directory)
         made = prepare(workdir, arguments.size, shape["prompts"] * training_steps(arguments))
