@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from posttrain.config import build_config, parse_overrides
+from posttrain.data.scored_batch import ScoredBatch
 from posttrain.errors import UserError
 from posttrain.recipes import online as grpo
 from posttrain.recipes import online_config
-from posttrain.recipes.online_data import ScoredBatch
 from posttrain.rewards import Verdict
 from posttrain.rewards.scores import Scores
 from posttrain.rollout import generate

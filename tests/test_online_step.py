@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 from posttrain.algorithms import clipped_surrogate
 from posttrain.config import build_config
 from posttrain.data.examples import derived_seed
+from posttrain.data.scored_batch import ScoredBatch
 from posttrain.losses import policy_gradient
 from posttrain.recipes import online, online_config
 from posttrain.runs.timer import Timer
 from posttrain.rollout import generate
-from posttrain.recipes.online_data import ScoredBatch
 from posttrain.rewards import Verdict
 from posttrain.rewards.scores import Scores
 from tests.rewards_for_tests import digits

@@ -34,6 +34,8 @@ from posttrain.algorithms import sampler_mismatch
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
 from posttrain.config import to_dict
 from posttrain.data.examples import Task, derived_seed
+from posttrain.data.scored_batch import ScoredBatch, sample_and_score
+from posttrain.data.screening import LAYOUTS, screen_problems
 from posttrain.data.stream import PromptStream
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import World, full_weights, wrap
@@ -56,8 +58,6 @@ from posttrain.losses.policy_gradient import PolicyModels, UpdateBatch, UpdateSe
 from posttrain.losses.policy_gradient import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.online_config import Config
-from posttrain.recipes.online_data import ScoredBatch, sample_and_score
-from posttrain.recipes.screening import LAYOUTS, screen_problems
 from posttrain.rewards import Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.plots import plot_sets
