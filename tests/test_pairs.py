@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.data import load_preference_file
+from posttrain.data.pairing import pair_up
 from posttrain.data.provenance import file_sha256, provenance_path
-from posttrain.recipes.pairs import pair_up
 from posttrain.rewards import Verdict
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -55,6 +55,15 @@ Preference pairs (posttrain.data.preference)
         system_prompt, use_chat_template, data_format, columns, source_split) -> PairSplits(train, heldout, stats)
         a pairs file split by prompt (no prompt on both sides), or a separate held-out file.
     split_pairs(pairs, count, seed) -> (train, held_out);  prompt_key(prompt) -> str
+    pair_up(texts, verdicts, threshold, limit) -> ([(chosen, rejected)], outcome)   # posttrain.data.pairing:
+        one prompt's scored answers, what `posttrain pairs` writes
+
+Online batches and code screening (posttrain.data.scored_batch, .screening)
+    sample_and_score(policy, tokenizer, stream, verifier, *, prompts, group_size, sampling, seed, step, timer,
+        system_prompt=None, refill_rounds=None, world=None, sampler=single_turn)
+        -> ScoredBatch(rollout, examples, rendered, scores, owners, stats)   # B x G rows, DAPO refills
+    screen_problems(train, held_out, judge, *, preflight=True, exclude_weak_tests=False, workers=None)
+        -> dict | None   # the run card's record; problems removed in place
 
 Provenance and order (posttrain.data.provenance, .stream: one epoch stream, two seedings)
     provenance_path(path) -> Path (pairs.jsonl -> pairs.meta.json); read_provenance(path) -> dict | None;

@@ -21,12 +21,12 @@ from typing import Any, ClassVar
 
 from posttrain.data import load_splits, render_prompt
 from posttrain.data.examples import derived_seed, verifier_input
-from posttrain.data.source import TaskSource
+from posttrain.data.pairing import pair_up
 from posttrain.data.provenance import write_with_provenance
+from posttrain.data.source import TaskSource
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, resolve
 from posttrain.evaluation.acceptance import DEFAULT_REWARDS
-from posttrain.rewards import Verdict
 from posttrain.rewards.registry import RewardOptions, as_verifier
 from posttrain.rollout import SamplingConfig, generate
 from posttrain.runs.skeleton import warn_if_unsafe
@@ -91,29 +91,6 @@ class PairSettings:
                 raise UserError(f"--{name} must be at least 1, got {value}")
         if not self.out.endswith(".jsonl"):
             raise UserError(f"--out {self.out}: the pairs file must end in .jsonl")
-
-
-def pair_up(texts: list[str], verdicts: list[Verdict], threshold: float, limit: int) -> tuple[list[tuple[int, int]], str]:
-    """(chosen index, rejected index) pairs among one prompt's G answers, and the group's outcome:
-    `paired`, `all_correct`, `all_incorrect` or `unscored` (no ok verdict).
-
-    Distinct texts only; pairs are taken in the order (0,0), (0,1), (1,0), (1,1), (0,2)... over the
-    correct and incorrect answers, so each answer is reused as little as possible.
-    """
-    correct, incorrect, seen = [], [], set()
-    for index, (text, verdict) in enumerate(zip(texts, verdicts)):
-        if verdict.status != "ok" or verdict.reward is None or text in seen:
-            continue
-        seen.add(text)
-        (correct if verdict.reward >= threshold else incorrect).append(index)
-    if not correct and not incorrect:
-        return [], "unscored"
-    if not incorrect:
-        return [], "all_correct"
-    if not correct:
-        return [], "all_incorrect"
-    order = sorted(((i, j) for i in range(len(correct)) for j in range(len(incorrect))), key=lambda ij: (max(ij), ij))
-    return [(correct[i], incorrect[j]) for i, j in order[:limit]], "paired"
 
 
 def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str, Any]:
