@@ -2,7 +2,8 @@
 
 Precedence: dataclass defaults < YAML file (`--config`) < command-line flags (`--key value`, dotted
 keys for nested sections: `--sampling.temperature 0.7`). Unknown keys, wrong types and impossible
-combinations raise `UserError` with one line naming the source (file or flag) and the key.
+combinations raise `UserError` with one line naming the source (file or flag) and the key; a key a
+config class declares moved (its `MOVED` table) is one line naming where it went.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -105,12 +106,29 @@ def _coerce(value: Any, annotation, where: str) -> Any:
     raise UserError(f"{where}: unsupported field type {_type_name(annotation)}")
 
 
-def _apply(config, values: dict[str, Any], source: str, prefix: str = "") -> None:
-    """Set fields of dataclass instance `config` from a (possibly nested) mapping, checking types."""
+def moved_keys(cls, prefix: str = "") -> dict[str, str]:
+    """The renamed keys of config class `cls`: its `MOVED` table and its bases' (old dotted key -> new
+    dotted key, both from `cls`), prefixed with `prefix` (the section's own dotted name)."""
+    moved: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        moved.update(vars(klass).get("MOVED", {}))
+    return {f"{prefix}{old}": f"{prefix}{new}" for old, new in moved.items()}
+
+
+def _check_moved(name: str, moved: dict[str, str], source: str) -> None:
+    if name in moved:
+        raise UserError(f"{source}: {name} moved to {moved[name]}")
+
+
+def _apply(config, values: dict[str, Any], source: str, prefix: str = "", moved: dict[str, str] | None = None) -> None:
+    """Set fields of dataclass instance `config` from a (possibly nested) mapping, checking types.
+    `moved`: the renamed keys declared above this section (dotted from the top)."""
     hints = typing.get_type_hints(type(config))
     fields = {f.name for f in dataclasses.fields(config)}
+    moved = {**(moved or {}), **moved_keys(type(config), prefix)}
     for key, value in values.items():
         name = f"{prefix}{key}"
+        _check_moved(name, moved, source)
         if key not in fields:
             known = ", ".join(sorted(fields))
             sections = [f"{prefix}{f.name}.{key}" for f in dataclasses.fields(config) if dataclasses.is_dataclass(getattr(config, f.name))
@@ -122,20 +140,22 @@ def _apply(config, values: dict[str, Any], source: str, prefix: str = "") -> Non
             if not isinstance(value, dict):
                 raise UserError(f"{source}: '{name}' is a section; give a mapping of its keys")
             if current.__dataclass_params__.frozen:  # an immutable settings type: a checked copy
-                setattr(config, key, _replaced(current, value, source, f"{name}."))
+                setattr(config, key, _replaced(current, value, source, f"{name}.", moved))
             else:
-                _apply(current, value, source, f"{name}.")
+                _apply(current, value, source, f"{name}.", moved)
         else:
             setattr(config, key, _coerce(value, hints[key], f"{source}: {name}"))
 
 
-def _replaced(section, values: dict[str, Any], source: str, prefix: str):
+def _replaced(section, values: dict[str, Any], source: str, prefix: str, moved: dict[str, str]):
     """A copy of frozen dataclass `section` with `values` set, types checked; its own
     `__post_init__` checks the combination (its error gets the source's name)."""
     hints = typing.get_type_hints(type(section))
     fields = {f.name for f in dataclasses.fields(section)}
+    moved = {**moved, **moved_keys(type(section), prefix)}
     changes = {}
     for key, value in values.items():
+        _check_moved(f"{prefix}{key}", moved, source)
         if key not in fields:
             raise UserError(f"{source}: unknown key '{prefix}{key}' (known keys under {prefix.rstrip('.')}: {', '.join(sorted(fields))})")
         changes[key] = _coerce(value, hints[key], f"{source}: {prefix}{key}")
@@ -281,6 +301,11 @@ class RunFields:
     """The fields every training recipe's config has, declared once (a recipe's config inherits
     them and may give `max_steps` or `checkpoint_every` another default). The command line gives
     `output_dir`, `max_steps` and `seed` flags of their own (`posttrain/commands/_recipe.py`)."""
+
+    MOVED: ClassVar[dict[str, str]] = {}
+    """Keys that moved (old dotted key -> new dotted key): a preset, a `--old.key` flag or a resumed
+    run's config.yaml that still uses one is refused with one line, `eval_every moved to
+    acceptance.eval_every`. A recipe's config (or any section) declares its own; they add up."""
 
     max_steps: int = 50
     """Training steps (optimizer steps for SFT and DPO; one batch of rollouts each for GRPO and PPO)."""

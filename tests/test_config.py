@@ -105,3 +105,38 @@ def test_a_preset_names_the_command_that_makes_what_it_requires(tmp_path):
     bad.write_text("requires: [runs/x]\n")
     with pytest.raises(UserError, match="'requires' must be a list of"):
         build_config(online_config.grpo_config, bad)
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    MOVED = {"top": "top_p"}  # a section's own table: keys relative to the section
+    top_p: float = 1.0
+
+
+@dataclasses.dataclass
+class Renamed:
+    MOVED = {"eval_every": "acceptance.eval_every", "sampling.temp": "sampling.temperature"}  # dotted from the top
+    acceptance: Example = dataclasses.field(default_factory=Example)
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    frozen: Frozen = dataclasses.field(default_factory=Frozen)
+
+
+@pytest.mark.parametrize("yaml_text, overrides, message", [
+    ("eval_every: 3\n", [], "preset.yaml: eval_every moved to acceptance.eval_every"),
+    ("", ["--eval_every", "3"], "command line: eval_every moved to acceptance.eval_every"),
+    ("", ["--eval-every", "3"], "command line: eval_every moved to acceptance.eval_every"),
+    ("sampling: {temp: 0.5}\n", [], "preset.yaml: sampling.temp moved to sampling.temperature"),
+    ("", ["--sampling.temp", "0.5"], "command line: sampling.temp moved to sampling.temperature"),
+    ("", ["--frozen.top", "0.5"], "command line: frozen.top moved to frozen.top_p"),
+])
+def test_a_moved_key_is_one_line_naming_the_new_key(tmp_path, yaml_text, overrides, message):
+    """A renamed key in a preset, a flag or a nested section: one line saying where it went, checked
+    before the unknown-key error (which would only guess); the new key works."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml_text)
+    with pytest.raises(UserError) as error:
+        build_config(Renamed, preset, parse_overrides(overrides))
+    assert str(error.value) == (f"{tmp_path}/{message}" if message.startswith("preset.yaml") else message)
+    config = build_config(Renamed, None, parse_overrides(["--acceptance.eval_every", "3", "--sampling.temperature", "0.5",
+                                                          "--frozen.top_p", "0.5"]))
+    assert (config.acceptance.eval_every, config.sampling.temperature, config.frozen.top_p) == (3, 0.5, 0.5)
