@@ -257,15 +257,15 @@ def test_every_recipe_takes_reward_options_and_unsafe_no_sandbox(tmp_path, caplo
         config = build_config(config_type, None, {**values, **required.get(config_type, {})})
         assert config.reward_options.timeout_s == 4.0 and config.unsafe_no_sandbox is True
     config = build_config(sft.Config, None, {**values, "data": {"train_size": 8, "eval_size": 4}, "max_steps": 1, "batch_size": 4,
-                                             "micro_batch_size": 4, "max_new_tokens": 2, "output_dir": str(tmp_path / "sft")})
+                                             "micro_batch_size": 4, "acceptance": {"max_new_tokens": 2}, "output_dir": str(tmp_path / "sft")})
     with caplog.at_level("WARNING"):
         run_dir = sft.run(config)
     card = json.loads((run_dir / "run_card.json").read_text())
     settings = card["links"]["acceptance"]["checker_settings"]
     assert settings["verifier"] == "integer" and card["notes"][0].startswith("UNSAFE")
     assert any("UNSAFE" in record.message for record in caplog.records)
-    with pytest.raises(UserError, match="checker: unknown verifier 'nope'"):
-        sft.run(build_config(sft.Config, None, {"checker": "nope", "data": {"train_size": 8, "eval_size": 4},
+    with pytest.raises(UserError, match="acceptance.checker: unknown verifier 'nope'"):
+        sft.run(build_config(sft.Config, None, {"acceptance": {"checker": "nope"}, "data": {"train_size": 8, "eval_size": 4},
                                                  "output_dir": str(tmp_path / "bad")}))
     assert not (tmp_path / "bad").exists()
 

@@ -140,3 +140,41 @@ def test_a_moved_key_is_one_line_naming_the_new_key(tmp_path, yaml_text, overrid
     config = build_config(Renamed, None, parse_overrides(["--acceptance.eval_every", "3", "--sampling.temperature", "0.5",
                                                           "--frozen.top_p", "0.5"]))
     assert (config.acceptance.eval_every, config.sampling.temperature, config.frozen.top_p) == (3, 0.5, 0.5)
+
+
+def test_sft_acceptance_keys_moved_into_their_section():
+    """sft's eval_every, max_new_tokens, checker and sets are acceptance.*: each old key is one line,
+    each new key is a field of the config."""
+    from posttrain.recipes import sft
+
+    fields = {key for key, _, _ in describe_fields(sft.Config)}
+    for old in ("eval_every", "max_new_tokens", "checker", "sets"):
+        assert sft.Config.MOVED[old] == f"acceptance.{old}" and f"acceptance.{old}" in fields and old not in fields
+        with pytest.raises(UserError, match=rf"^command line: {old} moved to acceptance\.{old}$"):
+            build_config(sft.Config, None, {old: None})
+    config = build_config(sft.Config, None, parse_overrides(["--acceptance.eval_every", "3", "--acceptance.max_new_tokens", "6"]))
+    assert (config.acceptance.eval_every, config.acceptance.max_new_tokens) == (3, 6)
+    with pytest.raises(UserError, match=r"^acceptance\.max_new_tokens must be at least 1, got 0$"):
+        build_config(sft.Config, None, {"acceptance": {"max_new_tokens": 0}})
+
+
+def test_sft_cli_preset_and_resume_with_an_old_key_are_one_line_and_write_nothing(tmp_path, capsys):
+    """`posttrain sft` with an old key in a preset, as a flag, or in the config.yaml of a run it
+    resumes: exit 2, one stderr line, no traceback, nothing written."""
+    from posttrain.cli import main
+
+    preset = tmp_path / "old.yaml"
+    preset.write_text("model: tiny\neval_every: 100\n")
+    out = tmp_path / "run"
+    for arguments, line in [(["--config", str(preset)], f"posttrain: error: {preset}: eval_every moved to acceptance.eval_every"),
+                            (["--max_new_tokens", "6"], "posttrain: error: command line: max_new_tokens moved to acceptance.max_new_tokens")]:
+        assert main(["sft", *arguments, "--output-dir", str(out)]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [line]
+        assert not out.exists()
+    old_run = tmp_path / "old-run"
+    old_run.mkdir()
+    (old_run / "config.yaml").write_text("model: tiny\nmax_steps: 2\neval_every: 0\nmax_new_tokens: 24\n")
+    before = sorted(old_run.iterdir())
+    assert main(["sft", "--resume", str(old_run)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["posttrain: error: command line: eval_every moved to acceptance.eval_every"]
+    assert sorted(old_run.iterdir()) == before and "eval_every: 0" in (old_run / "config.yaml").read_text()

@@ -101,7 +101,7 @@ def test_online_run_on_cuda_logs_peak_memory_and_throughput(tmp_path):
 
 def sft_overrides(device: str, out, steps: int = 2, precision: str = "fp32") -> list[str]:
     return ["--max-steps", str(steps), "--batch-size", "4", "--micro-batch-size", "2", "--data.train_size", "40", "--data.eval_size", "4",
-            "--max-new-tokens", "4", "--checkpoint-every", "1", "--hardware.device", device, "--hardware.precision", precision,
+            "--acceptance.max_new_tokens", "4", "--checkpoint-every", "1", "--hardware.device", device, "--hardware.precision", precision,
             "--output-dir", str(out)]
 
 

@@ -144,7 +144,7 @@ def test_a_dead_rank_ends_the_job(tmp_path):
     assert "Signal 9 (SIGKILL)" in stderr or "exitcode" in stderr, stderr[-2000:]
 
 
-SFT = ["sft", "--data.train_size", "200", "--data.eval_size", "8", "--max_new_tokens", "6", "--seed", "3", "--eval_every", "2",
+SFT = ["sft", "--data.train_size", "200", "--data.eval_size", "8", "--acceptance.max_new_tokens", "6", "--seed", "3", "--acceptance.eval_every", "2",
        "--optim.warmup_steps", "0", "--parallel.timeout_seconds", "120"]
 
 

@@ -42,7 +42,7 @@ GRPO = ["--data.eval_size", "8", "--data.train_size", "200", "--data.prompts_per
         "--reward", "callable:rewards_for_tests.digits", "--seed", "0", "--acceptance.eval_every", "3"]
 CASES = {
     "sft": ["sft", "--data.train_size", "64", "--data.eval_size", "8", "--batch_size", "8", "--micro_batch_size", "4",
-            "--max_new_tokens", "6", "--eval_every", "3", "--seed", "0"],
+            "--acceptance.max_new_tokens", "6", "--acceptance.eval_every", "3", "--seed", "0"],
     "dpo-live": ["dpo", "--data.heldout_pairs", "4", "--batch_size", "4", "--micro_batch_size", "2", "--optim.lr", "1e-3",
                  "--acceptance.eval_every", "3", "--seed", "0", "--loss.reference", "live"],
     "dpo-precomputed": ["dpo", "--data.heldout_pairs", "4", "--batch_size", "4", "--micro_batch_size", "2", "--optim.lr", "1e-3",

@@ -150,7 +150,7 @@ def test_online_recipe_two_steps_bf16_mixed(kind):
 
 def test_sft_two_steps_bf16_mixed(tmp_path):
     overrides = parse_overrides(["--max-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--data.train_size", "40",
-                                 "--data.eval_size", "4", "--max-new-tokens", "4", "--hardware.precision", "bf16-mixed",
+                                 "--data.eval_size", "4", "--acceptance.max_new_tokens", "4", "--hardware.precision", "bf16-mixed",
                                  "--output-dir", str(tmp_path / "run")])
     run_dir = sft.run(build_config(sft.Config, None, overrides))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

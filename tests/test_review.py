@@ -218,7 +218,7 @@ def test_a_tiny_sft_run_reviewed_end_to_end(tmp_path, capsys):
     """The real eval file of a 2-step sft run: sample, mark every row agree, score 1.0."""
     run = tmp_path / "sft"
     assert main(["sft", "--max-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--data.train_size", "40",
-                 "--data.eval_size", "8", "--max-new-tokens", "4", "--output-dir", str(run)]) == 0
+                 "--data.eval_size", "8", "--acceptance.max_new_tokens", "4", "--output-dir", str(run)]) == 0
     assert review(run, "--n", 5) == 0
     marks = [dict(row, mark="agree") for row in read(run / "review" / "marks.json")]
     assert len(marks) == 5 and all(row["id"].startswith("arithmetic-eval-") for row in marks)

@@ -94,7 +94,7 @@ def test_sft_evaluates_shifted_held_out_sets(tmp_path):
     from posttrain.errors import UserError
     from posttrain.recipes import sft
 
-    base = {"model": "tiny", "max_steps": 1, "batch_size": 4, "micro_batch_size": 4, "max_new_tokens": 4,
+    base = {"model": "tiny", "max_steps": 1, "batch_size": 4, "micro_batch_size": 4, "acceptance": {"max_new_tokens": 4},
             "data": {"train_size": 8, "eval_size": 4}}
     run_dir = sft.run(build_config(sft.Config, None, {**base, "output_dir": str(tmp_path / "sets")}))
     last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
@@ -106,8 +106,42 @@ def test_sft_evaluates_shifted_held_out_sets(tmp_path):
     assert len(words["rows"]) == 4 and " plus " in words["rows"][0]["prompt"]
     card = json.loads((run_dir / "run_card.json").read_text())["links"]["acceptance"]["sets"]
     assert card["digits_3"]["options"] == {"digits": 3} and card["words"]["checker"] == "integer"
-    none = sft.run(build_config(sft.Config, None, {**base, "output_dir": str(tmp_path / "none"), "sets": []}))
+    none = sft.run(build_config(sft.Config, None, {**base, "output_dir": str(tmp_path / "none"), "acceptance": {"sets": []}}))
     last = [json.loads(line) for line in (none / "metrics.jsonl").read_text().splitlines()][-1]
     assert not any(key.startswith("heldout/digits_3") for key in last)
-    with pytest.raises(UserError, match=r"^sets\[1\]: unknown key 'tasks'"):
-        build_config(sft.Config, None, {**base, "sets": [{"name": "x", "tasks": "arithmetic"}]})
+    with pytest.raises(UserError, match=r"^acceptance\.sets\[1\]: unknown key 'tasks'"):
+        build_config(sft.Config, None, {**base, "acceptance": {"sets": [{"name": "x", "tasks": "arithmetic"}]}})
+
+
+def test_sft_resume_with_its_acceptance_section(tmp_path):
+    """config.yaml nests the acceptance section: `posttrain sft --resume` continues it (stopped at
+    step 2 and resumed, it ends where a straight 3-step run does). The resume check still refuses a
+    data change, and lets an acceptance change pass (it touches neither the data order nor the loss)."""
+    import json
+
+    from posttrain.cli import main
+    from posttrain.config import build_config, load_yaml, to_dict
+    from posttrain.errors import UserError
+    from posttrain.recipes import sft
+    from posttrain.runs.faults import config_changes
+
+    common = ["sft", "--data.train_size", "16", "--data.eval_size", "4", "--batch_size", "4", "--micro_batch_size", "2",
+              "--acceptance.max_new_tokens", "4", "--acceptance.eval_every", "2", "--acceptance.sets", "[]"]
+    assert main([*common, "--max-steps", "3", "--output-dir", str(tmp_path / "straight")]) == 0
+    assert main([*common, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir", str(tmp_path / "run")]) == 0
+    saved = load_yaml(tmp_path / "run" / "config.yaml")
+    assert saved["acceptance"] == {"eval_every": 2, "max_new_tokens": 4, "checker": None, "sets": []}
+    assert not {"eval_every", "max_new_tokens", "checker", "sets"} & set(saved)
+    assert main(["sft", "--resume", str(tmp_path / "run"), "--max-steps", "3"]) == 0
+
+    def last(name):
+        row = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()][-1]
+        return {k: v for k, v in row.items() if not k.startswith(("seconds/", "tokens_per_second"))}
+
+    assert last("run") == last("straight") and last("run")["step"] == 3
+    saved = load_yaml(tmp_path / "run" / "config.yaml")
+    evaluation = build_config(sft.Config, None, {**saved, "acceptance": {**saved["acceptance"], "eval_every": 1, "max_new_tokens": 8}})
+    assert config_changes(saved, to_dict(evaluation)) == []
+    data = build_config(sft.Config, None, {**saved, "max_steps": 4, "data": {**saved["data"], "train_size": 32}})
+    with pytest.raises(UserError, match=r"1 field\(s\) that change its data order or loss: data.train_size: 16 -> 32 "):
+        sft.run(data, resume=True)

@@ -19,7 +19,7 @@ from posttrain.runs.trackers import mlflow_name, scalars
 from tests.rewards_for_tests import digits
 
 SFT = ["--max-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--data.train_size", "40",
-       "--data.eval_size", "4", "--max-new-tokens", "4"]
+       "--data.eval_size", "4", "--acceptance.max_new_tokens", "4"]
 GRPO = ["--max-steps", "2", "--data.eval_size", "4", "--data.train_size", "40", "--data.prompts_per_step", "2",
         "--data.group_size", "2", "--sampling.max_new_tokens", "4", "--samples_per_step", "3"]
 

@@ -110,14 +110,14 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     clock = time.perf_counter()
     sft_config = build_config(sft.Config, preset("tiny-sft"), {
         "seed": seed, "output_dir": str(out / "sft"), "data": {"eval_size": config.eval_size}, "max_steps": config.sft_steps,
-        "checkpoint_every": config.sft_steps, "eval_every": 0, "sets": [],  # every stage's sets are evaluated below, once
+        "checkpoint_every": config.sft_steps, "acceptance": {"eval_every": 0, "sets": []},  # every stage's sets are evaluated below, once
     })
     sft_dir = Path(config.sft_run) if config.sft_run else sft.run(sft_config)
     start_model = str(sft_dir / "checkpoints" / f"step-{config.sft_steps:06d}" / "model")
     if not Path(start_model).is_dir():
         raise UserError(f"{start_model}: no SFT checkpoint at step {config.sft_steps}")
     timings["sft"] = time.perf_counter() - clock
-    task, options, budget = sft_config.data.task, sft_config.data.task_options, sft_config.max_new_tokens
+    task, options, budget = sft_config.data.task, sft_config.data.task_options, sft_config.acceptance.max_new_tokens
 
     # 2. Baseline acceptance on the held-out sets every stage shares: the in-distribution split and
     # the shifted ones (the task's defaults: one more digit, the sums in words; and the sums asked as

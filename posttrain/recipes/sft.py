@@ -71,7 +71,33 @@ class Data(TaskSource):
 
 
 @dataclasses.dataclass
+class Acceptance:
+    """Link 4, acceptance: held-out accuracy of a task's gold-answer form, scored by a checker written
+    apart from any reward, and the held-out NLL (always; the only measure of SFT rows)."""
+
+    eval_every: int = 0
+    """Evaluate held-out accuracy every N steps (0: only at the end)."""
+    max_new_tokens: int = 24
+    """Generation budget of the held-out evaluation (the tiny model writes one character a token)."""
+    checker: str | None = None
+    """Held-out checker (a verifier name); None: the task's default checker (written apart from any reward)."""
+    sets: list[dict] | None = None
+    """Shifted held-out sets beside the task's own, as grpo's acceptance.sets: [{name, task?, task_options?, size?, checker?}]; None: the task's default shifts (arithmetic: one more digit, words; reasoning-gym: harder); []: none. A task's gold answers only."""
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UserError(f"acceptance.max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.sets is not None:
+            if not isinstance(self.sets, list):
+                raise UserError(f"acceptance.sets must be a list of held-out sets, got {self.sets!r}")
+            check_set_specs(self.sets)
+
+
+@dataclasses.dataclass
 class Config(RunFields):
+    MOVED: ClassVar[dict[str, str]] = {name: f"acceptance.{name}" for name in ("eval_every", "max_new_tokens", "checker", "sets")}
+    """SFT's acceptance settings were top-level keys before they became the acceptance section."""
+
     model: str = "tiny"
     """Model spec: tiny | smollm2-135m | a local Hugging Face directory | a hub id."""
     data: Data = dataclasses.field(default_factory=Data)
@@ -84,14 +110,8 @@ class Config(RunFields):
     """Optimizer and schedule."""
     parallel: Parallel = dataclasses.field(default_factory=Parallel)
     """Under torchrun: DDP or FSDP2 (see posttrain/distributed.py); ignored in one process."""
-    eval_every: int = 0
-    """Evaluate held-out accuracy every N steps (0: only at the end)."""
-    max_new_tokens: int = 24
-    """Generation budget of the held-out evaluation (the tiny model writes one character a token)."""
-    checker: str | None = None
-    """Held-out checker (a verifier name); None: the task's default checker (written apart from any reward)."""
-    sets: list[dict] | None = None
-    """Shifted held-out sets beside the task's own, as grpo's acceptance.sets: [{name, task?, task_options?, size?, checker?}]; None: the task's default shifts (arithmetic: one more digit, words; reasoning-gym: harder); []: none. A task's gold answers only."""
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)
+    """Link 4: held-out evaluation (cadence, generation budget, checker, shifted sets)."""
     max_steps: int = 200
     checkpoint_every: int = 100
 
@@ -100,15 +120,12 @@ class Config(RunFields):
         self.optim.validate()
         self.parallel.validate()
         self.data.validate()
-        for name in ("batch_size", "micro_batch_size", "max_new_tokens"):
+        for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        self.acceptance.validate()
         if self.batch_size % self.micro_batch_size:
             raise UserError(f"batch_size {self.batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
-        if self.sets is not None:
-            if not isinstance(self.sets, list):
-                raise UserError(f"sets must be a list of held-out sets, got {self.sets!r}")
-            check_set_specs(self.sets, setting="sets")
 
 
 @dataclasses.dataclass
@@ -170,13 +187,13 @@ def make_checker(name: str | None, task: Task, options: RewardOptions, unsafe_no
     """The held-out checker: `name`, else the task kind's strict default, with the run's verifier
     settings (never partial credit); a bad name is one UserError line, before the run directory exists."""
     checker = as_verifier(None, name or default_checker(task), options, unsafe_no_sandbox,
-                          for_checker=True, setting="checker")
+                          for_checker=True, setting="acceptance.checker")
     checker.prepare()
     return checker
 
 
 MEMORY_KNOBS = {"update": ["micro_batch_size", "memory.gradient_checkpointing", "hardware.precision"],
-                "evaluation": ["max_new_tokens", "micro_batch_size", "hardware.precision"]}
+                "evaluation": ["acceptance.max_new_tokens", "micro_batch_size", "hardware.precision"]}
 """The settings that shrink each phase's memory, for the out-of-memory message (`runs/faults.py`)."""
 
 
@@ -189,8 +206,8 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
     data = load_data(config.data, config.seed, tokenizer)
     if data.task is not None:
-        data = dataclasses.replace(data, checker=make_checker(config.checker, data.task, config.reward_options, config.unsafe_no_sandbox),
-                                   shifted=shifted_sets(config.sets, Task(config.data.task, "train", data.train, data.task.reward_kind),
+        data = dataclasses.replace(data, checker=make_checker(config.acceptance.checker, data.task, config.reward_options, config.unsafe_no_sandbox),
+                                   shifted=shifted_sets(config.acceptance.sets, Task(config.data.task, "train", data.train, data.task.reward_kind),
                                                         config.data.task, config.data.task_options, config.seed, config.data.eval_size,
                                                         config.reward_options, config.unsafe_no_sandbox))
     warn_if_unsafe(config.unsafe_no_sandbox)
@@ -209,7 +226,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     write_card()
     model.train()
     with closing(run_dir, write_card), StepLoop("sft", run_dir, world, start_step, config.max_steps, config.checkpoint_every,
-                                                 config.eval_every) as loop:
+                                                 config.acceptance.eval_every) as loop:
         for done in loop:
             started = time.perf_counter()
             # 1. The next batch of the seeded data stream.
@@ -249,7 +266,7 @@ def make_card(config: Config, data: SFTData) -> dict:
     card["links"]["reward"] = {"kind": "none (imitation of " + ("gold answers)" if data.task is not None else "the rows' completions)")}
     card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True,
                              "loss_on": config.data.loss_on if data.task is None else "the response (gold answer in response_template)"}
-    card["links"]["acceptance"] = ({"heldout": f"{config.data.task} eval split", "checker": config.checker or "task default (strict)"}
+    card["links"]["acceptance"] = ({"heldout": f"{config.data.task} eval split", "checker": config.acceptance.checker or "task default (strict)"}
                                    if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {config.data.task}", "metric": "token-mean NLL"})
     if data.checker is not None:
         card["links"]["acceptance"].update({
@@ -269,7 +286,7 @@ def evaluate_and_plot(model, tokenizer, data: SFTData, config: Config, run_dir: 
         plot_metrics(run_dir.read_metrics() + [{"step": step, **metrics}], ["loss", "heldout/nll"], run_dir.plots)
         return metrics
     _, metrics = evaluate_sets(model, tokenizer, data.task, data.checker, data.shifted, step=step, eval_dir=run_dir.eval_dir,
-                               seed=config.seed, max_new_tokens=config.max_new_tokens, system_prompt=config.data.system_prompt)
+                               seed=config.seed, max_new_tokens=config.acceptance.max_new_tokens, system_prompt=config.data.system_prompt)
     metrics["heldout/nll"] = heldout_nll(model, data.encode(data.held_out), config.micro_batch_size)
     rows = run_dir.read_metrics() + [{"step": step, **metrics}]
     plot_metrics(rows, ["loss", "heldout/pass@1", "heldout/nll"], run_dir.plots)
