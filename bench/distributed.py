@@ -34,7 +34,7 @@ PROMPTS, GROUP = 16, 8
 FLAGS = [
     "--model", "tiny", "--reward", "exact", "--data.task", "arithmetic", "--data.task_options", "{digits: 2}",
     "--data.train_size", "2000", "--data.eval_size", "8", "--data.prompts_per_step", str(PROMPTS),
-    "--data.group_size", str(GROUP), "--sampling.max_new_tokens", "24", "--loss.kl_beta", "0.01",
+    "--data.group_size", str(GROUP), "--sampling.max_new_tokens", "24", "--loss.kl.beta", "0.01",
     "--update.micro_batch_size", "64", "--optim.lr", "1e-4", "--acceptance.eval_every", "0", "--seed", "0",
 ]
 

@@ -241,7 +241,7 @@ def grpo_ours(arguments, workdir: Path, device: Device) -> dict:
         "data": {"task": str(workdir / "prompts.jsonl"), "task_options": {"answer_format": "text"},
                  "train_size": B * total, "eval_size": 1, "prompts_per_step": B, "group_size": G},
         "sampling": {"temperature": TEMPERATURE, "max_new_tokens": T, "min_new_tokens": T},
-        "loss": {"kl_beta": GRPO_BETA}, "optim": {"lr": LR},
+        "loss": {"kl": {"beta": GRPO_BETA}}, "optim": {"lr": LR},
         "update": {"epochs": 1, "mini_batches": 1, "micro_batch_size": B * G},
     })
     state = online.setup(config, reward=lambda completion, example: reward_of(completion))

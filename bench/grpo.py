@@ -156,7 +156,7 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
         "model": model_name, "max_steps": total, "seed": SEED,
         "data": {"task": TASK, "train_size": TRAIN_SIZE, "eval_size": EVAL_SIZE, "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE},
         "sampling": {"temperature": TEMPERATURE, "max_new_tokens": MAX_NEW_TOKENS},
-        "loss": {"kl_beta": BETA}, "optim": {"lr": LR},
+        "loss": {"kl": {"beta": BETA}}, "optim": {"lr": LR},
         "update": {"epochs": 1, "mini_batches": 1, "micro_batch_size": PROMPTS_PER_STEP * GROUP_SIZE},
     }
     if exact_kl_tokens is not None:

@@ -42,7 +42,7 @@ GPUS = torch.cuda.device_count() if DEVICE == "cuda" else 0
 def online_config_for(kind: str, device: str, precision: str = "fp32", **top) -> online_config.Config:
     factory = online_config.grpo_config if kind == "grpo" else online_config.ppo_config
     overrides = copy.deepcopy(SMALL)
-    overrides["loss"] = {**overrides["loss"], "kl_beta": 0.04}
+    overrides["loss"] = {**overrides["loss"], "kl": {"beta": 0.04}}
     if kind == "ppo":
         overrides["data"]["group_size"] = 2
     overrides["hardware"] = {"device": device, "precision": precision}

@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = [
     "grpo", "--data.eval_size", "8", "--data.train_size", "200", "--data.prompts_per_step", "4", "--data.group_size", "4",
-    "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", "1e-3", "--loss.kl_beta", "0.05",
+    "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", "1e-3", "--loss.kl.beta", "0.05",
     "--reward", "callable:rewards_for_tests.digits", "--seed", "5", "--acceptance.eval_every", "2",
     "--parallel.timeout_seconds", "120",  # a test that deadlocks fails in minutes, not in half an hour
 ]
 # Uneven shares: refilled groups land on whichever rank sampled them, mini-batches mix ranks' rows.
-GRPO_UNEVEN = ["--loss.dynamic_sampling", "true", "--loss.advantage_scale", "batch", "--update.mini_batches", "2",
+GRPO_UNEVEN = ["--data.dynamic_sampling", "true", "--loss.group.scale", "batch", "--update.mini_batches", "2",
                "--update.micro_batch_size", "3"]
 TIMINGS = ("seconds/", "tokens_per_second")
 

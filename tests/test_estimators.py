@@ -4,15 +4,18 @@ hand, what the table promises the recipe, and the config's one-line errors built
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import re
 
 import pytest
 import torch
 
 from posttrain.algorithms import gae, whiten
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
-from posttrain.config import build_config
+from posttrain.config import build_config, parse_overrides
 from posttrain.errors import UserError
+from posttrain.losses.policy_gradient_config import MOVED
 from posttrain.recipes import online_config
 
 
@@ -20,7 +23,7 @@ def test_group_entry_gives_the_seeds_advantages():
     """The seed: rewards [0, 1, 0, 0], population std sqrt(3)/4, so A = [-1/sqrt(3), sqrt(3), -1/sqrt(3), -1/sqrt(3)]."""
     mask = torch.ones(4, 3, dtype=torch.bool)
     estimate = ADVANTAGE_ESTIMATORS["group"].estimate(StepRewards(torch.tensor([0.0, 1.0, 0.0, 0.0]), mask, mask, 4),
-                                                      advantage_scale="group", advantage_eps=0.0, unbiased_std=False)
+                                                      scale="group", eps=0.0, unbiased_std=False)
     third = -1 / math.sqrt(3)
     assert estimate.advantages.tolist() == pytest.approx([third, math.sqrt(3), third, third])
     assert estimate.returns is None and estimate.metrics == {}
@@ -34,7 +37,7 @@ def test_group_entry_charges_a_kl_in_the_reward_per_sequence_over_every_sampled_
     mask = torch.tensor([[True, True, False], [True, True, False]])
     kl = torch.tensor([[0.1, 0.2, 0.3], [0.1, 0.1, 9.0]])
     estimate = ADVANTAGE_ESTIMATORS["group"].estimate(StepRewards(torch.tensor([1.0, 0.0]), mask, sampled, 2, kl=kl, kl_beta=0.5),
-                                                      advantage_scale="none", advantage_eps=0.0, unbiased_std=False)
+                                                      scale="none", eps=0.0, unbiased_std=False)
     assert estimate.advantages.tolist() == pytest.approx([0.4, -0.4])  # centred (0.7, -0.1): mean 0.3
 
 
@@ -44,7 +47,7 @@ def test_gae_entry_is_gae_over_the_token_rewards_then_whitened():
     values, kl = torch.randn(2, 3), torch.rand(2, 3)
     rewards = torch.tensor([1.0, float("nan")])  # an unscored row: reward 0
     estimate = ADVANTAGE_ESTIMATORS["gae"].estimate(StepRewards(rewards, mask, mask, 1, kl=kl, kl_beta=0.1, values=values),
-                                                    gamma=1.0, lam=0.95, whiten_advantages=True)
+                                                    gamma=1.0, lam=0.95, whiten=True)
     token_rewards = -0.1 * kl * mask
     token_rewards[0, 2] += 1.0  # the sequence reward on its last counted token
     advantages, returns = gae(token_rewards, values, mask, 1.0, 0.95)
@@ -54,9 +57,11 @@ def test_gae_entry_is_gae_over_the_token_rewards_then_whitened():
 
 
 def test_every_entry_names_real_settings_and_a_real_command():
-    fields = {f.name for f in dataclasses.fields(online_config.Loss)}
+    fields = {f.name: f for f in dataclasses.fields(online_config.Loss)}
     for name, entry in ADVANTAGE_ESTIMATORS.items():
-        assert entry.name == name and set(entry.settings) <= fields, name
+        assert entry.name == name and (entry.section is None or dataclasses.is_dataclass(fields[entry.section].default_factory())), name
+        settings = online_config.Loss(advantage=name).estimator_settings()  # what estimate() is called with
+        assert set(settings) == set(inspect.signature(entry.estimate).parameters) - {"inputs"}, name
         assert entry.command in ("grpo", "ppo") and entry.kl_metric in ("update", "rollout")
         assert "{estimator}" in entry.kl_in_reward
         assert entry.per_token == entry.needs_critic  # today's two entries; a per-token REINFORCE++ would differ
@@ -72,14 +77,61 @@ def test_an_unknown_estimator_is_one_line_naming_the_table():
         config("rloo")
 
 
-@pytest.mark.parametrize("advantage, field, value, owner", [("group", "lam", 0.9, "gae"), ("gae", "unbiased_std", True, "group")])
-def test_another_estimators_setting_is_refused_naming_its_owner(advantage, field, value, owner):
-    with pytest.raises(UserError, match=rf"^loss.{field} applies to loss.advantage {owner} only \(this run: {advantage}\)$"):
-        config(advantage, **{field: value})
+@pytest.mark.parametrize("advantage, section, field, value", [("group", "gae", "lam", 0.9), ("gae", "group", "unbiased_std", True)])
+def test_another_estimators_setting_is_refused_naming_its_owner(advantage, section, field, value):
+    with pytest.raises(UserError, match=rf"^loss.{section} applies to loss.advantage {section} only \(this run: {advantage}\)$"):
+        config(advantage, **{section: {field: value}})
 
 
 def test_the_card_settings_are_the_shared_ones_and_the_estimators_own():
     group = config("group").loss.settings()
-    assert "advantage_scale" in group and "lam" not in group and "clip_low" in group
+    assert "group" in group and "gae" not in group and group["clip"] == {"low": 0.2, "high": 0.2, "dual": None}
     gae_settings = config("gae").loss.settings()
-    assert "lam" in gae_settings and "advantage_scale" not in gae_settings
+    assert gae_settings["gae"]["lam"] == 0.95 and "group" not in gae_settings and "clip" in gae_settings
+
+
+def test_every_surrogate_names_its_section_and_its_statistics():
+    """Each surrogate's section is a `loss` field whose settings are its keyword arguments, and the
+    statistics it names are ones it returns (the clipped ratio on the seed's numbers: r = 1.3 > 1.2)."""
+    from posttrain.algorithms.surrogates import SURROGATES
+
+    fields = {f.name for f in dataclasses.fields(online_config.Loss)}
+    for name, entry in SURROGATES.items():
+        settings = online_config.Loss(surrogate=name).surrogate_settings()
+        assert entry.name == name and entry.section in fields, name
+        old = torch.log(torch.tensor([[0.20]]))
+        _, stats = entry.function(torch.log(torch.tensor([[0.26]])), old, torch.tensor([3.0 ** 0.5]), **settings)
+        assert {key for _, key in entry.fractions} | {"ratio"} <= set(stats), name
+        assert entry.describe(settings)
+    _, stats = SURROGATES["clip"].function(torch.log(torch.tensor([[0.26]])), torch.log(torch.tensor([[0.20]])),
+                                           torch.tensor([3.0 ** 0.5]), low=0.2, high=0.2, dual=None)
+    assert stats["ratio"].item() == pytest.approx(1.3) and bool(stats["clipped_high"])
+
+
+def test_an_unknown_surrogate_is_one_line_naming_the_table():
+    with pytest.raises(UserError, match=r"^loss.surrogate must be one of clip, got 'gspo'$"):
+        config("group", surrogate="gspo")
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_every_key_the_loss_split_renamed_is_one_line_naming_where_it_went(old, new):
+    """A preset or flag from before the split: one line, `loss.kl_beta moved to loss.kl.beta`; the
+    new key, with the same value, is accepted."""
+    value = DEFAULTS[new]
+    with pytest.raises(UserError, match=rf"^command line: {re.escape(old)} moved to {re.escape(new)}$"):
+        build_config(online_config.grpo_config, None, parse_overrides([f"--{old}", str(value)]))
+    factory = online_config.ppo_config if new.startswith("loss.gae.") else online_config.grpo_config
+    extra = ["--loss.kl.beta", "0.1"] if new == "loss.kl.reference_refresh_every" else []
+    config = build_config(factory, None, parse_overrides([f"--{new}", str(value), *extra]))
+    where, _, name = new.rpartition(".")
+    target = config
+    for part in where.split("."):
+        target = getattr(target, part)
+    assert getattr(target, name) == value
+
+
+DEFAULTS = {"loss.clip.low": 0.1, "loss.clip.high": 0.28, "loss.clip.dual": 3.0, "loss.group.scale": "batch", "loss.group.eps": 0.01,
+            "loss.group.unbiased_std": True, "loss.gae.gamma": 0.9, "loss.gae.lam": 0.9, "loss.gae.whiten": False,
+            "loss.kl.beta": 0.1, "loss.kl.estimator": "k1", "loss.kl.placement": "reward", "loss.kl.reference_refresh_every": 2,
+            "data.dynamic_sampling": True, "data.max_refill_rounds": 2}
+"""A valid non-default value for each new key (gae's through ppo, whose estimator reads them)."""

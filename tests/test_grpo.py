@@ -52,8 +52,8 @@ def weights(model):
 )
 def test_smoke_every_aggregation_and_kl_placement(tmp_path, aggregation, placement, beta):
     config = small_config(
-        tmp_path, "--max-steps", "2", "--loss.aggregation", aggregation, "--loss.kl_placement", placement,
-        "--loss.kl_beta", str(beta),
+        tmp_path, "--max-steps", "2", "--loss.aggregation", aggregation, "--loss.kl.placement", placement,
+        "--loss.kl.beta", str(beta),
     )
     initial = weights(load_model("tiny")[0])
     run_dir = grpo.run(config, reward=digits)
@@ -70,7 +70,7 @@ def test_smoke_every_aggregation_and_kl_placement(tmp_path, aggregation, placeme
     card = json.loads((run_dir / "run_card.json").read_text())
     assert set(card["links"]) == {"data", "reward", "loss", "acceptance"}
     loss = card["links"]["loss"]
-    assert loss["aggregation"] == aggregation and loss["kl_placement"] == placement and loss["std"] == "population (n)"
+    assert loss["aggregation"] == aggregation and loss["kl"]["placement"] == placement and loss["std"] == "population (n)"
     assert card["links"]["reward"]["verifier"].startswith("python:")
     assert (run_dir / "plots" / "reward_mean.png").is_file() and (run_dir / "samples.jsonl").is_file()
     assert list((run_dir / "eval").glob("step-*.json"))
@@ -79,7 +79,7 @@ def test_smoke_every_aggregation_and_kl_placement(tmp_path, aggregation, placeme
 def test_micro_batch_split_gives_the_same_update(tmp_path):
     """4 micro-batches of 2 vs 1 of 8 (and 8 of 1): with SGD at lr 1 the parameter change is
     the gradient itself, which the global normaliser makes identical. Through the public step."""
-    config = small_config(tmp_path, "--loss.kl_beta", "0.1", "--loss.aggregation", "token_mean", "--optim.max_grad_norm", "null")
+    config = small_config(tmp_path, "--loss.kl.beta", "0.1", "--loss.aggregation", "token_mean", "--optim.max_grad_norm", "null")
     policy, tokenizer = load_model("tiny")
     rollout = generate(policy, tokenizer, ["12+34=", "5+6="], group_size=4, sampling=config.sampling, seed=3)
     rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
@@ -100,7 +100,7 @@ def test_micro_batch_split_gives_the_same_update(tmp_path):
 
 
 def test_infra_errors_everywhere_give_zero_advantage_and_no_nan(tmp_path):
-    config = small_config(tmp_path, "--max-steps", "1", "--loss.kl_beta", "0.0")
+    config = small_config(tmp_path, "--max-steps", "1", "--loss.kl.beta", "0.0")
     initial = weights(load_model("tiny")[0])
     run_dir = grpo.run(config, reward=broken)
     step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1]
@@ -115,7 +115,7 @@ def test_infra_errors_everywhere_give_zero_advantage_and_no_nan(tmp_path):
 def test_dynamic_sampling_refills_and_counts(tmp_path):
     """Groups whose rewards are all equal are dropped and refilled with fresh prompts: every trained
     group has signal, and the counts add up (kept in the first round + refilled = trained)."""
-    config = small_config(tmp_path, "--max-steps", "1", "--loss.dynamic_sampling", "true", "--loss.max_refill_rounds", "3")
+    config = small_config(tmp_path, "--max-steps", "1", "--data.dynamic_sampling", "true", "--data.max_refill_rounds", "3")
     run_dir = grpo.run(config, reward=digits)
     step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1]
     # Either the batch was refilled to B = 2 groups, or the 1 + 3 rounds ran out first.
@@ -126,7 +126,7 @@ def test_dynamic_sampling_refills_and_counts(tmp_path):
     assert step["groups/dropped"] + step["groups/trained"] >= 2
     assert step["sampling_rounds"] == 1 or step["groups/dropped"] > 0
     card = json.loads((run_dir / "run_card.json").read_text())
-    assert card["links"]["loss"]["dynamic_sampling"] is True
+    assert card["links"]["data"]["dynamic_sampling"] is True
 
 
 @pytest.mark.parametrize(
@@ -135,8 +135,8 @@ def test_dynamic_sampling_refills_and_counts(tmp_path):
         (["--data.group_size", "1"], "group_size must be at least 2"),
         (["--update.mini_batches", "3"], "do not split into 3 mini-batches"),
         (["--loss.aggregation", "mean"], "loss.aggregation must be one of"),
-        (["--loss.kl_placement", "both"], "kl_placement: must be one of"),
-        (["--loss.reference_refresh_every", "5"], "needs a reference"),
+        (["--loss.kl.placement", "both"], "placement: must be one of"),
+        (["--loss.kl.reference_refresh_every", "5"], "needs a reference"),
         (["--sampling.temperature", "0"], "temperature must be > 0"),
         (["--data.prompts_per_step", "two"], "expected an integer"),
         (["--lossy.kl_beta", "1"], "unknown key 'lossy'"),
@@ -195,7 +195,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
 def test_resume_with_reference_refresh_restores_the_reference(tmp_path):
     """With the reference refreshed every 2 steps and a checkpoint after step 3 (not a refresh
     step), the resumed run's KL (against the step-2 reference) equals the uninterrupted run's."""
-    extra = ["--loss.kl_beta", "0.1", "--loss.reference_refresh_every", "2", "--checkpoint-every", "1"]
+    extra = ["--loss.kl.beta", "0.1", "--loss.kl.reference_refresh_every", "2", "--checkpoint-every", "1"]
     straight = small_config(tmp_path / "a", "--max-steps", "4", *extra)
     grpo.run(straight, reward=digits)
     partial = small_config(tmp_path / "b", "--max-steps", "3", "--acceptance.eval_every", "0", *extra)

@@ -117,9 +117,9 @@ def online_state(kind: str, *extra) -> online.State:
     overrides = copy.deepcopy(SMALL)
     if kind == "ppo":
         overrides["data"]["group_size"] = 2
-        overrides["loss"] = {**overrides["loss"], "kl_beta": 0.05}
+        overrides["loss"] = {**overrides["loss"], "kl": {"beta": 0.05}}
     else:
-        overrides["loss"] = {**overrides["loss"], "kl_beta": 0.04}
+        overrides["loss"] = {**overrides["loss"], "kl": {"beta": 0.04}}
     for key, value in (extra[i : i + 2] for i in range(0, len(extra), 2)):
         section, _, leaf = key.partition(".")
         overrides.setdefault(section, {})[leaf] = value

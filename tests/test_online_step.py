@@ -15,7 +15,7 @@ from posttrain.algorithms import clipped_surrogate
 from posttrain.config import build_config
 from posttrain.data.examples import derived_seed
 from posttrain.data.scored_batch import ScoredBatch
-from posttrain.losses import policy_gradient
+from posttrain.algorithms import surrogates
 from posttrain.recipes import online, online_config
 from posttrain.runs.timer import Timer
 from posttrain.rollout import generate
@@ -26,7 +26,7 @@ from tests.rewards_for_tests import digits
 SMALL = {
     "data": {"eval_size": 8, "train_size": 200, "prompts_per_step": 2, "group_size": 4},
     "sampling": {"max_new_tokens": 6}, "update": {"micro_batch_size": 8},
-    "optim": {"lr": 3e-3, "max_grad_norm": None}, "loss": {"clip_low": 0.1, "clip_high": 0.3},
+    "optim": {"lr": 3e-3, "max_grad_norm": None}, "loss": {"clip": {"low": 0.1, "high": 0.3}},
 }
 
 
@@ -43,12 +43,12 @@ def recorded_surrogates(monkeypatch) -> list[dict]:
     """Every call of the loss step's clipped surrogate: its advantages and statistics."""
     calls = []
 
-    def recording(logprobs, old, advantages, clip_low, clip_high, dual_clip):
-        per_token, stats = clipped_surrogate(logprobs, old, advantages, clip_low, clip_high, dual_clip)
+    def recording(logprobs, old, advantages, low, high, dual):
+        per_token, stats = clipped_surrogate(logprobs, old, advantages, low, high, dual)
         calls.append({"advantages": advantages.detach().clone(), **{k: v.detach().clone() for k, v in stats.items()}})
         return per_token, stats
 
-    monkeypatch.setattr(policy_gradient, "clipped_surrogate", recording)
+    monkeypatch.setattr(surrogates, "clipped_surrogate", recording)  # what the `clip` entry calls
     return calls
 
 

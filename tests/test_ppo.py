@@ -39,7 +39,7 @@ def final_model(run_dir):
     [("reward", "false", "token_mean"), ("loss", "true", "seq_mean_token_mean"), ("reward", "true", "seq_mean_token_sum_norm")],
 )
 def test_smoke(tmp_path, placement, shared, aggregation):
-    config = config_for(tmp_path, "run", "--max-steps", "2", "--loss.kl_placement", placement,
+    config = config_for(tmp_path, "run", "--max-steps", "2", "--loss.kl.placement", placement,
                         "--critic.share_backbone", shared, "--loss.aggregation", aggregation)
     initial = {n: p.detach().clone() for n, p in load_model("tiny")[0].named_parameters()}
     run_dir = ppo.run(config, reward=digits)
@@ -54,7 +54,7 @@ def test_smoke(tmp_path, placement, shared, aggregation):
     assert any(key.startswith("value_head") for key in critic_state)
     assert (shared == "true") == (not any(key.startswith("backbone") for key in critic_state))
     card = json.loads((run_dir / "run_card.json").read_text())
-    assert card["links"]["loss"]["kl_placement"] == placement and card["links"]["loss"]["critic_share_backbone"] == (shared == "true")
+    assert card["links"]["loss"]["kl"]["placement"] == placement and card["links"]["loss"]["critic_share_backbone"] == (shared == "true")
 
 
 def test_critic_warmup_leaves_the_policy_unchanged(tmp_path):
@@ -86,7 +86,7 @@ def test_resume_continues_exactly(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--loss.gamma", "1.5"], "loss.gamma and loss.lam must be in [0, 1]"),
+        (["--loss.gae.gamma", "1.5"], "loss.gae.gamma and loss.gae.lam must be in [0, 1]"),
         (["--critic.lr", "0"], "critic.lr must be > 0"),
         (["--data.group_size", "0"], "data.group_size must be at least 1"),
         (["--critic.share", "true"], "unknown key 'critic.share'"),

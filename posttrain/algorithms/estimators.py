@@ -1,9 +1,10 @@
 """The advantage estimators as a table: each entry says what it needs (a critic, groups), which
-`loss.*` settings it reads, how a KL placed in the reward enters it, its run-card text and the
+`loss.<section>` of settings it reads, how a KL placed in the reward enters it, its run-card text and the
 metrics it plots, and computes the step's advantages from the step's rewards. The online recipe
 asks the entry, never "is it group?".
 
-Adding an estimator (RLOO, REINFORCE++) is one function and one entry in `ADVANTAGE_ESTIMATORS`.
+Adding an estimator (RLOO, REINFORCE++) is one function and one entry in `ADVANTAGE_ESTIMATORS`
+(plus, if it has settings of its own, their section in `losses/policy_gradient_config.Loss`).
 Pure tensor math like the rest of `algorithms/`: no models, configs or `.item()`.
 """
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.algorithms.advantages import explained_variance, gae, grpo_advantages, masked_mean, whiten
+from posttrain.algorithms.advantages import explained_variance, gae, grpo_advantages, masked_mean
+from posttrain.algorithms.advantages import whiten as whiten_tokens
 from posttrain.algorithms.kl import kl_in_reward
 
 
@@ -57,9 +59,9 @@ class AdvantageEstimator:
     algorithm: str
     """The run card's name for the algorithm it makes."""
     estimate: Callable[..., Estimate]
-    """estimate(StepRewards, **settings) -> Estimate, settings being the `loss.*` fields named below."""
-    settings: tuple[str, ...]
-    """The `loss.*` fields it reads (others' own fields must stay at their defaults)."""
+    """estimate(StepRewards, **settings) -> Estimate, settings being the fields of `loss.<section>`."""
+    section: str | None
+    """The `loss.<section>` of settings it reads (None: none; other estimators' sections must stay at their defaults)."""
     needs_critic: bool
     per_token: bool
     """Advantages (N, T) per token; else (N,) per sequence."""
@@ -77,16 +79,16 @@ class AdvantageEstimator:
     """Extra run-card entries of its settings."""
 
 
-def group_estimate(inputs: StepRewards, advantage_scale: str, advantage_eps: float, unbiased_std: bool) -> Estimate:
+def group_estimate(inputs: StepRewards, scale: str, eps: float, unbiased_std: bool) -> Estimate:
     """GRPO's group-relative advantages (`grpo_advantages`), each sequence's reward first charged
     beta x the sum of its per-token KL estimates when the KL is placed in the reward."""
     rewards = inputs.rewards
     if inputs.kl is not None and inputs.kl_beta:  # every sampled token of a row pays: the row counts in its group's baseline
         rewards = kl_in_reward(rewards, inputs.kl, inputs.sampled, inputs.kl_beta, per_token=False)
-    return Estimate(grpo_advantages(rewards, inputs.group_size, scale=advantage_scale, eps=advantage_eps, unbiased_std=unbiased_std))
+    return Estimate(grpo_advantages(rewards, inputs.group_size, scale=scale, eps=eps, unbiased_std=unbiased_std))
 
 
-def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten_advantages: bool) -> Estimate:
+def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten: bool) -> Estimate:
     """PPO's per-token advantages: GAE (Schulman et al. arXiv:1506.02438 eq. 16) over per-token
     rewards (the sequence reward on its last token, -beta x KL on every token when placed in the
     reward: Ouyang et al. arXiv:2203.02155 eq. 2) and the critic's values; whitened over the
@@ -95,8 +97,8 @@ def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten_advantage
     kl = inputs.kl if inputs.kl is not None else torch.zeros_like(values)
     token_rewards = kl_in_reward(torch.nan_to_num(inputs.rewards, nan=0.0), kl, mask, inputs.kl_beta, per_token=True)
     advantages, returns = gae(token_rewards, values, mask, gamma, lam)
-    if whiten_advantages:
-        advantages = whiten(advantages, mask)
+    if whiten:
+        advantages = whiten_tokens(advantages, mask)
     return Estimate(advantages, returns, {"values/mean": masked_mean(values, mask), "returns/mean": masked_mean(returns, mask),
                                           "explained_variance": explained_variance(values, returns, mask)})
 
@@ -104,7 +106,7 @@ def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten_advantage
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "group": AdvantageEstimator(
         name="group", command="grpo", algorithm="GRPO (group-relative advantages, clipped surrogate, no critic)",
-        estimate=group_estimate, settings=("advantage_scale", "advantage_eps", "unbiased_std"), needs_critic=False,
+        estimate=group_estimate, section="group", needs_critic=False,
         per_token=False, min_group_size=2,
         kl_in_reward=("per-sequence sum: each sequence's reward minus beta x the sum of its per-token {estimator} "
                       "estimates, before the group advantages"),
@@ -114,7 +116,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     ),
     "gae": AdvantageEstimator(
         name="gae", command="ppo", algorithm="PPO with a learned critic (GAE advantages, clipped surrogate, clipped value loss)",
-        estimate=gae_estimate, settings=("gamma", "lam", "whiten_advantages"), needs_critic=True, per_token=True, min_group_size=1,
+        estimate=gae_estimate, section="gae", needs_critic=True, per_token=True, min_group_size=1,
         kl_in_reward="per-token penalty: -beta x the {estimator} estimate in each token's reward before GAE (Ouyang et al. eq. 2)",
         kl_metric="rollout",
         plotted=("reward/mean", "heldout/pass@1", "kl/estimate", "value_loss", "length/mean", "loss"),

@@ -6,7 +6,7 @@ Every loss has one signature,
     loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
          chosen_lengths=None, rejected_lengths=None, *, beta, label_smoothing) -> (losses, chosen_rewards, rejected_rewards)
 
-with the summed response log-probs of the policy and of the frozen reference, all (P,) for P pairs
+with the summed response log-probs of the policy and of the frozen reference, all (M,) for M pairs
 (lengths: response tokens per row; only the length-normalised losses use them, the others ignore
 them). The implicit rewards are beta * (log pi - log pi_ref) per response (DPO, arXiv:2305.18290
 section 5), detached, for metrics. With
@@ -65,14 +65,14 @@ def dpo_loss(
     here; for TRL's numbers use e = 0.
 
     Args:
-        chosen_logps, rejected_logps: (P,) policy sequence log-probs (summed over response tokens).
-        ref_chosen_logps, ref_rejected_logps: (P,) the reference's.
+        chosen_logps, rejected_logps: (M,) policy sequence log-probs (summed over response tokens).
+        ref_chosen_logps, ref_rejected_logps: (M,) the reference's.
         chosen_lengths, rejected_lengths: unused here (every loss takes them; see the module docstring).
         beta: inverse temperature of the implicit reward.
         label_smoothing: e in [0, 0.5).
 
     Returns:
-        losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+        losses (M,), chosen_rewards (M,), rejected_rewards (M,).
 
     Example (the seed): chosen -2, rejected -4, references -3, -3, beta 0.2:
     h = 1 - (-1) = 2, beta h = 0.4, loss = log(1 + e^-0.4) ~ 0.5130; chosen reward 0.2,
@@ -101,7 +101,7 @@ def conservative_dpo_loss(
     DPO loss when each preference label is wrong with probability e.
 
     Args: as `dpo_loss`; `label_smoothing` in (0, 0.5).
-    Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+    Returns: losses (M,), chosen_rewards (M,), rejected_rewards (M,).
     """
     if not 0.0 < label_smoothing < 0.5:
         raise ValueError(f"conservative DPO needs label_smoothing in (0, 0.5), got {label_smoothing}")
@@ -124,7 +124,7 @@ def robust_dpo_loss(
         loss = (-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) / (1 - 2 e)
 
     Args: as `dpo_loss`; `label_smoothing` is the assumed flip rate e in [0, 0.5).
-    Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+    Returns: losses (M,), chosen_rewards (M,), rejected_rewards (M,).
     """
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
@@ -152,7 +152,7 @@ def ipo_loss(
     built from summed log-probs, as in the paper; TRL's `ipo` length-averages them, which is
     `length_normalized_ipo_loss` here.
 
-    Args: as `dpo_loss`. Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+    Args: as `dpo_loss`. Returns: losses (M,), chosen_rewards (M,), rejected_rewards (M,).
     Example: h = 2, beta = 0.2 -> (2 - 2.5)^2 = 0.25.
     """
     _no_label_smoothing("ipo", label_smoothing)
@@ -175,7 +175,7 @@ def hinge_loss(
     """Hinge loss on the implicit-reward margin (SLiC, Zhao et al., arXiv:2305.10425 eq. 3;
     RSO, arXiv:2309.06657): max(0, 1 - beta h).
 
-    Args: as `dpo_loss`. Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,).
+    Args: as `dpo_loss`. Returns: losses (M,), chosen_rewards (M,), rejected_rewards (M,).
     Example: h = 2, beta = 0.2 -> max(0, 1 - 0.4) = 0.6.
     """
     _no_label_smoothing("hinge", label_smoothing)
@@ -202,11 +202,11 @@ def length_normalized_dpo_loss(
     response with the better average token, not the likelier sequence), so it has its own name.
 
     Args:
-        chosen_logps ... ref_rejected_logps: (P,) summed sequence log-probs, as in `dpo_loss`.
-        chosen_lengths, rejected_lengths: (P,) number of response tokens (mask sums), >= 1.
+        chosen_logps ... ref_rejected_logps: (M,) summed sequence log-probs, as in `dpo_loss`.
+        chosen_lengths, rejected_lengths: (M,) number of response tokens (mask sums), >= 1.
         beta: usually much larger than for DPO, since the log-ratios are per token.
 
-    Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,) (per-token implicit rewards).
+    Returns: losses (M,), chosen_rewards (M,), rejected_rewards (M,) (per-token implicit rewards).
     """
     return _per_token("length_normalized", dpo_loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
                       chosen_lengths, rejected_lengths, beta, label_smoothing)
@@ -231,7 +231,7 @@ def length_normalized_ipo_loss(
         loss   = (h_mean - 1 / (2 beta))^2
 
     Args: as `length_normalized_dpo_loss` (lengths required, each clamped to >= 1).
-    Returns: losses (P,), chosen_rewards (P,), rejected_rewards (P,) (per-token implicit rewards).
+    Returns: losses (M,), chosen_rewards (M,), rejected_rewards (M,) (per-token implicit rewards).
     Example: chosen -2 over 4 tokens, rejected -4 over 2, references -3, -3, beta 0.2:
     h_mean = 1/4 - (-1/2) = 0.75, loss = (0.75 - 2.5)^2 = 3.0625.
     """
@@ -241,7 +241,7 @@ def length_normalized_ipo_loss(
 
 def _per_token(name, loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths,
                beta, label_smoothing) -> PreferenceOutput:
-    """`loss` (dpo_loss / ipo_loss) on per-token mean log-probs: each (P,) sum divided by its
+    """`loss` (dpo_loss / ipo_loss) on per-token mean log-probs: each (M,) sum divided by its
     response's length (clamped to >= 1); lengths are required and label smoothing is refused."""
     if chosen_lengths is None or rejected_lengths is None:
         raise ValueError(f"{name} needs chosen_lengths and rejected_lengths")
@@ -281,11 +281,11 @@ def pair_columns(
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
 ) -> torch.Tensor:
-    """(7, P) detached per-pair values [losses, chosen rewards, rejected rewards, chosen logps,
+    """(7, M) detached per-pair values [losses, chosen rewards, rejected rewards, chosen logps,
     rejected logps, chosen log-ratio, rejected log-ratio]: one tensor, so the columns of several
     micro-batches (or ranks) concatenate along dim 1 before `pair_metrics` averages them.
 
-    Args: a loss's (P,) outputs, then the (P,) policy and reference sequence log-probs.
+    Args: a loss's (M,) outputs, then the (M,) policy and reference sequence log-probs.
     """
     chosen, rejected = chosen_logps.detach(), rejected_logps.detach()
     return torch.stack([
@@ -294,7 +294,7 @@ def pair_columns(
 
 
 def pair_metrics(columns: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Means over the P pairs of (7, P) `pair_columns`, as 0-dim tensors named by `PAIR_METRICS`.
+    """Means over the M pairs of (7, M) `pair_columns`, as 0-dim tensors named by `PAIR_METRICS`.
 
     The margin is the mean of chosen - rejected reward; the accuracy the fraction of pairs whose
     chosen reward is strictly higher (a tie counts as wrong, so policy == reference gives 0).

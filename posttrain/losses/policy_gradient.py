@@ -1,4 +1,5 @@
-"""The policy-gradient loss step: the clipped surrogate over a batch of scored rollouts (GRPO, PPO),
+"""The policy-gradient loss step: the surrogate (`loss.surrogate`, an entry of
+`algorithms/surrogates.py`: the clipped ratio today) over a batch of scored rollouts (GRPO, PPO),
 with truncated importance sampling, the KL term in the loss, and a critic's clipped value loss.
 
 `step` runs `update.epochs` passes over `update.mini_batches` mini-batches, one optimizer step each,
@@ -18,16 +19,17 @@ from typing import Any
 
 import torch
 
-from posttrain.algorithms import aggregate, clipped_surrogate, clipped_value_loss, exact_kl, kl_estimate, token_logprobs
+from posttrain.algorithms import aggregate, clipped_value_loss, exact_kl, kl_estimate, token_logprobs
 from posttrain.algorithms import truncated_importance_weights
 from posttrain.algorithms.logprobs import token_entropy
+from posttrain.algorithms.surrogates import SURROGATES
 from posttrain.distributed import World, full_weights, gradient_sync, rank_micro_batches
 from posttrain.models.forward import completion_logits
 from posttrain.optim import Trainable, clip_groups_and_step
 
-SUMMED = ("loss", "value_loss", "clip/low", "clip/high", "clip/dual", "clip/value", "ratio", "kl", "entropy", "tokens",
-          "tis/weight", "tis/capped")
-"""The per-step sums `step` accumulates on the device (float64) and reduces over ranks once."""
+SUMMED = ("loss", "value_loss", "clip/value", "ratio", "kl", "entropy", "tokens", "tis/weight", "tis/capped")
+"""The per-step sums `step` accumulates on the device (float64) and reduces over ranks once,
+beside the surrogate's own fractions (`Surrogate.fractions`: clip/low, clip/high, clip/dual)."""
 
 
 @dataclass
@@ -89,7 +91,8 @@ def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, wor
     update, mask = settings.update, batch.mask
     N, T = batch.rollout.completion_ids.shape
     inputs, P = batch.rollout.forward_inputs(), batch.rollout.prompt_ids.shape[1]
-    sums = {name: torch.zeros((), dtype=torch.float64, device=mask.device) for name in SUMMED}
+    surrogate = SURROGATES[settings.loss.surrogate]
+    sums = {name: torch.zeros((), dtype=torch.float64, device=mask.device) for name in SUMMED + tuple(m for m, _ in surrogate.fractions)}
     extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64, device=mask.device)  # (min ratio, -max ratio)
     first_logprobs = torch.zeros(N, T, device=mask.device)
     grad_norms, scale = [], update.epochs * update.mini_batches
@@ -115,14 +118,14 @@ def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, wor
                     sums[name] += weight * value / scale if name == "value_loss" else value
                 sums["loss"] += weight * loss.detach().double() / scale
                 sums["tokens"] += micro_mask.sum().double()
-                extremes = _add_token_stats(sums, extremes, stats, logits, micro_mask, settings.temperature)
+                extremes = _add_token_stats(sums, extremes, (stats, surrogate.fractions), logits, micro_mask, settings.temperature)
                 if epoch == 0 and weight:  # every row is in exactly one micro-batch of an epoch
                     first_logprobs[rows] = logprobs.detach()
             grad_norms.append(_optimizer_step(models.policy, settings.critic_only))
     present = {"kl"} if batch.ref_logprobs is not None else set()
     present |= {"critic"} if models.has_critic else set()
     present |= {"tis"} if settings.loss.sampler_correction == "tis" else set()
-    metrics = _step_metrics(sums, extremes, grad_norms, world, present)
+    metrics = _step_metrics(sums, extremes, grad_norms, world, present, [name for name, _ in surrogate.fractions])
     if models.has_critic:
         metrics["critic_only"] = settings.critic_only
     return metrics, world.reduce(first_logprobs.masked_fill(~mask, 0.0))
@@ -136,7 +139,7 @@ def _micro_loss(trainer, batch: UpdateBatch, shape: tuple, rows: torch.Tensor, m
     logits, values = trainer(inputs, rows, P, T, detach_hidden=settings.critic_only)
     logprobs = token_logprobs(logits, batch.rollout.completion_ids[rows], settings.temperature)
     old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
-    per_token, stats = clipped_surrogate(logprobs, old, batch.advantages[rows], loss_cfg.clip_low, loss_cfg.clip_high, loss_cfg.dual_clip)
+    per_token, stats = SURROGATES[loss_cfg.surrogate].function(logprobs, old, batch.advantages[rows], **loss_cfg.surrogate_settings())
     parts: dict[str, Any] = {"_stats": stats}
     if loss_cfg.sampler_correction == "tis":  # truncated importance sampling: the sampler drew these tokens, not the trainer's policy
         weights = truncated_importance_weights(old, batch.rollout.sampler_logprobs[rows], loss_cfg.sampler_correction_cap)
@@ -144,9 +147,9 @@ def _micro_loss(trainer, batch: UpdateBatch, shape: tuple, rows: torch.Tensor, m
         parts["tis/weight"] = (weights * micro_mask).sum().double()
         parts["tis/capped"] = ((weights >= loss_cfg.sampler_correction_cap) & micro_mask).sum().double()
     if batch.ref_logprobs is not None:
-        kl = kl_estimate(logprobs, batch.ref_logprobs[rows], loss_cfg.kl_estimator)
-        if loss_cfg.kl_placement == "loss":
-            per_token = per_token + loss_cfg.kl_beta * kl
+        kl = kl_estimate(logprobs, batch.ref_logprobs[rows], loss_cfg.kl.estimator)
+        if loss_cfg.kl.placement == "loss":
+            per_token = per_token + loss_cfg.kl.beta * kl
         parts["kl"] = (kl.detach() * micro_mask).sum().double()
     loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
     if values is not None:
@@ -158,11 +161,13 @@ def _micro_loss(trainer, batch: UpdateBatch, shape: tuple, rows: torch.Tensor, m
     return loss, logprobs, logits, parts
 
 
-def _add_token_stats(sums: dict, extremes: torch.Tensor, stats: dict, logits: torch.Tensor, micro_mask: torch.Tensor,
+def _add_token_stats(sums: dict, extremes: torch.Tensor, stats: tuple, logits: torch.Tensor, micro_mask: torch.Tensor,
                      temperature: float) -> torch.Tensor:
-    """Add a micro-batch's clip fractions, ratios and entropy to `sums`; returns the updated
-    (min ratio, -max ratio) over its counted tokens."""
-    for name, key in (("clip/low", "clipped_low"), ("clip/high", "clipped_high"), ("clip/dual", "dual_clipped"), ("ratio", "ratio")):
+    """Add a micro-batch's surrogate fractions (`stats`: the surrogate's statistics and its
+    (metric, key) fractions), ratios and entropy to `sums`; returns the updated (min ratio,
+    -max ratio) over its counted tokens."""
+    stats, fractions = stats
+    for name, key in (*fractions, ("ratio", "ratio")):
         sums[name] += (stats[key].float() * micro_mask).sum().double()
     sums["entropy"] += (token_entropy(logits, temperature) * micro_mask).sum().double()
     ratios = stats["ratio"].double()
@@ -180,17 +185,17 @@ def _optimizer_step(policy: Trainable, critic_only: bool) -> float:
     return clip_groups_and_step(policy.optimizer, policy.scheduler, policy.max_grad_norm)[0]
 
 
-def _step_metrics(sums: dict, extremes: torch.Tensor, grad_norms: list[float], world: World, present: set[str]) -> dict[str, Any]:
+def _step_metrics(sums: dict, extremes: torch.Tensor, grad_norms: list[float], world: World, present: set[str],
+                  fractions: list[str]) -> dict[str, Any]:
     """The step's metrics from its device sums, reduced over ranks once (token means over the
     counted tokens; the loss summed over the step's mini-batches, each 1/(epochs x mini_batches));
     `present` names the optional groups that apply: kl (a reference), critic, tis."""
-    totals = dict(zip(SUMMED, world.reduce(torch.stack([sums[name] for name in SUMMED])).tolist()))
+    totals = dict(zip(sums, world.reduce(torch.stack(list(sums.values()))).tolist()))
     world.reduce(extremes, "min")
     low, high = extremes.tolist()
     tokens = max(1.0, totals["tokens"])
     metrics = {
-        "loss": totals["loss"],
-        "clip/low": totals["clip/low"] / tokens, "clip/high": totals["clip/high"] / tokens, "clip/dual": totals["clip/dual"] / tokens,
+        "loss": totals["loss"], **{name: totals[name] / tokens for name in fractions},
         "ratio/mean": totals["ratio"] / tokens, "ratio/min": float(low) if math.isfinite(low) else None,
         "ratio/max": -float(high) if math.isfinite(high) else None,
         "entropy": totals["entropy"] / tokens, "grad_norm": sum(grad_norms) / len(grad_norms),

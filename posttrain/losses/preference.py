@@ -79,7 +79,7 @@ class PreferenceModels:
 
 
 def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
-    """Per-pair losses and implicit rewards of the configured objective; each (P,)."""
+    """Per-pair losses and implicit rewards of the configured objective; each (M,)."""
     return PREFERENCE_LOSSES[loss.type](
         policy.chosen, policy.rejected, ref_chosen, ref_rejected, policy.chosen_lengths, policy.rejected_lengths,
         beta=loss.beta, label_smoothing=loss.label_smoothing,
@@ -87,29 +87,29 @@ def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor
 
 
 def step_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[str, float]:
-    """The logged means of (7, P) `pair_columns`, with loss = preference loss + nll_weight * nll."""
+    """The logged means of (7, M) `pair_columns`, with loss = preference loss + nll_weight * nll."""
     means = {key: float(value) for key, value in pair_metrics(columns).items()}
     return {"loss": means["loss/preference"] + nll_weight * nll, "loss/preference": means["loss/preference"], "loss/nll": nll, **means}
 
 
 def step(models: PreferenceModels, batch: PreferenceBatch, loss: Loss, micro_batch_size: int, world: World | None = None,
          cached_reference: torch.Tensor | None = None) -> dict[str, float]:
-    """One optimizer step on a batch of P pairs: forward/backward over micro-batches of at most
+    """One optimizer step on a batch of M pairs: forward/backward over micro-batches of at most
     `micro_batch_size` pairs, then clip and step. The loss is the batch mean of the per-pair losses
     plus nll_weight * the batch's chosen-token-mean NLL, normalised by the whole batch's counts, so
     the gradient does not depend on micro_batch_size or the world size. The reference log-probs are
-    `cached_reference` ((P, 2) chosen / rejected sums, precomputed) or, when it is None, a forward of
+    `cached_reference` ((M, 2) chosen / rejected sums, precomputed) or, when it is None, a forward of
     `models.reference`. Under torchrun each rank takes its block of the pairs, all ranks running as
     many micro-batches (a short rank a zero-weight one). Returns the step's metrics over the whole
     batch, with "grad_norm" (pre-clipping)."""
     world = world or World()
     trainer = models.policy.trainer
     forward = unwrap(trainer)
-    P = batch.chosen.input_ids.shape[0]
+    M = batch.chosen.input_ids.shape[0]  # pairs (P is the prompt width everywhere else)
     chosen_tokens = batch.chosen.mask[:, 1:].sum().clamp(min=1)
     device = batch.chosen.input_ids.device
     parts, nll_total = [torch.zeros(7, 0, device=device)], torch.zeros(1, dtype=torch.float64, device=device)
-    for rows, weight, last in rank_micro_batches(torch.arange(P), world.block_owners(P), world, micro_batch_size):
+    for rows, weight, last in rank_micro_batches(torch.arange(M), world.block_owners(M), world, micro_batch_size):
         if cached_reference is None:
             # The same LM-head path as the policy's, so policy == reference gives rewards of exactly 0.
             with forward.placement.autocast():  # the policy's precision
@@ -121,7 +121,7 @@ def step(models: PreferenceModels, batch: PreferenceBatch, loss: Loss, micro_bat
             sums = trainer(batch, rows)
             losses, chosen_rewards, rejected_rewards = preference_losses(loss, sums, ref_chosen, ref_rejected)
             nll = -sums.chosen.sum() / chosen_tokens  # RPO term: this micro-batch's share of the batch token mean
-            total = losses.sum() / P + (loss.nll_weight * nll if loss.nll_weight else 0.0)
+            total = losses.sum() / M + (loss.nll_weight * nll if loss.nll_weight else 0.0)
             (total * (weight * world.size)).backward()  # DDP / FSDP2 average gradients over ranks
         if weight:
             nll_total += nll.detach().double()

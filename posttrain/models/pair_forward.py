@@ -29,16 +29,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PairLogprobs:
-    """Summed response log-probs of P pairs (the policy's, or the reference's when detached)."""
+    """Summed response log-probs of M pairs (the policy's, or the reference's when detached)."""
 
     chosen: torch.Tensor
-    """(P,) sum of the chosen response's token log-probs (prompt, padding masked; ending EOS counted)."""
+    """(M,) sum of the chosen response's token log-probs (prompt, padding masked; ending EOS counted)."""
     rejected: torch.Tensor
-    """(P,) the same for the rejected response."""
+    """(M,) the same for the rejected response."""
     chosen_lengths: torch.Tensor
-    """(P,) chosen response tokens (mask sums)."""
+    """(M,) chosen response tokens (mask sums)."""
     rejected_lengths: torch.Tensor
-    """(P,) rejected response tokens."""
+    """(M,) rejected response tokens."""
 
 
 def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None), full_forward: bool = False) -> PairLogprobs:
@@ -105,7 +105,7 @@ def shared_prompt_sums(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 @torch.no_grad()
 def reference_logprobs(model, batches: Iterable[PreferenceBatch]) -> torch.Tensor:
-    """(P, 2) summed log-probs [chosen, rejected] of every pair of `batches`, in order, under
+    """(M, 2) summed log-probs [chosen, rejected] of every pair of `batches`, in order, under
     `model` (no grad, eval mode; a precomputed reference)."""
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -121,7 +121,7 @@ def reference_logprobs(model, batches: Iterable[PreferenceBatch]) -> torch.Tenso
 
 def precomputed_reference(path: Path, model, pairs: dict[str, list[PreferencePair]], encode: Callable[[list[PreferencePair]], PreferenceBatch],
                           micro_batch_size: int, fingerprint: str, world: World | None = None) -> dict[str, torch.Tensor]:
-    """A (P, 2) `reference_logprobs` table of each named list of `pairs` (tokenised by `encode`,
+    """A (M, 2) `reference_logprobs` table of each named list of `pairs` (tokenised by `encode`,
     `micro_batch_size` pairs at a time), plus `fingerprint`, cached atomically at `path`. If `path`
     exists (a resumed run) it is read instead and must carry the same fingerprint (else UserError).
     Under torchrun each rank computes its block of each list and every rank gets the whole table;

@@ -32,6 +32,7 @@ import torch
 from posttrain.algorithms import kl_estimate, masked_mean
 from posttrain.algorithms import sampler_mismatch
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
+from posttrain.algorithms.surrogates import SURROGATES
 from posttrain.config import to_dict
 from posttrain.data.examples import Task, derived_seed
 from posttrain.data.scored_batch import ScoredBatch, sample_and_score
@@ -83,7 +84,7 @@ class State:
     trainer: torch.nn.Module
     """What forward/backward goes through: a `TrainingForward` (in DDP / FSDP2 under torchrun)."""
     reference: Any
-    """The frozen reference (None when kl_beta = 0)."""
+    """The frozen reference (None when loss.kl.beta = 0)."""
     critic: Any
     """The value model (None for group advantages)."""
     optimizer: torch.optim.Optimizer
@@ -141,7 +142,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
 
     shifted = shifted_sets(config.acceptance.sets, train, config.data.task, config.data.load_options(), config.seed,
                            config.data.eval_size, config.reward_options, config.unsafe_no_sandbox)
-    reference = make_reference(policy) if config.loss.kl_beta > 0 else None
+    reference = make_reference(policy) if config.loss.kl.beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy
     total = config.max_steps * config.update.epochs * config.update.mini_batches
@@ -168,7 +169,7 @@ def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
     """Steps 1-2: sample B prompts x G completions with the policy and score them (`timer`
     collects the generation and scoring seconds)."""
     config, timer = state.config, timer or Timer(state.placement.synchronize)
-    refill_rounds = config.loss.max_refill_rounds if config.loss.dynamic_sampling else None
+    refill_rounds = config.data.max_refill_rounds if config.data.dynamic_sampling else None
     with full_weights(state.policy), state.placement.autocast():
         return sample_and_score(
             state.policy, state.tokenizer, state.stream, state.verifier, prompts=config.data.prompts_per_step,
@@ -191,7 +192,7 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     mask = rollout.mask & valid_rows[:, None]  # (N, T): the tokens that reach the loss
     inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
     # A critic's value targets are the rollout's: its log-probs and values come from a forward before the update.
-    precompute_old = estimator.needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1 or loss_cfg.kl_placement == "reward"
+    precompute_old = estimator.needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1 or loss_cfg.kl.placement == "reward"
     metrics: dict[str, Any] = {}
     with timer("logprobs"), placement.autocast():
         old_logprobs = rank_logprobs(state.policy, rollout, batch.owners, world, temperature, micro) if precompute_old else None
@@ -204,15 +205,15 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
                 old_values[mine] = completion_values(state.critic, inputs, P, T, micro, rows=mine)
             old_values = world.reduce(old_values)
     # 3. Advantages (the estimator's entry), with the KL in the reward when placed there.
-    in_reward = ref_logprobs is not None and loss_cfg.kl_placement == "reward"
+    in_reward = ref_logprobs is not None and loss_cfg.kl.placement == "reward"
     rollout_kl = ref_logprobs is not None and (in_reward or estimator.kl_metric == "rollout")
-    kl = kl_estimate(old_logprobs, ref_logprobs, loss_cfg.kl_estimator) if rollout_kl else None
+    kl = kl_estimate(old_logprobs, ref_logprobs, loss_cfg.kl.estimator) if rollout_kl else None
     if estimator.kl_metric == "rollout":
         metrics["kl/estimate"] = float(masked_mean(kl, mask)) if kl is not None else None
     estimate = estimator.estimate(
         StepRewards(batch.scores.rewards, mask, rollout.mask, config.data.group_size, kl=kl,
-                    kl_beta=loss_cfg.kl_beta if in_reward else 0.0, values=old_values),
-        **{name: getattr(loss_cfg, name) for name in estimator.settings})
+                    kl_beta=loss_cfg.kl.beta if in_reward else 0.0, values=old_values),
+        **loss_cfg.estimator_settings())
     advantages, returns = estimate.advantages, estimate.returns
     metrics.update({name: None if math.isnan(value) else float(value) for name, value in estimate.metrics.items()})
     # 4. Update: mu epochs over mini-batches, old log-probs fixed.
@@ -236,7 +237,7 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
         update_metrics["advantages/abs_mean"] = float(masked_mean(advantages.abs()[:, None].expand_as(mask), mask))
     metrics.update(update_metrics)
     state.step += 1
-    if state.reference is not None and loss_cfg.reference_refresh_every and state.step % loss_cfg.reference_refresh_every == 0:
+    if state.reference is not None and loss_cfg.kl.reference_refresh_every and state.step % loss_cfg.kl.reference_refresh_every == 0:
         state.reference.refresh(state.policy)
         state.reference_refreshed_at.append(state.step)
     metrics["lr"] = state.scheduler.get_last_lr()[0]
@@ -290,7 +291,7 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     extra_models = {}
     if state.critic is not None:
         extra_models["critic"] = state.critic
-    if state.reference is not None and config.loss.reference_refresh_every:
+    if state.reference is not None and config.loss.kl.reference_refresh_every:
         extra_models["reference"] = state.reference.model
     saved = restore_training(run_dir, state.policy, state.optimizer, state.scheduler, extra_models=extra_models, world=world) if resume else {"step": 0}
     state.step, state.stream.position = saved["step"], saved.get("stream_position", 0)
@@ -390,7 +391,8 @@ def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()
     card["links"]["data"] = {
         "source": "online: the policy's own samples", "task": config.data.task, "options": config.data.load_options(),
         "train_prompts": len(train), "heldout_prompts": len(held_out), "duplicates_removed": train.duplicates_removed,
-        "prompts_per_step": config.data.prompts_per_step,
+        "prompts_per_step": config.data.prompts_per_step, "dynamic_sampling": config.data.dynamic_sampling,
+        **({"max_refill_rounds": config.data.max_refill_rounds} if config.data.dynamic_sampling else {}),
         ("group_size" if estimator.min_group_size > 1 else "samples_per_prompt"): config.data.group_size,
         "sampling": dataclasses.asdict(config.sampling),
         **({"screening": state.screening} if state.screening is not None else {}),
@@ -398,15 +400,16 @@ def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()
     card["links"]["reward"] = {**state.verifier.describe(), "passed_as": "python object" if reward is not None else "config name"}
     if estimator.reward_placement is not None:
         card["links"]["reward"]["placement"] = estimator.reward_placement
-    precomputed = estimator.needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1 or loss.kl_placement == "reward"
+    precomputed = estimator.needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1 or loss.kl.placement == "reward"
     card["links"]["loss"] = {
         "algorithm": estimator.algorithm,
         **loss.settings(),
         **({f"critic_{k}": v for k, v in dataclasses.asdict(config.critic).items()} if estimator.needs_critic else {}),
         **dataclasses.asdict(config.update),
-        **estimator.describe({name: getattr(loss, name) for name in estimator.settings}),
+        **estimator.describe(loss.estimator_settings()),
+        "surrogate_meaning": SURROGATES[loss.surrogate].describe(loss.surrogate_settings()),
         "kl_placement_meaning": loss.kl_meaning(),
-        "reference": "none (kl_beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
+        "reference": "none (kl.beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
         "old_logprobs": "recomputed by a no-grad forward before the update" if precomputed else "the on-policy forward, detached (ratio exactly 1)",
         "logprob_distribution": f"softmax(logits / {config.sampling.temperature}) over the full vocabulary"
         + (" (sampling truncated by top-p/top-k: the sampler's distribution differs)" if config.sampling.truncates else ""),

@@ -181,7 +181,7 @@ class MlflowTracker:
     """An MLflow run in experiment `posttrain` of the file store `<run>/mlruns` (MLflow's client, no
     server; mlflow-skinny is enough). MLflow keeps that store in maintenance mode and refuses it unless
     MLFLOW_ALLOW_FILE_STORE=true, which this sets, as it sets MLFLOW_DISABLE_TELEMETRY=true. The config
-    flattened (`optim.lr`) and the card (`card.links.loss.kl_beta`) as parameters, the card also as
+    flattened (`optim.lr`) and the card (`card.links.loss.kl.beta`) as parameters, the card also as
     the artifact run_card.json; names through `mlflow_name` (`heldout.pass_at_1`); samples appended to the table
     artifact samples.json (`mlflow.load_table`)."""
 

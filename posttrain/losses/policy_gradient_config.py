@@ -1,0 +1,198 @@
+"""The settings of the policy-gradient loss link, one section per axis: `loss.advantage` names the
+estimator (`algorithms/estimators.py`), whose own settings are `loss.<its section>` (group, gae);
+`loss.surrogate` names the surrogate (`algorithms/surrogates.py`), whose own settings are
+`loss.<its section>` (clip); `loss.aggregation` how per-token losses become one; `loss.kl` the KL
+to the reference and where it goes. `Critic` and `Update` are the value model's and the update's
+sections. Each checks what it can alone in `validate`; what spans sections is the recipe config's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from posttrain.algorithms.policy import AGGREGATIONS
+from posttrain.algorithms.surrogates import SURROGATES
+from posttrain.errors import UserError
+
+
+@dataclass
+class GroupAdvantage:
+    """`loss.advantage: group` (GRPO): rewards minus the group mean, scaled."""
+
+    scale: Literal["group", "batch", "none"] = "group"
+    """Divide by the group std (GRPO), the batch std, or nothing (Dr. GRPO)."""
+    eps: float = 1e-6
+    """Added to the std before dividing."""
+    unbiased_std: bool = False
+    """False: population std (denominator G, as in the seed); True: G - 1."""
+
+
+@dataclass
+class GaeAdvantage:
+    """`loss.advantage: gae` (PPO): per-token GAE from the critic's values."""
+
+    gamma: float = 1.0
+    """Discount over tokens."""
+    lam: float = 0.95
+    """GAE's lambda."""
+    whiten: bool = True
+    """Normalise advantages to zero mean, unit std over the batch's response tokens."""
+
+
+@dataclass
+class Clip:
+    """`loss.surrogate: clip`: the PPO clipped ratio."""
+
+    low: float = 0.2
+    """Ratio clipped below at 1 - low."""
+    high: float = 0.2
+    """Ratio clipped above at 1 + high (DAPO clip-higher: 0.28)."""
+    dual: float | None = None
+    """Cap negative-advantage losses at dual * |A| (c > 1; None: off)."""
+
+
+@dataclass
+class KL:
+    """The KL to a frozen reference: its weight, its sampled estimator and where it enters."""
+
+    beta: float = 0.0
+    """KL coefficient; 0 loads no reference model at all."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Sampled KL estimator."""
+    placement: Literal["loss", "reward"] = "loss"
+    """A loss term, or in the reward: for group advantages each sequence's summed estimate is
+    subtracted from its reward; for gae each token's estimate is a per-token penalty."""
+    reference_refresh_every: int = 0
+    """Copy the policy into the reference every N steps (0: never; recorded in the run card)."""
+
+
+@dataclass
+class Loss:
+    """Link 3, loss: every setting that makes two "GRPO"s (or "PPO"s) differ, each named, one
+    section per axis."""
+
+    advantage: str = "group"
+    """The advantage estimator (`algorithms/estimators.py`): group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO)."""
+    group: GroupAdvantage = field(default_factory=GroupAdvantage)
+    """loss.advantage group's settings."""
+    gae: GaeAdvantage = field(default_factory=GaeAdvantage)
+    """loss.advantage gae's settings."""
+    surrogate: str = "clip"
+    """The surrogate (`algorithms/surrogates.py`): clip: the PPO clipped ratio per token."""
+    clip: Clip = field(default_factory=Clip)
+    """loss.surrogate clip's settings."""
+    aggregation: str = "token_mean"
+    """token_mean | seq_mean_token_mean (GRPO paper) | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO)."""
+    kl: KL = field(default_factory=KL)
+    """The KL to the reference (beta 0: none, no reference loaded)."""
+    mask_truncated: bool = False
+    """Leave completions that hit max_new_tokens out of the loss (DAPO overlong filtering)."""
+    sampler_correction: Literal["none", "tis"] = "none"
+    """none, or tis: weight each token's surrogate by min(exp(old - sampler log-prob), cap), correcting for the rollout engine's numerics (bf16) and top-p/top-k truncation."""
+    sampler_correction_cap: float = 2.0
+    """tis: the truncation C of the importance weight."""
+
+    def validate(self) -> None:
+        """One UserError line naming the `loss.*` field that is out of range, unknown, or set for
+        an estimator or surrogate this run does not use."""
+        for setting, table in (("advantage", ADVANTAGE_ESTIMATORS), ("surrogate", SURROGATES)):
+            if getattr(self, setting) not in table:
+                raise UserError(f"loss.{setting} must be one of {', '.join(table)}, got {getattr(self, setting)!r}")
+        if self.aggregation not in AGGREGATIONS:  # a str, not a Literal: this message names the field the way users read it
+            raise UserError(f"loss.aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        for setting, table in (("advantage", ADVANTAGE_ESTIMATORS), ("surrogate", SURROGATES)):
+            for name, entry in table.items():
+                section = entry.section
+                if section and name != getattr(self, setting) and getattr(self, section) != getattr(Loss(), section):
+                    raise UserError(f"loss.{section} applies to loss.{setting} {name} only (this run: {getattr(self, setting)})")
+        clip, kl, group, gae = self.clip, self.kl, self.group, self.gae
+        if clip.low < 0 or clip.low >= 1 or clip.high < 0:
+            raise UserError(f"loss.clip.low must be in [0, 1) and loss.clip.high >= 0, got {clip.low}, {clip.high}")
+        if clip.dual is not None and clip.dual <= 1:
+            raise UserError(f"loss.clip.dual must be > 1, got {clip.dual}")
+        if kl.beta < 0 or group.eps < 0:
+            raise UserError("loss.kl.beta and loss.group.eps must be >= 0")
+        if not 0 <= gae.gamma <= 1 or not 0 <= gae.lam <= 1:
+            raise UserError(f"loss.gae.gamma and loss.gae.lam must be in [0, 1], got {gae.gamma}, {gae.lam}")
+        if kl.reference_refresh_every and kl.beta == 0:
+            raise UserError("loss.kl.reference_refresh_every needs a reference: set loss.kl.beta > 0")
+        if kl.reference_refresh_every < 0:
+            raise UserError(f"loss.kl.reference_refresh_every must be >= 0, got {kl.reference_refresh_every}")
+        if self.sampler_correction_cap <= 0:
+            raise UserError(f"loss.sampler_correction_cap must be > 0, got {self.sampler_correction_cap}")
+
+    def estimator_settings(self) -> dict[str, Any]:
+        """The keyword settings of this run's advantage estimator (its section's fields)."""
+        section = ADVANTAGE_ESTIMATORS[self.advantage].section
+        return dataclasses.asdict(getattr(self, section)) if section else {}
+
+    def surrogate_settings(self) -> dict[str, Any]:
+        """The keyword settings of this run's surrogate (its section's fields)."""
+        return dataclasses.asdict(getattr(self, SURROGATES[self.surrogate].section))
+
+    def settings(self) -> dict[str, Any]:
+        """The sections that apply to this run (for the run card): the shared ones, this
+        estimator's and this surrogate's own."""
+        owned = {entry.section for table in (ADVANTAGE_ESTIMATORS, SURROGATES) for entry in table.values()}
+        mine = {ADVANTAGE_ESTIMATORS[self.advantage].section, SURROGATES[self.surrogate].section}
+        return {key: value for key, value in dataclasses.asdict(self).items() if key in mine or key not in owned}
+
+    def kl_meaning(self) -> str:
+        """What `kl.placement` does for this advantage estimator, in words (for the run card)."""
+        if self.kl.beta == 0:
+            return "no KL term (kl.beta = 0)"
+        if self.kl.placement == "loss":
+            return f"beta x the per-token {self.kl.estimator} estimate added to each token's loss, aggregated like the policy loss"
+        return ADVANTAGE_ESTIMATORS[self.advantage].kl_in_reward.format(estimator=self.kl.estimator)
+
+
+MOVED = {
+    **{f"loss.{old}": f"loss.{new}" for old, new in {
+        "clip_low": "clip.low", "clip_high": "clip.high", "dual_clip": "clip.dual",
+        "advantage_scale": "group.scale", "advantage_eps": "group.eps", "unbiased_std": "group.unbiased_std",
+        "gamma": "gae.gamma", "lam": "gae.lam", "whiten_advantages": "gae.whiten",
+        "kl_beta": "kl.beta", "kl_estimator": "kl.estimator", "kl_placement": "kl.placement",
+        "reference_refresh_every": "kl.reference_refresh_every",
+    }.items()},
+    "loss.dynamic_sampling": "data.dynamic_sampling", "loss.max_refill_rounds": "data.max_refill_rounds",
+}
+"""The policy-gradient keys that moved when `loss` was split into sections: old -> new."""
+
+
+@dataclass
+class Critic:
+    """The value model (used only by estimators that need a critic: `loss.advantage: gae`)."""
+
+    share_backbone: bool = False
+    """True: a value head on the policy's own backbone; False: a separate copy of it."""
+    lr: float = 1e-5
+    """Critic learning rate (value head, and the separate backbone)."""
+    value_clip: float | None = 0.2
+    """Clip new values to old +- value_clip in the value loss (None: off)."""
+    value_coef: float = 0.5
+    """Weight of the value loss in the total loss."""
+    warmup_steps: int = 0
+    """Steps at the start that train only the critic (the policy is left unchanged)."""
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.value_coef < 0 or self.warmup_steps < 0:
+            raise UserError("critic.lr must be > 0, critic.value_coef and critic.warmup_steps >= 0")
+
+
+@dataclass
+class Update:
+    """How one batch of rollouts is turned into optimizer steps."""
+
+    epochs: int = 1
+    """mu: passes over the batch with the old log-probs fixed (1: on-policy, ratio exactly 1 at first)."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the batch's rows split evenly)."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward; accumulation does not change the gradient (global normalisers)."""
+
+    def validate(self) -> None:
+        if self.epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 1:
+            raise UserError("update.epochs, update.mini_batches and update.micro_batch_size must be >= 1")
