@@ -109,7 +109,8 @@ def test_letter_checker(completion, reward, reason):
 
 def test_text_match_checker_and_the_default_checkers_are_independent():
     """Each kind's default checker against its default reward: written apart where we have one."""
-    from posttrain.evaluation.acceptance import DEFAULT_CHECKERS, DEFAULT_REWARDS, independence
+    from posttrain.evaluation.acceptance import independence
+    from posttrain.rewards.defaults import DEFAULT_CHECKERS, DEFAULT_REWARDS
     from posttrain.rewards import RewardOptions, as_verifier, get_verifier
 
     checker = get_verifier("text_match")

@@ -24,39 +24,33 @@ from posttrain.data.files import pick
 from posttrain.data.provenance import write_text_atomically
 from posttrain.errors import UserError
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
-from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, get_verifier
+from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, defaults
 from posttrain.rollout import SamplingConfig, generate
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_REWARDS = {"number": "exact", "math": "math", "text": "exact", "choice": "choice", "reasoning_gym": "rg", "code": "humaneval",
-                   "mbpp": "mbpp", "stdio": "stdio"}
-"""The training reward (and `posttrain pairs`' labeller) of each kind of task when none is named."""
-DEFAULT_CHECKERS = {**DEFAULT_REWARDS, "number": "integer", "math": "math_equal", "choice": "letter", "text": "text_match",
-                    "reasoning_gym": "rg_answer"}
-"""The held-out checker of each kind of task when none is named, each implemented apart from the
-training reward (posttrain/rewards/checkers.py): numbers `integer`, math answers (MATH, GSM8K
-files) `math_equal` (our LaTeX reader + sympy, not math-verify), option letters `letter`, free text
-`text_match`, reasoning-gym `rg_answer` (the stored answer, where the dataset's scorer is that rule;
-see `default_checker`); code: the same judge over all of a problem's tests, where the training
-reward runs half of them (`reward_options.tests`)."""
 HARNESS = "harness"
 """An `implementation()` part that carries tests rather than judging them (the code sandbox): shared
 by a checker that runs other tests, it does not make the checker dependent (see `independence`)."""
 
 
 def default_checker(task: Task) -> str:
-    """The default held-out checker's name for `task` (`DEFAULT_CHECKERS` by kind), except for a
-    reasoning-gym dataset with its own scorer (several right answers, tolerances): only reasoning-gym's
-    scorer knows what is right there, so the checker is `rg`, and the run card says it is not independent."""
-    name = DEFAULT_CHECKERS.get(task.reward_kind, "exact")
-    if task.reward_kind == "reasoning_gym":
-        from posttrain.rewards.gym import scores_stored_answer
+    """The default held-out checker's name for `task`: `rewards.defaults.default_checker` of its
+    kind (and, for reasoning-gym, its datasets)."""
+    datasets = {e.metadata.get("rg_dataset") for e in task.examples[:50]} or {task.name.removeprefix("rg:")}
+    return defaults.default_checker(task.reward_kind, datasets if task.reward_kind == "reasoning_gym" else ())
 
-        datasets = {e.metadata.get("rg_dataset") for e in task.examples[:50]} or {task.name.removeprefix("rg:")}
-        if not all(isinstance(d, str) and scores_stored_answer(d) for d in datasets):
-            return "rg"
-    return name
+
+def heldout_checker(name: str | None, task: Task, options: RewardOptions | None = None, unsafe_no_sandbox: bool = False, *,
+                    setting: str = "acceptance.checker", placement: Any = None, world: Any = None) -> Verifier:
+    """The held-out checker every recipe builds: the verifier `name`, else the task kind's strict
+    default (`default_checker`), with the run's verifier settings but never partial credit and all
+    of a problem's tests (`as_verifier(..., for_checker=True)`), in the run's placement and world,
+    prepared. A bad name is one UserError line naming `setting`, before anything is written."""
+    checker = as_verifier(None, name or default_checker(task), options, unsafe_no_sandbox, for_checker=True, setting=setting,
+                          placement=placement, world=world)
+    checker.prepare()
+    return checker
 
 
 def independence(reward: Verifier, checker: Verifier) -> tuple[bool, str]:
@@ -81,13 +75,6 @@ def independence(reward: Verifier, checker: Verifier) -> tuple[bool, str]:
     return True, f"the checker {checker.name} shares no part with the training reward {reward.name} ({parts}){through}"
 
 
-def resolve_checker(task: Task, checker):
-    """The checker: a Verifier as given, the named verifier, or the task kind's strict default."""
-    if isinstance(checker, Verifier):
-        return checker
-    return get_verifier(checker or default_checker(task))
-
-
 def score_completions(checker, completions: Sequence[str], examples: Sequence[Example]) -> list[Verdict]:
     return checker.batch(list(completions), [verifier_input(e) for e in examples])
 
@@ -97,7 +84,7 @@ def evaluate_task(
     model,
     tokenizer,
     task: Task,
-    checker: str | None = None,
+    checker: Verifier | str | None = None,
     k: int = 1,
     temperature: float = 1.0,
     max_new_tokens: int = 64,
@@ -111,7 +98,7 @@ def evaluate_task(
     Args:
         model, tokenizer: the policy (put in eval mode by the caller).
         task: the held-out split.
-        checker: a verifier name, or None for the task kind's strict default.
+        checker: a `Verifier`, a verifier name, or None for the task kind's strict default.
         k: also report pass@k from k samples per problem at `temperature` (k = 1: greedy only).
         max_new_tokens: generation budget.
         seed: sampling seed (pass@k only; greedy is deterministic).
@@ -124,7 +111,7 @@ def evaluate_task(
         `mean_length`, and `pass@k`, `pass@k_ci95` when k > 1.
     """
     started = time.perf_counter()
-    verifier = resolve_checker(task, checker)
+    verifier = checker if isinstance(checker, Verifier) else as_verifier(None, checker or default_checker(task), for_checker=True)
     examples = task.examples
     prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt) for e in examples]
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
@@ -262,9 +249,7 @@ def shifted_sets(sets: list[dict] | None, train: Task, spec: str, options: dict,
         task.examples = pick(task.examples, keep)
         task.split = entry["name"]
         require_examples(task)
-        checker = as_verifier(None, entry.get("checker") or default_checker(task), reward_options,
-                              unsafe_no_sandbox, for_checker=True, setting="acceptance.sets checker")
-        checker.prepare()
+        checker = heldout_checker(entry.get("checker"), task, reward_options, unsafe_no_sandbox, setting="acceptance.sets checker")
         built.append(HeldOutSet(entry["name"], task, checker, {
             "task": task_spec, "options": task_options, "size": len(task.examples), "checker": checker.name,
             "training_prompts_removed": removed}))

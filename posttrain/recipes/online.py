@@ -43,10 +43,9 @@ from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement, resolve
 from posttrain.evaluation.acceptance import (
-    DEFAULT_REWARDS,
     IN_DISTRIBUTION,
     HeldOutSet,
-    default_checker,
+    heldout_checker,
     evaluate_sets,
     independence,
     shifted_sets,
@@ -60,6 +59,7 @@ from posttrain.losses.policy_gradient import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.online_config import Config
 from posttrain.rewards import Verifier, as_verifier
+from posttrain.rewards.defaults import default_reward
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
@@ -124,13 +124,13 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     if train.reward_kind in LAYOUTS:
         # References and the trivial programs are plain code, not completions: read raw, all-or-nothing.
         judge_options = dataclasses.replace(config.reward_options, extraction="raw", partial_credit=False)
-        judge = as_verifier(None, DEFAULT_REWARDS[train.reward_kind], judge_options, config.unsafe_no_sandbox, for_checker=True)
+        judge = as_verifier(None, default_reward(train.reward_kind), judge_options, config.unsafe_no_sandbox, for_checker=True)
         screening = screen_problems(train, held_out, judge, preflight=config.data.preflight,
                                     exclude_weak_tests=config.data.exclude_weak_tests)
     verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox,
                            placement=placement, world=world)
-    checker = as_verifier(None, config.acceptance.checker or default_checker(held_out),
-                          config.reward_options, config.unsafe_no_sandbox, for_checker=True, placement=placement, world=world)
+    checker = heldout_checker(config.acceptance.checker, held_out, config.reward_options, config.unsafe_no_sandbox,
+                              placement=placement, world=world)
     warn_if_unsafe(config.unsafe_no_sandbox)
     logger.info("training reward %s, held-out checker %s (task %s, gold format %s)", verifier.name, checker.name,
                 config.data.task, train.reward_kind)
@@ -138,7 +138,6 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     if not independent:
         logger.warning("acceptance is not independent: %s", why)
     verifier.prepare()
-    checker.prepare()
 
     shifted = shifted_sets(config.acceptance.sets, train, config.data.task, config.data.load_options(), config.seed,
                            config.data.eval_size, config.reward_options, config.unsafe_no_sandbox)
@@ -255,12 +254,13 @@ def update_settings(state: State) -> UpdateSettings:
 
 def training_reward(config: Config, train: Task) -> str:
     """`config.reward`, or with `auto` the default reward of the task's gold format
-    (`DEFAULT_REWARDS`): exact for arithmetic, math for math / GSM8K / MATH golds, humaneval for code."""
+    (`rewards.defaults`): exact for arithmetic, math for math / GSM8K / MATH golds, humaneval for code."""
     if config.reward != "auto":
         return config.reward
-    if train.reward_kind not in DEFAULT_REWARDS:
+    name = default_reward(train.reward_kind)
+    if name is None:
         raise UserError(f"task {config.data.task}: no default reward for its kind {train.reward_kind!r}; set --reward")
-    return DEFAULT_REWARDS[train.reward_kind]
+    return name
 
 
 MEMORY_KNOBS = {

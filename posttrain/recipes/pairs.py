@@ -26,7 +26,7 @@ from posttrain.data.provenance import write_with_provenance
 from posttrain.data.source import TaskSource
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, resolve
-from posttrain.evaluation.acceptance import DEFAULT_REWARDS
+from posttrain.rewards.defaults import default_reward
 from posttrain.rewards.registry import RewardOptions, as_verifier
 from posttrain.rollout import SamplingConfig, generate
 from posttrain.runs.skeleton import warn_if_unsafe
@@ -106,7 +106,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     train, _ = load_splits(data.task, train_size=data.max_prompts, eval_size=data.eval_size,
                            seed=settings.seed, options=data.load_options())
     examples = train.examples[: data.max_prompts]
-    name = settings.verifier or DEFAULT_REWARDS.get(train.reward_kind)
+    name = settings.verifier or default_reward(train.reward_kind)
     if name is None:
         raise UserError(f"data.task {data.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")
     verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier", placement=placement)

@@ -29,13 +29,13 @@ from posttrain.errors import UserError
 from posttrain.data.files import is_data_source
 from posttrain.data.source import TaskSource
 from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, default_checker, evaluate_sets, shifted_sets
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, evaluate_sets, heldout_checker, shifted_sets
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
 from posttrain.losses.sft import sft_loss
 from posttrain.losses.sft import step as loss_step
 from posttrain.optim import Optimization, Trainable, make_optimizer
-from posttrain.rewards import RewardOptions, Verifier, as_verifier
+from posttrain.rewards import Verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.plots import plot_sets
@@ -183,15 +183,6 @@ def load_data(data: Data, seed: int, tokenizer) -> SFTData:
     return SFTData(train.examples, held_out.examples, encode, held_out, card)
 
 
-def make_checker(name: str | None, task: Task, options: RewardOptions, unsafe_no_sandbox: bool) -> Verifier:
-    """The held-out checker: `name`, else the task kind's strict default, with the run's verifier
-    settings (never partial credit); a bad name is one UserError line, before the run directory exists."""
-    checker = as_verifier(None, name or default_checker(task), options, unsafe_no_sandbox,
-                          for_checker=True, setting="acceptance.checker")
-    checker.prepare()
-    return checker
-
-
 MEMORY_KNOBS = {"update": ["micro_batch_size", "memory.gradient_checkpointing", "hardware.precision"],
                 "evaluation": ["acceptance.max_new_tokens", "micro_batch_size", "hardware.precision"]}
 """The settings that shrink each phase's memory, for the out-of-memory message (`runs/faults.py`)."""
@@ -206,7 +197,8 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
     data = load_data(config.data, config.seed, tokenizer)
     if data.task is not None:
-        data = dataclasses.replace(data, checker=make_checker(config.acceptance.checker, data.task, config.reward_options, config.unsafe_no_sandbox),
+        data = dataclasses.replace(data, checker=heldout_checker(config.acceptance.checker, data.task, config.reward_options, config.unsafe_no_sandbox,
+                                                           placement=placement, world=world),
                                    shifted=shifted_sets(config.acceptance.sets, Task(config.data.task, "train", data.train, data.task.reward_kind),
                                                         config.data.task, config.data.task_options, config.seed, config.data.eval_size,
                                                         config.reward_options, config.unsafe_no_sandbox))
