@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -184,25 +184,14 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     batch = batch.to(state.placement.device)  # the step's one host-to-device boundary
     config, world, rollout, placement = state.config, state.world, batch.rollout, state.placement
     loss_cfg, timer = config.loss, timer or Timer(placement.synchronize)
-    estimator, temperature, micro = ADVANTAGE_ESTIMATORS[loss_cfg.advantage], config.sampling.temperature, config.update.micro_batch_size
+    estimator, temperature = ADVANTAGE_ESTIMATORS[loss_cfg.advantage], config.sampling.temperature
     valid_rows = batch.valid
     if loss_cfg.mask_truncated:
         valid_rows = valid_rows & ~rollout.truncated
     mask = rollout.mask & valid_rows[:, None]  # (N, T): the tokens that reach the loss
-    inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-    # A critic's value targets are the rollout's: its log-probs and values come from a forward before the update.
-    precompute_old = estimator.needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1 or loss_cfg.kl.placement == "reward"
     metrics: dict[str, Any] = {}
     with timer("logprobs"), placement.autocast():
-        old_logprobs = rank_logprobs(state.policy, rollout, batch.owners, world, temperature, micro) if precompute_old else None
-        ref_logprobs = rank_logprobs(state.reference, rollout, batch.owners, world, temperature, micro) if state.reference else None
-        old_values = None
-        if estimator.needs_critic:
-            mine = (batch.owners == world.rank).nonzero().squeeze(1)
-            old_values = torch.zeros(mask.shape, device=mask.device)
-            if len(mine):
-                old_values[mine] = completion_values(state.critic, inputs, P, T, micro, rows=mine)
-            old_values = world.reduce(old_values)
+        old_logprobs, ref_logprobs, old_values = rollout_forwards(state, batch, mask)
     # 3. Advantages (the estimator's entry), with the KL in the reward when placed there.
     in_reward = ref_logprobs is not None and loss_cfg.kl.placement == "reward"
     rollout_kl = ref_logprobs is not None and (in_reward or estimator.kl_metric == "rollout")
@@ -243,6 +232,32 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     if estimator.needs_critic:
         metrics["critic_lr"] = state.scheduler.get_last_lr()[1]
     return metrics
+
+
+def precomputes_old(config: Config) -> bool:
+    """Whether a no-grad forward computes the old log-probs before the update (else the first
+    forward's, detached: ratio exactly 1). A critic's value targets are the rollout's, and several
+    epochs or mini-batches, or a KL in the reward, need the old policy's log-probs fixed."""
+    return (ADVANTAGE_ESTIMATORS[config.loss.advantage].needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1
+            or config.loss.kl.placement == "reward")
+
+
+def rollout_forwards(state: State, batch: ScoredBatch, mask: torch.Tensor):
+    """The no-grad forwards before the update, each rank on its own rows: the old log-probs (None
+    when not precomputed), the reference's (None without one) and, with a critic, its (N, T) values."""
+    config, world, rollout = state.config, state.world, batch.rollout
+    temperature, micro = config.sampling.temperature, config.update.micro_batch_size
+    old_logprobs = rank_logprobs(state.policy, rollout, batch.owners, world, temperature, micro) if precomputes_old(config) else None
+    ref_logprobs = rank_logprobs(state.reference, rollout, batch.owners, world, temperature, micro) if state.reference else None
+    old_values = None
+    if state.critic is not None:
+        inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+        mine = (batch.owners == world.rank).nonzero().squeeze(1)
+        old_values = torch.zeros(mask.shape, device=mask.device)
+        if len(mine):
+            old_values[mine] = completion_values(state.critic, inputs, P, T, micro, rows=mine)
+        old_values = world.reduce(old_values)
+    return old_logprobs, ref_logprobs, old_values
 
 
 def update_settings(state: State) -> UpdateSettings:
@@ -305,17 +320,29 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     write_card()
     with closing(run_dir, write_card), StepLoop(recipe, run_dir, world, state.step, config.max_steps, config.checkpoint_every,
                                                  config.acceptance.eval_every) as loop:
-        _train(state, run_dir, alarm, card, extra_models, loop, write_card)
+        _train(state, RunParts(run_dir, card, write_card, alarm, extra_models), loop)
     del state.trainer  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
 
 
-def _train(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, card: dict, extra_models: dict, loop: StepLoop,
-           write_card) -> None:
+@dataclass
+class RunParts:
+    """What `run` opened around the loop: the run directory, the card and its writer, the
+    divergence alarm, and the models checkpointed beside the policy (critic, refreshed reference)."""
+
+    directory: RunDirectory
+    card: dict
+    write_card: Callable[[], None]
+    alarm: DivergenceAlarm
+    extra_models: dict
+
+
+def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
     """`run`'s loop: step 0's evaluation, then sample, step, log, evaluate, checkpoint until max_steps
     or a stop signal (a checkpoint at that step, then `RunStopped`)."""
     config, world, placement = state.config, state.world, state.placement
+    run_dir, card, write_card, alarm, extra_models = parts.directory, parts.card, parts.write_card, parts.alarm, parts.extra_models
     if state.step == 0:
         with memory_guard(0, MEMORY_KNOBS, phase="evaluation"):
             run_dir.log_metrics(0, evaluate(state, run_dir, alarm, None))
@@ -400,7 +427,7 @@ def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()
     card["links"]["reward"] = {**state.verifier.describe(), "passed_as": "python object" if reward is not None else "config name"}
     if estimator.reward_placement is not None:
         card["links"]["reward"]["placement"] = estimator.reward_placement
-    precomputed = estimator.needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1 or loss.kl.placement == "reward"
+    precomputed = precomputes_old(config)
     card["links"]["loss"] = {
         "algorithm": estimator.algorithm,
         **loss.settings(),
