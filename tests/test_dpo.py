@@ -1,6 +1,7 @@
 """DPO recipe: the seed's pair through the recipe's code, ln 2 at the start, masked sums with left
 and right padding, precomputed = live reference, LoRA reference = base model, every loss type by
-hand, micro-batch invariance, the displacement alarm, smoke runs, bad configs, SIGKILL resume."""
+hand, micro-batch invariance (of the step and of the held-out pair metrics), the displacement
+alarm, smoke runs, bad configs, SIGKILL resume."""
 
 import copy
 import json
@@ -24,6 +25,7 @@ from posttrain.algorithms import PREFERENCE_LOSSES
 from posttrain.data.preference import PreferenceBatch
 from posttrain.data.provenance import write_with_provenance
 from posttrain.evaluation.alarms import DisplacementAlarm
+from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
 from posttrain.models import forward as model_forward
 from posttrain.models import pair_forward
@@ -169,6 +171,33 @@ def test_policy_equal_to_reference_gives_ln2_and_precomputed_equals_live(tmp_pat
     torch.optim.SGD(policy.parameters(), lr=0.1).step()
     again = pair_forward.pair_logprobs(reference, batch)
     assert torch.allclose(torch.stack([again.chosen, again.rejected], 1), cached, atol=1e-4)
+
+
+def test_heldout_pairs_live_equals_cached_whatever_the_micro_batch(tmp_path, pairs_file):
+    """`evaluation.preference.evaluate_pairs` with the policy as its own reference: every h is 0, so
+    heldout/loss = ln 2 and margins 0 (live: accuracy exactly 0, a tie counts as wrong). The columns
+    of the micro-batches are concatenated before the means, so micro-batches of 1, 2 or 5 pairs and
+    a cached reference give the same numbers; heldout/nll = -(sum of chosen log-probs) / chosen tokens."""
+    config = small_config(tmp_path, pairs_file)
+    policy, tokenizer = load_model("tiny")
+    policy.eval()
+    pairs = pairs_of(arithmetic_pairs(5))
+
+    def encode(chunk):
+        return tokenize_preference_pairs(tokenizer, chunk)
+
+    with torch.no_grad():
+        whole = pair_forward.pair_logprobs(policy, encode(pairs))
+    cached = torch.stack([whole.chosen, whole.rejected], 1)  # (M, 2)
+    nll = -float(whole.chosen.sum()) / int(whole.chosen_lengths.sum())
+    live = [evaluate_pairs(policy, HeldoutPairs(pairs, encode, config.loss, micro, reference=make_reference(policy))) for micro in (1, 2, 5)]
+    precomputed = evaluate_pairs(policy, HeldoutPairs(pairs, encode, config.loss, 2, cached=cached))
+    for result in live + [precomputed]:
+        assert result["heldout/loss"] == pytest.approx(math.log(2), abs=1e-5)
+        assert result["heldout/margins"] == pytest.approx(0.0, abs=1e-5) and result["heldout/logratio/chosen"] == pytest.approx(0.0, abs=1e-4)
+        assert result["heldout/nll"] == pytest.approx(nll, rel=1e-5)
+    assert all(result["heldout/preference_accuracy"] == 0.0 for result in live)
+    assert evaluate_pairs(policy, HeldoutPairs([], encode, config.loss, 2)) == {}
 
 
 def test_lora_reference_is_the_base_model():

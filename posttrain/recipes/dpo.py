@@ -13,9 +13,12 @@ batch's normalisers), 4. log, alarm, refresh the reference, evaluate, checkpoint
 The pieces live where their concept does: loading and splitting the pairs in `posttrain/data/preference.py`,
 their provenance in `posttrain/data/provenance.py`, the pair forward in `posttrain/models/pair_forward.py`,
 the objectives and pair metrics in `posttrain/algorithms/preference.py`, the loss section and its
-step (steps 2-3 and the optimizer step) in `posttrain/losses/preference.py`, the alarm in
-`posttrain/evaluation/alarms.py`; the other settings in `dpo_config.py`; this file is the loop and
-the run card.
+step (steps 2-3 and the optimizer step) in `posttrain/losses/preference.py`, the held-out pair
+metrics in `posttrain/evaluation/preference.py`, the alarm in `posttrain/evaluation/alarms.py`; the
+other settings in `dpo_config.py`. This file is orchestration: `setup(config, world, placement)`
+-> State (everything that can fail on bad input, before the run directory exists), `build_trainer`
+(the reference and the trainer, once it does), `step(state, done, ...)` (steps 1-4 up to the
+evaluation), `evaluate`, the run card, and `run()` looping over them.
 
     posttrain dpo --config presets/tiny-dpo.yaml --data.pairs pairs.jsonl --max-steps 50
 """
@@ -28,12 +31,12 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from posttrain.algorithms import pair_columns
 from posttrain.config import to_dict
 from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
 from posttrain.data.examples import Example, Task
@@ -42,17 +45,19 @@ from posttrain.data.preference import load_pairs, prompt_key
 from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_checker, evaluate_sets, heldout_split, independence, shifted_sets
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, HeldOutSet, default_checker, evaluate_sets, heldout_split, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
-from posttrain.models import make_reference
+from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs, labeller_independence
+from posttrain.hardware import Placement
+from posttrain.models import ReferenceModel, make_reference
 from posttrain.models.forward import TrainingForward
 from posttrain.models.loading import load_policy
 from posttrain.models.pair_forward import pair_logprobs, precomputed_reference
-from posttrain.losses.preference import PreferenceModels, preference_losses, step_metrics
+from posttrain.losses.preference import PreferenceModels
 from posttrain.losses.preference import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config
-from posttrain.rewards import as_verifier, get_verifier
+from posttrain.rewards import Verifier, as_verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.faults import memory_guard
@@ -74,12 +79,86 @@ MEMORY_KNOBS = {"reference": ["micro_batch_size", "hardware.precision", "data.ma
 """The settings that shrink each phase's memory, for the out-of-memory message (`runs/faults.py`)."""
 
 
+@dataclass
+class State:
+    """Everything a DPO step, its evaluation and the run card read. `setup` builds it before the run
+    directory exists, `build_trainer` adds the reference and the trainer, `restore` the step and
+    the alarm; `step` advances `step`."""
+
+    config: Config
+    """The config as this run resolved it: data.system_prompt from the pairs' provenance when unset;
+    after `open_run`, its output_dir."""
+    world: World
+    placement: Placement
+    policy: Any
+    tokenizer: Any
+    encode: Callable[[list[PreferencePair]], PreferenceBatch]
+    """Pairs -> a tokenised batch on the run's device: the one boundary."""
+    train: list[PreferencePair]
+    held_pairs: list[PreferencePair]
+    data_stats: dict
+    """What loading and splitting the pairs counted (the card's data link)."""
+    provenance: dict | None
+    """The pairs file's sidecar (`posttrain pairs`: model, verifier, task...); None: none."""
+    held_task: Task | None
+    """The held-out task split (None: the pairs come from no known task)."""
+    task_spec: dict | None
+    """What `held_task` was built from (`heldout_task`), its checker's name included."""
+    checker: Verifier | None
+    shifted: list[HeldOutSet]
+    reference: ReferenceModel | None = None
+    """The live reference (a frozen copy, or the LoRA base); None when precomputed."""
+    cached: dict[str, torch.Tensor] | None = None
+    """The precomputed reference's sums, {"train": (M, 2), "heldout": (M', 2)}; None when live."""
+    trainer: torch.nn.Module | None = None
+    """What forward/backward goes through: a `TrainingForward` of pair log-probs (in DDP / FSDP2 under torchrun)."""
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    models: PreferenceModels | None = None
+    """What the loss link's step moves (the trainer, its optimizer and schedule) and the live reference."""
+    alarm: DisplacementAlarm | None = None
+    step: int = 0
+    reference_refreshed_at: list[int] = field(default_factory=list)
+
+    @property
+    def frozen(self):
+        """The frozen copy (sharded like the policy, made whole around each use); None for the LoRA
+        base or a precomputed reference."""
+        return self.reference.model if self.reference is not None and not self.reference.adapter_disabled else None
+
+    @property
+    def extra_models(self) -> dict | None:
+        """The models checkpointed beside the policy: a refreshed reference is state."""
+        return {"reference": self.reference.model} if self.config.loss.reference_refresh_every else None
+
+
 def run(config: Config, resume: bool = False, resume_changed_config: bool = False) -> Path:
     """Train; returns the run directory. `config` comes checked from `build_config` and is not changed.
     A resume refuses a config that changes the data order or the loss unless `resume_changed_config`;
     SIGTERM / SIGINT stop it after the step in progress, with a checkpoint (`runs/faults.py`)."""
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
     placement, world = start(config)
+    state = setup(config, world, placement)
+    # The config as this run resolved it (a copy; the caller's is untouched): config.yaml, the card and a resume read it.
+    run_dir, state.config, changes = open_run("dpo", state.config, world, resume, resume_changed_config)
+    # 0b. The reference (live, or precomputed once and cached in the run directory), the trainer, the optimizer.
+    build_trainer(state, run_dir)
+    restore(state, run_dir, resume)
+    card = make_card(state, changes)
+    write_card = card_writer(run_dir, card, world)
+    write_card()
+    with closing(run_dir, write_card), StepLoop("dpo", run_dir, world, state.step, config.max_steps, config.checkpoint_every,
+                                                 config.acceptance.eval_every) as loop:
+        _train(state, run_dir, loop, card, write_card)
+    del state.trainer, state.models  # DDP wrappers first, then the process group
+    world.close()
+    return run_dir.path
+
+
+def setup(config: Config, world: World, placement: Placement) -> State:
+    """The policy on the run's device, the pairs (rendered with the provenance's system prompt when
+    none is set) split into training and held-out pairs, the held-out task with its checker and
+    shifted sets: every check of the input, before anything is written."""
     policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha, placement,
                                     gradient_checkpointing=config.memory.gradient_checkpointing)
     data = config.data
@@ -94,7 +173,6 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     splits = load_pairs(data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs,
                         split_seed=config.seed, strict=data.strict, data_format=data.format, columns=data.columns,
                         source_split=data.split, **rendering)
-    train, held_pairs, data_stats = splits.train, splits.heldout, splits.stats
     held_task, task_spec = heldout_task(config.acceptance, provenance, config.seed)
     checker = None
     if held_task is not None:
@@ -102,161 +180,171 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
                               setting="acceptance.checker", placement=placement, world=world)
         checker.prepare()
     warn_if_unsafe(config.unsafe_no_sandbox)
-    if held_task is not None:  # a training prompt that is also a held-out problem would leak the answer
-        held_keys = {e.prompt_key() for e in held_task.examples}
-        before = len(train)
-        train = [p for p in train if prompt_key(p.prompt) not in held_keys]
-        data_stats["removed_heldout_task_overlap"] = before - len(train)
-        if not train:
-            raise UserError(f"{data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
-    shifted = []
+    train, shifted = splits.train, []
     if held_task is not None:
-        trained = Task("pairs", "train", [Example(id=p.id, prompt=p.prompt if isinstance(p.prompt, str) else None,
-                                                  messages=None if isinstance(p.prompt, str) else p.prompt) for p in train], "preference")
+        train = outside_task(train, held_task, splits.stats, f"{data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
+        shifted = task_shifted_sets(config, train, task_spec)
+    return State(config=dataclasses.replace(config, data=data), world=world, placement=placement, policy=policy, tokenizer=tokenizer,
+                 encode=encode, train=train, held_pairs=splits.heldout, data_stats=splits.stats, provenance=provenance,
+                 held_task=held_task, task_spec=task_spec, checker=checker, shifted=shifted)
 
-        shifted = shifted_sets(config.acceptance.sets, trained, task_spec["task"], task_spec["options"], task_spec["split_seed"],
-                               task_spec["eval_size"], config.reward_options, config.unsafe_no_sandbox)
-    # The config as this run resolved it (a copy; the caller's is untouched): config.yaml, the card and a resume read it.
-    run_dir, config, changes = open_run("dpo", dataclasses.replace(config, data=data), world, resume, resume_changed_config)
 
-    # 0b. The reference: live (a frozen copy / the LoRA base), or precomputed once and cached.
-    reference, cached = None, None
+def outside_task(train: list[PreferencePair], held_task: Task, stats: dict, none_left: str) -> list[PreferencePair]:
+    """`train` without the pairs whose prompt is a held-out problem of the task (training on it would
+    leak the answer), counted in `stats`; `none_left` is the error when no pair is left."""
+    held_keys = {e.prompt_key() for e in held_task.examples}
+    kept = [p for p in train if prompt_key(p.prompt) not in held_keys]
+    stats["removed_heldout_task_overlap"] = len(train) - len(kept)
+    if not kept:
+        raise UserError(none_left)
+    return kept
+
+
+def task_shifted_sets(config: Config, train: list[PreferencePair], task_spec: dict) -> list[HeldOutSet]:
+    """acceptance.sets of the held-out task (`acceptance.shifted_sets`), none of them a training prompt."""
+    trained = Task("pairs", "train", [Example(id=p.id, prompt=p.prompt if isinstance(p.prompt, str) else None,
+                                              messages=None if isinstance(p.prompt, str) else p.prompt) for p in train], "preference")
+    return shifted_sets(config.acceptance.sets, trained, task_spec["task"], task_spec["options"], task_spec["split_seed"],
+                        task_spec["eval_size"], config.reward_options, config.unsafe_no_sandbox)
+
+
+def build_trainer(state: State, run_dir: RunDirectory) -> None:
+    """The reference (live: a frozen copy or the LoRA base; precomputed: by the initial policy,
+    before any wrapping, into the run directory), then the trainer, its optimizer and schedule."""
+    config, world, placement = state.config, state.world, state.placement
     if config.loss.reference == "precomputed":
         with placement.autocast(), memory_guard(0, MEMORY_KNOBS, phase="reference"):
-            cached = cached_reference(run_dir, policy, encode, train, held_pairs, config, world)
+            state.cached = cached_reference(state, run_dir)
     else:
-        reference = make_reference(policy)
+        state.reference = make_reference(state.policy)
     sharded = world.active and world.strategy == "fsdp2"
-    # The frozen copy sharded like the policy; made whole (by every rank) around each use.
-    frozen = reference.model if reference is not None and not reference.adapter_disabled else None
-    if frozen is not None and sharded:
-        wrap(frozen, world, placement)
-    # What forward/backward goes through: one call = pair log-probs of some rows (DDP, FSDP2 or the
-    # policy itself); FSDP2 takes the plain forward so the root's shards are gathered.
-    trainer = wrap(TrainingForward(policy, pair_logprobs, placement, full_forward=sharded), world, placement)
-    optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, config.max_steps)
-    models = PreferenceModels(Trainable(trainer, optimizer, scheduler, config.optim.max_grad_norm), reference)
-    refreshing = bool(config.loss.reference_refresh_every)
-    extra_models = {"reference": reference.model} if refreshing else None  # a refreshed reference is state
-    state = restore_training(run_dir, policy, optimizer, scheduler, extra_models, world=world) if resume else {"step": 0}
-    alarm = DisplacementAlarm(config.acceptance.displacement_threshold, config.acceptance.alarm_window,
-                              state.get("alarm_history", []), state.get("alarm_rings", []))
-    card = make_card(config, train, held_pairs, data_stats, provenance, task_spec, reference, checker)
-    if shifted:
-        card["links"]["acceptance"]["sets"] = {held.name: held.spec for held in shifted}
-    card["run"]["reference_refreshed_at"] = state.get("reference_refreshed_at", [])
-    card["alarms"] = list(alarm.rings)
-    card_run_part(card, config, placement, world, changes)
+    if state.frozen is not None and sharded:
+        wrap(state.frozen, world, placement)
+    # One call = pair log-probs of some rows (DDP, FSDP2 or the policy itself); FSDP2 takes the
+    # plain forward so the root's shards are gathered.
+    state.trainer = wrap(TrainingForward(state.policy, pair_logprobs, placement, full_forward=sharded), world, placement)
+    state.optimizer, state.scheduler = make_optimizer(state.trainer.parameters(), config.optim, config.max_steps)
+    state.models = PreferenceModels(Trainable(state.trainer, state.optimizer, state.scheduler, config.optim.max_grad_norm),
+                                    state.reference)
 
-    write_card = card_writer(run_dir, card, world)
 
-    def evaluate_on_rank0(step: int) -> dict:
-        with full_weights(policy), full_weights(frozen), placement.autocast(), memory_guard(step, MEMORY_KNOBS, phase="evaluation"):
-            metrics = evaluate(policy, reference, cached, tokenizer, encode, held_pairs, held_task, checker, config, run_dir, step,
-                               shifted) if world.main else {}
-        world.barrier()
-        return metrics
+def restore(state: State, run_dir: RunDirectory, resume: bool) -> None:
+    """On resume, the newest checkpoint into the models, optimizer and schedule (`restore_training`),
+    then the step, the alarm's history and the reference's refreshes from it; else step 0."""
+    saved = restore_training(run_dir, state.policy, state.optimizer, state.scheduler, state.extra_models,
+                             world=state.world) if resume else {"step": 0}
+    acceptance = state.config.acceptance
+    state.step, state.reference_refreshed_at = saved["step"], saved.get("reference_refreshed_at", [])
+    state.alarm = DisplacementAlarm(acceptance.displacement_threshold, acceptance.alarm_window,
+                                    saved.get("alarm_history", []), saved.get("alarm_rings", []))
 
-    write_card()
-    if state["step"] == 0:
-        run_dir.log_metrics(0, evaluate_on_rank0(0))
-    policy.train()
+
+def _train(state: State, run_dir: RunDirectory, loop: StepLoop, card: dict, write_card: Callable[[], None]) -> None:
+    """`run`'s loop: step 0's evaluation, then step, evaluate, log, checkpoint until max_steps or a
+    stop signal (a checkpoint at that step, then `RunStopped`)."""
+    if state.step == 0:
+        run_dir.log_metrics(0, evaluate(state, run_dir))
+    state.policy.train()
 
     def plot() -> None:
         plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
-        if shifted:
-            plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in shifted], run_dir.plots / "heldout_sets.png")
+        if state.shifted:
+            plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
 
-    with closing(run_dir, write_card), StepLoop("dpo", run_dir, world, state["step"], config.max_steps, config.checkpoint_every,
-                                                 config.acceptance.eval_every) as loop:
-        for done in loop:
-            timer, started = Timer(placement.synchronize), time.perf_counter()
-            placement.reset_peak_memory()
-            # 1. The next batch of the seeded pair stream.
-            indices = data_order(len(train), config.seed, (done - 1) * config.batch_size, config.batch_size)
-            batch = encode([train[i] for i in indices])
-            # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
-            with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
-                ref = cached["train"][indices].to(placement.device) if cached is not None else None
-                with full_weights(frozen):
-                    metrics = loss_step(models, batch, config.loss, config.micro_batch_size, world, cached_reference=ref)
-            # 4. Log, alarm, refresh, evaluate, checkpoint.
-            message = alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"])
-            if message:
-                logger.warning(message)
-                card["alarms"] = list(alarm.rings)
-                write_card()
-            if refreshing and done % config.loss.reference_refresh_every == 0:
-                reference.refresh(policy)
-                card["run"]["reference_refreshed_at"].append(done)
-                write_card()
-            tokens = int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum())
-            metrics.update({
-                "lr": scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},
-                "tokens_per_second": tokens / (time.perf_counter() - started),
-                "tokens_per_second/training": tokens / max(1e-9, timer.seconds.get("train", 0.0)),
-            })
-            if placement.is_cuda:
-                metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
-            if loop.evaluates(done):
-                metrics.update(evaluate_on_rank0(done))
-            loop.end_step(done, metrics, save=lambda: save_training(
-                run_dir, done, policy, tokenizer, optimizer, scheduler, extra_models=extra_models, world=world, extra_state={
-                    "alarm_history": alarm.history, "alarm_rings": alarm.rings,
-                    "reference_refreshed_at": card["run"]["reference_refreshed_at"]}),
-                after_log=plot if any(key.startswith("heldout/") for key in metrics) and world.main else None,
-                loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
-    del trainer, models  # DDP wrappers first, then the process group
-    world.close()
-    return run_dir.path
+    for done in loop:
+        metrics = step(state, done, card, write_card)  # 1-4
+        if loop.evaluates(done):
+            metrics.update(evaluate(state, run_dir))
+        loop.end_step(done, metrics, save=lambda: save(state, run_dir),
+                      after_log=plot if any(key.startswith("heldout/") for key in metrics) and state.world.main else None,
+                      loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
+
+
+def step(state: State, done: int, card: dict, write_card: Callable[[], None]) -> dict[str, Any]:
+    """Step `done` up to its evaluation: 1. the next batch of the seeded pair stream, 2-3. the loss
+    link's step (reference log-probs live or cached, policy log-probs, loss, backward, clip,
+    optimizer step), 4. the displacement alarm and the reference refresh (each into the card) and
+    the step's throughput. Advances `state.step`; returns the step's metrics."""
+    config, placement = state.config, state.placement
+    timer, started = Timer(placement.synchronize), time.perf_counter()
+    placement.reset_peak_memory()
+    # 1. The next batch of the seeded pair stream.
+    indices = data_order(len(state.train), config.seed, (done - 1) * config.batch_size, config.batch_size)
+    batch = state.encode([state.train[i] for i in indices])
+    # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
+    with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
+        ref = state.cached["train"][indices].to(placement.device) if state.cached is not None else None
+        with full_weights(state.frozen):
+            metrics = loss_step(state.models, batch, config.loss, config.micro_batch_size, state.world, cached_reference=ref)
+    state.step = done
+    # 4. Alarm, refresh (then `_train`: evaluate, log, checkpoint).
+    message = state.alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"])
+    if message:
+        logger.warning(message)
+        card["alarms"] = list(state.alarm.rings)
+        write_card()
+    if config.loss.reference_refresh_every and done % config.loss.reference_refresh_every == 0:
+        state.reference.refresh(state.policy)
+        state.reference_refreshed_at.append(done)
+        card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
+        write_card()
+    tokens = int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum())
+    metrics.update({
+        "lr": state.scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},
+        "tokens_per_second": tokens / (time.perf_counter() - started),
+        "tokens_per_second/training": tokens / max(1e-9, timer.seconds.get("train", 0.0)),
+    })
+    if placement.is_cuda:
+        metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
+    return metrics
+
+
+def save(state: State, run_dir: RunDirectory) -> None:
+    """The checkpoint of `state.step`: everything a resume needs, the alarm and the refreshes included."""
+    save_training(run_dir, state.step, state.policy, state.tokenizer, state.optimizer, state.scheduler,
+                  extra_models=state.extra_models, world=state.world, extra_state={
+                      "alarm_history": state.alarm.history, "alarm_rings": state.alarm.rings,
+                      "reference_refreshed_at": state.reference_refreshed_at})
+
+
+def evaluate(state: State, run_dir: RunDirectory) -> dict[str, Any]:
+    """Held-out acceptance at `state.step` on rank 0 (the other ranks wait; under FSDP2 every rank
+    lends its shards): the held-out pairs' preference metrics (`evaluation.preference`) and, with a
+    task, its accuracy with the configured checker (eval/task-step-N.json) and the shifted sets'."""
+    with (full_weights(state.policy), full_weights(state.frozen), state.placement.autocast(),
+          memory_guard(state.step, MEMORY_KNOBS, phase="evaluation")):
+        metrics = _evaluate_main(state, run_dir) if state.world.main else {}
+    state.world.barrier()
+    return metrics
 
 
 @torch.no_grad()
-def evaluate(policy, reference, cached, tokenizer, encode: Callable[[list[PreferencePair]], PreferenceBatch], held_pairs, held_task,
-             checker, config: Config, run_dir: RunDirectory, step: int, shifted=()) -> dict:
-    """Held-out preference accuracy (and loss, margins) and, with a task, held-out task accuracy
-    with the configured checker (written to eval/task-step-N.json)."""
+def _evaluate_main(state: State, run_dir: RunDirectory) -> dict[str, Any]:
+    """`evaluate`'s part on rank 0, the policy in eval mode."""
+    config, policy = state.config, state.policy
     was_training = policy.training
     policy.eval()
-    metrics: dict[str, Any] = {}
-    if held_pairs:
-        parts, nll_sum, nll_tokens = [], 0.0, 0
-        for start in range(0, len(held_pairs), config.micro_batch_size):
-            batch = encode(held_pairs[start : start + config.micro_batch_size])
-            if cached is not None:
-                ref_chosen, ref_rejected = cached["heldout"][start : start + config.micro_batch_size].to(batch.chosen.input_ids.device).unbind(1)
-            else:
-                ref_sums = pair_logprobs(reference, batch)
-                ref_chosen, ref_rejected = ref_sums.chosen, ref_sums.rejected
-            sums = pair_logprobs(policy, batch)
-            losses, chosen_rewards, rejected_rewards = preference_losses(config.loss, sums, ref_chosen, ref_rejected)
-            parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums.chosen, sums.rejected, ref_chosen, ref_rejected))
-            nll_sum, nll_tokens = nll_sum - float(sums.chosen.sum()), nll_tokens + int(sums.chosen_lengths.sum())
-        held = step_metrics(torch.cat(parts, dim=1), nll_sum / max(1, nll_tokens), config.loss.nll_weight)
-        metrics.update({
-            "heldout/preference_accuracy": held["rewards/accuracy"], "heldout/loss": held["loss/preference"],
-            "heldout/margins": held["rewards/margins"], "heldout/logratio/chosen": held["logratio/chosen"],
-            "heldout/nll": held["loss/nll"],
-        })
-    if held_task is not None:
-        metrics.update(evaluate_sets(policy, tokenizer, held_task, checker, shifted, step=step, eval_dir=run_dir.eval_dir,
-                                     seed=config.seed, max_new_tokens=config.acceptance.max_new_tokens,
+    metrics = evaluate_pairs(policy, HeldoutPairs(state.held_pairs, state.encode, config.loss, config.micro_batch_size, state.reference,
+                                                  state.cached["heldout"] if state.cached is not None else None))
+    if state.held_task is not None:
+        metrics.update(evaluate_sets(policy, state.tokenizer, state.held_task, state.checker, state.shifted, step=state.step,
+                                     eval_dir=run_dir.eval_dir, seed=config.seed, max_new_tokens=config.acceptance.max_new_tokens,
                                      system_prompt=config.data.system_prompt, in_distribution_file="task-step")[1])
     policy.train(was_training)
     return metrics
 
 
-def cached_reference(run_dir: RunDirectory, policy, encode: Callable[[list[PreferencePair]], PreferenceBatch], train, held,
-                     config: Config, world: World | None = None) -> dict[str, torch.Tensor]:
+def cached_reference(state: State, run_dir: RunDirectory) -> dict[str, torch.Tensor]:
     """Reference log-probs of every training and held-out pair by the initial policy (the LoRA base
     with adapters off), computed once and cached in the run directory, keyed by everything that
     decides them: the pairs, the data settings and the model."""
+    config, train, held = state.config, state.train, state.held_pairs
     fingerprint = hashlib.sha256(json.dumps(
         [[p.id, p.prompt, p.chosen, p.rejected] for p in train + held] + [to_dict(config.data), config.model], default=str,
     ).encode()).hexdigest()
-    model = make_reference(policy) if config.lora_rank else policy
-    return precomputed_reference(run_dir.path / REFERENCE_CACHE, model, {"train": train, "heldout": held}, encode,
-                                 config.micro_batch_size, fingerprint, world)
+    model = make_reference(state.policy) if config.lora_rank else state.policy
+    return precomputed_reference(run_dir.path / REFERENCE_CACHE, model, {"train": train, "heldout": held}, state.encode,
+                                 config.micro_batch_size, fingerprint, state.world)
 
 
 def heldout_task(acceptance: Acceptance, provenance: dict | None, seed: int):
@@ -277,41 +365,55 @@ def heldout_task(acceptance: Acceptance, provenance: dict | None, seed: int):
     return held_out, spec
 
 
-def labeller_independence(labeller: str | None, checker) -> tuple[bool, str]:
-    """`independence` of the held-out checker from the verifier that labelled the pairs (named in
-    their provenance); pairs labelled by no recorded verifier are checked independently of it."""
-    if labeller is None:
-        return True, f"the pairs name no labelling verifier; the checker {checker.name} is the only verifier of this run"
-    try:
-        return independence(get_verifier(labeller), checker)
-    except ValueError:  # a python:<function> labeller cannot be rebuilt by name
-        same = labeller == checker.name
-        return not same, (f"the checker {checker.name} is the labeller itself" if same
-                          else f"the labeller {labeller} cannot be rebuilt to compare; the checker {checker.name} is another verifier")
-
-
-def make_card(config: Config, train, held_pairs, data_stats, provenance, task_spec, reference, checker=None) -> dict[str, Any]:
-    """The run card: the four links and every loss setting."""
+def make_card(state: State, changes: list[str]) -> dict[str, Any]:
+    """The run card: the four links and every loss setting, and the run's own part (`changes`: what
+    a resume accepted)."""
+    config = state.config
     card = new_card("dpo", config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
-    card["links"]["data"] = {
-        "source": f"offline: preference pairs from {config.data.pairs}", "train_pairs": len(train),
-        "heldout_pairs": len(held_pairs),
-        "heldout_pairs_from": config.data.heldout_file or f"split off the training file by prompt (seed {config.seed})",
-        "format": config.data.format, "columns": config.data.columns, "split": config.data.split,
-        **data_stats, "truncation": {key: getattr(config.data, key) for key in ("max_prompt_tokens", "max_response_tokens", "prompt_truncation", "response_truncation")},
-        "system_prompt": config.data.system_prompt, "batch_size": config.batch_size, "micro_batch_size": config.micro_batch_size,
+    card["links"]["data"] = data_link(state)
+    card["links"]["reward"] = reward_link(config.data.pairs, state.provenance)
+    card["links"]["loss"] = loss_link(config, state.reference)
+    acceptance = card["links"]["acceptance"] = acceptance_link(state)
+    if acceptance.get("independent") is False:
+        card["notes"].append(f"acceptance is not independent of the labels: {acceptance['independence_reason']}")
+    card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
+    card["alarms"] = list(state.alarm.rings)
+    card_run_part(card, config, state.placement, state.world, changes)
+    return card
+
+
+def data_link(state: State) -> dict[str, Any]:
+    """The card's data link: the pairs, how they were split, rendered and batched, and (from the
+    provenance) what sampled them."""
+    config, data, provenance = state.config, state.config.data, state.provenance
+    link = {
+        "source": f"offline: preference pairs from {data.pairs}", "train_pairs": len(state.train),
+        "heldout_pairs": len(state.held_pairs),
+        "heldout_pairs_from": data.heldout_file or f"split off the training file by prompt (seed {config.seed})",
+        "format": data.format, "columns": data.columns, "split": data.split,
+        **state.data_stats, "truncation": {key: getattr(data, key) for key in ("max_prompt_tokens", "max_response_tokens", "prompt_truncation", "response_truncation")},
+        "system_prompt": data.system_prompt, "batch_size": config.batch_size, "micro_batch_size": config.micro_batch_size,
     }
     if provenance:
-        card["links"]["data"].update({"sampled_from": provenance.get("model"), "task": provenance.get("task"),
-                                      "group_size": provenance.get("group_size"), "sampling": provenance.get("sampling")})
-        card["links"]["reward"] = {
-            "labels": f"labels came from verifier {provenance.get('verifier')} on samples of model {provenance.get('model')}",
-            "verifier": provenance.get("verifier"), "verifier_settings": provenance.get("verifier_settings"),
-            "correct_threshold": provenance.get("correct_threshold"), "pairs_seed": provenance.get("seed"),
-            "provenance_file_matches": provenance["file_matches"],
-        }
-    else:
-        card["links"]["reward"] = {"labels": f"as given in {config.data.pairs} (who labelled them is not recorded)"}
+        link.update({"sampled_from": provenance.get("model"), "task": provenance.get("task"),
+                     "group_size": provenance.get("group_size"), "sampling": provenance.get("sampling")})
+    return link
+
+
+def reward_link(pairs: str, provenance: dict | None) -> dict[str, Any]:
+    """The card's reward link: who labelled the pairs, as their provenance records it."""
+    if not provenance:
+        return {"labels": f"as given in {pairs} (who labelled them is not recorded)"}
+    return {
+        "labels": f"labels came from verifier {provenance.get('verifier')} on samples of model {provenance.get('model')}",
+        "verifier": provenance.get("verifier"), "verifier_settings": provenance.get("verifier_settings"),
+        "correct_threshold": provenance.get("correct_threshold"), "pairs_seed": provenance.get("seed"),
+        "provenance_file_matches": provenance["file_matches"],
+    }
+
+
+def loss_link(config: Config, reference: ReferenceModel | None) -> dict[str, Any]:
+    """The card's loss link: the objective and every setting of it, the reference, the optimizer."""
     loss = config.loss
     if reference is None:
         reference_text = "precomputed once at the start from the initial policy" + (" (LoRA base)" if config.lora_rank else "") + f", cached in {REFERENCE_CACHE}; no reference model in memory"
@@ -319,7 +421,7 @@ def make_card(config: Config, train, held_pairs, data_stats, provenance, task_sp
         reference_text = "LoRA base (the policy with adapters disabled; no copy)"
     else:
         reference_text = "frozen copy of the initial policy"
-    card["links"]["loss"] = {
+    return {
         "objective": OBJECTIVES[loss.type], "type": loss.type, "beta": loss.beta, "label_smoothing": loss.label_smoothing,
         "sequence_logprob": "sum over response tokens (prompt and padding masked, the ending EOS counted)",
         "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type.startswith("length_normalized") else "none: summed log-probs",
@@ -331,20 +433,25 @@ def make_card(config: Config, train, held_pairs, data_stats, provenance, task_sp
         "reduction": "mean over the batch's pairs",
         "optimizer": to_dict(config.optim),
     }
-    card["links"]["acceptance"] = {
-        "heldout_pairs": f"{len(held_pairs)} pairs: preference accuracy (chosen reward > rejected reward)",
+
+
+def acceptance_link(state: State) -> dict[str, Any]:
+    """The card's acceptance link: the held-out pairs, the held-out task and its checker (and whether
+    that checker is independent of the pairs' labeller), the alarm, the shifted sets."""
+    acceptance, task_spec, checker = state.config.acceptance, state.task_spec, state.checker
+    link = {
+        "heldout_pairs": f"{len(state.held_pairs)} pairs: preference accuracy (chosen reward > rejected reward)",
         "heldout_task": (f"{task_spec['task']} held-out split ({task_spec['eval_size']} problems, split seed {task_spec['split_seed']}, "
                          "disjoint from the pairs' prompts)") if task_spec else "none (the pairs come from no known task)",
-        "checker": task_spec["checker"] if task_spec else None, "displacement_threshold": config.acceptance.displacement_threshold,
-        "alarm_window": config.acceptance.alarm_window,
+        "checker": task_spec["checker"] if task_spec else None, "displacement_threshold": acceptance.displacement_threshold,
+        "alarm_window": acceptance.alarm_window,
     }
-    labeller = (provenance or {}).get("verifier")
+    labeller = (state.provenance or {}).get("verifier")
     if task_spec and labeller is not None:
-        card["links"]["acceptance"]["checker_is_labeller"] = task_spec["checker"] == labeller
+        link["checker_is_labeller"] = task_spec["checker"] == labeller
     if checker is not None:
         independent, why = labeller_independence(labeller, checker)
-        card["links"]["acceptance"].update({"independent": independent, "independence_reason": why,
-                                            "checker_settings": checker.describe()})
-        if not independent:
-            card["notes"].append(f"acceptance is not independent of the labels: {why}")
-    return card
+        link.update({"independent": independent, "independence_reason": why, "checker_settings": checker.describe()})
+    if state.shifted:
+        link["sets"] = {held.name: held.spec for held in state.shifted}
+    return link

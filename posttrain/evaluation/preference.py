@@ -1,0 +1,83 @@
+"""Held-out preference acceptance (DPO's first acceptance number): the configured objective's
+pair metrics on pairs the policy never trained on, against the same reference as training.
+
+    heldout/preference_accuracy   fraction of pairs whose chosen reward is strictly higher
+    heldout/loss                  the pairwise loss (no NLL term)
+    heldout/margins               mean chosen - rejected implicit reward
+    heldout/logratio/chosen       mean log pi - log pi_ref of the chosen responses
+    heldout/nll                   token-mean NLL of the chosen responses
+
+The pairs go through `models.pair_forward.pair_logprobs` in micro-batches and their
+`algorithms.pair_columns` are concatenated before `losses.preference.step_metrics` averages them,
+so the numbers do not depend on the micro-batch size. Held-out task accuracy, the second number,
+is `evaluation.acceptance.evaluate_sets`, with a checker whose independence from whoever labelled
+the pairs `labeller_independence` states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from posttrain.algorithms import pair_columns
+from posttrain.data import PreferenceBatch, PreferencePair
+from posttrain.evaluation.acceptance import independence
+from posttrain.losses.preference import Loss, preference_losses, step_metrics
+from posttrain.models.pair_forward import pair_logprobs
+from posttrain.rewards import Verifier, get_verifier
+
+
+@dataclass
+class HeldoutPairs:
+    """Held-out pairs and what scores them: the objective, and the reference live or cached."""
+
+    pairs: list[PreferencePair]
+    encode: Callable[[list[PreferencePair]], PreferenceBatch]
+    """Pairs -> a tokenised batch on the policy's device (the recipe's one boundary)."""
+    loss: Loss
+    micro_batch_size: int
+    reference: Any = None
+    """The live reference (a `ReferenceModel`); None when `cached` holds its sums."""
+    cached: torch.Tensor | None = None
+    """(M, 2) the precomputed reference's chosen / rejected sums of `pairs`, in order."""
+
+
+@torch.no_grad()
+def evaluate_pairs(policy, held: HeldoutPairs) -> dict[str, float]:
+    """The held-out pair metrics of `policy` (named in the module docstring); {} without pairs.
+    The caller puts the policy in eval mode and its precision around the call."""
+    if not held.pairs:
+        return {}
+    parts, nll_sum, nll_tokens = [], 0.0, 0
+    for start in range(0, len(held.pairs), held.micro_batch_size):
+        batch = held.encode(held.pairs[start : start + held.micro_batch_size])
+        if held.cached is not None:
+            ref_chosen, ref_rejected = held.cached[start : start + held.micro_batch_size].to(batch.chosen.input_ids.device).unbind(1)
+        else:
+            ref_sums = pair_logprobs(held.reference, batch)
+            ref_chosen, ref_rejected = ref_sums.chosen, ref_sums.rejected
+        sums = pair_logprobs(policy, batch)
+        losses, chosen_rewards, rejected_rewards = preference_losses(held.loss, sums, ref_chosen, ref_rejected)
+        parts.append(pair_columns(losses, chosen_rewards, rejected_rewards, sums.chosen, sums.rejected, ref_chosen, ref_rejected))
+        nll_sum, nll_tokens = nll_sum - float(sums.chosen.sum()), nll_tokens + int(sums.chosen_lengths.sum())
+    means = step_metrics(torch.cat(parts, dim=1), nll_sum / max(1, nll_tokens), held.loss.nll_weight)
+    return {
+        "heldout/preference_accuracy": means["rewards/accuracy"], "heldout/loss": means["loss/preference"],
+        "heldout/margins": means["rewards/margins"], "heldout/logratio/chosen": means["logratio/chosen"],
+        "heldout/nll": means["loss/nll"],
+    }
+
+
+def labeller_independence(labeller: str | None, checker: Verifier) -> tuple[bool, str]:
+    """`independence` of the held-out checker from the verifier that labelled the pairs (named in
+    their provenance); pairs labelled by no recorded verifier are checked independently of it."""
+    if labeller is None:
+        return True, f"the pairs name no labelling verifier; the checker {checker.name} is the only verifier of this run"
+    try:
+        return independence(get_verifier(labeller), checker)
+    except ValueError:  # a python:<function> labeller cannot be rebuilt by name
+        same = labeller == checker.name
+        return not same, (f"the checker {checker.name} is the labeller itself" if same
+                          else f"the labeller {labeller} cannot be rebuilt to compare; the checker {checker.name} is another verifier")
