@@ -45,7 +45,7 @@ from posttrain.data.preference import load_pairs, prompt_key
 from posttrain.data.provenance import read_provenance
 from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, HeldOutSet, default_checker, evaluate_sets, heldout_split, shifted_sets
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, HeldOutSet, default_checker, evaluate_sets, heldout_checker, heldout_split, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs, labeller_independence
 from posttrain.hardware import Placement
@@ -57,7 +57,7 @@ from posttrain.losses.preference import PreferenceModels
 from posttrain.losses.preference import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config
-from posttrain.rewards import Verifier, as_verifier
+from posttrain.rewards import Verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.faults import memory_guard
@@ -176,9 +176,8 @@ def setup(config: Config, world: World, placement: Placement) -> State:
     held_task, task_spec = heldout_task(config.acceptance, provenance, config.seed)
     checker = None
     if held_task is not None:
-        checker = as_verifier(None, task_spec["checker"], config.reward_options, config.unsafe_no_sandbox, for_checker=True,
-                              setting="acceptance.checker", placement=placement, world=world)
-        checker.prepare()
+        checker = heldout_checker(task_spec["checker"], held_task, config.reward_options, config.unsafe_no_sandbox,
+                                  placement=placement, world=world)
     warn_if_unsafe(config.unsafe_no_sandbox)
     train, shifted = splits.train, []
     if held_task is not None:
