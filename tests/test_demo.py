@@ -35,3 +35,24 @@ def test_shortened_demo_end_to_end(tmp_path):
     for stage in ("sft", "grpo", "dpo", "dpo_plain"):
         card = json.loads((out / stage / "run_card.json").read_text())
         assert set(card["links"]) == {"data", "reward", "loss", "acceptance"}
+
+
+def test_stage_configs_are_presets_plus_the_demos_overrides(tmp_path):
+    """Fast: each stage's config is its preset < the demo's seed, run directory, steps (one
+    checkpoint, at the last) and start < the stage's own overrides < those of the run, merged
+    section by section (DPO's data keeps heldout_pairs 0 beside the pairs file); plain DPO differs
+    from RPO only in the NLL weight; the stage table itself is not mutated."""
+    config = build_config(demo.Config, None, {"output_dir": str(tmp_path / "demo"), "grpo_steps": 8, "seed": 3})
+    starts = {"sft": str(tmp_path / "start")}
+    sft = demo.stage_config(demo.SFT, config, {}, {"data": {"eval_size": 100}})
+    assert (sft.max_steps, sft.checkpoint_every, sft.seed, sft.output_dir) == (600, 600, 3, str(tmp_path / "demo" / "sft"))
+    assert (sft.acceptance.eval_every, sft.acceptance.sets, sft.data.eval_size) == (0, [], 100)
+    grpo = demo.stage_config(demo.GRPO, config, starts, {"acceptance": {"eval_every": 2}})
+    assert (grpo.model, grpo.max_steps, grpo.checkpoint_every, grpo.acceptance.eval_every) == (starts["sft"], 8, 8, 2)
+    rpo, plain = (demo.stage_config(stage, config, starts, {"data": {"pairs": "p.jsonl"}}, {"acceptance": {"max_new_tokens": 7}})
+                  for stage in (demo.DPO, demo.DPO_PLAIN))
+    for dpo in (rpo, plain):
+        assert (dpo.model, dpo.max_steps, dpo.batch_size, dpo.micro_batch_size) == (starts["sft"], 8, 16, 16)
+        assert (dpo.data.heldout_pairs, dpo.data.pairs, dpo.acceptance.max_new_tokens) == (0, "p.jsonl", 7)
+    assert rpo.loss.nll_weight > 0 and plain.loss.nll_weight == 0.0
+    assert demo.DPO.overrides["data"] == {"heldout_pairs": 0} and "model" not in demo.GRPO.overrides

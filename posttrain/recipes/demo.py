@@ -20,31 +20,23 @@ same program as reward), and only held-out problems with a separate checker say 
 
 from __future__ import annotations
 
-import json
-import logging
+import contextlib
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import matplotlib
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-import torch  # noqa: E402
-
-from posttrain.config import build_config  # noqa: E402
-from posttrain.errors import UserError  # noqa: E402
-from posttrain.data.examples import Task  # noqa: E402
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_shifts, evaluate_task, heldout_split, independence, shifted_sets  # noqa: E402
-from posttrain.evaluation.stats import paired_difference_ci  # noqa: E402
-from posttrain.models import load_model  # noqa: E402
-from posttrain.rewards import get_verifier  # noqa: E402
-from posttrain.runs import read_jsonl  # noqa: E402
-
-logger = logging.getLogger(__name__)
+from posttrain.config import build_config
+from posttrain.data.examples import Task
+from posttrain.errors import UserError
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_shifts, evaluate_task, heldout_split, independence, shifted_sets
+from posttrain.models import load_model
+from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, sft
+from posttrain.recipes.demo_report import DemoResult, write_report
+from posttrain.rewards import get_verifier
 
 
 PRESETS = Path(__file__).resolve().parents[2] / "presets"
@@ -81,6 +73,33 @@ class Config:
     """Unused (the stages have their own step counts); accepted for the common flags."""
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One training stage: a recipe's config from a preset plus the demo's overrides."""
+
+    name: str
+    """Its run directory under the demo's, and its key in summary.json and the report."""
+    settings: Callable[[], Any]
+    """The recipe's config class (or defaults function)."""
+    preset: str
+    """presets/<preset>.yaml."""
+    steps: str
+    """The demo Config field with its step count (it checkpoints once, at the last step)."""
+    starts_from: str | None = None
+    """The stage whose last checkpoint it starts from (None: from scratch)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Its fixed overrides; those that depend on the run are passed where it is built (`stage_config`)."""
+
+
+SFT = Stage("sft", sft.Config, "tiny-sft", "sft_steps",
+            overrides={"acceptance": {"eval_every": 0, "sets": []}})  # every stage's sets are evaluated below, once
+GRPO = Stage("grpo", online_config.grpo_config, "tiny-grpo", "grpo_steps", starts_from="sft")
+DPO = Stage("dpo", dpo_config.Config, "tiny-dpo", "grpo_steps", starts_from="sft", overrides=DPO_STAGE)
+DPO_PLAIN = Stage("dpo_plain", dpo_config.Config, "tiny-dpo", "grpo_steps", starts_from="sft", overrides={**DPO_STAGE, **PLAIN_DPO})
+STAGES = (SFT, GRPO, DPO, DPO_PLAIN)
+"""The training stages, in the order they run (the report's order)."""
+
+
 def preset(name: str) -> Path:
     """presets/<name>.yaml of the repository (the demo runs from a clone)."""
     path = PRESETS / f"{name}.yaml"
@@ -92,100 +111,83 @@ def preset(name: str) -> Path:
 def run(config: Config, resume: bool = False, resume_changed_config: bool = False) -> Path:
     """Run every stage; returns the demo directory (with report.md and summary.json). It always
     starts over: `resume` (and so `resume_changed_config`) is refused."""
-    from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, sft
-
     if resume or resume_changed_config:
         raise UserError("the demo always starts over; run it again without --resume")
     started = time.perf_counter()
     torch.set_num_threads(config.threads)
-    out = Path(config.output_dir)
-    if out.exists():
-        if not (out / "summary.json").exists() and any(out.iterdir()):
-            raise UserError(f"{out}: holds something other than a finished demo; choose another --output-dir")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    seed, timings = config.seed, {}
+    out = _fresh_directory(Path(config.output_dir))
+    timings: dict[str, float] = {}
+    held_out_size = {"data": {"eval_size": config.eval_size}}
 
     # 1. SFT from scratch to partial competence (evaluated once, at the end).
-    clock = time.perf_counter()
-    sft_config = build_config(sft.Config, preset("tiny-sft"), {
-        "seed": seed, "output_dir": str(out / "sft"), "data": {"eval_size": config.eval_size}, "max_steps": config.sft_steps,
-        "checkpoint_every": config.sft_steps, "acceptance": {"eval_every": 0, "sets": []},  # every stage's sets are evaluated below, once
-    })
-    sft_dir = Path(config.sft_run) if config.sft_run else sft.run(sft_config)
-    start_model = str(sft_dir / "checkpoints" / f"step-{config.sft_steps:06d}" / "model")
-    if not Path(start_model).is_dir():
-        raise UserError(f"{start_model}: no SFT checkpoint at step {config.sft_steps}")
-    timings["sft"] = time.perf_counter() - clock
-    task, options, budget = sft_config.data.task, sft_config.data.task_options, sft_config.acceptance.max_new_tokens
+    with _timed(timings, "sft"):
+        sft_config = stage_config(SFT, config, {}, held_out_size)
+        run_dirs = {"sft": Path(config.sft_run) if config.sft_run else sft.run(sft_config)}
+        starts = {"sft": _last_checkpoint(run_dirs["sft"], config.sft_steps)}
+        if not Path(starts["sft"]).is_dir():
+            raise UserError(f"{starts['sft']}: no SFT checkpoint at step {config.sft_steps}")
+    data, budget = sft_config.data, sft_config.acceptance.max_new_tokens
 
-    # 2. Baseline acceptance on the held-out sets every stage shares: the in-distribution split and
-    # the shifted ones (the task's defaults: one more digit, the sums in words; and the sums asked as
-    # a question, a shift the tiny model partly manages), all scored by the independent checker.
-    held_out = heldout_split(task, config.eval_size, seed, options)
-    shifts = default_shifts(task, options) + [{"name": "question", "task": task, "task_options": {**options, "phrasing": "question"}}]
-    sets = {IN_DISTRIBUTION: held_out, **{held.name: held.task for held in shifted_sets(
-        shifts, Task("demo", "train", [], held_out.reward_kind), task, options, seed, config.eval_size)}}
-    before = acceptance(start_model, sets, budget, seed, out, "sft")
+    # 2. Baseline acceptance on the held-out sets every stage shares.
+    sets = heldout_sets(data.task, data.task_options, config.seed, config.eval_size)
+    results = {"sft": acceptance(starts["sft"], sets, budget, config.seed, out, "sft")}
 
     # 3. GRPO with the programmatic verifier: presets/tiny-grpo.yaml from the SFT start.
-    clock = time.perf_counter()
-    grpo_config = build_config(online_config.grpo_config, preset("tiny-grpo"), {
-        "seed": seed, "model": start_model, "output_dir": str(out / "grpo"), "max_steps": config.grpo_steps,
-        "checkpoint_every": config.grpo_steps, "data": {"eval_size": config.eval_size},
-        "acceptance": {"eval_every": max(1, config.grpo_steps // 4)},
-    })
-    grpo_dir = online.run(grpo_config)
-    timings["grpo"] = time.perf_counter() - clock
+    with _timed(timings, "grpo"):
+        grpo_config = stage_config(GRPO, config, starts, held_out_size, {"acceptance": {"eval_every": max(1, config.grpo_steps // 4)}})
+        run_dirs["grpo"] = online.run(grpo_config)
 
-    # 4. Pairs from the SFT model's own samples, as many as GRPO drew, then DPO on them.
-    clock = time.perf_counter()
+    # 4. Pairs from the SFT model's own samples, as many as GRPO drew, then DPO on them (RPO and plain).
     pairs_file = out / "pairs.jsonl"
-    data = grpo_config.data
-    provenance = pairs.build_pairs(build_config(pairs.PairSettings, None, {
-        "model": start_model, "out": str(pairs_file), "group_size": data.group_size, "verifier": "exact",
-        "data": {"task": task, "task_options": options, "max_prompts": config.grpo_steps * data.prompts_per_step,
-                 "eval_size": config.eval_size},
-        "sampling": {"max_new_tokens": budget}, "seed": seed,
-    }))
-    timings["pairs"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-    dpo_dirs = {}
-    for name, variant in (("dpo", {}), ("dpo_plain", PLAIN_DPO)):
-        dpo_dirs[name] = dpo.run(build_config(dpo_config.Config, preset("tiny-dpo"), {
-            **DPO_STAGE, **variant, "seed": seed, "model": start_model, "output_dir": str(out / name), "max_steps": config.grpo_steps,
-            "checkpoint_every": config.grpo_steps, "data": {**DPO_STAGE["data"], "pairs": str(pairs_file)},
-            "acceptance": {"max_new_tokens": budget},
+    with _timed(timings, "pairs"):
+        provenance = pairs.build_pairs(build_config(pairs.PairSettings, None, {
+            "model": starts["sft"], "out": str(pairs_file), "group_size": grpo_config.data.group_size, "verifier": "exact",
+            "data": {"task": data.task, "task_options": data.task_options,
+                     "max_prompts": config.grpo_steps * grpo_config.data.prompts_per_step, "eval_size": config.eval_size},
+            "sampling": {"max_new_tokens": budget}, "seed": config.seed,
         }))
-    timings["dpo"] = time.perf_counter() - clock
+    with _timed(timings, "dpo"):
+        for stage in (DPO, DPO_PLAIN):
+            run_dirs[stage.name] = dpo.run(stage_config(stage, config, starts, {"data": {"pairs": str(pairs_file)}},
+                                                        {"acceptance": {"max_new_tokens": budget}}))
 
     # 5. Acceptance for each on the same problems.
-    def final(run: Path) -> str:
-        return str(run / "checkpoints" / f"step-{config.grpo_steps:06d}" / "model")
+    for stage in (GRPO, DPO, DPO_PLAIN):
+        results[stage.name] = acceptance(_last_checkpoint(run_dirs[stage.name], config.grpo_steps), sets, budget, config.seed, out, stage.name)
 
-    after_grpo = acceptance(final(grpo_dir), sets, budget, seed, out, "grpo")
-    after_dpo = acceptance(final(dpo_dirs["dpo"]), sets, budget, seed, out, "dpo")
-    after_plain = acceptance(final(dpo_dirs["dpo_plain"]), sets, budget, seed, out, "dpo_plain")
-
-    # 6. Report.
-    gain, low, high = paired_difference_ci(before[IN_DISTRIBUTION]["correct"], after_grpo[IN_DISTRIBUTION]["correct"])
-    dpo_gain = paired_difference_ci(before[IN_DISTRIBUTION]["correct"], after_dpo[IN_DISTRIBUTION]["correct"])
-    plain_gain = paired_difference_ci(before[IN_DISTRIBUTION]["correct"], after_plain[IN_DISTRIBUTION]["correct"])
-    independent, why = independence(get_verifier(provenance["verifier"]), _checker(None, held_out))
-    stages = {"sft": before, "grpo": after_grpo, "dpo": after_dpo, "dpo_plain": after_plain}
-    summary = {
-        "heldout_before": before[IN_DISTRIBUTION]["pass@1"], "heldout_after_grpo": after_grpo[IN_DISTRIBUTION]["pass@1"],
-        "heldout_after_dpo": after_dpo[IN_DISTRIBUTION]["pass@1"], "heldout_after_dpo_plain": after_plain[IN_DISTRIBUTION]["pass@1"],
-        "n_heldout": before[IN_DISTRIBUTION]["n"], "gain_grpo_ci95": [low, high], "gain_dpo_ci95": list(dpo_gain[1:]),
-        "gain_dpo_plain_ci95": list(plain_gain[1:]),
-        "sets": {name: {stage: result[name]["pass@1"] for stage, result in stages.items()} for name in sets},
-        "checker": {"name": "integer", "independent": independent, "independence_reason": why},
-        "seconds_after_install": time.perf_counter() - started,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    write_report(out, config, grpo_config, summary, stages, (gain, low, high), dpo_gain, plain_gain, provenance,
-                 timings, {"sft": sft_dir, "grpo": grpo_dir, **dpo_dirs})
+    # 6. Report: summary.json, report.md, plots.
+    checked = independence(get_verifier(provenance["verifier"]), _checker(None, sets[IN_DISTRIBUTION]))
+    write_report(DemoResult(
+        out=out, seed=config.seed, sft_steps=config.sft_steps, grpo_steps=config.grpo_steps,
+        samples_per_step=grpo_config.data.prompts_per_step * grpo_config.data.group_size, samples_shown=config.samples_shown,
+        results=results, run_dirs=run_dirs, provenance=provenance, independence=checked, timings=timings,
+        seconds=time.perf_counter() - started))
     return out
+
+
+def stage_config(stage: Stage, config: Config, starts: dict[str, str], *overrides: dict[str, Any]) -> Any:
+    """`stage`'s recipe config: its preset < the demo's seed, the stage's run directory, step count
+    and single checkpoint, its start (`starts[stage.starts_from]`) < its own overrides < `overrides`
+    (merged section by section)."""
+    steps = getattr(config, stage.steps)
+    merged: dict[str, Any] = {"seed": config.seed, "output_dir": str(Path(config.output_dir) / stage.name),
+                              "max_steps": steps, "checkpoint_every": steps}
+    if stage.starts_from is not None:
+        merged["model"] = starts[stage.starts_from]
+    for extra in (stage.overrides, *overrides):
+        for key, value in extra.items():
+            merged[key] = {**merged[key], **value} if isinstance(value, dict) and key in merged else value
+    return build_config(stage.settings, preset(stage.preset), merged)
+
+
+def heldout_sets(task: str, options: dict, seed: int, size: int) -> dict[str, Task]:
+    """The held-out sets every stage is scored on: the in-distribution split and the shifted ones
+    (the task's defaults: one more digit, the sums in words; and the sums asked as a question, a
+    shift the tiny model partly manages), all scored by the independent checker."""
+    held_out = heldout_split(task, size, seed, options)
+    shifts = default_shifts(task, options) + [{"name": "question", "task": task, "task_options": {**options, "phrasing": "question"}}]
+    return {IN_DISTRIBUTION: held_out, **{held.name: held.task for held in shifted_sets(
+        shifts, Task("demo", "train", [], held_out.reward_kind), task, options, seed, size)}}
 
 
 def _checker(name: str | None, task: Task):
@@ -202,168 +204,24 @@ def acceptance(model_dir: str, sets: dict[str, Task], budget: int, seed: int, ou
             for name, task in sets.items()}
 
 
-def write_report(out: Path, config: Config, grpo_config, summary, stages, grpo_gain, dpo_gain, plain_gain, provenance, timings,
-                 dirs) -> None:
-    """report.md: every stage on every held-out set, the curves, why plain DPO falls where RPO gains,
-    the run cards side by side, and samples."""
-    plots = out / "plots"
-    plots.mkdir(exist_ok=True)
-    labels = {"sft": "SFT start", "grpo": "after GRPO", "dpo": "after DPO (RPO)", "dpo_plain": "plain DPO"}
-    names = list(summary["sets"])
-    figure, axis = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(names)
-    for index, name in enumerate(names):
-        results = [stages[stage][name] for stage in labels]
-        values = [r["pass@1"] for r in results]
-        errors = [[v - r["pass@1_ci95"][0] for v, r in zip(values, results)], [r["pass@1_ci95"][1] - v for v, r in zip(values, results)]]
-        axis.bar([i + index * width for i in range(len(labels))], values, width, yerr=errors, capsize=3, label=name)
-    axis.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(labels))], list(labels.values()))
-    axis.set_ylabel("held-out pass@1")
-    axis.set_ylim(0, 1)
-    axis.set_title("Held-out accuracy per set, 95% Wilson intervals")
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(plots / "heldout.png", dpi=100)
-    plt.close(figure)
-    rows_of = {name: read_jsonl(dirs[name] / "metrics.jsonl") for name in ("grpo", "dpo", "dpo_plain")}
-    curves = [
-        ("grpo_reward.png", rows_of["grpo"], ["reward/mean"], "GRPO training reward (exact match)"),
-        ("grpo_heldout.png", rows_of["grpo"], ["heldout/pass@1"], "GRPO held-out accuracy (in distribution)"),
-        ("grpo_kl.png", rows_of["grpo"], ["kl/exact"], "GRPO exact KL to the SFT start"),
-        ("dpo_loss.png", rows_of["dpo"], ["loss"], "DPO (RPO) loss"),
-        ("dpo_accuracy.png", rows_of["dpo"], ["rewards/accuracy"], "DPO (RPO) pair accuracy (implicit reward)"),
-    ]
-    for name, rows, keys, title in curves:
-        _curve(plots / name, [(key, rows) for key in keys], title)
-    _curve(plots / "dpo_chosen.png", [("RPO", rows_of["dpo"]), ("plain DPO", rows_of["dpo_plain"])],
-           "log pi(chosen) - log pi_ref(chosen)", key="logratio/chosen")
-
-    def last(rows, key):
-        values = [r[key] for r in rows if r.get(key) is not None]
-        return f"{values[-1]:.3f}" if values else "n/a"
-
-    def lowest(rows, key):
-        values = [(r[key], r["step"]) for r in rows if r.get(key) is not None]
-        return min(values) if values else (float("nan"), 0)
-
-    def cell(result):
-        low, high = result["pass@1_ci95"]
-        return f"{result['pass@1']:.3f} [{low:.3f}, {high:.3f}]"
-
-    gain, low, high = grpo_gain
-    cards = {name: json.loads((path / "run_card.json").read_text()) for name, path in dirs.items()}
-    grpo_rows, dpo_rows, plain_rows = rows_of["grpo"], rows_of["dpo"], rows_of["dpo_plain"]
-    checker = summary["checker"]
-    walls = {"sft": f"{timings['sft']:.0f} s", "grpo": f"{timings['grpo']:.0f} s",
-             "dpo": f"{timings['pairs'] + timings['dpo']:.0f} s (pairs {timings['pairs']:.0f} s, both DPO runs)", "dpo_plain": "(above)"}
-    extra = {"sft": "n/a", "grpo": f"{last(grpo_rows, 'reward/mean')} (reward)", "dpo": f"{last(dpo_rows, 'rewards/accuracy')} (pair accuracy)",
-             "dpo_plain": f"{last(plain_rows, 'rewards/accuracy')} (pair accuracy)"}
-    lines = [
-        "# posttrain demo: what each link changed", "",
-        f"Tiny character-level Llama (3.2M parameters) on 2-digit addition. Held-out sets, never trained on: "
-        f"`in_distribution` ({summary['n_heldout']} sums like the training ones) and the shifted "
-        + ", ".join(f"`{name}`" for name in names[1:]) + " (one more digit; the same sums asked in words; the same sums asked as a question, `What is a+b?`). "
-        f"Checker: `integer` (the `<answer>` element read by an HTML parser, `int()` of its text); independent of the "
-        f"`{provenance['verifier']}` training reward and labeller: {str(checker['independent']).lower()} ({checker['independence_reason']}). "
-        f"One seed ({config.seed}); {summary['seconds_after_install']:.0f} s in all on this machine.", "",
-        "| stage | " + " | ".join(f"{name} [95% CI]" for name in names) + " | training signal (last step) | mean length | wall time |",
-        "|---|" + "---|" * (len(names) + 3),
-    ]
-    titles = {"sft": f"SFT start ({config.sft_steps} steps)",
-              "grpo": f"GRPO ({config.grpo_steps} steps x {grpo_config.data.prompts_per_step * grpo_config.data.group_size} samples)",
-              "dpo": f"DPO with RPO's NLL term ({config.grpo_steps} steps on {provenance['pairs']} pairs)",
-              "dpo_plain": "plain DPO (the same, without the NLL term)"}
-    for stage in labels:
-        lines.append(f"| {titles[stage]} | " + " | ".join(cell(stages[stage][name]) for name in names)
-                     + f" | {extra[stage]} | {stages[stage][IN_DISTRIBUTION]['mean_length']:.1f} | {walls[stage]} |")
-    plain_low, plain_step = lowest(plain_rows, "logratio/chosen")
-    rpo_low, rpo_step = lowest(dpo_rows, "logratio/chosen")
-    alarms = cards["dpo_plain"].get("alarms") or []
-    lines += [
-        "",
-        f"Gains over the start on `in_distribution` (paired over the same problems): GRPO {gain:+.3f} [{low:+.3f}, {high:+.3f}]; "
-        f"DPO with the NLL term {dpo_gain[0]:+.3f} [{dpo_gain[1]:+.3f}, {dpo_gain[2]:+.3f}]; "
-        f"plain DPO {plain_gain[0]:+.3f} [{plain_gain[1]:+.3f}, {plain_gain[2]:+.3f}].", "",
-        "How to read it: the interval is what matters; a gain whose interval excludes 0 is unlikely to be noise. "
-        "Training reward is what the optimizer saw; held-out accuracy, from problems it never saw, is the acceptance; "
-        "the shifted sets say whether what was learned carries beyond the training distribution. "
-        + _shift_reading(stages), "",
-        "**Why plain DPO falls here.** Both DPO runs see the same pairs, steps and learning rate; the only difference is "
-        "RPO's NLL term on the chosen answers. DPO's loss only asks the chosen answer's log-ratio to beat the rejected one's; "
-        "it can win by pushing both down. Plain DPO's chosen log-ratio log pi(chosen) - log pi_ref(chosen) fell to "
-        f"{plain_low:.2f} nats (step {plain_step}) and ended at {last(plain_rows, 'logratio/chosen')}, while its pair accuracy ended at "
-        f"{last(plain_rows, 'rewards/accuracy')}: the margin grew as the correct answers themselves became less likely. "
-        + (f"The likelihood-displacement alarm rang: \"{alarms[0]}\". " if alarms else "The likelihood-displacement alarm did not reach its threshold. ")
-        + f"With the NLL term the chosen log-ratio stayed at or above {rpo_low:.2f} (step {rpo_step}; it ended at "
-        f"{last(dpo_rows, 'logratio/chosen')}), and held-out accuracy rose.", "",
-        "![held-out accuracy](plots/heldout.png)", "",
-        "![GRPO reward](plots/grpo_reward.png) ![GRPO held-out](plots/grpo_heldout.png)", "",
-        "![GRPO KL](plots/grpo_kl.png) ![DPO loss](plots/dpo_loss.png) ![DPO accuracy](plots/dpo_accuracy.png)", "",
-        "![DPO chosen log-ratio](plots/dpo_chosen.png)", "",
-        "## The four links, side by side", "",
-        "| link | SFT | GRPO | DPO (RPO) |", "|---|---|---|---|",
-    ]
-    for link in ("data", "reward", "loss", "acceptance"):
-        row = [summarise(cards[name]["links"][link]) for name in ("sft", "grpo", "dpo")]
-        lines.append(f"| {link} | " + " | ".join(row) + " |")
-    lines += [
-        "", f"The DPO pairs: {provenance['pairs']} (correct, incorrect) pairs from {provenance['prompts']} prompts, "
-        f"labelled by verifier `{provenance['verifier']}` on samples of the SFT model; "
-        f"{provenance['prompts_skipped_all_correct']} prompts skipped as all-correct, "
-        f"{provenance['prompts_skipped_all_incorrect']} as all-incorrect.", "",
-        "Full run cards: [SFT](sft/run_card.md), [GRPO](grpo/run_card.md), [DPO](dpo/run_card.md), [plain DPO](dpo_plain/run_card.md).", "",
-        "## Sample held-out completions", "", "| problem | SFT start | after GRPO | after DPO (RPO) | plain DPO |", "|---|---|---|---|---|",
-    ]
-    rows = [json.loads((out / f"eval_{stage}.json").read_text())["rows"] for stage in labels]
-    for index in range(min(config.samples_shown, len(rows[0]))):
-        problem = rows[0][index]["prompt"].split("user\n")[-1].split("<|im_end|>")[0]
-        cells = [f"`{r[index]['completion']}` ({r[index]['reason']})" for r in rows]
-        lines.append(f"| `{problem}` | " + " | ".join(cells) + " |")
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+def _fresh_directory(out: Path) -> Path:
+    """`out`, created empty; an earlier demo there (it has summary.json) is replaced, anything else refused."""
+    if out.exists():
+        if not (out / "summary.json").exists() and any(out.iterdir()):
+            raise UserError(f"{out}: holds something other than a finished demo; choose another --output-dir")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return out
 
 
-def _shift_reading(stages: dict[str, dict[str, dict[str, Any]]]) -> str:
-    """One sentence per shifted set: each stage's change from the SFT start with its paired 95%
-    interval (same problems), and whether any stage moved it at all."""
-    sentences, labels = [], {"grpo": "GRPO", "dpo": "RPO", "dpo_plain": "plain DPO"}
-    for name in stages["sft"]:
-        if name == IN_DISTRIBUTION:
-            continue
-        start = stages["sft"][name]
-        if all(stages[stage][name]["correct"] == start["correct"] for stage in labels):
-            sentences.append(f"No stage moved `{name}` (all at {start['pass@1']:.3f}): what the stages taught does not carry to it; "
-                             "a character-level model trained on 2-digit sums learned that format, not addition.")
-            continue
-        changes = []
-        for stage, label in labels.items():
-            gain, low, high = paired_difference_ci(start["correct"], stages[stage][name]["correct"])
-            verdict = "a gain" if low > 0 else "a loss" if high < 0 else "no clear change"
-            changes.append(f"{label} {stages[stage][name]['pass@1']:.3f} ({gain:+.3f} [{low:+.3f}, {high:+.3f}], {verdict})")
-        sentences.append(f"`{name}` from {start['pass@1']:.3f} at the SFT start: " + "; ".join(changes) + ".")
-    return " ".join(sentences)
+def _last_checkpoint(run_dir: Path, steps: int) -> str:
+    """The model directory a stage of `steps` steps saved at its last step."""
+    return str(run_dir / "checkpoints" / f"step-{steps:06d}" / "model")
 
 
-def _curve(path: Path, series: list[tuple[str, list[dict]]], title: str, key: str | None = None) -> None:
-    """One figure of `key` (or each series' label as its key) against step, one line per series."""
-    figure, axis = plt.subplots(figsize=(5.5, 3.2))
-    drawn = False
-    for label, rows in series:
-        points = [(r["step"], r[key or label]) for r in rows if r.get(key or label) is not None]
-        if points:
-            axis.plot(*zip(*points), marker="o" if len(points) < 25 else None, label=label if key else None)
-            drawn = True
-    if drawn:
-        axis.set_xlabel("step")
-        axis.set_title(title)
-        axis.grid(alpha=0.3)
-        if key:
-            axis.legend(fontsize=8)
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
-def summarise(link: dict[str, Any], limit: int = 6) -> str:
-    """A few key settings of one link, for the side-by-side table."""
-    keep = [(k, v) for k, v in link.items() if not isinstance(v, (dict, list))][:limit]
-    return "<br>".join(f"{k}: {v}" for k, v in keep).replace("|", "/")
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], name: str):
+    """timings[name]: the wall seconds of the block."""
+    clock = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - clock
