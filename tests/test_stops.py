@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from posttrain.config import build_config
 from posttrain.errors import UserError
@@ -199,11 +200,13 @@ def test_config_changes_lists_only_unsafe_fields():
 
 def test_cli_resume_with_changed_flags_needs_resume_changed_config(tmp_path, capsys):
     """`posttrain grpo --resume DIR --optim.lr X`: one line naming the dotted keys; with
-    --resume-changed-config the run continues and its card lists the change."""
+    --resume-changed-config the run continues and its card lists the change, the section's other
+    keys kept as the run had them (they once fell back to their defaults: the flag replaced the
+    whole saved section)."""
     from posttrain.cli import main
 
     out = tmp_path / "run"
-    assert main(["grpo", "--model", "tiny", "--output-dir", str(out), "--max-steps", "1", "--data.prompts_per_step", "2",
+    assert main(["grpo", "--model", "tiny", "--output-dir", str(out), "--max-steps", "1", "--optim.warmup_steps", "3", "--data.prompts_per_step", "2",
                  "--data.group_size", "2", "--data.eval_size", "4", "--sampling.max_new_tokens", "4", "--acceptance.sets", "[]"]) == 0
     capsys.readouterr()
     assert main(["grpo", "--resume", str(out), "--max-steps", "2", "--optim.lr", "0.5"]) == 2
@@ -211,4 +214,6 @@ def test_cli_resume_with_changed_flags_needs_resume_changed_config(tmp_path, cap
     assert main(["grpo", "--resume", str(out), "--max-steps", "2", "--optim.lr", "0.5", "--resume-changed-config"]) == 0
     card = json.loads((out / "run_card.json").read_text())
     assert card["run"]["resumed_with_changes"] == ["optim.lr: 1e-05 -> 0.5"]
+    resumed = yaml.safe_load((out / "config.yaml").read_text())["optim"]
+    assert resumed["warmup_steps"] == 3 and resumed["lr"] == 0.5
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]

@@ -28,7 +28,7 @@ def resolve_config(config_cls, args: argparse.Namespace):
     unless `--resume-changed-config` is given: then any `--key value` applies, and the recipe
     records the changes that alter the data order or the loss in the run card (`runs/faults.py`).
     """
-    from posttrain.config import build_config, load_yaml, parse_overrides  # here: posttrain.config imports torch (hardware)
+    from posttrain.config import build_config, parse_overrides  # here: posttrain.config imports torch (hardware)
 
     overrides = parse_overrides(list(getattr(args, "overrides", []) or []))
     for flag in ("output_dir", "max_steps", "seed"):
@@ -44,8 +44,8 @@ def resolve_config(config_cls, args: argparse.Namespace):
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"{run_dir}: not a run directory (no config.yaml) - nothing to resume")
-        saved = load_yaml(run_dir / "config.yaml")
-        return build_config(config_cls, None, {**saved, **overrides, "output_dir": str(run_dir)})
+        # The run's own config.yaml as the file, the flags over it key by key (a section's other keys stay).
+        return build_config(config_cls, run_dir / "config.yaml", {**overrides, "output_dir": str(run_dir)})
     return build_config(config_cls, args.config, overrides)
 
 
