@@ -2,9 +2,10 @@
 
 Same pipeline and seed as `make demo` (same held-out split of 500 problems, same SFT start), with
 fewer GRPO/DPO steps; the GRPO gain must still be significant (its 95% interval above zero).
-About 5-8 minutes on this 2-core machine (600 SFT steps since 2026-12-02: the 400-step start fell
-before the SFT run's rounding-sensitive transition on the Intel VM, and RPO then lost): the longest
-test of the default suite, kept in it because it is the product's main claim."""
+About 5-8 minutes on this 2-core machine: the longest test of the default suite, kept in it because
+it is the product's main claim. SFT stops at the first 100-step round whose held-out pass@1 reaches
+0.5: where its rounding-sensitive transition falls moves with the processor (a fixed 400 steps gave
+0.38 on an Intel VM, a fixed 600 gave 0.97 on an AMD one, where DPO then had no room to gain)."""
 
 import json
 

@@ -1,6 +1,9 @@
 """`posttrain demo` (what `make demo` runs): the whole product on the built-in tiny model, for real.
 
-1. SFT trains the tiny model from scratch on 2-digit addition, just to partial competence.
+1. SFT trains the tiny model from scratch on 2-digit addition, just to partial competence: in
+   rounds of `sft_round` steps, stopping at the first whose held-out pass@1 reaches `sft_target`
+   (where that happens moves with the processor's float rounding: a fixed step count left one
+   machine at 0.38 and another at 0.97, with nothing for the later stages to show).
 2. Baseline acceptance: held-out accuracy with the independent checker.
 3. GRPO from that start, rewarded by a program (RLVR).
 4. `pairs` from the SFT model (verifier-labelled) and DPO on them, from the same start, with a
@@ -37,6 +40,7 @@ from posttrain.models import load_model
 from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, sft
 from posttrain.recipes.demo_report import DemoResult, write_report
 from posttrain.rewards import get_verifier
+from posttrain.runs import read_jsonl
 
 
 PRESETS = Path(__file__).resolve().parents[2] / "presets"
@@ -59,7 +63,14 @@ class Config:
     """Held-out problems, never trained on, scored by the `integer` checker (written apart from the
     `exact` training reward and labeller: posttrain/rewards/checkers.py)."""
     sft_steps: int = 600
-    """SFT steps (presets/tiny-sft.yaml): enough for partial competence (some groups right, some wrong)."""
+    """The most SFT steps (presets/tiny-sft.yaml); SFT stops earlier at partial competence (`sft_target`)."""
+    sft_round: int = 100
+    """SFT runs in rounds of this many steps (each a resume of the one run: the same trajectory, its
+    schedule being constant after warm-up), evaluated on the held-out split after each."""
+    sft_target: float = 0.5
+    """SFT stops after the first round whose held-out pass@1 reaches this: partial competence, some
+    groups right and some wrong, room for GRPO and DPO to gain. Chosen on the held-out split the
+    stages are compared on, the start's own score is if anything flattered, so gains are understated."""
     grpo_steps: int = 50
     """GRPO steps (presets/tiny-grpo.yaml), and DPO steps."""
     samples_shown: int = 6
@@ -68,9 +79,16 @@ class Config:
     """torch intra-op threads. 1 for the tiny model: two OpenMP threads per process slow a tiny
     forward many times over as soon as anything else (a verifier worker, another job) wants a core."""
     sft_run: str | None = None
-    """Reuse this finished SFT run directory (its step-<sft_steps> checkpoint) instead of training one."""
+    """Reuse this finished SFT run directory (its newest checkpoint) instead of training one."""
     max_steps: int | None = None
     """Unused (the stages have their own step counts); accepted for the common flags."""
+
+    def validate(self) -> None:
+        for name in ("eval_size", "sft_steps", "sft_round", "grpo_steps"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.sft_target <= 1:
+            raise UserError(f"sft_target is a held-out pass@1, in [0, 1]; got {self.sft_target}")
 
 
 @dataclass(frozen=True)
@@ -119,13 +137,12 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     timings: dict[str, float] = {}
     held_out_size = {"data": {"eval_size": config.eval_size}}
 
-    # 1. SFT from scratch to partial competence (evaluated once, at the end).
+    # 1. SFT from scratch to partial competence (rounds, each evaluated at its end).
     with _timed(timings, "sft"):
         sft_config = stage_config(SFT, config, {}, held_out_size)
-        run_dirs = {"sft": Path(config.sft_run) if config.sft_run else sft.run(sft_config)}
-        starts = {"sft": _last_checkpoint(run_dirs["sft"], config.sft_steps)}
-        if not Path(starts["sft"]).is_dir():
-            raise UserError(f"{starts['sft']}: no SFT checkpoint at step {config.sft_steps}")
+        run_dirs = {"sft": Path(config.sft_run) if config.sft_run else train_sft(config, held_out_size)}
+        sft_steps = _newest_step(run_dirs["sft"])
+        starts = {"sft": _last_checkpoint(run_dirs["sft"], sft_steps)}
     data, budget = sft_config.data, sft_config.acceptance.max_new_tokens
 
     # 2. Baseline acceptance on the held-out sets every stage shares.
@@ -158,11 +175,26 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     # 6. Report: summary.json, report.md, plots.
     checked = independence(get_verifier(provenance["verifier"]), _checker(None, sets[IN_DISTRIBUTION]))
     write_report(DemoResult(
-        out=out, seed=config.seed, sft_steps=config.sft_steps, grpo_steps=config.grpo_steps,
+        out=out, seed=config.seed, sft_steps=sft_steps, sft_target=config.sft_target, grpo_steps=config.grpo_steps,
         samples_per_step=grpo_config.data.prompts_per_step * grpo_config.data.group_size, samples_shown=config.samples_shown,
         results=results, run_dirs=run_dirs, provenance=provenance, independence=checked, timings=timings,
         seconds=time.perf_counter() - started))
     return out
+
+
+def train_sft(config: Config, held_out_size: dict[str, Any]) -> Path:
+    """SFT from scratch in rounds of `sft_round` steps, each a resume of the one run (checkpointed
+    and evaluated at its end), until held-out pass@1 reaches `sft_target` or `sft_steps` are done;
+    returns the run directory (its newest checkpoint is the start)."""
+    steps = 0
+    while steps < config.sft_steps:
+        steps = min(steps + config.sft_round, config.sft_steps)
+        round_config = stage_config(SFT, config, {}, held_out_size, {"max_steps": steps, "checkpoint_every": config.sft_round})
+        run_dir = sft.run(round_config, resume=steps > config.sft_round)
+        reading = [row for row in read_jsonl(run_dir / "metrics.jsonl") if row["step"] == steps and "heldout/pass@1" in row]
+        if reading and reading[-1]["heldout/pass@1"] is not None and reading[-1]["heldout/pass@1"] >= config.sft_target:
+            break
+    return run_dir
 
 
 def stage_config(stage: Stage, config: Config, starts: dict[str, str], *overrides: dict[str, Any]) -> Any:
@@ -212,6 +244,14 @@ def _fresh_directory(out: Path) -> Path:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     return out
+
+
+def _newest_step(run_dir: Path) -> int:
+    """The step of the newest checkpoint in a run directory (one line when there is none)."""
+    steps = sorted(int(path.name.removeprefix("step-")) for path in (run_dir / "checkpoints").glob("step-*") if (path / "model").is_dir())
+    if not steps:
+        raise UserError(f"{run_dir}: no SFT checkpoint with a model (checkpoints/step-N/model)")
+    return steps[-1]
 
 
 def _last_checkpoint(run_dir: Path, steps: int) -> str:

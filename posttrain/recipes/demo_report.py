@@ -40,6 +40,8 @@ class DemoResult:
     """The demo directory: the stages' runs, eval_<stage>[_<set>].json; the report goes there."""
     seed: int
     sft_steps: int
+    """The SFT start's steps: the first round whose held-out pass@1 reached `sft_target` (or the most)."""
+    sft_target: float
     grpo_steps: int
     """GRPO's steps, and each DPO run's."""
     samples_per_step: int
@@ -158,7 +160,9 @@ def _introduction(result: DemoResult) -> list[str]:
         + ", ".join(f"`{name}`" for name in names[1:]) + " (one more digit; the same sums asked in words; the same sums asked as a question, `What is a+b?`). "
         f"Checker: `integer` (the `<answer>` element read by an HTML parser, `int()` of its text); independent of the "
         f"`{result.provenance['verifier']}` training reward and labeller: {str(independent).lower()} ({why}). "
-        f"One seed ({result.seed}); {result.seconds:.0f} s in all on this machine.", "",
+        f"One seed ({result.seed}); {result.seconds:.0f} s in all on this machine. The SFT start is the first "
+        f"round of SFT whose held-out pass@1 reached {result.sft_target:g} (step {result.sft_steps}, or the last round): "
+        "partial competence, chosen on the same held-out split, so its own score is if anything flattered and the gains understated.", "",
     ]
 
 
