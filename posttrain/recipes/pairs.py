@@ -129,15 +129,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
             texts, group = rollout.texts[b * G : (b + 1) * G], verdicts[b * G : (b + 1) * G]
             pairs, outcome = pair_up(texts, group, settings.correct_threshold, settings.pairs_per_prompt)
             outcomes[outcome] += 1
-            for number, (chosen, rejected) in enumerate(pairs):
-                rows.append({
-                    "id": f"{example.id}/{number}", "prompt": example.prompt_input,
-                    "chosen": texts[chosen], "rejected": texts[rejected],
-                    "metadata": {
-                        "example": example.id, "chosen_reward": group[chosen].reward, "rejected_reward": group[rejected].reward,
-                        "rejected_reason": group[rejected].reason, "labelled_by": verifier.name, "sampled_from": settings.model,
-                    },
-                })
+            rows += pair_rows(example, texts, group, pairs, {"labelled_by": verifier.name, "sampled_from": settings.model})
     if not rows:
         raise UserError(
             f"no pairs: of {len(examples)} prompts, {outcomes['all_correct']} had only correct answers, "
@@ -157,6 +149,16 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     }
     write_with_provenance(settings.out, rows, provenance)
     return provenance
+
+
+def pair_rows(example, texts: list[str], verdicts: list, pairs: list[tuple[int, int]], origin: dict[str, str]) -> list[dict]:
+    """The pairs file's rows of one prompt's `pairs` (indices into its G `texts` and `verdicts`):
+    id, prompt, chosen, rejected, and metadata naming the rewards, the rejected answer's reason and
+    `origin` (who labelled, which model sampled)."""
+    return [{"id": f"{example.id}/{number}", "prompt": example.prompt_input, "chosen": texts[chosen], "rejected": texts[rejected],
+             "metadata": {"example": example.id, "chosen_reward": verdicts[chosen].reward, "rejected_reward": verdicts[rejected].reward,
+                          "rejected_reason": verdicts[rejected].reason, **origin}}
+            for number, (chosen, rejected) in enumerate(pairs)]
 
 
 def _version() -> str:

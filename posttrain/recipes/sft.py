@@ -195,13 +195,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
     placement, world = start(config)
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
-    data = load_data(config.data, config.seed, tokenizer)
-    if data.task is not None:
-        data = dataclasses.replace(data, checker=heldout_checker(config.acceptance.checker, data.task, config.reward_options, config.unsafe_no_sandbox,
-                                                           placement=placement, world=world),
-                                   shifted=shifted_sets(config.acceptance.sets, Task(config.data.task, "train", data.train, data.task.reward_kind),
-                                                        config.data.task, config.data.task_options, config.seed, config.data.eval_size,
-                                                        config.reward_options, config.unsafe_no_sandbox))
+    data = with_acceptance(load_data(config.data, config.seed, tokenizer), config, placement, world)
     warn_if_unsafe(config.unsafe_no_sandbox)
     run_dir, config, changes = open_run("sft", config, world, resume, resume_changed_config)
 
@@ -212,9 +206,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     start_step = restore_training(run_dir, model, optimizer, scheduler, world=world)["step"] if resume else 0
     card = make_card(config, data)
     card_run_part(card, config, placement, world, changes)
-
     write_card = card_writer(run_dir, card, world)
-
     write_card()
     model.train()
     with closing(run_dir, write_card), StepLoop("sft", run_dir, world, start_step, config.max_steps, config.checkpoint_every,
@@ -249,6 +241,19 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     del trainer, models  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
+
+
+def with_acceptance(data: SFTData, config: Config, placement, world) -> SFTData:
+    """`data` with its held-out checker and shifted sets (a task's gold answers only: SFT rows have
+    held-out NLL alone), built before the run directory exists, a bad name one line."""
+    if data.task is None:
+        return data
+    trained = Task(config.data.task, "train", data.train, data.task.reward_kind)
+    return dataclasses.replace(
+        data, checker=heldout_checker(config.acceptance.checker, data.task, config.reward_options, config.unsafe_no_sandbox,
+                                      placement=placement, world=world),
+        shifted=shifted_sets(config.acceptance.sets, trained, config.data.task, config.data.task_options, config.seed,
+                             config.data.eval_size, config.reward_options, config.unsafe_no_sandbox))
 
 
 def make_card(config: Config, data: SFTData) -> dict:
