@@ -176,5 +176,6 @@ def test_sft_cli_preset_and_resume_with_an_old_key_are_one_line_and_write_nothin
     (old_run / "config.yaml").write_text("model: tiny\nmax_steps: 2\neval_every: 0\nmax_new_tokens: 24\n")
     before = sorted(old_run.iterdir())
     assert main(["sft", "--resume", str(old_run)]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == ["posttrain: error: command line: eval_every moved to acceptance.eval_every"]
+    # The resumed run's own config.yaml is named as the source of the old key.
+    assert capsys.readouterr().err.strip().splitlines() == [f"posttrain: error: {old_run / 'config.yaml'}: eval_every moved to acceptance.eval_every"]
     assert sorted(old_run.iterdir()) == before and "eval_every: 0" in (old_run / "config.yaml").read_text()

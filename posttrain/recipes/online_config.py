@@ -12,7 +12,6 @@ from typing import ClassVar
 
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from posttrain.config import PolicyFields
-from posttrain.data.files import resolve_columns
 from posttrain.data.source import TaskSource
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
@@ -103,11 +102,7 @@ class Config(PolicyFields):
         if data.group_size < estimator.min_group_size:
             raise UserError(f"data.group_size must be at least {estimator.min_group_size}"
                             + (" (a group of one has no relative signal)" if estimator.min_group_size > 1 else "") + f", got {data.group_size}")
-        if data.format is not None or data.columns:
-            resolve_columns(data.format, data.columns)
-        for name in ("train_size", "eval_size", "prompts_per_step"):
-            if getattr(data, name) is not None and getattr(data, name) < 1:
-                raise UserError(f"data.{name} must be at least 1, got {getattr(data, name)}")
+        data.validate()  # sizes, format and columns (`data/source.TaskSource`)
         if loss.sampler_correction == "tis" and self.sampling.greedy:
             raise UserError("loss.sampler_correction tis needs sampled rollouts (sampling.greedy is true: there is no sampler distribution)")
         if data.dynamic_sampling and data.group_size < 2:
