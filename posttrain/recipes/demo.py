@@ -38,7 +38,7 @@ from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_shifts, evaluate_task, heldout_split, independence, shifted_sets
 from posttrain.models import load_model
 from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, sft
-from posttrain.recipes.demo_report import DemoResult, write_report
+from posttrain.evaluation.demo_report import DemoResult, write_report
 from posttrain.rewards import get_verifier
 from posttrain.runs import read_jsonl
 

@@ -1,6 +1,7 @@
 """The demo's report, from one record of what it measured (`DemoResult`): summary.json, and
 report.md with its plots (every stage on every held-out set, the curves, why plain DPO falls where
-RPO gains, the run cards side by side, and samples). Part of the demo recipe: only demo.py uses it.
+RPO gains, the run cards side by side, and samples): the acceptance of several runs compared with
+their common start. Only the demo (`recipes/demo.py`) writes it today.
 """
 
 from __future__ import annotations
