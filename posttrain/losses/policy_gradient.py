@@ -90,7 +90,7 @@ def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, wor
     sampler-trainer mismatch)."""
     update, mask = settings.update, batch.mask
     N, T = batch.rollout.completion_ids.shape
-    inputs, P = batch.rollout.forward_inputs(), batch.rollout.prompt_ids.shape[1]
+    inputs = batch.rollout.forward_inputs()
     surrogate = SURROGATES[settings.loss.surrogate]
     sums = {name: torch.zeros((), dtype=torch.float64, device=mask.device) for name in SUMMED + tuple(m for m, _ in surrogate.fractions)}
     extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64, device=mask.device)  # (min ratio, -max ratio)
@@ -103,24 +103,20 @@ def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, wor
         for mini in torch.tensor_split(order, update.mini_batches):
             if len(mini) == 0:
                 continue
-            normalisers = (mask[mini].sum(), len(mini))
+            global_tokens = mask[mini].sum()
             for rows, weight, last in rank_micro_batches(mini, batch.owners, world, update.micro_batch_size):
-                micro_mask = mask[rows] & bool(weight)
+                micro = _Micro(rows, mask[rows] & bool(weight), global_tokens, len(mini))
                 with gradient_sync(models.policy.trainer, last):
-                    loss, logprobs, logits, parts = _micro_loss(models.policy.trainer, batch, (inputs, P, T), rows, micro_mask,
-                                                                (settings, normalisers))
+                    result = _micro_loss(models.policy.trainer, batch, inputs, micro, settings)
                     # DDP and FSDP2 average gradients over ranks; the loss is a share of a global sum.
-                    # With a critic every parameter is in the graph each backward (DDP waits for all).
-                    in_graph = 0.0 * logits.sum() if models.has_critic else 0.0
-                    (loss * (weight * world.size) + in_graph).backward()
-                stats = parts.pop("_stats")
-                for name, value in parts.items():
+                    (result.loss * (weight * world.size) + result.anchor).backward()
+                for name, value in result.sums.items():
                     sums[name] += weight * value / scale if name == "value_loss" else value
-                sums["loss"] += weight * loss.detach().double() / scale
-                sums["tokens"] += micro_mask.sum().double()
-                extremes = _add_token_stats(sums, extremes, (stats, surrogate.fractions), logits, micro_mask, settings.temperature)
+                sums["loss"] += weight * result.loss.detach().double() / scale
+                sums["tokens"] += micro.mask.sum().double()
+                extremes = _add_token_stats(sums, extremes, result, micro, settings)  # after backward: its activations are freed
                 if epoch == 0 and weight:  # every row is in exactly one micro-batch of an epoch
-                    first_logprobs[rows] = logprobs.detach()
+                    first_logprobs[rows] = result.logprobs.detach()
             grad_norms.append(_optimizer_step(models.policy, settings.critic_only))
     present = {"kl"} if batch.ref_logprobs is not None else set()
     present |= {"critic"} if models.has_critic else set()
@@ -131,48 +127,73 @@ def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, wor
     return metrics, world.reduce(first_logprobs.masked_fill(~mask, 0.0))
 
 
-def _micro_loss(trainer, batch: UpdateBatch, shape: tuple, rows: torch.Tensor, micro_mask: torch.Tensor, context: tuple):
-    """One micro-batch's forward and loss: (loss, (n, T) log-probs, (n, T, V) logits, the detached
-    per-micro-batch sums it adds, with the surrogate's per-token statistics under "_stats")."""
-    (inputs, P, T), (settings, (global_tokens, global_sequences)) = shape, context
-    loss_cfg, critic_cfg, max_length = settings.loss, settings.critic, settings.max_length
+@dataclass(frozen=True)
+class _Micro:
+    """One micro-batch of a mini-batch: its rows, their tokens that reach the loss (none for a
+    zero-weight stand-in), and the mini-batch's global token and sequence counts."""
+
+    rows: torch.Tensor
+    mask: torch.Tensor
+    global_tokens: torch.Tensor
+    global_sequences: int
+
+
+@dataclass
+class _MicroLoss:
+    """A micro-batch's forward: its loss, the zero term that keeps every parameter in the graph
+    (with a critic DDP waits for all of them), its (n, T) log-probs and (n, T, V) logits, the
+    surrogate's per-token statistics, and its detached float64 sums over the counted tokens."""
+
+    loss: torch.Tensor
+    anchor: Any
+    logprobs: torch.Tensor
+    logits: torch.Tensor
+    stats: dict[str, torch.Tensor]
+    sums: dict[str, torch.Tensor]
+
+
+def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], micro: _Micro, settings: UpdateSettings) -> _MicroLoss:
+    """One micro-batch's forward and loss: the surrogate (with TIS weights and the KL in the loss
+    when configured), aggregated with the mini-batch's normalisers, plus the critic's value loss."""
+    loss_cfg, critic_cfg, rows, mask = settings.loss, settings.critic, micro.rows, micro.mask
+    P, T = batch.rollout.prompt_ids.shape[1], batch.rollout.completion_ids.shape[1]
     logits, values = trainer(inputs, rows, P, T, detach_hidden=settings.critic_only)
     logprobs = token_logprobs(logits, batch.rollout.completion_ids[rows], settings.temperature)
     old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
     per_token, stats = SURROGATES[loss_cfg.surrogate].function(logprobs, old, batch.advantages[rows], **loss_cfg.surrogate_settings())
-    parts: dict[str, Any] = {"_stats": stats}
+    sums: dict[str, torch.Tensor] = {}
     if loss_cfg.sampler_correction == "tis":  # truncated importance sampling: the sampler drew these tokens, not the trainer's policy
         weights = truncated_importance_weights(old, batch.rollout.sampler_logprobs[rows], loss_cfg.sampler_correction_cap)
         per_token = per_token * weights
-        parts["tis/weight"] = (weights * micro_mask).sum().double()
-        parts["tis/capped"] = ((weights >= loss_cfg.sampler_correction_cap) & micro_mask).sum().double()
+        sums["tis/weight"] = (weights * mask).sum().double()
+        sums["tis/capped"] = ((weights >= loss_cfg.sampler_correction_cap) & mask).sum().double()
     if batch.ref_logprobs is not None:
         kl = kl_estimate(logprobs, batch.ref_logprobs[rows], loss_cfg.kl.estimator)
         if loss_cfg.kl.placement == "loss":
             per_token = per_token + loss_cfg.kl.beta * kl
-        parts["kl"] = (kl.detach() * micro_mask).sum().double()
-    loss = aggregate(per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
+        sums["kl"] = (kl.detach() * mask).sum().double()
+    normalisers = (micro.global_tokens, micro.global_sequences)
+    loss = aggregate(per_token, mask, loss_cfg.aggregation, *normalisers, max_length=settings.max_length)
     if values is not None:
         value_per_token, value_clipped = clipped_value_loss(values, batch.old_values[rows], batch.returns[rows], critic_cfg.value_clip)
-        value_loss = aggregate(value_per_token, micro_mask, loss_cfg.aggregation, global_tokens, global_sequences, max_length=max_length)
+        value_loss = aggregate(value_per_token, mask, loss_cfg.aggregation, *normalisers, max_length=settings.max_length)
         loss = critic_cfg.value_coef * value_loss if settings.critic_only else critic_cfg.value_coef * value_loss + loss
-        parts["value_loss"] = value_loss.detach().double()
-        parts["clip/value"] = (value_clipped.float() * micro_mask).sum().double()
-    return loss, logprobs, logits, parts
+        sums["value_loss"] = value_loss.detach().double()
+        sums["clip/value"] = (value_clipped.float() * mask).sum().double()
+    anchor = 0.0 * logits.sum() if values is not None else 0.0
+    return _MicroLoss(loss, anchor, logprobs, logits, stats, sums)
 
 
-def _add_token_stats(sums: dict, extremes: torch.Tensor, stats: tuple, logits: torch.Tensor, micro_mask: torch.Tensor,
-                     temperature: float) -> torch.Tensor:
-    """Add a micro-batch's surrogate fractions (`stats`: the surrogate's statistics and its
-    (metric, key) fractions), ratios and entropy to `sums`; returns the updated (min ratio,
-    -max ratio) over its counted tokens."""
-    stats, fractions = stats
-    for name, key in (*fractions, ("ratio", "ratio")):
-        sums[name] += (stats[key].float() * micro_mask).sum().double()
-    sums["entropy"] += (token_entropy(logits, temperature) * micro_mask).sum().double()
+def _add_token_stats(sums: dict, extremes: torch.Tensor, result: _MicroLoss, micro: _Micro, settings: UpdateSettings) -> torch.Tensor:
+    """Add a micro-batch's surrogate fractions (`Surrogate.fractions`), ratios and entropy to
+    `sums`; returns the updated (min ratio, -max ratio) over its counted tokens."""
+    stats, mask = result.stats, micro.mask
+    for name, key in (*SURROGATES[settings.loss.surrogate].fractions, ("ratio", "ratio")):
+        sums[name] += (stats[key].float() * mask).sum().double()
+    sums["entropy"] += (token_entropy(result.logits, settings.temperature) * mask).sum().double()
     ratios = stats["ratio"].double()
-    low = ratios.masked_fill(~micro_mask, float("inf")).min()
-    high = ratios.masked_fill(~micro_mask, float("-inf")).max()
+    low = ratios.masked_fill(~mask, float("inf")).min()
+    high = ratios.masked_fill(~mask, float("-inf")).max()
     return torch.minimum(extremes, torch.stack([low, -high]))
 
 
