@@ -210,6 +210,24 @@ def parse_overrides(arguments: list[str]) -> dict[str, Any]:
     return _nest(dotted)
 
 
+def nest_flags(overrides: dict[str, Any], flags: dict[str, str]) -> dict[str, Any]:
+    """`overrides` (nested, from `parse_overrides`) with each top-level short flag of `flags`
+    moved to its dotted key: {"task": "x"} -> {"data": {"task": "x"}}. A key given both ways is one
+    UserError line."""
+    result = {key: value for key, value in overrides.items() if key not in flags}
+    for short, dotted in flags.items():
+        if short not in overrides:
+            continue
+        *parents, leaf = dotted.split(".")
+        node = result
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        if leaf in node:
+            raise UserError(f"--{short.replace('_', '-')} and --{dotted} set the same key; give one")
+        node[leaf] = overrides[short]
+    return result
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping; a missing file or bad YAML is a one-line `UserError`."""
     path = Path(path)

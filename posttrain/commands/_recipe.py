@@ -86,14 +86,19 @@ def config_command(subparsers, name: str, module: str, help_text: str, config: s
 
 def fields_epilog(settings) -> str:
     """The --help epilog of a config command: every field of `settings` (a config class or a
-    defaults function), its docstring and its default."""
+    defaults function), its docstring and its default, and its short flags (a `FLAGS` table)."""
     from posttrain.config import describe_fields  # here: posttrain.config imports torch (hardware)
 
     fields = describe_fields(settings)
     width = max(len(key) for key, _, _ in fields)
-    return "config fields (as --key value, or in the YAML file):\n" + "\n".join(
+    text = "config fields (as --key value, or in the YAML file):\n" + "\n".join(
         f"  {key:<{width}}  {doc} [default {default}]" for key, default, doc in fields
     )
+    flags = getattr(settings, "FLAGS", {})  # short flags: `posttrain eval --task X` sets data.task
+    if flags:
+        text += "\n\nshort flags (each sets the key after it):\n" + "\n".join(
+            f"  {'--' + short.replace('_', '-'):<{width}}  --{key}" for short, key in flags.items())
+    return text
 
 
 @dataclass(frozen=True)
