@@ -296,7 +296,9 @@ def to_dict(config) -> dict[str, Any]:
 
 
 def save_yaml(config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False), encoding="utf-8")
+    from posttrain.atomic import write_text_atomically
+
+    write_text_atomically(path, yaml.safe_dump(to_dict(config), sort_keys=False))
 
 
 def describe_fields(cls, prefix: str = "") -> list[tuple[str, str, str]]:

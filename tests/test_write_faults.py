@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.data.provenance import write_atomically
+from posttrain.atomic import write_atomically
 from posttrain.errors import WriteFailed, format_bytes, write_errno, write_failed
 from posttrain.runs import (
     RunDirectory, latest_checkpoint, load_trainer_state, plot_metrics, read_jsonl, verify_checkpoint, write_step_checkpoint,
@@ -299,7 +299,7 @@ def test_a_plot_that_cannot_be_written_leaves_the_previous_one(tmp_path):
 
 TORCH_SAVE_PAST_THE_LIMIT = """
 import sys, torch
-from posttrain.data.provenance import write_atomically
+from posttrain.atomic import write_atomically
 from posttrain.errors import WriteFailed
 try:
     write_atomically(sys.argv[1], lambda handle: torch.save({"train": torch.zeros(100_000, 2)}, handle))

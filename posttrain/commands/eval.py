@@ -25,6 +25,7 @@ SETTINGS = "posttrain.evaluation.settings"
 
 
 def handle(args) -> int:
+    from posttrain.atomic import write_text_atomically
     from posttrain.config import build_config, nest_flags, parse_overrides
     from posttrain.evaluation.acceptance import default_checker, evaluate_task, heldout_split
     from posttrain.evaluation.settings import EvalConfig
@@ -61,7 +62,7 @@ def handle(args) -> int:
         )
     summary["hardware"] = placement.describe()
     summary["unsafe_no_sandbox"] = config.unsafe_no_sandbox
-    (output_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "correct"}, indent=1) + "\n")
+    write_text_atomically(output_dir / "summary.json", json.dumps({k: v for k, v in summary.items() if k != "correct"}, indent=1) + "\n")
     low, high = summary["pass@1_ci95"]
     if config.unsafe_no_sandbox:
         print("UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (--unsafe-no-sandbox)")

@@ -11,7 +11,6 @@ Agreement is agreed / (agreed + disagreed), with a 95% Wilson interval (docs/met
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,11 @@ def _read_json(path: Path, what: str) -> Any:
 
 
 def _write(files: dict[Path, str]) -> None:
-    """Write every file through a temporary name and a rename, only once all texts are built."""
+    """Write every file atomically (`atomic.write_text_atomically`), only once all texts are built."""
+    from posttrain.atomic import write_text_atomically
+
     for path, text in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(text)
-        os.replace(temporary, path)
+        write_text_atomically(path, text)
 
 
 def _dumps(value: Any) -> str:

@@ -105,7 +105,7 @@ def handle(args) -> int:
     if args.output is None:
         sys.stdout.writelines(lines)
     else:
-        from posttrain.data.provenance import write_text_atomically  # here: the CLI starts without torch
+        from posttrain.atomic import write_text_atomically  # here: the CLI starts without torch
 
         write_text_atomically(args.output, "".join(lines))
     statuses = Counter(v.status for v in verdicts)

@@ -16,9 +16,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from posttrain.atomic import write_text_atomically  # noqa: E402
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION  # noqa: E402
 from posttrain.evaluation.stats import paired_difference_ci  # noqa: E402
 from posttrain.runs import read_jsonl  # noqa: E402
+from posttrain.runs.plots import save_figure  # noqa: E402
 
 LABELS = {"sft": "SFT start", "grpo": "after GRPO", "dpo": "after DPO (RPO)", "dpo_plain": "plain DPO"}
 """The demo's stages in report order, with their labels in the held-out figure."""
@@ -69,13 +71,13 @@ class DemoResult:
 
 def write_report(result: DemoResult) -> None:
     """summary.json, then report.md and its plots."""
-    (result.out / "summary.json").write_text(json.dumps(summary(result), indent=1) + "\n")
+    write_text_atomically(result.out / "summary.json", json.dumps(summary(result), indent=1) + "\n")
     rows = {stage: read_jsonl(result.run_dirs[stage] / "metrics.jsonl") for stage in TRAINED}
     cards = {name: json.loads((path / "run_card.json").read_text()) for name, path in result.run_dirs.items()}
     _plot(result, rows)
     lines = (_introduction(result) + _stage_table(result, rows) + _reading(result, rows, cards["dpo_plain"].get("alarms") or [])
              + FIGURES + _links(result, cards) + _samples(result))
-    (result.out / "report.md").write_text("\n".join(lines) + "\n")
+    write_text_atomically(result.out / "report.md", "\n".join(lines) + "\n")
 
 
 def summary(result: DemoResult) -> dict[str, Any]:
@@ -125,9 +127,7 @@ def _heldout_bars(path: Path, results: dict[str, dict[str, dict[str, Any]]]) -> 
     axis.set_ylim(0, 1)
     axis.set_title("Held-out accuracy per set, 95% Wilson intervals")
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def _curve(path: Path, series: list[tuple[str, list[dict]]], title: str, key: str | None = None) -> None:
@@ -145,9 +145,9 @@ def _curve(path: Path, series: list[tuple[str, list[dict]]], title: str, key: st
         axis.grid(alpha=0.3)
         if key:
             axis.legend(fontsize=8)
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-    plt.close(figure)
+        save_figure(figure, path)
+    else:
+        plt.close(figure)
 
 
 def _introduction(result: DemoResult) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import torch
 
 from posttrain.data import PreferenceBatch, PreferencePair, position_ids_from_attention_mask
-from posttrain.data.provenance import write_atomically
+from posttrain.atomic import write_atomically
 from posttrain.distributed import World, full_weights
 from posttrain.errors import UserError
 from posttrain.models.adapters import ReferenceModel

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from posttrain.data.provenance import write_text_atomically
+from posttrain.atomic import write_text_atomically
 
 LINKS = ("data", "reward", "loss", "acceptance")
 QUESTIONS = {

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import yaml
 
+from posttrain.atomic import write_text_atomically
 from posttrain.distributed import World
 from posttrain.errors import UserError, write_failed
 from posttrain.runs.trackers import make_trackers
@@ -128,7 +129,7 @@ class RunDirectory:
             path = self.path / name
             if path.is_file():
                 kept = [line for line, row in _whole_lines(path) if row.get("step", 0) <= step]
-                _replace(path, "".join(line + "\n" for line in kept))
+                write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 def _clean(value: Any) -> Any:
@@ -163,21 +164,6 @@ def _append(path: Path, *rows: dict[str, Any]) -> None:
         raise write_failed(error, path) from error
     finally:
         os.close(descriptor)
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically: a temporary file beside it, fsynced, then renamed over it."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with temporary.open("w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
-        raise write_failed(error, path) from error
 
 
 def _whole_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from posttrain.errors import write_failed  # noqa: E402
+from posttrain.atomic import write_atomically  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +28,7 @@ def plot_metric(rows: Sequence[dict[str, Any]], key: str, path: str | Path, titl
     axis.set_ylabel(key)
     axis.set_title(title or key)
     axis.grid(alpha=0.3)
-    _save(figure, path)
+    save_figure(figure, path)
     return True
 
 
@@ -69,24 +67,17 @@ def plot_sets(rows: Sequence[dict[str, Any]], names: Sequence[str], path: str | 
         axis.set_ylim(-0.02, 1.02)
         axis.grid(alpha=0.3)
         axis.legend()
-        _save(figure, path)
+        save_figure(figure, path)
     else:
         plt.close(figure)
     return drawn
 
 
-def _save(figure, path: str | Path) -> None:
-    """Write and close `figure` through a temporary file: a failed write leaves the previous PNG as it
-    was, no partial one, and is a one-line error."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # the suffix names the format
+def save_figure(figure, path: str | Path) -> None:
+    """Lay out, write (PNG, `atomic.write_atomically`: a failed write leaves the previous PNG as it
+    was, no partial one, and is a one-line error) and close `figure`."""
     try:
         figure.tight_layout()
-        figure.savefig(temporary, dpi=100)
-        os.replace(temporary, path)
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
-        raise write_failed(error, path) from error
+        write_atomically(path, lambda stream: figure.savefig(stream, format="png", dpi=100))
     finally:
         plt.close(figure)
