@@ -20,20 +20,31 @@ add_generation_prompt=True)`, trailing whitespace excluded, and a token counts w
 character lies in a span (a fast tokenizer's offsets). A template whose rendering of a prefix of the
 conversation is not a prefix of the whole rendering (templates that rewrite earlier turns) is
 refused with one line.
+
+The SFT data link itself lives here too: `Data`, the run's data section (a `TaskSource`), and
+`load_data(data, seed, tokenizer) -> SFTData`, a task's gold answers or a file's SFT rows, split and
+ready to encode (`posttrain.recipes.sft` runs it).
 """
 
 from __future__ import annotations
 
+import random
 from array import array
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, ClassVar
+
 import torch
 
-from posttrain.data.files import RowTable, RowView, check_columns, map_row, read_rows, resolve_columns
+from posttrain.data.examples import Task, derived_seed
+from posttrain.data.files import RowTable, RowView, check_columns, is_data_source, map_row, read_rows, resolve_columns
+from posttrain.data.source import TaskSource
+from posttrain.data.tasks import load_splits
 from posttrain.data.tokenize import TokenizedBatch, has_chat_template, tokenize_prompt_response
 from posttrain.data.validation import ValidationReport, check_messages, check_text, type_name
 from posttrain.errors import UserError
+from posttrain.rewards import Verifier
 
 LOSS_ON = ("assistant", "completion", "all")
 
@@ -193,3 +204,94 @@ def tokenize_sft(tokenizer, rows: list[SFTRow], *, loss_on: str = "assistant", s
     return TokenizedBatch(input_ids=input_ids, attention_mask=attention_mask, mask=mask,
                           prompt_lengths=torch.tensor(first, dtype=torch.long),
                           response_lengths=mask.sum(-1), kept=list(range(len(rows))))
+
+
+@dataclass
+class Data(TaskSource):
+    """Link 1, data: the task or file to imitate, how its columns map, and the held-out split (the
+    shared `TaskSource`), with SFT's own loss mask, response template and training size."""
+
+    sizes: ClassVar[tuple[str, ...]] = ("train_size", "eval_size")
+
+    task: str = "arithmetic"
+    """Task spec: arithmetic | rg:<dataset> | a data file of prompts with answers | a data file of SFT rows (messages, or prompt + completion; docs/data.md)."""
+    loss_on: str = "assistant"
+    """SFT rows: assistant (every assistant turn; a prompt/completion row's completion) | completion (the last assistant turn) | all (every token)."""
+    response_template: str = "<answer>{answer}</answer>"
+    """How a gold answer becomes the training response."""
+    train_size: int = 20000
+    """Training examples (procedural tasks generate this many; a file's rows are capped at it)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if "{answer}" not in self.response_template:
+            raise UserError("data.response_template must contain {answer}")
+        if self.loss_on not in LOSS_ON:
+            raise UserError(f"data.loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
+
+
+@dataclass
+class SFTData:
+    """What a run imitates: a task's gold answers written into `response_template` (held-out
+    accuracy can then be measured), or a file's SFT rows (held-out NLL only). `encode` turns items
+    (Examples or SFTRows) into a `TokenizedBatch`."""
+
+    train: list
+    held_out: list
+    encode: Callable[[list], TokenizedBatch]
+    task: Task | None
+    """The held-out task of the gold-answer form (None for SFT rows)."""
+    card: dict
+    checker: Verifier | None = None
+    """The held-out checker of `task` (built once, with the run's reward_options)."""
+    shifted: list = field(default_factory=list)
+    """The shifted held-out sets (`HeldOutSet`s) beside `task`."""
+
+
+def load_data(data: Data, seed: int, tokenizer) -> SFTData:
+    """The run's data, checked before anything is written (one UserError line on bad input): a
+    file of SFT rows (`_load_rows`) or a task's gold answers (`_load_task`). `encode` of n items
+    gives an (n, L) right-padded `TokenizedBatch`."""
+    options = data.load_options()
+    if is_data_source(data.task) and is_sft_file(data.task, data.format, data.columns or None, data.split):
+        return _load_rows(data, seed, tokenizer, options)
+    return _load_task(data, seed, tokenizer, options)
+
+
+def _load_rows(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
+    """A file's SFT rows: a seeded held-out draw of eval_size rows, the next train_size for training."""
+    rows, report = load_sft_rows(data.task, data_format=data.format, columns=data.columns or None, source_split=data.split)
+    order = list(range(len(rows)))  # the rows stay in the file; shuffled as positions
+    random.Random(derived_seed(seed, "split")).shuffle(order)
+    if data.eval_size >= len(order):
+        raise UserError(f"data.task {data.task}: eval_size={data.eval_size} leaves no training rows out of {len(order)}")
+    held, train = rows.take(order[: data.eval_size]), rows.take(order[data.eval_size :][: data.train_size])
+
+    def encode(items):
+        return tokenize_sft(tokenizer, items, loss_on=data.loss_on, system_prompt=data.system_prompt)
+
+    encode([*train[:1], *held[:1]])  # a template that cannot mask fails here, before the run directory exists
+    chats = sum(row.is_chat for row in train)
+    card = {"task": data.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
+            "conversations": chats, "prompt_completion_rows": len(train) - chats, "loss_on": data.loss_on,
+            "rows_bad": report.rows_bad}
+    return SFTData(train, held, encode, None, card)
+
+
+def _load_task(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
+    """A task's examples, each gold answer written into `response_template` as the response."""
+    train, held_out = load_splits(data.task, train_size=data.train_size, eval_size=data.eval_size, seed=seed, options=options)
+    missing = [e.id for e in train.examples if e.answer is None]
+    if missing:
+        raise UserError(f"data.task {data.task}: example {missing[0]} has no answer to train on")
+    if data.loss_on == "all":
+        raise UserError("data.loss_on all applies to SFT rows (messages, prompt + completion); a task's gold answers train the response only")
+
+    def encode(examples):
+        return tokenize_prompt_response(tokenizer, [e.prompt_input for e in examples],
+                                        [data.response_template.format(answer=e.answer) for e in examples],
+                                        system_prompt=data.system_prompt)
+
+    card = {"task": data.task, "options": options, "train_examples": len(train), "heldout_examples": len(held_out),
+            "duplicates_removed": train.duplicates_removed, "response_template": data.response_template}
+    return SFTData(train.examples, held_out.examples, encode, held_out, card)

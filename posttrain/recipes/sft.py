@@ -3,7 +3,9 @@
 The four links of an SFT run: data = a task's prompts with their gold answers written as responses
 (`response_template`); reward = none (imitation); loss = token-mean NLL of the response tokens
 (prompt and padding masked out, the ending EOS included); acceptance = held-out accuracy with the
-task's checker, plus held-out NLL.
+task's checker, plus held-out NLL. This module orchestrates them: the data link lives in
+`posttrain.data.sft_data` (Data, load_data), the loss in `posttrain.losses.sft`, the held-out
+evaluation in `posttrain.evaluation.sft`; the Acceptance and Config sections are here.
 
     posttrain sft --config presets/tiny-sft.yaml --max-steps 200
 """
@@ -12,30 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 from pathlib import Path
-from typing import Callable, ClassVar
-
-import torch
+from typing import ClassVar
 
 from posttrain.config import RunFields, to_dict
-from posttrain.data import TokenizedBatch, tokenize_prompt_response
-from posttrain.data.examples import Task, derived_seed
+from posttrain.data.examples import Task
+from posttrain.data.sft_data import Data, SFTData, load_data  # the data link; sft.Data stays importable here
 from posttrain.data.stream import data_order
-from posttrain.data.tasks import load_splits
-from posttrain.distributed import Parallel, full_weights, is_sharded, wrap
+from posttrain.distributed import Parallel, full_weights, wrap
 from posttrain.errors import UserError
-from posttrain.data.files import is_data_source
-from posttrain.data.source import TaskSource
-from posttrain.data.sft_data import LOSS_ON, is_sft_file, load_sft_rows, tokenize_sft
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, evaluate_sets, heldout_checker, shifted_sets
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, heldout_checker, shifted_sets
+from posttrain.evaluation.sft import HeldoutSettings, acceptance_card, heldout_metrics
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
-from posttrain.losses.sft import sft_loss
 from posttrain.losses.sft import step as loss_step
 from posttrain.optim import Optimization, Trainable, make_optimizer
-from posttrain.rewards import Verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.plots import plot_sets
@@ -44,30 +38,6 @@ from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closin
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Data(TaskSource):
-    """Link 1, data: the task or file to imitate, how its columns map, and the held-out split (the
-    shared `TaskSource`), with SFT's own loss mask, response template and training size."""
-
-    sizes: ClassVar[tuple[str, ...]] = ("train_size", "eval_size")
-
-    task: str = "arithmetic"
-    """Task spec: arithmetic | rg:<dataset> | a data file of prompts with answers | a data file of SFT rows (messages, or prompt + completion; docs/data.md)."""
-    loss_on: str = "assistant"
-    """SFT rows: assistant (every assistant turn; a prompt/completion row's completion) | completion (the last assistant turn) | all (every token)."""
-    response_template: str = "<answer>{answer}</answer>"
-    """How a gold answer becomes the training response."""
-    train_size: int = 20000
-    """Training examples (procedural tasks generate this many; a file's rows are capped at it)."""
-
-    def validate(self) -> None:
-        super().validate()
-        if "{answer}" not in self.response_template:
-            raise UserError("data.response_template must contain {answer}")
-        if self.loss_on not in LOSS_ON:
-            raise UserError(f"data.loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
 
 
 @dataclasses.dataclass
@@ -126,61 +96,6 @@ class Config(RunFields):
         self.acceptance.validate()
         if self.batch_size % self.micro_batch_size:
             raise UserError(f"batch_size {self.batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
-
-
-@dataclasses.dataclass
-class SFTData:
-    """What a run imitates: a task's gold answers written into `response_template` (held-out
-    accuracy can then be measured), or a file's SFT rows (held-out NLL only). `encode` turns items
-    (Examples or SFTRows) into a `TokenizedBatch`."""
-
-    train: list
-    held_out: list
-    encode: Callable[[list], TokenizedBatch]
-    task: Task | None
-    """The held-out task of the gold-answer form (None for SFT rows)."""
-    card: dict
-    checker: Verifier | None = None
-    """The held-out checker of `task` (built once, with the run's reward_options)."""
-    shifted: list = dataclasses.field(default_factory=list)
-    """The shifted held-out sets (`HeldOutSet`s) beside `task`."""
-
-
-def load_data(data: Data, seed: int, tokenizer) -> SFTData:
-    """The run's data, checked before anything is written (one UserError line on bad input)."""
-    options = data.load_options()
-    if is_data_source(data.task) and is_sft_file(data.task, data.format, data.columns or None, data.split):
-        rows, report = load_sft_rows(data.task, data_format=data.format, columns=data.columns or None, source_split=data.split)
-        order = list(range(len(rows)))  # the rows stay in the file; shuffled as positions
-        random.Random(derived_seed(seed, "split")).shuffle(order)
-        if data.eval_size >= len(order):
-            raise UserError(f"data.task {data.task}: eval_size={data.eval_size} leaves no training rows out of {len(order)}")
-        held, train = rows.take(order[: data.eval_size]), rows.take(order[data.eval_size :][: data.train_size])
-
-        def encode(items):
-            return tokenize_sft(tokenizer, items, loss_on=data.loss_on, system_prompt=data.system_prompt)
-
-        encode([*train[:1], *held[:1]])  # a template that cannot mask fails here, before the run directory exists
-        chats = sum(row.is_chat for row in train)
-        card = {"task": data.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
-                "conversations": chats, "prompt_completion_rows": len(train) - chats, "loss_on": data.loss_on,
-                "rows_bad": report.rows_bad}
-        return SFTData(train, held, encode, None, card)
-    train, held_out = load_splits(data.task, train_size=data.train_size, eval_size=data.eval_size, seed=seed, options=options)
-    missing = [e.id for e in train.examples if e.answer is None]
-    if missing:
-        raise UserError(f"data.task {data.task}: example {missing[0]} has no answer to train on")
-    if data.loss_on == "all":
-        raise UserError("data.loss_on all applies to SFT rows (messages, prompt + completion); a task's gold answers train the response only")
-
-    def encode(examples):
-        return tokenize_prompt_response(tokenizer, [e.prompt_input for e in examples],
-                                        [data.response_template.format(answer=e.answer) for e in examples],
-                                        system_prompt=data.system_prompt)
-
-    card = {"task": data.task, "options": options, "train_examples": len(train), "heldout_examples": len(held_out),
-            "duplicates_removed": train.duplicates_removed, "response_template": data.response_template}
-    return SFTData(train.examples, held_out.examples, encode, held_out, card)
 
 
 MEMORY_KNOBS = {"update": ["micro_batch_size", "memory.gradient_checkpointing", "hardware.precision"],
@@ -263,47 +178,21 @@ def make_card(config: Config, data: SFTData) -> dict:
     card["links"]["reward"] = {"kind": "none (imitation of " + ("gold answers)" if data.task is not None else "the rows' completions)")}
     card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True,
                              "loss_on": config.data.loss_on if data.task is None else "the response (gold answer in response_template)"}
-    card["links"]["acceptance"] = ({"heldout": f"{config.data.task} eval split", "checker": config.acceptance.checker or "task default (strict)"}
-                                   if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {config.data.task}", "metric": "token-mean NLL"})
-    if data.checker is not None:
-        card["links"]["acceptance"].update({
-            "checker_settings": data.checker.describe(), "independent": True,
-            "independence_reason": f"SFT has no reward: it imitates the gold answers, which the checker {data.checker.name} scores",
-            "sets": {IN_DISTRIBUTION: {"task": config.data.task, "size": len(data.task), "checker": data.checker.name},
-                     **{held.name: held.spec for held in data.shifted}}})
+    card["links"]["acceptance"] = acceptance_card(data, config.data.task, config.acceptance.checker)
     return card
 
 
 def evaluate_and_plot(model, tokenizer, data: SFTData, config: Config, run_dir: RunDirectory, step: int) -> dict:
     """Held-out accuracy (greedy, the task's checker) written to eval/ when the data is a task's,
-    the held-out NLL always, and refreshed plots."""
+    the held-out NLL always (`evaluation/sft.py`), and refreshed plots."""
     model.eval()
-    if data.task is None:
-        metrics = {"heldout/nll": heldout_nll(model, data.encode(data.held_out), config.micro_batch_size)}
-        plot_metrics(run_dir.read_metrics() + [{"step": step, **metrics}], ["loss", "heldout/nll"], run_dir.plots)
-        return metrics
-    _, metrics = evaluate_sets(model, tokenizer, data.task, data.checker, data.shifted, step=step, eval_dir=run_dir.eval_dir,
-                               seed=config.seed, max_new_tokens=config.acceptance.max_new_tokens, system_prompt=config.data.system_prompt)
-    metrics["heldout/nll"] = heldout_nll(model, data.encode(data.held_out), config.micro_batch_size)
+    settings = HeldoutSettings(config.seed, config.acceptance.max_new_tokens, config.data.system_prompt, config.micro_batch_size)
+    metrics = heldout_metrics(model, tokenizer, data, settings, run_dir.eval_dir, step)
     rows = run_dir.read_metrics() + [{"step": step, **metrics}]
+    if data.task is None:
+        plot_metrics(rows, ["loss", "heldout/nll"], run_dir.plots)
+        return metrics
     plot_metrics(rows, ["loss", "heldout/pass@1", "heldout/nll"], run_dir.plots)
     if data.shifted:
         plot_sets(rows, [IN_DISTRIBUTION] + [held.name for held in data.shifted], run_dir.plots / "heldout_sets.png")
     return metrics
-
-
-@torch.no_grad()
-def _device_of(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def heldout_nll(model, batch: TokenizedBatch, micro_batch_size: int) -> float:
-    """Token-mean NLL of the masked (response) tokens of a held-out batch."""
-    rows = batch.input_ids.shape[0]
-    batch = batch.to(_device_of(model))
-    global_tokens = batch.mask[:, 1:].sum()
-    forward = TrainingForward(model, batch_response_sums, full_forward=is_sharded(model))  # under the caller's autocast
-    return sum(
-        sft_loss(forward, batch, slice(start, start + micro_batch_size), global_tokens).item()
-        for start in range(0, rows, micro_batch_size)
-    )
