@@ -24,7 +24,8 @@ from posttrain.data.sft_data import Data, SFTData, load_data  # the data link; s
 from posttrain.data.stream import data_order
 from posttrain.distributed import Parallel, full_weights, wrap
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, check_set_specs, heldout_checker, shifted_sets
+from posttrain.evaluation import settings as evaluation_settings
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, heldout_checker, shifted_sets
 from posttrain.evaluation.sft import HeldoutSettings, acceptance_card, heldout_metrics
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
@@ -41,26 +42,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class Acceptance:
-    """Link 4, acceptance: held-out accuracy of a task's gold-answer form, scored by a checker written
-    apart from any reward, and the held-out NLL (always; the only measure of SFT rows)."""
+class Acceptance(evaluation_settings.Acceptance):
+    """Link 4, acceptance (`evaluation/settings.Acceptance`: checker, eval_every, max_new_tokens,
+    sets): held-out accuracy of a task's gold-answer form, scored by a checker written apart from
+    any reward, and the held-out NLL (always; the only measure of SFT rows). Shifted sets apply to a
+    task's gold answers only."""
 
-    eval_every: int = 0
-    """Evaluate held-out accuracy every N steps (0: only at the end)."""
     max_new_tokens: int = 24
     """Generation budget of the held-out evaluation (the tiny model writes one character a token)."""
-    checker: str | None = None
-    """Held-out checker (a verifier name); None: the task's default checker (written apart from any reward)."""
-    sets: list[dict] | None = None
-    """Shifted held-out sets beside the task's own, as grpo's acceptance.sets: [{name, task?, task_options?, size?, checker?}]; None: the task's default shifts (arithmetic: one more digit, words; reasoning-gym: harder); []: none. A task's gold answers only."""
-
-    def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise UserError(f"acceptance.max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.sets is not None:
-            if not isinstance(self.sets, list):
-                raise UserError(f"acceptance.sets must be a list of held-out sets, got {self.sets!r}")
-            check_set_specs(self.sets)
+    eval_every: int = 0
+    """Evaluate held-out accuracy every N steps (0: only at the end; SFT does not evaluate its start)."""
 
 
 @dataclasses.dataclass
