@@ -45,6 +45,34 @@ def test_mbpp_layout_loads_with_the_format():
     assert first.metadata["code"].startswith("def add_one")  # the reference, for audits; never in the prompt
 
 
+def test_mbpp_prompt_shows_the_first_test_naming_the_function(tmp_path):
+    """data.format mbpp shows the task and its first test (task_options.show_tests first, the
+    format's default), whose call names the function; `none` is the task text alone; `all` is refused
+    (the shown tests would be the only ones scored). A file without the format shows a test only
+    when asked, and a chat prompt gets it at the end of its last user message."""
+    task = load_task(str(MBPP), options={"format": "mbpp"})
+    first = task.examples[0]
+    assert first.prompt == ("Write a function add_one(x) that returns x plus one.\n\n"
+                            "Your code should pass this test:\n\nassert add_one(1) == 2")
+    assert first.tests == ["assert add_one(1) == 2", "assert add_one(-1) == 0", "assert add_one(10) == 11"]
+    assert first.metadata["shown_tests"] == [0] and task.options["show_tests"] == "first"
+    hidden = load_task(str(MBPP), options={"format": "mbpp", "show_tests": "none"})
+    assert hidden.examples[0].prompt == "Write a function add_one(x) that returns x plus one."
+    assert "shown_tests" not in hidden.examples[0].metadata and hidden.options["show_tests"] == "none"
+    for value, message in (("all", "task_options.show_tests all: every test would be shown, so the shown tests would be "
+                                   r"the only ones scored \(a program returning the asserted values passes them\); choose first or none"),
+                           ("some", "task_options.show_tests: one of first, none, got 'some'")):
+        with pytest.raises(UserError, match=message):
+            load_task(str(MBPP), options={"format": "mbpp", "show_tests": value})
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"messages": [{"role": "user", "content": "Add one."}, {"role": "assistant", "content": "Sure."}],
+                               "tests": ["assert inc(1) == 2", "assert inc(2) == 3"]}) + "\n")
+    assert load_task(str(own)).examples[0].messages[0]["content"] == "Add one."
+    asked = load_task(str(own), options={"show_tests": "first"}).examples[0]
+    assert asked.messages == [{"role": "user", "content": "Add one.\n\nYour code should pass this test:\n\nassert inc(1) == 2"},
+                              {"role": "assistant", "content": "Sure."}]
+
+
 def test_entry_point_from_the_tests():
     assert mbpp_entry_point(["assert remove_Occ('hello', 'l') == 'heo'"]) == "remove_Occ"
     assert mbpp_entry_point(["assert len(set(f([1]))) == 1"]) == "f"
@@ -166,7 +194,7 @@ def test_reward_options_reach_the_training_reward_and_the_checker():
     name = example["tests"][0].split("(")[0].removeprefix("assert ")
     half = fenced(f"def {name}(*args):\n    return None")
     verdict = state.verifier.batch([half], [example])[0]
-    assert verdict.status == "ok" and verdict.reward == 0.0 and verdict.details["tests_total"] == 2  # asserts 1 and 3 of 3
+    assert verdict.status == "ok" and verdict.reward == 0.0 and verdict.details["tests_total"] == 2  # the shown 1st, the hidden 2nd
     assert state.checker.batch([half], [example])[0].details["tests_total"] == 3
 
 
@@ -243,6 +271,82 @@ def test_screening_removes_failing_references_and_weak_training_problems(tmp_pat
     assert plain.screening["preflight"] == {"checked": 24, "without_reference": 0, "data_errors": 0,
                                             "removed": {"train": 0, "heldout": 0}, "faults": []}
     assert "weak_tests" not in plain.screening and len(plain.train.examples) == 20
+
+
+@needs_sandbox
+def test_mbpp_grpo_run_scores_its_correct_samples_and_never_the_shown_test_alone(tmp_path):
+    """A GRPO step on the tiny model whose sampler puts each prompt's reference solution (MBPP's
+    `code`, under the function name the prompt now shows) in sample 0 of its group: those rows score
+    1 through the training reward, the tiny model's own samples 0, and the update has signal.
+    add_one's tests are 1 -> 2 (shown), -1 -> 0, 10 -> 11: the training reward (tests: half) runs the
+    shown one and the hidden 1st (2 of 3), the checker all 3; a lookup of the shown value earns 0
+    from both, and the same correct code named plus_one fails to load."""
+    from posttrain.rollout.sampler import single_turn
+
+    config = build_config(online_config.grpo_config, None, {
+        "data": {"task": str(MBPP), "format": "mbpp", "eval_size": 4, "prompts_per_step": 2, "group_size": 2},
+        "sampling": {"max_new_tokens": 8}, "max_steps": 1, "output_dir": str(tmp_path / "run")})
+    state = online.setup(config)
+
+    def reference_first(policy, tokenizer, examples, prompts, *, group_size, **settings):
+        rollout = single_turn(policy, tokenizer, examples, prompts, group_size=group_size, **settings)
+        for b, example in enumerate(examples):
+            rollout.texts[b * group_size] = fenced(example.metadata["code"])
+        return rollout
+
+    state.sampler = reference_first
+    batch = online.sample(state)
+    assert batch.scores.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert [v.details["tests_total"] for v in batch.scores.verdicts[::2]] == [2, 2]  # the shown test and the hidden 1st
+    metrics = online.step(state, batch)
+    assert metrics["grad_norm"] > 0
+    example = {e.id: e for e in [*state.train.examples, *state.held_out.examples]}["1"]
+    row = verifier_input(example)
+    for completion, trained, checked in ((fenced("def add_one(x):\n    return x + 1"), (1.0, 2), (1.0, 3)),
+                                         (fenced("def add_one(*args):\n    return {(1,): 2}.get(args)"), (0.0, 2), (0.0, 3))):
+        verdicts = state.verifier.batch([completion], [row])[0], state.checker.batch([completion], [row])[0]
+        assert [(v.reward, v.details["tests_total"]) for v in verdicts] == [trained, checked]
+    renamed = state.verifier.batch([fenced("def plus_one(x):\n    return x + 1")], [row])[0]
+    assert (renamed.reward, renamed.reason) == (0.0, "code failed to load: KeyError: 'add_one'")
+
+
+@needs_sandbox
+def test_exclude_weak_tests_drops_single_test_problems_whose_test_is_shown(tmp_path, caplog):
+    """The three one-test problems of a user's MBPP file, among mbpp_small's 24: with the first
+    test shown, a lookup of its asserted value passes each, so exclude_weak_tests drops those in the
+    training split (counted in the card's screening, beside the shown-tests record that counts the
+    problems scored on their shown test alone); mbpp_small's 10 and 20 go too (their hidden tests
+    expect 0: the catch-all's default). The held-out split stays whole, its checker running every test."""
+    single = [
+        {"task_id": "even", "text": "Write a function that says whether a number is even.",
+         "test_list": ["assert is_even(4) == True"], "code": "def is_even(n):\n    return n % 2 == 0"},
+        {"task_id": "factorial", "text": "Write a function to compute the factorial of n.",
+         "test_list": ["assert factorial(5) == 120"], "code": "def factorial(n):\n    return 1 if n <= 1 else n * factorial(n - 1)"},
+        {"task_id": "add_numbers", "text": "Write a function to add two numbers.",
+         "test_list": ["assert add_numbers(2, 3) == 5"], "code": "def add_numbers(a, b):\n    return a + b"},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in single) + MBPP.read_text())
+    data = {"task": str(path), "format": "mbpp", "eval_size": 4, "prompts_per_step": 2, "group_size": 2}
+    train, held_out = load_splits(str(path), eval_size=4, seed=0, options={"format": "mbpp"})
+    config = build_config(online_config.grpo_config, None, {"data": {**data, "exclude_weak_tests": True}, "max_steps": 1,
+                                                             "output_dir": str(tmp_path / "run")})
+    with caplog.at_level("WARNING"):
+        state = online.setup(config)
+    ones = {"even", "factorial", "add_numbers"} & {e.id for e in train.examples}
+    weak = {e.id for e in train.examples} & (ones | {"10", "20"})
+    assert ones and {e.id for e in state.train.examples} == {e.id for e in train.examples} - weak
+    screening = online.make_card(config, state, None)["links"]["data"]["screening"]
+    assert screening["weak_tests"]["excluded"] == len(weak)
+    assert {w["id"] for w in screening["weak_tests"]["problems"]} == weak
+    shown = screening["shown_tests"]
+    assert (shown["policy"], shown["train"], shown["train_only_shown"]) == ("first", 23, len(ones))
+    assert sorted(shown["train_only_shown_ids"]) == sorted(ones)
+    assert any(f"{len(ones)} of 23 training problems have no test beyond the one their prompt shows" in r.message
+               for r in caplog.records)
+    for example in state.held_out.examples:
+        verdict = state.checker.batch([fenced(example.metadata["code"])], [verifier_input(example)])[0]
+        assert (verdict.reward, verdict.details["tests_total"]) == (1.0, len(example.tests))
 
 
 def test_every_recipe_takes_reward_options_and_unsafe_no_sandbox(tmp_path, caplog):

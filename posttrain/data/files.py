@@ -33,8 +33,9 @@ FORMATS: dict[str, dict[str, Any]] = {
              "about": "MATH (Hendrycks): `problem`, `solution` whose gold is its last \\boxed{...}"},
     "mmlu": {"columns": {"prompt": "question", "choices": "choices", "answer": "answer"}, "answer_format": "choice",
              "about": "MMLU-style multiple choice: `question`, `choices` (option texts, shown as A. B. ...), `answer` (0-based index or letter)"},
-    "mbpp": {"columns": {"prompt": "text", "tests": "test_list", "id": "task_id"}, "answer_format": None,
-             "about": "MBPP: `text` (the task in words), `test_list` (assert lines; the function name is read from them), `task_id`"},
+    "mbpp": {"columns": {"prompt": "text", "tests": "test_list", "id": "task_id"}, "answer_format": None, "show_tests": "first",
+             "about": "MBPP: `text` (the task in words, then the first of `test_list` shown: it names the function), `test_list` "
+                      "(assert lines; the function name is read from them), `task_id`"},
     "humaneval": {"columns": {"prompt": "prompt", "tests": "test", "entry_point": "entry_point", "id": "task_id"},
                   "answer_format": None, "about": "HumanEval: `prompt` (signature + docstring), `test` (check(candidate)), `entry_point`, `task_id`"},
     "code_contests": {"columns": {"prompt": "description"}, "answer_format": None,
@@ -47,7 +48,8 @@ FORMATS: dict[str, dict[str, Any]] = {
                        "about": "TRL's preference layouts: `prompt`, `chosen`, `rejected` (strings, or chat messages), or no `prompt` "
                                 "and whole conversations sharing every message but the last"},
 }
-"""Named public layouts: the column mapping and how the gold answer is written."""
+"""Named public layouts: the column mapping, how the gold answer is written, and which tests an
+assert-list problem's prompt shows (`show_tests`, `data.prompts.SHOW_TESTS`; none when not named)."""
 
 FILE_TYPES = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".arrow": "arrow"}
 """Extensions read through `datasets` (.jsonl has its own line-numbering reader)."""

@@ -44,6 +44,16 @@ REWARD_KINDS = {"math": "math", "gsm8k": "math", "boxed": "math", "number": "mat
 numbers and math expressions are compared by math-verify; free text exactly; option letters by
 the `choice` verifier."""
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+SHOW_TESTS = {"first": "the task, then its first test: the function's name and one call, as the MBPP paper's prompt "
+                       "(arXiv:2108.07732) shows its tests; the others stay unseen",
+              "none": "the task text only"}
+"""Which tests the prompt of an assert-list problem (MBPP's layout) shows (`task_options.show_tests`;
+default: the data format's, `first` for `mbpp`, else `none`). The shown tests' indices go into the
+example's metadata as `shown_tests`, so that a training reward that runs half of the tests runs
+the shown ones *and* half of the others (`rewards.code`): shown tests are never the only ones
+scored, except on a problem that has no other (its one test is then scored, and `posttrain audit
+--data` / `data.exclude_weak_tests` find it: a lookup of the shown value passes it). `all` is
+refused: every problem would be scored on what its prompt shows alone."""
 
 
 def code_kind(examples, data_format: str | None) -> str | None:
@@ -76,6 +86,19 @@ class _Layout:
         return "mbpp" if data_format == "mbpp" or not self.check else "code"
 
 
+def resolve_show_tests(show_tests: str | None, data_format: str | None, setting: str = "task_options.show_tests") -> str:
+    """The tests an assert-list problem's prompt shows (`SHOW_TESTS`): explicit, else the named
+    layout's, else `none`; an unknown value (or `all`) is one UserError line naming `setting`."""
+    if show_tests is None:
+        return (FORMATS.get(data_format) or {}).get("show_tests") or "none"
+    if show_tests == "all":
+        raise UserError(f"{setting} all: every test would be shown, so the shown tests would be the only ones "
+                        "scored (a program returning the asserted values passes them); choose first or none")
+    if show_tests not in SHOW_TESTS:
+        raise UserError(f"{setting}: one of {', '.join(SHOW_TESTS)}, got {show_tests!r}")
+    return show_tests
+
+
 def resolve_answer_format(answer_format: str | None, data_format: str | None) -> str:
     """The declared gold format: explicit, else the named layout's, else `math`."""
     if answer_format is not None:
@@ -96,6 +119,7 @@ def validate_prompt_file(
     max_prompt_tokens: int | None = None,
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
+    show_tests: str | None = None,
 ) -> tuple[list[tuple[int, Example]], ValidationReport]:
     """Read and check the whole file; returns `(row number, Example)` for every valid row and the
     report of every problem in the others.
@@ -105,12 +129,13 @@ def validate_prompt_file(
     data_format, columns: a named public layout and/or an explicit mapping of our column names to
     the file's (`posttrain.data.files`); a mapped column the file lacks is a UserError.
     source_split: the split of a saved or cached dataset with several.
+    show_tests: which tests an assert-list problem's prompt shows (`SHOW_TESTS`; None: the format's).
     tokenizer + max_prompt_tokens: also report prompts longer than the limit after the chat template.
     """
     table = RowTable(path, source_split)
     parsed = _scan(table, ValidationReport(str(path)), answer_format=answer_format, data_format=data_format, columns=columns,
                    tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, system_prompt=system_prompt,
-                   use_chat_template=use_chat_template)
+                   use_chat_template=use_chat_template, show_tests=show_tests)
     return [(line, example) for _, line, example in parsed.rows], parsed.report
 
 
@@ -124,14 +149,14 @@ class _Scan:
 
 
 def _scan(table: RowTable, report: ValidationReport, *, answer_format=None, data_format=None, columns=None, tokenizer=None,
-          max_prompt_tokens=None, system_prompt=None, use_chat_template=None) -> _Scan:
+          max_prompt_tokens=None, system_prompt=None, use_chat_template=None, show_tests=None) -> _Scan:
     """The validation pass over `table`: `rows` yields `(handle, row number, Example)` for every
     valid row (exhaust it before reading `report` or `layout`); `parse` turns a row of the
     table into its Example again."""
     answer_format = resolve_answer_format(answer_format, data_format)
     mapping = resolve_columns(data_format, columns)
     check_columns(table.source, table.columns, mapping)
-    layout, parse = _Layout(), _PromptParser(table.source, mapping, answer_format)
+    layout, parse = _Layout(), _PromptParser(table.source, mapping, answer_format, resolve_show_tests(show_tests, data_format))
 
     def rows():
         first_line_of_id: dict[str, int] = {}
@@ -158,13 +183,14 @@ class _PromptParser:
     source: str
     mapping: dict
     answer_format: str
+    show_tests: str = "none"
 
     def __post_init__(self):
         self.file_name = Path(self.source).name
 
     def __call__(self, line: int, row: dict, into: ValidationReport | None = None) -> Example | None:
         return parse_prompt_row(into or ValidationReport(self.source), line, contest_cases(map_row(row, self.mapping)),
-                                self.file_name, self.answer_format)
+                                self.file_name, self.answer_format, self.show_tests)
 
 
 def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all", **checks) -> Task:
@@ -176,7 +202,8 @@ def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all
     and records their number in `Task.rows_bad`. An empty result is a UserError either way.
     """
     table = RowTable(path, checks.get("source_split"))
-    keep = ("answer_format", "data_format", "columns", "tokenizer", "max_prompt_tokens", "system_prompt", "use_chat_template")
+    keep = ("answer_format", "data_format", "columns", "tokenizer", "max_prompt_tokens", "system_prompt", "use_chat_template",
+            "show_tests")
     scan = _scan(table, ValidationReport(str(path)), **{key: value for key, value in checks.items() if key in keep})
     handles, numbers = array("q"), array("q")
     for handle, line, _ in scan.rows:  # each Example checked, then dropped
@@ -189,11 +216,10 @@ def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all
     for key, option in (("data_format", "format"), ("columns", "columns"), ("source_split", "split")):
         if checks.get(key):
             options[option] = checks[key]
-    task = Task(
-        name=str(path), split=split, examples=examples,
-        reward_kind=scan.layout.kind(checks.get("data_format")) or REWARD_KINDS[answer_format],
-        rows_bad=scan.report.rows_bad, options=options,
-    )
+    kind = scan.layout.kind(checks.get("data_format")) or REWARD_KINDS[answer_format]
+    if kind == "mbpp":
+        options["show_tests"] = scan.parse.show_tests
+    task = Task(name=str(path), split=split, examples=examples, reward_kind=kind, rows_bad=scan.report.rows_bad, options=options)
     require_examples(task)
     return task
 
@@ -230,7 +256,29 @@ def check_choices(report: ValidationReport, line: int, value, answer_format: str
 
 def _with_options(prompt: str | None, messages: list[dict] | None, options: list[str]):
     """The prompt (or the last user message) followed by the lettered options."""
-    block = "\n\n" + "\n".join(f"{LETTERS[i]}. {option.strip()}" for i, option in enumerate(options))
+    return _appended(prompt, messages, "\n\n" + "\n".join(f"{LETTERS[i]}. {option.strip()}" for i, option in enumerate(options)))
+
+
+def shown_tests(tests: list[str], show_tests: str) -> list[int]:
+    """The indices of `tests` a prompt shows under `show_tests` (`SHOW_TESTS`); none of a
+    HumanEval `check(candidate)` test, whose prompt is the signature and its docstring.
+
+    >>> shown_tests(["assert f(1) == 2", "assert f(2) == 3"], "first"), shown_tests(["assert f(1) == 2"], "none")
+    ([0], [])
+    """
+    if show_tests == "none" or any("def check(" in test for test in tests):
+        return []
+    return [0]
+
+
+def _with_tests(prompt: str | None, messages: list[dict] | None, tests: list[str]):
+    """The prompt (or the last user message) followed by the shown tests, in the MBPP paper's words."""
+    heading = "Your code should pass this test:" if len(tests) == 1 else "Your code should pass these tests:"
+    return _appended(prompt, messages, f"\n\n{heading}\n\n" + "\n".join(test.strip() for test in tests))
+
+
+def _appended(prompt: str | None, messages: list[dict] | None, block: str):
+    """The prompt, or a copy of the messages whose last user message (else the last one) ends with `block`."""
     if prompt is not None:
         return prompt + block, messages
     if messages:
@@ -241,8 +289,10 @@ def _with_options(prompt: str | None, messages: list[dict] | None, options: list
     return prompt, messages
 
 
-def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: str, answer_format: str):
-    """One row as an Example, or None after reporting each of its problems."""
+def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: str, answer_format: str,
+                     show_tests: str = "none"):
+    """One row as an Example, or None after reporting each of its problems; an assert-list row's
+    prompt ends with the tests `show_tests` shows (`SHOW_TESTS`), their indices in `metadata.shown_tests`."""
     ok = True
     prompt = messages = answer = tests = entry_point = options = None
     if "prompt" in row and "messages" in row:
@@ -305,6 +355,10 @@ def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: 
     extra = {key: value for key, value in row.items() if key not in KNOWN_FIELDS | {"inputs", "outputs"}}
     if cases is not None:
         extra["cases"] = cases
+    shown = shown_tests(tests, show_tests) if tests else []
+    if shown:
+        prompt, messages = _with_tests(prompt, messages, [tests[i] for i in shown])
+        extra["shown_tests"] = shown
     return Example(
         id=str(row_id), prompt=prompt, messages=messages, answer=answer, tests=tests,
         entry_point=entry_point, metadata={**metadata, **extra, "source": file_name, "line": line},

@@ -15,6 +15,7 @@ from typing import Any
 
 from posttrain.data.examples import Task, require_examples, verifier_input
 from posttrain.data.files import pick
+from posttrain.data.prompts import SHOW_TESTS
 from posttrain.rewards.base import Verifier
 from posttrain.rewards.problem_checks import check_references, find_weak_tests
 
@@ -33,12 +34,20 @@ def screen_problems(train: Task, held_out: Task, judge: Verifier, *, preflight: 
     pass its tests (or whose tests do not run) is removed from either split; with
     `exclude_weak_tests`, a training problem whose tests accept a lookup table of the prompt's
     examples, a constant, an echo or a catch-all is removed (the held-out split is kept whole, so
-    acceptance stays comparable). Returns the run card's record, or None for a task that is not
-    code. A split left empty is a UserError."""
+    acceptance stays comparable). Returns the run card's record, with what the prompts show
+    (`shown_tests_record`), or None for a task that is not code. A split left empty is a UserError."""
     layout = LAYOUTS.get(train.reward_kind)
-    if layout is None or not (preflight or exclude_weak_tests):
+    shown = shown_tests_record(train, held_out) if layout is not None else None
+    if layout is None or not (preflight or exclude_weak_tests or shown):
         return None
     record: dict[str, Any] = {"layout": layout, "judge": judge.name}
+    if shown:
+        record["shown_tests"] = shown
+        if shown["train_only_shown"]:
+            logger.warning("%d of %d training problems have no test beyond the one their prompt shows: the training reward "
+                           "scores that test alone, which a program returning its asserted value passes (%s)",
+                           shown["train_only_shown"], shown["train"],
+                           "excluded below by data.exclude_weak_tests" if exclude_weak_tests else "data.exclude_weak_tests: true drops them")
     if preflight:
         rows = [verifier_input(e) for e in [*train.examples, *held_out.examples]]
         report = check_references(judge, rows, workers=workers)
@@ -66,6 +75,25 @@ def screen_problems(train: Task, held_out: Task, judge: Verifier, *, preflight: 
     require_examples(train)
     require_examples(held_out)
     return record
+
+
+def shown_tests_record(train: Task, held_out: Task) -> dict[str, Any] | None:
+    """What an assert-list task's prompts show (`task_options.show_tests`, `data.prompts.SHOW_TESTS`)
+    and what is scored, for the run card: problems whose every test is shown (one test in all) are
+    scored on it alone, by the training reward and by the held-out checker alike. None when the
+    prompts show no test."""
+    policy = train.options.get("show_tests")
+    if policy in (None, "none"):
+        return None
+    counts = {}
+    for name, task in (("train", train), ("heldout", held_out)):
+        only = [e.id for e in task.examples if e.tests and len(e.metadata.get("shown_tests") or []) >= len(e.tests)]
+        counts.update({name: len(task.examples), f"{name}_only_shown": len(only), f"{name}_only_shown_ids": only[:LISTED]})
+    return {"policy": policy, "shows": SHOW_TESTS[policy],
+            "scored": "the training reward runs the shown tests and every other hidden one (reward_options.tests: half, the "
+                      "default; all: every test), so a problem with a hidden test is never scored on its shown tests alone; "
+                      "the held-out checker runs all of them",
+            **counts}
 
 
 def _remove(task: Task, ids: dict[str, str]) -> int:

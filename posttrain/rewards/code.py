@@ -31,9 +31,13 @@ from posttrain.rewards.verdict import Verdict
 
 CODE_POLICIES = ("auto", "raw", "fenced")
 CODE_TESTS = {"all": "all of the row's tests",
-              "half": "every other test of the row (the 1st, 3rd, 5th ...; the checker's others stay unseen)"}
+              "half": "every other test of the row (the 1st, 3rd, 5th ...; the checker's others stay unseen); of an MBPP "
+                      "row whose prompt shows tests, the shown ones and every other hidden one"}
 """Which of a row's tests a code verifier runs (`reward_options.tests`): a held-out checker always
-runs all; a training reward that runs half leaves the checker tests it was never rewarded on."""
+runs all; a training reward that runs half leaves the checker tests it was never rewarded on. An
+MBPP row's `shown_tests` (the indices of the tests its prompt shows, `data.prompts.SHOW_TESTS`)
+are always run and not counted in the half: a program that returns the shown asserted values must
+still pass a hidden test wherever the problem has one."""
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 SLOT_MARGIN_S = 30.0  # pool deadline = sample budget + this (slot start, cleanup)
 
@@ -134,6 +138,16 @@ class _CodeVerifier(Verifier):
     def runs(self, index: int) -> bool:
         """Whether the row's test number `index` (0-based, in the order they run) is run."""
         return self.tests == "all" or index % 2 == 0
+
+    def selected(self, count: int, shown: list[int]) -> list[int]:
+        """The indices of a row's `count` tests that run when its prompt shows those in `shown`:
+        all; or under `half` the shown ones and every other hidden one (the hidden 1st, 3rd ...).
+
+        >>> MBPPVerifier(tests="half").selected(4, [0]), MBPPVerifier(tests="half").selected(1, [0])
+        ([0, 1, 3], [0])
+        """
+        hidden = [index for index in range(count) if index not in shown]
+        return sorted({*shown, *(index for position, index in enumerate(hidden) if self.runs(position))})
 
     def implementation(self) -> dict[str, str]:
         """Which of the row's tests it runs; the harness (this class's sandboxed judge) is listed
@@ -355,12 +369,12 @@ class HumanEvalVerifier(_CodeVerifier):
         code = fields["prompt"] + body if body == completion else fields["prompt"] + "\n" + body
         return _with_slot(self.sandbox, lambda slot: self._run(slot, code, fields["entry_point"], judge))
 
-    def _run(self, slot: SandboxSlot, code: str, entry_point: str, judge: dict) -> Verdict:
+    def _run(self, slot: SandboxSlot, code: str, entry_point: str, judge: dict, every_assert: bool = False) -> Verdict:
         counts = {"passed": 0, "total": 0, "reached": 0}
 
         def judge_assert(thunk) -> None:
             counts["reached"] += 1
-            if not self.runs(counts["reached"] - 1):
+            if not (every_assert or self.runs(counts["reached"] - 1)):
                 return  # a test this verifier leaves to the checker (`tests: half`)
             counts["total"] += 1
             try:
@@ -450,6 +464,11 @@ class MBPPVerifier(HumanEvalVerifier):
         entry_point = example.get("entry_point") or mbpp_entry_point(tests)
         if not isinstance(entry_point, str) or not entry_point.isidentifier():
             return Verdict.data_error("no function name: the tests call none, and the row names no 'entry_point'")
+        shown = example.get("shown_tests") or []
+        if not isinstance(shown, list) or not all(type(index) is int and 0 <= index < len(tests) for index in shown):
+            return Verdict.data_error(f"field 'shown_tests' must list indices of the {len(tests)} tests, got {shown!r}")
+        if shown:  # chosen by test here, so `_run` runs every assert of the chosen ones
+            tests = [tests[index] for index in self.selected(len(tests), shown)]
         setup = _mbpp_setup(example)
         if isinstance(setup, Verdict):
             return setup
@@ -467,4 +486,4 @@ class MBPPVerifier(HumanEvalVerifier):
         except Exception as error:  # noqa: BLE001 - dataset text that does not run
             return Verdict.data_error(f"tests do not run: {type(error).__name__}: {error}")
         code = extract_code(completion, self.code_policy)
-        return _with_slot(self.sandbox, lambda slot: self._run(slot, code, entry_point, judge))
+        return _with_slot(self.sandbox, lambda slot: self._run(slot, code, entry_point, judge, every_assert=bool(shown)))
