@@ -26,7 +26,16 @@ from posttrain.rewards.problem_checks import (
     reference_solution,
     summary_line,
 )
-from posttrain.rewards.problem_text import VisibleCase, VisibleExample, description_cases, visible_cases, visible_examples
+from posttrain.rewards.problem_text import (
+    AssertedCall,
+    VisibleCase,
+    VisibleExample,
+    asserted_calls,
+    description_cases,
+    shown_test_sources,
+    visible_cases,
+    visible_examples,
+)
 from posttrain.rewards.sandbox import check_isolation
 
 DATA = Path(__file__).parent / "data"
@@ -68,6 +77,54 @@ def rows_of(path: Path, data_format: str, columns: dict | None = None) -> list[d
 ])
 def test_visible_examples(text, expected):
     assert visible_examples(text, "f") == expected
+
+
+@pytest.mark.parametrize("test, expected", [
+    ("assert f(5) == 120", [AssertedCall([5], 120)]),                                     # MBPP's usual form
+    ("assert 120 == f(5)", [AssertedCall([5], 120)]),                                     # reversed
+    ("assert f((3, 4), [5]) == (4, 5)", [AssertedCall([(3, 4), [5]], (4, 5))]),
+    ("assert f(2) is None", [AssertedCall([2], None)]),
+    ("assert f(4)", [AssertedCall([4], True)]),                                           # truthy: True passes
+    ("assert not f(3)", [AssertedCall([3], False)]),
+    ("assert set(f([1, 2, 2])) == {1, 2}", [AssertedCall([[1, 2, 2]], {1, 2})]),           # wrapped: set({1, 2}) == {1, 2}
+    ("assert round(f(2), 2) == 1.41", [AssertedCall([2], 1.41)]),
+    ("assert math.isclose(f(1.0), 2.5, rel_tol=0.001)", [AssertedCall([1.0], 2.5)]),
+    ("assert abs(f(2) - 4.0) < 1e-6", [AssertedCall([2], 4.0)]),
+    ("assert f(1) == 2 and f(2) == 3", [AssertedCall([1], 2), AssertedCall([2], 3)]),     # each part of an and
+    ("assert f(X) == 3", [AssertedCall(None, 3)]),                                        # a name from the setup code
+    ("assert f(1) != 2", []),                                                             # no value to return
+    ("assert len(f(3)) == 3", []),                                                        # len is not a wrapper
+    ("assert g(1) == 2", []),                                                             # another function
+    ("assert f(1) == [x for x in y]", []),                                                # not a literal
+    ("assert f(1 == 2", []),                                                              # does not parse
+])
+def test_asserted_calls(test, expected):
+    assert asserted_calls([test], "f") == expected
+
+
+def test_shown_test_sources_are_the_shown_indices_and_the_prompts_assert_lines():
+    row = {"prompt": "Sort.\n\nYour code should pass this test:\n\nassert f([2, 1]) == [1, 2]\nassert broken(",
+           "tests": ["assert f([2, 1]) == [1, 2]", "assert f([]) == []"], "shown_tests": [0]}
+    assert shown_test_sources(row) == ["assert f([2, 1]) == [1, 2]", "assert f([2, 1]) == [1, 2]"]
+    assert shown_test_sources({**row, "prompt": "Sort.", "shown_tests": [5]}) == []  # an index out of range shows nothing
+
+
+def test_adversaries_read_the_asserted_values_of_the_shown_tests():
+    """factorial's one test, shown: the lookup table keys 5 on 120 (the regex over the prompt is not
+    needed: the row's shown test is read by AST); a call whose argument is a setup-code name gets
+    the call-order program (the n-th call returns the n-th asserted value)."""
+    row = {"id": "fact", "prompt": "Write a function to compute the factorial of n.", "tests": ["assert factorial(5) == 120"],
+           "shown_tests": [0]}
+    lookup = adversaries(row, "mbpp")[0]
+    assert lookup.name == "lookup table of the visible examples" and "[([5], 120)]" in lookup.completion
+    hidden = adversaries({**row, "shown_tests": []}, "mbpp")
+    assert [p.name for p in hidden] == ["constant 0", "constant 1", "constant -1", "constant None",
+                                        "identity (returns its first argument)"]  # the old audit's programs: none passes
+    named = adversaries({**row, "tests": ["assert factorial(N) == 120"]}, "mbpp")
+    assert [p.name for p in named][:2] == ["the shown tests' asserted values in call order", "constant 120"]
+    namespace: dict = {}
+    exec(named[0].completion, namespace)
+    assert (namespace["factorial"](5), namespace["factorial"](5)) == (120, None)  # the first call only
 
 
 def test_description_cases_of_a_code_contests_statement():
@@ -197,6 +254,49 @@ def test_audit_data_command_exit_codes(tmp_path):
     assert passed.stdout.splitlines()[-1].startswith("0 of 3 problems accept a program that ")
     missing = audit("--data", str(tmp_path / "missing.jsonl"), "--format", "mbpp")
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+SINGLE_TESTS = [  # an MBPP-layout file of three problems with one test each (issue 27, item 3)
+    {"task_id": "even", "text": "Write a function that says whether a number is even.",
+     "test_list": ["assert is_even(4) == True"], "code": "def is_even(n):\n    return n % 2 == 0"},
+    {"task_id": "factorial", "text": "Write a function to compute the factorial of n.",
+     "test_list": ["assert factorial(5) == 120"], "code": "def factorial(n):\n    return 1 if n <= 1 else n * factorial(n - 1)"},
+    {"task_id": "add_numbers", "text": "Write a function to add two numbers.",
+     "test_list": ["assert add_numbers(2, 3) == 5"], "code": "def add_numbers(a, b):\n    return a + b"},
+]
+
+
+@needs_sandbox
+def test_audit_data_flags_single_test_problems_once_their_test_is_shown(tmp_path):
+    """The user's file: the prompts show each problem's one test (data.format mbpp's show_tests
+    first), so a lookup of the asserted value passes all three. Before, the prompt was the task text
+    alone and only `is_even`, which the constant True passes, was found; `--show-tests none` is that
+    prompt, and gives that answer still."""
+    path = tmp_path / "single.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in SINGLE_TESTS))
+    shown = audit("--data", str(path), "--format", "mbpp")
+    assert shown.returncode == 1, shown.stderr
+    assert shown.stdout.splitlines()[:3] == [f"{name}: accepted by lookup table of the visible examples"
+                                             for name in ("even", "factorial", "add_numbers")]
+    assert shown.stdout.splitlines()[-1].startswith("3 of 3 problems accept a program that ")
+    hidden = audit("--data", str(path), "--format", "mbpp", "--show-tests", "none")
+    assert hidden.stdout.splitlines()[0] == "even: accepted by constant True"
+    assert hidden.stdout.splitlines()[-1].startswith("1 of 3 problems accept a program that ")
+    refused = audit("--data", str(path), "--format", "mbpp", "--show-tests", "all")
+    assert refused.returncode == 2 and "--show-tests all: every test would be shown" in refused.stderr
+
+
+@needs_sandbox
+def test_call_order_program_passes_a_shown_test_on_a_setup_name():
+    """`assert total(ITEMS) == 6` with ITEMS from test_setup_code: no literal to key on, so the
+    call-order program (the first call returns 6) passes it when it is the only test, and fails when
+    a hidden test follows (its second call gets None)."""
+    row = {"id": "total", "prompt": "Sum the items.", "tests": ["assert total(ITEMS) == 6"], "shown_tests": [0],
+           "test_setup_code": "ITEMS = [1, 2, 3]", "code": "def total(items):\n    return sum(items)"}
+    strong = {**row, "id": "total_strong", "tests": row["tests"] + ["assert total([4]) == 4"]}
+    strength = find_weak_tests(get_verifier("mbpp"), [row, strong], "mbpp", workers=2)
+    assert [(w.id, w.program) for w in strength.weak] == [("total", "the shown tests' asserted values in call order")]
+    assert strength.unscored == []
 
 
 def test_audit_data_bad_input_exits_2(tmp_path, capsys):

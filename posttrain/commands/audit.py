@@ -32,6 +32,9 @@ def register(subparsers) -> None:
                              "canonical_solution) or code_contests (description, public/private tests)")
     parser.add_argument("--columns", default=None, help="--data: our column names -> the file's, as JSON (as data.columns)")
     parser.add_argument("--split", default=None, help="--data: the split of a saved or cached dataset (as data.split)")
+    parser.add_argument("--show-tests", default=None,
+                        help="--data --format mbpp: which tests the prompts show, as task_options.show_tests in training "
+                             "(first, the format's default, or none); the programs read what is shown")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPUs)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="per-sample budget of code verifiers in seconds (default 3; 10 with --data)")
@@ -48,8 +51,8 @@ def handle(args) -> int:
         raise UserError("--timeout must be positive")
     if args.data is not None:
         return audit_data(args)
-    if args.format or args.columns or args.split:
-        raise UserError("--format, --columns and --split go with --data, not --verifier")
+    if args.format or args.columns or args.split or args.show_tests:
+        raise UserError("--format, --columns, --split and --show-tests go with --data, not --verifier")
     return audit_verifier(args)
 
 
@@ -82,6 +85,7 @@ def audit_verifier(args) -> int:
 def audit_data(args) -> int:
     """Print `ID: accepted by <program>` per weak problem, `ID: reference fails ...` / `ID: tests do
     not run ...` per reference fault, then the summary line; 1 if any, 0 if none, 2 on bad input."""
+    from posttrain.data.prompts import resolve_show_tests
     from posttrain.rewards import SandboxConfig, SandboxUnavailable, get_verifier
     from posttrain.rewards.problem_checks import check_references, find_weak_tests, summary_line
 
@@ -90,7 +94,10 @@ def audit_data(args) -> int:
             raise UserError(f"--data {args.data}: give its layout with --format ({' | '.join(DATA_LAYOUTS)})")
         args.format = "humaneval"
     layout = DATA_LAYOUTS[args.format]
-    rows = load_rows(args.data, args.format, parse_columns(args.columns), args.split)
+    if args.show_tests is not None and args.format != "mbpp":
+        raise UserError(f"--show-tests goes with --format mbpp (a {args.format} prompt shows its own examples)")
+    resolve_show_tests(args.show_tests, args.format, setting="--show-tests")
+    rows = load_rows(args.data, args.format, parse_columns(args.columns), args.split, args.show_tests)
     verifier = get_verifier(layout, sandbox=SandboxConfig(timeout_s=args.timeout or DATA_TIMEOUT_S,
                                                           unsafe_no_sandbox=args.unsafe_no_sandbox))
     started = time.monotonic()
@@ -127,9 +134,10 @@ def parse_columns(text: str | None) -> dict | None:
     return columns
 
 
-def load_rows(data: str, data_format: str, columns: dict | None, split: str | None) -> list[dict]:
+def load_rows(data: str, data_format: str, columns: dict | None, split: str | None, show_tests: str | None = None) -> list[dict]:
     """Verifier rows of every problem in `data` (every row must be valid: a bad one is a UserError
-    naming its line), or of the packaged HumanEval for `humaneval`."""
+    naming its line), their prompts as training shows them (`show_tests`: None, the format's), or
+    of the packaged HumanEval for `humaneval`."""
     from posttrain.data.examples import verifier_input
     from posttrain.data.prompts import validate_prompt_file
 
@@ -142,7 +150,8 @@ def load_rows(data: str, data_format: str, columns: dict | None, split: str | No
             raise UserError("--columns and --split go with a data file, not the packaged humaneval")
         examples = humaneval_examples()
     else:
-        parsed, report = validate_prompt_file(data, data_format=data_format, columns=columns, source_split=split)
+        parsed, report = validate_prompt_file(data, data_format=data_format, columns=columns, source_split=split,
+                                              show_tests=show_tests)
         report.enforce(strict=True)
         examples = [example for _, example in parsed]
     if not examples:

@@ -8,7 +8,8 @@ scores a few trivial programs per problem, written only from what a model sees (
 
 | program | function layouts (humaneval, mbpp) | stdio |
 |---|---|---|
-| lookup table | the outputs of the examples visible in the prompt, else None | the Example blocks' outputs, else nothing |
+| lookup table | the outputs of the examples visible in the prompt and the values its shown tests assert, keyed on the arguments, else None | the Example blocks' outputs, else nothing |
+| asserted values in call order | the shown tests' asserted values, the n-th returned by the n-th call (only when a shown call's arguments are not literals) | - |
 | constants | the visible outputs, then 0 / 1 / -1, True / False, "", [], ... of the expected type, then None | the visible outputs, then 0 / 1 / -1 or YES / NO, then empty output |
 | identity / echo | the first argument | stdin |
 | catch-all | the lookup table inside `try`, `except BaseException`: the type's default | the same |
@@ -16,7 +17,9 @@ scores a few trivial programs per problem, written only from what a model sees (
 A problem is weak when any of them scores reward 1 with status ok. The expected type comes from the
 visible examples, else HumanEval's return annotation, else the literal expected values of the tests
 (only their types: no program ever holds a hidden test's value); reading those from the problem's
-text is `posttrain.rewards.problem_text`.
+text is `posttrain.rewards.problem_text`. The tests a prompt shows (MBPP's first, `shown_tests`, or
+assert lines written in the prompt itself) are visible: their asserted values are the cheapest
+exploit there is, so they are read per call, by AST, however the assert is written (`asserted_calls`).
 
 Rows are verifier rows, the plain dicts `posttrain.data.examples.verifier_input` builds: `id`,
 `prompt`, `tests` / `test`, `entry_point`, `cases` ([{stdin, stdout}]) and every extra column
@@ -33,7 +36,16 @@ from typing import Any
 
 from posttrain.rewards.base import Verifier
 from posttrain.rewards.code import mbpp_entry_point, normalize_output
-from posttrain.rewards.problem_text import VisibleExample, annotation_types, test_sources, tested_types, visible_cases, visible_examples
+from posttrain.rewards.problem_text import (
+    VisibleExample,
+    annotation_types,
+    asserted_calls,
+    shown_test_sources,
+    test_sources,
+    tested_types,
+    visible_cases,
+    visible_examples,
+)
 from posttrain.rewards.verdict import Verdict
 
 logger = logging.getLogger(__name__)
@@ -150,9 +162,14 @@ def adversaries(row: Mapping[str, Any], layout: str) -> list[Adversary]:
 def _function_adversaries(row: Mapping[str, Any], layout: str) -> list[Adversary]:
     entry_point = row.get("entry_point") or mbpp_entry_point(test_sources(row)) or "f"
     examples = visible_examples(row.get("prompt") or "", entry_point)
+    asserted = asserted_calls(shown_test_sources(row), entry_point)
+    for call in asserted:
+        if call.args is not None and all(example.args != call.args for example in examples):
+            examples.append(VisibleExample(call.args, call.expected))
     type_values = [value for kind in _expected_types(row, layout, entry_point, examples)
                    for value in TYPE_CONSTANTS.get(kind, [])]
-    constants = _distinct([example.expected for example in examples][:3] + type_values + [None])[:MAX_CONSTANTS]
+    shown_values = [example.expected for example in examples] + [call.expected for call in asserted if call.args is None]
+    constants = _distinct(shown_values[:3] + type_values + [None])[:MAX_CONSTANTS]
     default = type_values[0] if type_values else None
     table = repr([(example.args, example.expected) for example in examples])
 
@@ -165,6 +182,11 @@ def _function_adversaries(row: Mapping[str, Any], layout: str) -> list[Adversary
     programs = []
     if examples:
         programs.append(Adversary("lookup table of the visible examples", program(*found, "    return None")))
+    if any(call.args is None for call in asserted):  # arguments the lookup cannot key on
+        values = repr([call.expected for call in asserted])
+        programs.append(Adversary("the shown tests' asserted values in call order", program(
+            "    _count = globals().setdefault('_asserted_calls', [0])", "    _count[0] += 1",
+            f"    return {values}[_count[0] - 1] if _count[0] <= {len(asserted)} else None")))
     programs += [Adversary(f"constant {value!r}", program(f"    return {value!r}")) for value in constants]
     programs.append(Adversary("identity (returns its first argument)", program("    return _given[0] if _given else None")))
     if examples:

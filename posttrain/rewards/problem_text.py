@@ -1,6 +1,7 @@
 """What a code problem's own text shows and implies, read without running anything: the examples
 a prompt makes visible (HumanEval's `>>> f(x)` lines, MBPP's assert lines, a stdio description's
-Example blocks, CodeContests' public cases), and the result types its signature and tests expect.
+Example blocks, CodeContests' public cases), the values the tests it shows assert (`asserted_calls`
+of `shown_test_sources`), and the result types its signature and tests expect.
 `posttrain.rewards.problem_checks` writes its trivial programs from these, so they use only what a
 model sees (the prompt), never a hidden test's value.
 """
@@ -23,6 +24,15 @@ class VisibleExample:
     """A call shown in a function problem's prompt: `entry_point(*args)` gives `expected`."""
 
     args: list
+    expected: Any
+
+
+@dataclass
+class AssertedCall:
+    """A call of the function in a test and the value the assert needs it to return: `args` are
+    its literal arguments, None when they are not literals (a name the test's setup defines)."""
+
+    args: list | None
     expected: Any
 
 
@@ -124,6 +134,105 @@ def description_cases(text: str) -> list[VisibleCase]:
 
 
 _MISSING = object()
+_WRAPPERS = ("set", "frozenset", "sorted", "list", "tuple", "round", "str", "int", "float")
+"""Calls a test wraps the function's result in before comparing (`set(f(x)) == {1, 2}`): returning
+the compared value itself passes the comparison for every one of them but `sorted` of an unsorted list."""
+
+
+def asserted_calls(tests: list[str], entry_point: str) -> list[AssertedCall]:
+    """Every call of `entry_point` in the asserts of `tests` whose assert names the value it must
+    return: `f(x) == v` or `v == f(x)` (also `is`, and `f(x)` wrapped in one of `_WRAPPERS`),
+    `math.isclose(f(x), v)`, `abs(f(x) - v) < eps`, a bare `f(x)` (True), `not f(x)` (False); the
+    parts of an `and` each count. A test that does not parse, or a value that is not a literal, is skipped.
+
+    >>> asserted_calls(["assert factorial(5) == 120", "assert is_even(n) and not is_even(3)"], "factorial")
+    [AssertedCall(args=[5], expected=120)]
+    >>> asserted_calls(["assert is_even(n) and not is_even(3)"], "is_even")
+    [AssertedCall(args=None, expected=True), AssertedCall(args=[3], expected=False)]
+    """
+    calls = []
+    for test in tests:
+        try:
+            tree = ast.parse(test)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assert):
+                parts = node.test.values if isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And) else [node.test]
+                calls += [call for part in parts if (call := _asserted(part, entry_point)) is not None]
+    return calls
+
+
+def shown_test_sources(row: Mapping[str, Any]) -> list[str]:
+    """The tests a problem's prompt shows: those at the row's `shown_tests` indices
+    (`data.prompts.SHOW_TESTS`), and every line of its prompt that is an assert statement."""
+    tests = test_sources(row)
+    shown = [tests[index] for index in row.get("shown_tests") or [] if type(index) is int and 0 <= index < len(tests)]
+    for line in (row.get("prompt") or "").splitlines():
+        if line.strip().startswith("assert "):
+            try:
+                ast.parse(line.strip())
+            except SyntaxError:
+                continue
+            shown.append(line.strip())
+    return shown
+
+
+def _asserted(node: ast.expr, entry_point: str) -> AssertedCall | None:
+    """The call and its asserted value in one condition (see `asserted_calls`), else None."""
+    if (call := _call_args(node, entry_point)) is not _MISSING:
+        return AssertedCall(call, True)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) and (call := _call_args(node.operand, entry_point)) is not _MISSING:
+        return AssertedCall(call, False)
+    pairs: list[tuple[ast.expr, ast.expr]] = []
+    if isinstance(node, ast.Compare) and len(node.ops) == 1:
+        left, right = node.left, node.comparators[0]
+        if isinstance(node.ops[0], (ast.Eq, ast.Is)):
+            pairs = [(_unwrapped(left), right), (_unwrapped(right), left)]
+        elif isinstance(node.ops[0], (ast.Lt, ast.LtE)) and _is_call(left, "abs", 1) and isinstance(left.args[0], ast.BinOp) \
+                and isinstance(left.args[0].op, ast.Sub):
+            difference = left.args[0]
+            pairs = [(difference.left, difference.right), (difference.right, difference.left)]
+    elif _is_call(node, "isclose", 2):
+        pairs = [(node.args[0], node.args[1]), (node.args[1], node.args[0])]
+    for side, other in pairs:
+        call, value = _call_args(side, entry_point), _node_literal(other)
+        if call is not _MISSING and value is not _MISSING:
+            return AssertedCall(call, value)
+    return None
+
+
+def _is_call(node: ast.expr, name: str, arguments: int) -> bool:
+    """`name(...)` or `module.name(...)` with at least `arguments` positional arguments."""
+    function = getattr(node, "func", None)
+    called = function.id if isinstance(function, ast.Name) else function.attr if isinstance(function, ast.Attribute) else None
+    return isinstance(node, ast.Call) and called == name and len(node.args) >= arguments
+
+
+def _unwrapped(node: ast.expr) -> ast.expr:
+    """The argument of a `_WRAPPERS` call around it (`round(f(x), 2)` -> `f(x)`), else the node."""
+    while any(_is_call(node, name, 1) for name in _WRAPPERS) and isinstance(node.func, ast.Name):
+        node = node.args[0]
+    return node
+
+
+def _call_args(node: ast.expr, entry_point: str):
+    """The literal arguments of `entry_point(...)` (None when they are not literals), else `_MISSING`."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == entry_point):
+        return _MISSING
+    if node.keywords or any(isinstance(arg, ast.Starred) for arg in node.args):
+        return None
+    values = [_node_literal(arg) for arg in node.args]
+    return None if any(value is _MISSING for value in values) else values
+
+
+def _node_literal(node: ast.expr) -> Any:
+    """The value of a literal expression that round-trips through repr, else `_MISSING`."""
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _MISSING
+    return value if _round_trips(value) else _MISSING
 
 
 def test_sources(row: Mapping[str, Any]) -> list[str]:
