@@ -29,7 +29,7 @@ from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
 from posttrain.models import forward as model_forward
 from posttrain.models import pair_forward
-from posttrain.losses.preference import OBJECTIVES, Loss, PreferenceModels, preference_losses
+from posttrain.losses.preference import OBJECTIVES, REFERENCE_CACHE, Loss, PreferenceModels, preference_losses
 from posttrain.losses.preference import step as preference_step
 from posttrain.models.forward import TrainingForward
 from posttrain.recipes import dpo, dpo_config
@@ -354,7 +354,7 @@ def test_smoke_each_loss(tmp_path, pairs_file, variant):
     assert loss["type"] == config.loss.type and loss["forward"].startswith("chosen and rejected concatenated")
     assert "not recorded" in card["links"]["reward"]["labels"]
     if config.loss.reference == "precomputed":
-        assert "no reference model in memory" in loss["reference"] and (run_dir / dpo.REFERENCE_CACHE).is_file()
+        assert "no reference model in memory" in loss["reference"] and (run_dir / REFERENCE_CACHE).is_file()
     elif config.lora_rank:
         assert loss["reference"].startswith("LoRA base")
     if config.loss.reference_refresh_every:

@@ -136,7 +136,7 @@ def test_pairs_from_a_parquet_file_with_a_format(tmp_path):
     import datasets
 
     from posttrain.data import load_splits
-    from posttrain.recipes.dpo import heldout_task
+    from posttrain.evaluation.preference import heldout_task
     from posttrain.recipes.dpo_config import Acceptance
 
     source = tmp_path / "gsm8k.parquet"

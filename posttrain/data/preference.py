@@ -11,6 +11,8 @@ given to the loader (or the tokeniser), not repeated in every row.
 
 `load_pairs` gives a training run its pairs: the file validated, a held-out set (a second file, or
 whole prompts split off the first, seeded), and the truncation policy applied once to all of them.
+`PairSource` is a recipe's data section (`posttrain dpo`'s `data.*`: the file, the held-out pairs,
+the rendering and truncation), `preference_data_card` the run card's data link.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -264,6 +266,45 @@ def split_pairs(pairs: list[PreferencePair], count: int, seed: int) -> tuple[lis
 
 
 @dataclass
+class PairSource:
+    """Link 1, data: the pairs, the held-out pairs, and how over-long rows are handled."""
+
+    pairs: str = ""
+    """Preference pairs to train on (TRL standard or conversational format): a .jsonl, .parquet, .csv,
+    .json or .arrow file, a `save_to_disk` directory, or a dataset name in the local Hugging Face cache."""
+    heldout_file: str | None = None
+    """Held-out pairs, read like `pairs` (the same format, columns and split); None: split
+    `heldout_pairs` off `pairs` (by prompt, seeded)."""
+    heldout_pairs: int = 32
+    """Pairs split off `pairs` for held-out preference accuracy when no heldout_file (0: none)."""
+    format: str | None = None
+    """The pairs' public layout: trl_preference (prompt, chosen, rejected; docs/data.md)."""
+    columns: dict = field(default_factory=dict)
+    """Our column names -> the file's, e.g. {chosen: better, rejected: worse} (overrides the format's)."""
+    split: str | None = None
+    """The split of a saved or cached dataset with several (default train)."""
+    strict: bool = True
+    """A bad row stops the run (false: bad rows are dropped and counted)."""
+    system_prompt: str | None = None
+    """System prompt given to every pair (None: the one `posttrain pairs` sampled them with, from the
+    pairs file's provenance; else none)."""
+    use_chat_template: bool | None = None
+    """Render prompts with the tokenizer's chat template (None: when it has one)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt in tokens (None: no limit)."""
+    max_response_tokens: int | None = None
+    """Longest chosen/rejected response in tokens, EOS included (None: no limit)."""
+    prompt_truncation: Literal["error", "left", "drop"] = "error"
+    """Over-long prompt: error (named by file line), keep its last tokens, or drop the pair."""
+    response_truncation: Literal["right", "drop", "error"] = "right"
+    """Over-long response: keep its first tokens, drop the pair, or error."""
+
+    def truncation(self) -> TruncationPolicy:
+        """The four truncation settings as the tokeniser's `TruncationPolicy`."""
+        return TruncationPolicy(self.max_prompt_tokens, self.max_response_tokens, self.prompt_truncation, self.response_truncation)
+
+
+@dataclass
 class PairSplits:
     """A run's training and held-out pairs (each kept by the truncation policy) and their counts."""
 
@@ -320,3 +361,24 @@ def load_pairs(
         splits[name] = kept
         stats[name] = {"pairs": len(kept), "prompts_truncated": counts[0], "responses_truncated": counts[1], "dropped": counts[2]}
     return PairSplits(splits["train"], splits["heldout"], stats)
+
+
+def preference_data_card(data: PairSource, splits: PairSplits, provenance: dict[str, Any] | None, *, seed: int,
+                         batch_size: int, micro_batch_size: int) -> dict[str, Any]:
+    """The run card's data link of a run on preference pairs: the `data` section (where the pairs
+    and the held-out pairs come from, how they are read, rendered and truncated), the pairs the run
+    trains and evaluates on and what loading and splitting them counted (`splits`, after any other
+    removal, e.g. of a held-out task's prompts), the split `seed`, the pairs per optimizer step and
+    per forward/backward, and from `provenance` (the pairs file's sidecar; None: none) what sampled them."""
+    link = {
+        "source": f"offline: preference pairs from {data.pairs}", "train_pairs": len(splits.train),
+        "heldout_pairs": len(splits.heldout),
+        "heldout_pairs_from": data.heldout_file or f"split off the training file by prompt (seed {seed})",
+        "format": data.format, "columns": data.columns, "split": data.split,
+        **splits.stats, "truncation": {key: getattr(data, key) for key in ("max_prompt_tokens", "max_response_tokens", "prompt_truncation", "response_truncation")},
+        "system_prompt": data.system_prompt, "batch_size": batch_size, "micro_batch_size": micro_batch_size,
+    }
+    if provenance:
+        link.update({"sampled_from": provenance.get("model"), "task": provenance.get("task"),
+                     "group_size": provenance.get("group_size"), "sampling": provenance.get("sampling")})
+    return link

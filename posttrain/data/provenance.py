@@ -1,8 +1,9 @@
 """A data file's provenance sidecar: `pairs.jsonl` -> `pairs.meta.json`, next to it, saying where the
 rows came from (for `posttrain pairs` files: model, verifier, task, seed, sampling) and holding the
-file's SHA-256, so a reader can tell whether the file is still the one it describes. Also the atomic
-file writer (`write_atomically`; `write_text_atomically` for text) that these files, the run card, eval
-results and the DPO reference cache go through.
+file's SHA-256, so a reader can tell whether the file is still the one it describes. `reward_card`
+is the run card's reward link of a run on such a file: who labelled the pairs, as the sidecar says.
+Also the atomic file writer (`write_atomically`; `write_text_atomically` for text) that these files,
+the run card, eval results and the DPO reference cache go through.
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ def read_provenance(data_path: str | Path) -> dict[str, Any] | None:
     if not meta["file_matches"]:
         logger.warning("%s: the file changed after %s was written; its provenance may not apply", data_path, sidecar)
     return meta
+
+
+def reward_card(pairs: str, provenance: dict[str, Any] | None) -> dict[str, Any]:
+    """The run card's reward link of a run on the preference pairs file `pairs`: who labelled them,
+    as their `provenance` (`read_provenance`; None: no sidecar) records it."""
+    if not provenance:
+        return {"labels": f"as given in {pairs} (who labelled them is not recorded)"}
+    return {
+        "labels": f"labels came from verifier {provenance.get('verifier')} on samples of model {provenance.get('model')}",
+        "verifier": provenance.get("verifier"), "verifier_settings": provenance.get("verifier_settings"),
+        "correct_threshold": provenance.get("correct_threshold"), "pairs_seed": provenance.get("seed"),
+        "provenance_file_matches": provenance["file_matches"],
+    }
 
 
 def write_atomically(path: str | Path, write: Callable[[BinaryIO], object]) -> None:

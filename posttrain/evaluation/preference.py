@@ -10,20 +10,23 @@ pair metrics on pairs the policy never trained on, against the same reference as
 The pairs go through `models.pair_forward.pair_logprobs` in micro-batches and their
 `algorithms.pair_columns` are concatenated before `losses.preference.step_metrics` averages them,
 so the numbers do not depend on the micro-batch size. Held-out task accuracy, the second number,
-is `evaluation.acceptance.evaluate_sets`, with a checker whose independence from whoever labelled
-the pairs `labeller_independence` states.
+is `evaluation.acceptance.evaluate_sets` on the task split `heldout_task` builds (each setting from
+the acceptance section, else from the pairs' provenance), with a checker whose independence from
+whoever labelled the pairs `labeller_independence` states. `preference_acceptance_card` is the run
+card's acceptance link.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from posttrain.algorithms import pair_columns
 from posttrain.data import PreferenceBatch, PreferencePair
-from posttrain.evaluation.acceptance import independence
+from posttrain.data.examples import Task
+from posttrain.evaluation.acceptance import HeldOutSet, default_checker, heldout_split, independence
 from posttrain.losses.preference import Loss, preference_losses, step_metrics
 from posttrain.models.pair_forward import pair_logprobs
 from posttrain.rewards import Verifier, get_verifier
@@ -81,3 +84,49 @@ def labeller_independence(labeller: str | None, checker: Verifier) -> tuple[bool
         same = labeller == checker.name
         return not same, (f"the checker {checker.name} is the labeller itself" if same
                           else f"the labeller {labeller} cannot be rebuilt to compare; the checker {checker.name} is another verifier")
+
+
+def heldout_task(acceptance: Any, provenance: dict | None, seed: int) -> tuple[Task | None, dict | None]:
+    """The held-out task split for acceptance (None when the pairs come from no known task), and
+    the spec it was built from ({task, options, eval_size, split_seed, checker}; None without a
+    task): each setting from `acceptance` (a recipe's acceptance section with task, task_options,
+    eval_size, split_seed and checker), else from the pairs' `provenance`, else the defaults (200
+    problems, split seed `seed`, the task's strict default checker)."""
+    origin = provenance or {}
+    task = acceptance.task or origin.get("task")
+    if task is None:
+        return None, None
+    spec = {
+        "task": task,
+        "options": acceptance.task_options if acceptance.task_options is not None else origin.get("task_options", {}),
+        "eval_size": acceptance.eval_size or origin.get("eval_size") or 200,
+        "split_seed": acceptance.split_seed if acceptance.split_seed is not None else origin.get("seed", seed),
+    }
+    held_out = heldout_split(task, spec["eval_size"], spec["split_seed"], spec["options"])
+    spec["checker"] = acceptance.checker or default_checker(held_out)
+    return held_out, spec
+
+
+def preference_acceptance_card(acceptance: Any, heldout_pairs: int, task_spec: dict | None, checker: Verifier | None,
+                               provenance: dict | None, shifted: Sequence[HeldOutSet] = ()) -> dict[str, Any]:
+    """The run card's acceptance link of a run on preference pairs: the `heldout_pairs` held-out
+    pairs, the held-out task (`task_spec`, from `heldout_task`; None: none) and its `checker`
+    (whether it is the pairs' labeller, named in their `provenance`, and whether it is independent
+    of it), the displacement alarm's settings (`acceptance`: displacement_threshold, alarm_window)
+    and the `shifted` held-out sets."""
+    link = {
+        "heldout_pairs": f"{heldout_pairs} pairs: preference accuracy (chosen reward > rejected reward)",
+        "heldout_task": (f"{task_spec['task']} held-out split ({task_spec['eval_size']} problems, split seed {task_spec['split_seed']}, "
+                         "disjoint from the pairs' prompts)") if task_spec else "none (the pairs come from no known task)",
+        "checker": task_spec["checker"] if task_spec else None, "displacement_threshold": acceptance.displacement_threshold,
+        "alarm_window": acceptance.alarm_window,
+    }
+    labeller = (provenance or {}).get("verifier")
+    if task_spec and labeller is not None:
+        link["checker_is_labeller"] = task_spec["checker"] == labeller
+    if checker is not None:
+        independent, why = labeller_independence(labeller, checker)
+        link.update({"independent": independent, "independence_reason": why, "checker_settings": checker.describe()})
+    if shifted:
+        link["sets"] = {held.name: held.spec for held in shifted}
+    return link

@@ -1,6 +1,8 @@
 """The preference loss step: the DPO family on summed response log-probs of chosen and rejected
 responses against a reference (live, or precomputed once), plus an optional NLL term on the chosen
 responses (RPO). The objectives themselves are pure functions in `posttrain/algorithms/preference.py`.
+`loss_card` is the run card's loss link: the objective and every setting of it, the reference, the
+optimizer.
 
     metrics = step(PreferenceModels(Trainable(trainer, optimizer, scheduler, max_grad_norm), reference),
                    batch, loss, micro_batch_size, world)
@@ -8,6 +10,7 @@ responses (RPO). The objectives themselves are pure functions in `posttrain/algo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,7 +21,7 @@ from posttrain.data import PreferenceBatch
 from posttrain.distributed import World, gradient_sync, rank_micro_batches, unwrap
 from posttrain.errors import UserError
 from posttrain.models.pair_forward import PairLogprobs, pair_logprobs
-from posttrain.optim import Trainable
+from posttrain.optim import Optimization, Trainable
 
 OBJECTIVES = {
     "sigmoid": "DPO sigmoid loss (arXiv:2305.18290 eq. 7)",
@@ -30,6 +33,8 @@ OBJECTIVES = {
     "length_normalized_ipo": "length-normalised IPO (TRL's ipo): IPO squared loss on per-token MEAN log-ratios (a different objective)",
 }
 """What the run card says each `loss.type` is."""
+REFERENCE_CACHE = "reference_logprobs.pt"
+"""The precomputed reference's file in the run directory (`loss.reference: precomputed`)."""
 
 
 @dataclass
@@ -132,3 +137,28 @@ def step(models: PreferenceModels, batch: PreferenceBatch, loss: Loss, micro_bat
     metrics = step_metrics(columns, float(world.reduce(nll_total)), loss.nll_weight)
     metrics["grad_norm"] = models.policy.step()
     return metrics
+
+
+def loss_card(loss: Loss, reference: Any, lora_rank: int, optim: Optimization) -> dict[str, Any]:
+    """The run card's loss link: the objective (`OBJECTIVES`) and every setting of `loss`, the
+    reference (`reference`: a live `ReferenceModel`, whose `adapter_disabled` says it is the LoRA
+    base, or None when precomputed into `REFERENCE_CACHE`; `lora_rank` > 0: from the LoRA base) and
+    the optimizer section `optim`, in full."""
+    if reference is None:
+        reference_text = "precomputed once at the start from the initial policy" + (" (LoRA base)" if lora_rank else "") + f", cached in {REFERENCE_CACHE}; no reference model in memory"
+    elif reference.adapter_disabled:
+        reference_text = "LoRA base (the policy with adapters disabled; no copy)"
+    else:
+        reference_text = "frozen copy of the initial policy"
+    return {
+        "objective": OBJECTIVES[loss.type], "type": loss.type, "beta": loss.beta, "label_smoothing": loss.label_smoothing,
+        "sequence_logprob": "sum over response tokens (prompt and padding masked, the ending EOS counted)",
+        "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type.startswith("length_normalized") else "none: summed log-probs",
+        "nll_weight": loss.nll_weight,
+        "nll_term": "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)" if loss.nll_weight else "off",
+        "reference": reference_text, "reference_refresh_every": loss.reference_refresh_every,
+        "reference_refresh": "TR-DPO hard update: the reference becomes the current policy (arXiv:2404.09656)" if loss.reference_refresh_every else "never",
+        "forward": "chosen and rejected concatenated in one forward pass, each prompt computed once for both (a shared KV cache) where the model allows",
+        "reduction": "mean over the batch's pairs",
+        "optimizer": dataclasses.asdict(optim),
+    }

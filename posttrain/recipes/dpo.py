@@ -10,15 +10,18 @@ Each step: 1. the next batch of pairs, 2. reference log-probs (live forward, or 
 3. policy log-probs of chosen and rejected in one forward per micro-batch, each pair's prompt
 computed once for both responses (a shared KV cache), loss, backward (micro-batches share the
 batch's normalisers), 4. log, alarm, refresh the reference, evaluate, checkpoint.
-The pieces live where their concept does: loading and splitting the pairs in `posttrain/data/preference.py`,
-their provenance in `posttrain/data/provenance.py`, the pair forward in `posttrain/models/pair_forward.py`,
-the objectives and pair metrics in `posttrain/algorithms/preference.py`, the loss section and its
-step (steps 2-3 and the optimizer step) in `posttrain/losses/preference.py`, the held-out pair
-metrics in `posttrain/evaluation/preference.py`, the alarm in `posttrain/evaluation/alarms.py`; the
-other settings in `dpo_config.py`. This file is orchestration: `setup(config, world, placement)`
--> State (everything that can fail on bad input, before the run directory exists), `build_trainer`
-(the reference and the trainer, once it does), `step(state, done, ...)` (steps 1-4 up to the
-evaluation), `evaluate`, the run card, and `run()` looping over them.
+The pieces live where their concept does, each with its link of the run card: the data section
+(`PairSource`), loading and splitting the pairs and the data link in `posttrain/data/preference.py`,
+their provenance and the reward link (who labelled them) in `posttrain/data/provenance.py`, the pair
+forward in `posttrain/models/pair_forward.py`, the objectives and pair metrics in
+`posttrain/algorithms/preference.py`, the loss section, its step (steps 2-3 and the optimizer step)
+and the loss link in `posttrain/losses/preference.py`, the held-out pair metrics, the held-out task
+split and the acceptance link in `posttrain/evaluation/preference.py`, the alarm in
+`posttrain/evaluation/alarms.py`; the other settings in `dpo_config.py`. This file is
+orchestration: `setup(config, world, placement)` -> State (everything that can fail on bad input,
+before the run directory exists), `build_trainer` (the reference and the trainer, once it does),
+`step(state, done, ...)` (steps 1-4 up to the evaluation), `evaluate`, the run card (`make_card`,
+from the links' homes), and `run()` looping over them.
 
     posttrain dpo --config presets/tiny-dpo.yaml --data.pairs pairs.jsonl --max-steps 50
 """
@@ -41,22 +44,22 @@ from posttrain.config import to_dict
 from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
 from posttrain.data.examples import Example, Task
 from posttrain.data.stream import data_order
-from posttrain.data.preference import load_pairs, prompt_key
-from posttrain.data.provenance import read_provenance
+from posttrain.data.preference import PairSplits, load_pairs, preference_data_card, prompt_key
+from posttrain.data.provenance import read_provenance, reward_card
 from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, HeldOutSet, default_checker, evaluate_sets, heldout_checker, heldout_split, shifted_sets
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, HeldOutSet, evaluate_sets, heldout_checker, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
-from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs, labeller_independence
+from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs, heldout_task, preference_acceptance_card
 from posttrain.hardware import Placement
 from posttrain.models import ReferenceModel, make_reference
 from posttrain.models.forward import TrainingForward
 from posttrain.models.loading import load_policy
 from posttrain.models.pair_forward import pair_logprobs, precomputed_reference
-from posttrain.losses.preference import PreferenceModels
+from posttrain.losses.preference import REFERENCE_CACHE, PreferenceModels, loss_card
 from posttrain.losses.preference import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
-from posttrain.recipes.dpo_config import OBJECTIVES, Acceptance, Config
+from posttrain.recipes.dpo_config import Config
 from posttrain.rewards import Verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.plots import plot_sets
@@ -67,8 +70,6 @@ from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
 
-REFERENCE_CACHE = "reference_logprobs.pt"
-"""The precomputed reference's file in the run directory."""
 PLOTTED = ["loss", "rewards/accuracy", "rewards/margins", "logratio/chosen", "logratio/rejected",
            "heldout/preference_accuracy", "heldout/pass@1"]
 
@@ -346,111 +347,20 @@ def cached_reference(state: State, run_dir: RunDirectory) -> dict[str, torch.Ten
                                  config.micro_batch_size, fingerprint, state.world)
 
 
-def heldout_task(acceptance: Acceptance, provenance: dict | None, seed: int):
-    """The held-out task split for acceptance (None when the pairs come from no known task), and
-    the spec it was built from: each setting from `acceptance`, else from the pairs' provenance."""
-    origin = provenance or {}
-    task = acceptance.task or origin.get("task")
-    if task is None:
-        return None, None
-    spec = {
-        "task": task,
-        "options": acceptance.task_options if acceptance.task_options is not None else origin.get("task_options", {}),
-        "eval_size": acceptance.eval_size or origin.get("eval_size") or 200,
-        "split_seed": acceptance.split_seed if acceptance.split_seed is not None else origin.get("seed", seed),
-    }
-    held_out = heldout_split(task, spec["eval_size"], spec["split_seed"], spec["options"])
-    spec["checker"] = acceptance.checker or default_checker(held_out)
-    return held_out, spec
-
-
 def make_card(state: State, changes: list[str]) -> dict[str, Any]:
-    """The run card: the four links and every loss setting, and the run's own part (`changes`: what
-    a resume accepted)."""
+    """The run card: the four links, each written by its link's home, and the run's own part
+    (`changes`: what a resume accepted)."""
     config = state.config
     card = new_card("dpo", config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
-    card["links"]["data"] = data_link(state)
-    card["links"]["reward"] = reward_link(config.data.pairs, state.provenance)
-    card["links"]["loss"] = loss_link(config, state.reference)
-    acceptance = card["links"]["acceptance"] = acceptance_link(state)
+    card["links"]["data"] = preference_data_card(config.data, PairSplits(state.train, state.held_pairs, state.data_stats), state.provenance,
+                                                 seed=config.seed, batch_size=config.batch_size, micro_batch_size=config.micro_batch_size)
+    card["links"]["reward"] = reward_card(config.data.pairs, state.provenance)
+    card["links"]["loss"] = loss_card(config.loss, state.reference, config.lora_rank, config.optim)
+    acceptance = card["links"]["acceptance"] = preference_acceptance_card(config.acceptance, len(state.held_pairs), state.task_spec,
+                                                                          state.checker, state.provenance, state.shifted)
     if acceptance.get("independent") is False:
         card["notes"].append(f"acceptance is not independent of the labels: {acceptance['independence_reason']}")
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
     card["alarms"] = list(state.alarm.rings)
     card_run_part(card, config, state.placement, state.world, changes)
     return card
-
-
-def data_link(state: State) -> dict[str, Any]:
-    """The card's data link: the pairs, how they were split, rendered and batched, and (from the
-    provenance) what sampled them."""
-    config, data, provenance = state.config, state.config.data, state.provenance
-    link = {
-        "source": f"offline: preference pairs from {data.pairs}", "train_pairs": len(state.train),
-        "heldout_pairs": len(state.held_pairs),
-        "heldout_pairs_from": data.heldout_file or f"split off the training file by prompt (seed {config.seed})",
-        "format": data.format, "columns": data.columns, "split": data.split,
-        **state.data_stats, "truncation": {key: getattr(data, key) for key in ("max_prompt_tokens", "max_response_tokens", "prompt_truncation", "response_truncation")},
-        "system_prompt": data.system_prompt, "batch_size": config.batch_size, "micro_batch_size": config.micro_batch_size,
-    }
-    if provenance:
-        link.update({"sampled_from": provenance.get("model"), "task": provenance.get("task"),
-                     "group_size": provenance.get("group_size"), "sampling": provenance.get("sampling")})
-    return link
-
-
-def reward_link(pairs: str, provenance: dict | None) -> dict[str, Any]:
-    """The card's reward link: who labelled the pairs, as their provenance records it."""
-    if not provenance:
-        return {"labels": f"as given in {pairs} (who labelled them is not recorded)"}
-    return {
-        "labels": f"labels came from verifier {provenance.get('verifier')} on samples of model {provenance.get('model')}",
-        "verifier": provenance.get("verifier"), "verifier_settings": provenance.get("verifier_settings"),
-        "correct_threshold": provenance.get("correct_threshold"), "pairs_seed": provenance.get("seed"),
-        "provenance_file_matches": provenance["file_matches"],
-    }
-
-
-def loss_link(config: Config, reference: ReferenceModel | None) -> dict[str, Any]:
-    """The card's loss link: the objective and every setting of it, the reference, the optimizer."""
-    loss = config.loss
-    if reference is None:
-        reference_text = "precomputed once at the start from the initial policy" + (" (LoRA base)" if config.lora_rank else "") + f", cached in {REFERENCE_CACHE}; no reference model in memory"
-    elif reference.adapter_disabled:
-        reference_text = "LoRA base (the policy with adapters disabled; no copy)"
-    else:
-        reference_text = "frozen copy of the initial policy"
-    return {
-        "objective": OBJECTIVES[loss.type], "type": loss.type, "beta": loss.beta, "label_smoothing": loss.label_smoothing,
-        "sequence_logprob": "sum over response tokens (prompt and padding masked, the ending EOS counted)",
-        "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type.startswith("length_normalized") else "none: summed log-probs",
-        "nll_weight": loss.nll_weight,
-        "nll_term": "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)" if loss.nll_weight else "off",
-        "reference": reference_text, "reference_refresh_every": loss.reference_refresh_every,
-        "reference_refresh": "TR-DPO hard update: the reference becomes the current policy (arXiv:2404.09656)" if loss.reference_refresh_every else "never",
-        "forward": "chosen and rejected concatenated in one forward pass, each prompt computed once for both (a shared KV cache) where the model allows",
-        "reduction": "mean over the batch's pairs",
-        "optimizer": to_dict(config.optim),
-    }
-
-
-def acceptance_link(state: State) -> dict[str, Any]:
-    """The card's acceptance link: the held-out pairs, the held-out task and its checker (and whether
-    that checker is independent of the pairs' labeller), the alarm, the shifted sets."""
-    acceptance, task_spec, checker = state.config.acceptance, state.task_spec, state.checker
-    link = {
-        "heldout_pairs": f"{len(state.held_pairs)} pairs: preference accuracy (chosen reward > rejected reward)",
-        "heldout_task": (f"{task_spec['task']} held-out split ({task_spec['eval_size']} problems, split seed {task_spec['split_seed']}, "
-                         "disjoint from the pairs' prompts)") if task_spec else "none (the pairs come from no known task)",
-        "checker": task_spec["checker"] if task_spec else None, "displacement_threshold": acceptance.displacement_threshold,
-        "alarm_window": acceptance.alarm_window,
-    }
-    labeller = (state.provenance or {}).get("verifier")
-    if task_spec and labeller is not None:
-        link["checker_is_labeller"] = task_spec["checker"] == labeller
-    if checker is not None:
-        independent, why = labeller_independence(labeller, checker)
-        link.update({"independent": independent, "independence_reason": why, "checker_settings": checker.describe()})
-    if state.shifted:
-        link["sets"] = {held.name: held.spec for held in state.shifted}
-    return link

@@ -1,16 +1,16 @@
-"""The settings of `posttrain dpo`: the pairs (data), the objective (loss: its section lives with its
-step in `posttrain/losses/preference.py`), held-out acceptance, checked in `validate` (called once,
-by `build_config`). What the recipe does with them is `dpo.py`.
+"""The settings of `posttrain dpo`: the pairs (data: its section, `PairSource`, lives with the loader
+in `posttrain/data/preference.py`), the objective (loss: its section lives with its step in
+`posttrain/losses/preference.py`), held-out acceptance, checked in `validate` (called once, by
+`build_config`). What the recipe does with them is `dpo.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from posttrain.config import PolicyFields
-from posttrain.data import TruncationPolicy
 from posttrain.data.files import resolve_columns
+from posttrain.data.preference import PairSource
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import check_set_specs
@@ -18,42 +18,8 @@ from posttrain.losses.preference import OBJECTIVES, Loss  # noqa: F401  (the los
 from posttrain.optim import Optimization
 
 
-@dataclass
-class Data:
-    """Link 1, data: the pairs, the held-out pairs, and how over-long rows are handled."""
-
-    pairs: str = ""
-    """Preference pairs to train on (TRL standard or conversational format): a .jsonl, .parquet, .csv,
-    .json or .arrow file, a `save_to_disk` directory, or a dataset name in the local Hugging Face cache."""
-    heldout_file: str | None = None
-    """Held-out pairs, read like `pairs` (the same format, columns and split); None: split
-    `heldout_pairs` off `pairs` (by prompt, seeded)."""
-    heldout_pairs: int = 32
-    """Pairs split off `pairs` for held-out preference accuracy when no heldout_file (0: none)."""
-    format: str | None = None
-    """The pairs' public layout: trl_preference (prompt, chosen, rejected; docs/data.md)."""
-    columns: dict = field(default_factory=dict)
-    """Our column names -> the file's, e.g. {chosen: better, rejected: worse} (overrides the format's)."""
-    split: str | None = None
-    """The split of a saved or cached dataset with several (default train)."""
-    strict: bool = True
-    """A bad row stops the run (false: bad rows are dropped and counted)."""
-    system_prompt: str | None = None
-    """System prompt given to every pair (None: the one `posttrain pairs` sampled them with, from the
-    pairs file's provenance; else none)."""
-    use_chat_template: bool | None = None
-    """Render prompts with the tokenizer's chat template (None: when it has one)."""
-    max_prompt_tokens: int | None = None
-    """Longest prompt in tokens (None: no limit)."""
-    max_response_tokens: int | None = None
-    """Longest chosen/rejected response in tokens, EOS included (None: no limit)."""
-    prompt_truncation: Literal["error", "left", "drop"] = "error"
-    """Over-long prompt: error (named by file line), keep its last tokens, or drop the pair."""
-    response_truncation: Literal["right", "drop", "error"] = "right"
-    """Over-long response: keep its first tokens, drop the pair, or error."""
-
-    def truncation(self) -> TruncationPolicy:
-        return TruncationPolicy(self.max_prompt_tokens, self.max_response_tokens, self.prompt_truncation, self.response_truncation)
+Data = PairSource
+"""Link 1, data: the pairs (`data.*`); the section lives with the loader in `posttrain/data/preference.py`."""
 
 
 @dataclass
