@@ -99,9 +99,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     from posttrain.models import load_model
 
     placement = resolve(settings.hardware)
-    if model is None:
-        model, tokenizer = load_model(settings.model, dtype=placement.param_dtype, device=placement.device)
-    model.eval()
+    # The prompts and the verifier before the model: a bad file or verifier fails before any work.
     data = settings.data
     train, _ = load_splits(data.task, train_size=data.max_prompts, eval_size=data.eval_size,
                            seed=settings.seed, options=data.load_options())
@@ -112,6 +110,9 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier", placement=placement)
     warn_if_unsafe(settings.unsafe_no_sandbox)
     verifier.prepare()
+    if model is None:
+        model, tokenizer = load_model(settings.model, dtype=placement.param_dtype, device=placement.device)
+    model.eval()
     G = settings.group_size
     rows, outcomes = [], {"paired": 0, "all_correct": 0, "all_incorrect": 0, "unscored": 0}
     errors = {"infra_error": 0, "data_error": 0}

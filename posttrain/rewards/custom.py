@@ -5,7 +5,10 @@ ok, bool counting as 0/1, anything else infra_error):
 
 * `callable:<dotted.path>` (`CallableVerifier`): imported and run in a worker with a deadline; an
   exception is infra_error whose reason is the traceback's last line, and a missed deadline is
-  infra_error too (a verifier that hangs is a verifier bug, not a wrong answer);
+  infra_error too (a verifier that hangs is a verifier bug, not a wrong answer). The module is
+  imported from the current directory first, then `sys.path` (as `python -m` does, and as the
+  workers, `python -m posttrain.rewards.worker`, do), so `posttrain grpo --reward callable:my_reward.score`
+  finds ./my_reward.py; a path that does not import is a ValueError when the verifier is built;
 * a callable object (`FunctionVerifier`, what `as_verifier` makes of a plain callable): run in
   this process, because a function defined in a script or a notebook cannot be imported by a
   worker; it gets a plain dict copy of the example, and an exception is infra_error
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,14 +32,31 @@ from posttrain.rewards.verdict import Verdict
 
 
 def resolve(path: str):
-    """Import `package.module.function` (or `package.module:function`)."""
+    """Import `package.module.function` (or `package.module:function`), the current directory first
+    on the import path (as `python -m` puts it; the `posttrain` script alone would not)."""
     module_name, separator, attribute = path.replace(":", ".").rpartition(".")
     if not separator or not module_name:
         raise ValueError(f"callable path must look like package.module.function, got {path!r}")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
     function = getattr(importlib.import_module(module_name), attribute)
     if not callable(function):
         raise ValueError(f"{path} is not callable")
     return function
+
+
+def load_error(path: str) -> str | None:
+    """None if `path` imports as a callable (`resolve`), else why not, in one line naming where
+    modules are looked for. Any exception of the module's own import (a SyntaxError, a missing
+    package) is the reason too."""
+    try:
+        resolve(path)
+    except Exception as error:  # noqa: BLE001 - the user's module: whatever stops its import is the answer
+        reason = traceback.format_exception_only(type(error), error)[-1].strip()
+        return (f"cannot load callable:{path}: {reason} (modules are imported from the current directory, "
+                f"{os.getcwd()}, then PYTHONPATH)")
+    return None
 
 
 def verdict_from_result(result: Any, name: str, reason: str) -> Verdict:
@@ -61,13 +83,13 @@ class CallableVerifier(Verifier):
     def __init__(self, path: str, timeout_s: float = 10.0):
         self.path, self.timeout_s = path, timeout_s
         self.name = f"callable:{path}"
+        self.prepare()  # a bad path fails where the verifier is named (one line there), before any work
 
     def prepare(self) -> None:
-        """Fail fast (in the caller) on a path that does not import."""
-        try:
-            resolve(self.path)
-        except (ImportError, AttributeError, ValueError) as error:
-            raise ValueError(f"cannot load verifier callable {self.path!r}: {error}") from None
+        """Fail fast (in the caller) on a path that does not import: a ValueError (`load_error`)."""
+        problem = load_error(self.path)
+        if problem is not None:
+            raise ValueError(problem)
 
     def score(self, completion: str, example: Mapping) -> Verdict:
         """Call the function; normalise its result to a Verdict."""
