@@ -2,8 +2,7 @@
 rows came from (for `posttrain pairs` files: model, verifier, task, seed, sampling) and holding the
 file's SHA-256, so a reader can tell whether the file is still the one it describes. `reward_card`
 is the run card's reward link of a run on such a file: who labelled the pairs, as the sidecar says.
-Also the atomic file writer (`write_atomically`; `write_text_atomically` for text) that these files,
-the run card, eval results and the DPO reference cache go through.
+Both files are written by the one atomic writer, `posttrain/atomic.py`.
 """
 
 from __future__ import annotations
@@ -11,12 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any
 
-from posttrain.errors import UserError, WriteFailed, write_errno
+from posttrain.atomic import write_text_atomically
+from posttrain.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -58,34 +56,6 @@ def reward_card(pairs: str, provenance: dict[str, Any] | None) -> dict[str, Any]
         "correct_threshold": provenance.get("correct_threshold"), "pairs_seed": provenance.get("seed"),
         "provenance_file_matches": provenance["file_matches"],
     }
-
-
-def write_atomically(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write `path` by calling `write` with a binary file open on a temporary file in the same
-    directory, then fsync and rename: a crash leaves the old file or the new one, never half of it. A
-    full disk (or another write failure of `errors.DISK_ERRNOS`, also behind torch's writer) is a
-    one-line `WriteFailed` naming `path`; the temporary file is removed whatever stopped the write."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            write(stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        number = write_errno(error)
-        failure = WriteFailed(path, os.strerror(number)) if number else None
-        Path(temporary).unlink(missing_ok=True)
-        if failure is not None:
-            raise failure from error
-        raise
-
-
-def write_text_atomically(path: str | Path, text: str) -> None:
-    """`write_atomically` of `text`, UTF-8."""
-    write_atomically(path, lambda stream: stream.write(text.encode("utf-8")))
 
 
 def write_with_provenance(out: str | Path, rows: list[dict], provenance: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from posttrain.data.files import resolve_columns
 from posttrain.data.preference import PairSource
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import check_set_specs
+from posttrain.evaluation import settings as evaluation_settings
 from posttrain.losses.preference import OBJECTIVES, Loss  # noqa: F401  (the loss section, re-exported with its card texts)
 from posttrain.optim import Optimization
 
@@ -23,8 +23,10 @@ Data = PairSource
 
 
 @dataclass
-class Acceptance:
-    """Link 4, acceptance: held-out pairs, and held-out task accuracy with an independent checker."""
+class Acceptance(evaluation_settings.Acceptance):
+    """Link 4, acceptance (`evaluation/settings.Acceptance`: checker, max_new_tokens, eval_every,
+    sets): held-out pairs, and held-out task accuracy with an independent checker on a task split
+    taken from the pairs' provenance unless given here, watched by the likelihood-displacement alarm."""
 
     task: str | None = None
     """Held-out task; None: the task recorded in the pairs' provenance (none: no task evaluation)."""
@@ -34,18 +36,17 @@ class Acceptance:
     """Held-out task problems (None: the provenance's, so the split is the one the pairs avoided; else 200)."""
     split_seed: int | None = None
     """Seed of the task's train/held-out split (None: the provenance's, else `seed`)."""
-    checker: str | None = None
-    """Held-out checker (a verifier name); None: the task's strict default."""
-    max_new_tokens: int = 32
-    """Generation budget of the task evaluation."""
-    eval_every: int = 0
-    """Evaluate every N steps (0: only at the start and the end)."""
     displacement_threshold: float = 5.0
     """Likelihood-displacement alarm: mean chosen log-ratio below -threshold (nats) while accuracy rises."""
     alarm_window: int = 5
     """Steps averaged by the displacement alarm."""
-    sets: list[dict] | None = None
-    """Shifted held-out sets evaluated beside the held-out task, each {name, task, task_options, size, checker} (as grpo's acceptance.sets); None: the task's defaults (arithmetic: one more digit, the sums in words); []: none."""
+
+    def validate(self, prefix: str = "acceptance.") -> None:
+        super().validate(prefix)
+        if self.alarm_window < 1:
+            raise UserError(f"{prefix}alarm_window must be at least 1, got {self.alarm_window}")
+        if self.eval_size is not None and self.eval_size < 1:
+            raise UserError(f"{prefix}eval_size must be at least 1, got {self.eval_size}")
 
 
 @dataclass
@@ -78,7 +79,6 @@ class Config(PolicyFields):
         for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.data.heldout_pairs < 0 or self.acceptance.alarm_window < 1 or self.acceptance.max_new_tokens < 1:
-            raise UserError("data.heldout_pairs must be >= 0; acceptance.alarm_window and max_new_tokens >= 1")
-        if self.acceptance.sets is not None:
-            check_set_specs(self.acceptance.sets)
+        if self.data.heldout_pairs < 0:
+            raise UserError(f"data.heldout_pairs must be at least 0, got {self.data.heldout_pairs}")
+        self.acceptance.validate()
