@@ -1,6 +1,8 @@
 """The data and reward links of an online step (GRPO, PPO): sample B prompts x G completions with
 the policy, score them, optionally refill groups without signal (DAPO), and, under torchrun, gather
 each rank's share so every rank holds the same global batch. The result is one record, `ScoredBatch`.
+`online_data_card` is the run card's data link of such a run: the prompts, how many per step, the
+group size and the sampling settings.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from posttrain.algorithms.advantages import informative_groups
 from posttrain.data import render_prompt
-from posttrain.data.examples import Example, derived_seed, verifier_input
+from posttrain.data.examples import Example, Task, derived_seed, verifier_input
 from posttrain.data.stream import PromptStream
 from posttrain.distributed import World
 from posttrain.rewards import Verifier
@@ -156,3 +158,22 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
         stats["groups/zero_variance_fraction"] = 1 - len(informative_groups(merged_scores.rewards, G)) / groups
     return ScoredBatch(rollout=merged, examples=kept_examples, rendered=kept_rendered, scores=merged_scores,
                        owners=torch.cat(owner_parts), stats=stats)
+
+
+def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingConfig, *, grouped: bool,
+                     screening: dict | None = None) -> dict[str, Any]:
+    """The run card's data link of an online run: `data` (the recipe's data section, a
+    `data.source.TaskSource` with prompts_per_step, group_size, dynamic_sampling and
+    max_refill_rounds), the sizes of the `train` and `held_out` splits and the duplicates removed,
+    the `sampling` settings, and `screening` (what the code problems' screening removed; None:
+    left out). G is `group_size` when `grouped` (the advantages compare a prompt's completions),
+    else `samples_per_prompt`."""
+    return {
+        "source": "online: the policy's own samples", "task": data.task, "options": data.load_options(),
+        "train_prompts": len(train), "heldout_prompts": len(held_out), "duplicates_removed": train.duplicates_removed,
+        "prompts_per_step": data.prompts_per_step, "dynamic_sampling": data.dynamic_sampling,
+        **({"max_refill_rounds": data.max_refill_rounds} if data.dynamic_sampling else {}),
+        ("group_size" if grouped else "samples_per_prompt"): data.group_size,
+        "sampling": dataclasses.asdict(sampling),
+        **({"screening": screening} if screening is not None else {}),
+    }

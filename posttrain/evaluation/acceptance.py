@@ -4,7 +4,8 @@ from the training reward (the seed's fourth link).
 pass@1 is greedy decoding; pass@k samples k completions per problem at the given temperature and
 uses the unbiased estimator. Every number comes with a 95% Wilson interval, and the per-problem
 results are written next to the summary so two evaluations of the same problems can be compared
-pairwise.
+pairwise. `acceptance_card` is an online run card's acceptance link: the held-out sets, their
+checkers and whether each is independent of the training reward.
 """
 
 from __future__ import annotations
@@ -288,6 +289,26 @@ def evaluate_sets(model, tokenizer, held_out: Task, checker, shifted: list[HeldO
             seed=derived_seed(seed, "eval", held.name, str(step)), system_prompt=system_prompt,
             output_path=eval_dir / f"{held.name}-step-{step:06d}.json"), k))
     return result, metrics
+
+
+def acceptance_card(acceptance: dict[str, Any], task: str, heldout_size: int, reward: Verifier, checker: Verifier,
+                    shifted: Sequence[HeldOutSet] = ()) -> dict[str, Any]:
+    """The run card's acceptance link of a run trained on `reward`: the in-distribution held-out
+    split (`heldout_size` prompts of `task`), the acceptance section's settings (`acceptance`, as a
+    dict), the resolved `checker`, whether it is the training reward itself and whether it is
+    independent of it (`independence`, with the reason), both verifiers' settings, and every
+    held-out set: the in-distribution one and each of `shifted` (what built it, and its checker's
+    independence)."""
+    independent, why = independence(reward, checker)
+    same = type(reward) is type(checker) and reward.describe() == checker.describe()
+    return {
+        "heldout": f"{task} held-out split ({heldout_size} prompts, disjoint from training)",
+        **acceptance, "checker_resolved": checker.name, "checker_is_training_reward": same,
+        "independent": independent, "independence_reason": why,
+        "training_reward": reward.describe(), "checker_settings": checker.describe(),
+        "sets": {IN_DISTRIBUTION: {"task": task, "size": heldout_size, "checker": checker.name},
+                 **{held.name: {**held.spec, "independent": independence(reward, held.checker)[0]} for held in shifted}},
+    }
 
 
 def heldout_split(spec: str, eval_size: int, seed: int = 0, options: dict | None = None) -> Task:

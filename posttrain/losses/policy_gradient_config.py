@@ -4,18 +4,23 @@ estimator (`algorithms/estimators.py`), whose own settings are `loss.<its sectio
 `loss.<its section>` (clip); `loss.aggregation` how per-token losses become one; `loss.kl` the KL
 to the reference and where it goes. `Critic` and `Update` are the value model's and the update's
 sections. Each checks what it can alone in `validate`; what spans sections is the recipe config's.
+`precomputes_old` says whether these sections need the old log-probs fixed before the update, and
+`loss_card` is the run card's loss link: every setting that applies, and what each means.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from posttrain.algorithms.policy import AGGREGATIONS
 from posttrain.algorithms.surrogates import SURROGATES
 from posttrain.errors import UserError
+
+if TYPE_CHECKING:
+    from posttrain.rollout import SamplingConfig
 
 
 @dataclass
@@ -196,3 +201,35 @@ class Update:
     def validate(self) -> None:
         if self.epochs < 1 or self.mini_batches < 1 or self.micro_batch_size < 1:
             raise UserError("update.epochs, update.mini_batches and update.micro_batch_size must be >= 1")
+
+
+def precomputes_old(loss: Loss, update: Update) -> bool:
+    """Whether a no-grad forward computes the old log-probs before the update (else the first
+    forward's, detached: ratio exactly 1). A critic's value targets are the rollout's, and several
+    epochs or mini-batches, or a KL in the reward, need the old policy's log-probs fixed."""
+    return (ADVANTAGE_ESTIMATORS[loss.advantage].needs_critic or update.epochs > 1 or update.mini_batches > 1
+            or loss.kl.placement == "reward")
+
+
+def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConfig, reference: Any) -> dict[str, Any]:
+    """The run card's loss link: the algorithm, every section that applies (the critic's only with
+    an estimator that needs one), the estimator's and surrogate's card text, where the KL goes, the
+    reference (`reference`: None, or a reference model with `adapter_disabled`), how the old
+    log-probs are had (`precomputes_old`), the distribution the log-probs are taken under
+    (`sampling`'s temperature and truncation) and the sampler correction."""
+    estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
+    return {
+        "algorithm": estimator.algorithm,
+        **loss.settings(),
+        **({f"critic_{k}": v for k, v in dataclasses.asdict(critic).items()} if estimator.needs_critic else {}),
+        **dataclasses.asdict(update),
+        **estimator.describe(loss.estimator_settings()),
+        "surrogate_meaning": SURROGATES[loss.surrogate].describe(loss.surrogate_settings()),
+        "kl_placement_meaning": loss.kl_meaning(),
+        "reference": "none (kl.beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
+        "old_logprobs": "recomputed by a no-grad forward before the update" if precomputes_old(loss, update) else "the on-policy forward, detached (ratio exactly 1)",
+        "logprob_distribution": f"softmax(logits / {sampling.temperature}) over the full vocabulary"
+        + (" (sampling truncated by top-p/top-k: the sampler's distribution differs)" if sampling.truncates else ""),
+        "sampler_correction_meaning": (f"truncated importance sampling: each token's surrogate x min(exp(old - sampler log-prob), {loss.sampler_correction_cap})"
+                                       if loss.sampler_correction == "tis" else "none: the tokens are treated as drawn from the trainer's old policy (mismatch/* measures how far they are not)"),
+    }

@@ -32,10 +32,9 @@ import torch
 from posttrain.algorithms import kl_estimate, masked_mean
 from posttrain.algorithms import sampler_mismatch
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
-from posttrain.algorithms.surrogates import SURROGATES
 from posttrain.config import to_dict
 from posttrain.data.examples import Task, derived_seed
-from posttrain.data.scored_batch import ScoredBatch, sample_and_score
+from posttrain.data.scored_batch import ScoredBatch, online_data_card, sample_and_score
 from posttrain.data.screening import LAYOUTS, screen_problems
 from posttrain.data.stream import PromptStream
 from posttrain.data.tasks import load_splits
@@ -45,6 +44,7 @@ from posttrain.hardware import Placement, cpu_placement, resolve
 from posttrain.evaluation.acceptance import (
     IN_DISTRIBUTION,
     HeldOutSet,
+    acceptance_card,
     heldout_checker,
     evaluate_sets,
     independence,
@@ -56,6 +56,7 @@ from posttrain.models.forward import TrainingForward, completion_values, policy_
 from posttrain.models.loading import load_policy
 from posttrain.losses.policy_gradient import PolicyModels, UpdateBatch, UpdateSettings, exact_kl_metric
 from posttrain.losses.policy_gradient import step as loss_step
+from posttrain.losses.policy_gradient_config import loss_card, precomputes_old
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.online_config import Config
 from posttrain.rewards import Verifier, as_verifier
@@ -234,20 +235,13 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     return metrics
 
 
-def precomputes_old(config: Config) -> bool:
-    """Whether a no-grad forward computes the old log-probs before the update (else the first
-    forward's, detached: ratio exactly 1). A critic's value targets are the rollout's, and several
-    epochs or mini-batches, or a KL in the reward, need the old policy's log-probs fixed."""
-    return (ADVANTAGE_ESTIMATORS[config.loss.advantage].needs_critic or config.update.epochs > 1 or config.update.mini_batches > 1
-            or config.loss.kl.placement == "reward")
-
-
 def rollout_forwards(state: State, batch: ScoredBatch, mask: torch.Tensor):
     """The no-grad forwards before the update, each rank on its own rows: the old log-probs (None
     when not precomputed), the reference's (None without one) and, with a critic, its (N, T) values."""
     config, world, rollout = state.config, state.world, batch.rollout
     temperature, micro = config.sampling.temperature, config.update.micro_batch_size
-    old_logprobs = rank_logprobs(state.policy, rollout, batch.owners, world, temperature, micro) if precomputes_old(config) else None
+    precomputed = precomputes_old(config.loss, config.update)
+    old_logprobs = rank_logprobs(state.policy, rollout, batch.owners, world, temperature, micro) if precomputed else None
     ref_logprobs = rank_logprobs(state.reference, rollout, batch.owners, world, temperature, micro) if state.reference else None
     old_values = None
     if state.critic is not None:
@@ -407,55 +401,30 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
 
 
 def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()) -> dict[str, Any]:
-    """The run card: the four links and every loss setting that applies (and the run's own part,
-    with `changes`, what a resume accepted)."""
-    loss = config.loss
-    estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
-    recipe = estimator.command
-    train, held_out, reference = state.train, state.held_out, state.reference
-    card = new_card(recipe, config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
+    """The run card: the four links, each written by its link's home, and the run's own part (with
+    `changes`, what a resume accepted)."""
+    estimator = ADVANTAGE_ESTIMATORS[config.loss.advantage]
+    card = new_card(estimator.command, config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
-    card["links"]["data"] = {
-        "source": "online: the policy's own samples", "task": config.data.task, "options": config.data.load_options(),
-        "train_prompts": len(train), "heldout_prompts": len(held_out), "duplicates_removed": train.duplicates_removed,
-        "prompts_per_step": config.data.prompts_per_step, "dynamic_sampling": config.data.dynamic_sampling,
-        **({"max_refill_rounds": config.data.max_refill_rounds} if config.data.dynamic_sampling else {}),
-        ("group_size" if estimator.min_group_size > 1 else "samples_per_prompt"): config.data.group_size,
-        "sampling": dataclasses.asdict(config.sampling),
-        **({"screening": state.screening} if state.screening is not None else {}),
-    }
-    card["links"]["reward"] = {**state.verifier.describe(), "passed_as": "python object" if reward is not None else "config name"}
-    if estimator.reward_placement is not None:
-        card["links"]["reward"]["placement"] = estimator.reward_placement
-    precomputed = precomputes_old(config)
-    card["links"]["loss"] = {
-        "algorithm": estimator.algorithm,
-        **loss.settings(),
-        **({f"critic_{k}": v for k, v in dataclasses.asdict(config.critic).items()} if estimator.needs_critic else {}),
-        **dataclasses.asdict(config.update),
-        **estimator.describe(loss.estimator_settings()),
-        "surrogate_meaning": SURROGATES[loss.surrogate].describe(loss.surrogate_settings()),
-        "kl_placement_meaning": loss.kl_meaning(),
-        "reference": "none (kl.beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
-        "old_logprobs": "recomputed by a no-grad forward before the update" if precomputed else "the on-policy forward, detached (ratio exactly 1)",
-        "logprob_distribution": f"softmax(logits / {config.sampling.temperature}) over the full vocabulary"
-        + (" (sampling truncated by top-p/top-k: the sampler's distribution differs)" if config.sampling.truncates else ""),
-        "sampler_correction_meaning": (f"truncated importance sampling: each token's surrogate x min(exp(old - sampler log-prob), {loss.sampler_correction_cap})"
-                                       if loss.sampler_correction == "tis" else "none: the tokens are treated as drawn from the trainer's old policy (mismatch/* measures how far they are not)"),
-    }
-    independent, why = independence(state.verifier, state.checker)
-    same = type(state.verifier) is type(state.checker) and state.verifier.describe() == state.checker.describe()
-    card["links"]["reward"]["resolved_from"] = (f"the task's gold format ({train.reward_kind})" if config.reward == "auto" and reward is None
-                                                else "set by the user")
-    card["links"]["acceptance"] = {
-        "heldout": f"{config.data.task} held-out split ({len(held_out)} prompts, disjoint from training)",
-        **dataclasses.asdict(config.acceptance), "checker_resolved": state.checker.name, "checker_is_training_reward": same,
-        "independent": independent, "independence_reason": why,
-        "training_reward": state.verifier.describe(), "checker_settings": state.checker.describe(),
-        "sets": {IN_DISTRIBUTION: {"task": config.data.task, "size": len(held_out), "checker": state.checker.name},
-                 **{held.name: {**held.spec, "independent": independence(state.verifier, held.checker)[0]} for held in state.shifted}},
-    }
-    if not independent:
-        card["notes"].append(f"acceptance is not independent: {why}")
+    card["links"]["data"] = online_data_card(config.data, state.train, state.held_out, config.sampling,
+                                             grouped=estimator.min_group_size > 1, screening=state.screening)
+    card["links"]["reward"] = reward_link(config, state, reward)
+    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference)
+    acceptance = card["links"]["acceptance"] = acceptance_card(dataclasses.asdict(config.acceptance), config.data.task,
+                                                               len(state.held_out), state.verifier, state.checker, state.shifted)
+    if not acceptance["independent"]:
+        card["notes"].append(f"acceptance is not independent: {acceptance['independence_reason']}")
     card_run_part(card, config, state.placement, state.world, list(changes))
     return card
+
+
+def reward_link(config: Config, state: State, reward: Any) -> dict[str, Any]:
+    """The card's reward link: the verifier as it describes itself, whether it was passed as a
+    Python object or named in the config, where the estimator puts it, and what resolved it."""
+    link = {**state.verifier.describe(), "passed_as": "python object" if reward is not None else "config name"}
+    placement = ADVANTAGE_ESTIMATORS[config.loss.advantage].reward_placement
+    if placement is not None:
+        link["placement"] = placement
+    link["resolved_from"] = (f"the task's gold format ({state.train.reward_kind})" if config.reward == "auto" and reward is None
+                             else "set by the user")
+    return link
