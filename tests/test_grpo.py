@@ -278,3 +278,20 @@ def test_shifted_heldout_sets_are_evaluated_plotted_and_carded(tmp_path):
 def test_bad_heldout_sets_are_one_line(tmp_path, sets, message):
     with pytest.raises(UserError, match=re.escape(message)):
         small_config(tmp_path, "--acceptance.sets", sets)
+
+
+def test_acceptance_budget_is_its_own_setting(tmp_path):
+    """acceptance.max_new_tokens (the shared evaluation/settings.Acceptance field) bounds the held-out
+    answers apart from the rollouts' sampling.max_new_tokens; unset, the rollouts' budget applies."""
+    config = small_config(tmp_path, "--max-steps", "1", "--acceptance.max_new_tokens", "2", "--acceptance.sets", "[]")
+    run_dir = grpo.run(config, reward=digits)
+    held = json.loads((run_dir / "eval" / "step-000000.json").read_text())
+    assert held["summary"]["mean_length"] <= 2 < 6
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert max(len(row["completion"]) for row in samples) > 2  # the rollouts kept their 6 tokens
+    assert online_config.Config().acceptance.max_new_tokens is None
+    for flag, message in ((["--acceptance.k", "0"], "acceptance.k and acceptance.alarm_window must be at least 1"),
+                          (["--acceptance.eval_every", "-1"], "acceptance.eval_every must be at least 0"),
+                          (["--acceptance.max_new_tokens", "0"], "acceptance.max_new_tokens must be at least 1")):
+        with pytest.raises(UserError, match=message):
+            small_config(tmp_path, *flag)

@@ -22,7 +22,7 @@ import torch
 from posttrain.data import render_prompt
 from posttrain.data.examples import Example, Task, derived_seed, require_examples, verifier_input
 from posttrain.data.files import pick
-from posttrain.data.provenance import write_text_atomically
+from posttrain.atomic import write_text_atomically
 from posttrain.errors import UserError
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
 from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, defaults

@@ -276,7 +276,7 @@ MEMORY_KNOBS = {
     "generation": ["sampling.max_new_tokens", "data.prompts_per_step", "data.group_size", "hardware.precision"],
     "reference": ["update.micro_batch_size", "hardware.precision"],
     "update": ["update.micro_batch_size", "memory.gradient_checkpointing", "hardware.precision"],
-    "evaluation": ["sampling.max_new_tokens", "acceptance.k", "hardware.precision"],
+    "evaluation": ["acceptance.max_new_tokens", "acceptance.k", "hardware.precision"],
 }
 """The settings that shrink each phase's memory, for the out-of-memory message (`runs/faults.py`)."""
 
@@ -385,7 +385,8 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
             result, metrics = evaluate_sets(
                 policy, state.tokenizer, state.held_out, state.checker, state.shifted, step=state.step, eval_dir=run_dir.eval_dir,
                 seed=config.seed, k=config.acceptance.k, temperature=config.sampling.temperature,
-                max_new_tokens=config.sampling.max_new_tokens, system_prompt=config.data.system_prompt)
+                max_new_tokens=config.acceptance.max_new_tokens or config.sampling.max_new_tokens,
+                system_prompt=config.data.system_prompt)
             policy.train(was_training)
             if train_reward is not None and result["pass@1"] is not None:
                 # The alarm compares held-out accuracy with the mean training reward since the previous

@@ -15,7 +15,7 @@ from posttrain.config import PolicyFields
 from posttrain.data.source import TaskSource
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import check_set_specs
+from posttrain.evaluation import settings as evaluation_settings
 from posttrain.losses.policy_gradient_config import KL, MOVED, Critic, Loss, Update  # the loss link's sections
 from posttrain.optim import Optimization
 from posttrain.rollout import SamplingConfig
@@ -45,21 +45,25 @@ class Data(TaskSource):
 
 
 @dataclass
-class Acceptance:
-    """Link 4, acceptance: held-out problems scored by a checker chosen apart from the reward."""
+class Acceptance(evaluation_settings.Acceptance):
+    """Link 4, acceptance (`evaluation/settings.Acceptance`: checker, eval_every, max_new_tokens,
+    sets), with pass@k and the divergence alarm."""
 
-    checker: str | None = None
-    """Held-out checker (a verifier name); None: the task's strict default."""
     eval_every: int = 10
     """Evaluate every N steps (0: only at the start and the end)."""
+    max_new_tokens: int | None = None
+    """Generation budget of each held-out answer; None: sampling.max_new_tokens, the rollouts' budget."""
     k: int = 1
-    """Also report pass@k from k samples per problem (1: greedy pass@1 only)."""
+    """Also report pass@k from k samples per problem at sampling.temperature (1: greedy pass@1 only)."""
     alarm_window: int = 3
     """Divergence alarm: evaluations to look back over."""
     alarm_reward_rise: float = 0.1
     """Divergence alarm: training-reward rise over the window that, without held-out gain, rings it."""
-    sets: list[dict] | None = None
-    """Shifted held-out sets evaluated beside the in-distribution split, each {name, task, task_options, size, checker} (task defaults to data.task, size to min(eval_size, 200)); None: the task's defaults (arithmetic: one more digit, and the sums in words); []: none."""
+
+    def validate(self, prefix: str = "acceptance.") -> None:
+        super().validate(prefix)
+        if self.k < 1 or self.alarm_window < 1:
+            raise UserError(f"{prefix}k and {prefix}alarm_window must be at least 1, got {self.k} and {self.alarm_window}")
 
 
 @dataclass
@@ -111,8 +115,7 @@ class Config(PolicyFields):
             with_critic = [entry for entry in ADVANTAGE_ESTIMATORS.values() if entry.needs_critic]
             raise UserError(f"the critic section applies to loss.advantage {' or '.join(e.name for e in with_critic)} "
                             f"({', '.join(f'posttrain {e.command}' for e in with_critic)}) only")
-        if self.acceptance.sets is not None:
-            check_set_specs(self.acceptance.sets)
+        self.acceptance.validate()
         rows = data.prompts_per_step * data.group_size
         if rows % update.mini_batches:
             raise UserError(f"{rows} rows per step (prompts_per_step x group_size) do not split into {update.mini_batches} mini-batches")
