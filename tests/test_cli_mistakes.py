@@ -1,6 +1,7 @@
 """The common mistakes of issue 27, each as the user typed it: the exit code, the one line on
 stderr, and nothing written or overwritten."""
 
+import json
 import os
 import subprocess
 import sys
@@ -66,3 +67,87 @@ def test_the_posttrain_script_imports_a_reward_module_from_the_current_directory
     assert result.stdout.strip() == "results: run"
     assert "training reward callable:my_rewards.score" in result.stderr
     assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()
+
+
+# --- item 7: output paths ---------------------------------------------------------------------------
+
+PAIRS = ["pairs", "--model", "tiny", "--data.task", "arithmetic", "--group-size", "2", "--data.max_prompts", "4",
+         "--data.eval_size", "4", "--max-new-tokens", "4", "--verifier", "callable:tests.rewards_for_tests.digits"]
+
+
+@pytest.fixture
+def no_sampling(monkeypatch):
+    """Sampling fails the test: an output path is refused before any."""
+    def sampled(*args, **kwargs):
+        raise AssertionError("sampled before refusing the output path")
+    monkeypatch.setattr("posttrain.recipes.pairs.generate", sampled)
+
+
+@pytest.mark.parametrize("argv", [["grpo", *SMALL_ONLINE], ["sft", "--max-steps", "1"], ["demo"],
+                                  ["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4"]],
+                         ids=lambda argv: argv[0])
+def test_an_output_dir_that_is_a_file_is_one_line(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("afile").write_text("mine\n")
+    assert main(argv + ["--output-dir", "afile"]) == 2
+    assert one_error_line(capsys) == "posttrain: error: --output-dir afile: is a file, not a directory"
+    assert main(argv + ["--output-dir", "afile/run"]) == 2
+    assert one_error_line(capsys) == "posttrain: error: --output-dir afile/run: afile is a file, not a directory"
+    assert Path("afile").read_text() == "mine\n" and sorted(os.listdir()) == ["afile"]
+
+
+def test_a_run_or_eval_refuses_a_non_empty_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("notes").mkdir()
+    Path("notes/todo.txt").write_text("mine\n")
+    assert main(["sft", "--max-steps", "1", "--output-dir", "notes"]) == 2
+    assert one_error_line(capsys) == ("posttrain: error: --output-dir notes: not empty (a run starts in a new or empty "
+                                      "directory); choose another --output-dir")
+    assert main(["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4", "--output-dir", "notes"]) == 2
+    assert one_error_line(capsys) == ("posttrain: error: --output-dir notes: not empty; pass --overwrite to replace its "
+                                      "eval.json and summary.json, or choose another --output-dir")
+    assert os.listdir("notes") == ["todo.txt"]
+
+
+def test_pairs_out_under_a_file_is_refused_before_sampling(tmp_path, monkeypatch, capsys, no_sampling):
+    monkeypatch.chdir(tmp_path)
+    Path("afile").write_text("mine\n")
+    assert main(PAIRS + ["--out", "afile/x.jsonl"]) == 2
+    assert one_error_line(capsys) == "posttrain: error: --out afile/x.jsonl: afile is a file, not a directory"
+    assert Path("afile").read_text() == "mine\n" and sorted(os.listdir()) == ["afile"]
+
+
+def test_pairs_out_onto_an_existing_file_is_refused_unless_overwrite(tmp_path, monkeypatch, capsys):
+    """The first run writes pairs.jsonl and its sidecar; the same command again is refused before
+    sampling, both files untouched; with --overwrite it replaces them."""
+    monkeypatch.chdir(tmp_path)
+    assert main(PAIRS + ["--out", "pairs.jsonl"]) == 0
+    capsys.readouterr()
+    first = {name: Path(name).read_bytes() for name in ("pairs.jsonl", "pairs.meta.json")}
+    with monkeypatch.context() as patch:
+        patch.setattr("posttrain.recipes.pairs.generate", lambda *a, **k: pytest.fail("sampled before refusing --out"))
+        assert main(PAIRS + ["--out", "pairs.jsonl"]) == 2
+        assert one_error_line(capsys) == ("posttrain: error: --out pairs.jsonl: already exists; pass --overwrite to "
+                                          "replace it, or choose another --out")
+        Path("pairs.jsonl").unlink()
+        Path("kept.jsonl").write_bytes(first["pairs.jsonl"])
+        assert main(PAIRS + ["--out", "pairs.jsonl"]) == 2  # the sidecar alone is somebody's too
+        assert one_error_line(capsys) == ("posttrain: error: --out pairs.jsonl: its sidecar pairs.meta.json already exists; "
+                                          "pass --overwrite to replace both, or choose another --out")
+    Path("kept.jsonl").rename("pairs.jsonl")
+    assert {name: Path(name).read_bytes() for name in first} == first
+    assert main(PAIRS + ["--out", "pairs.jsonl", "--seed", "1", "--overwrite"]) == 0
+    assert "wrote pairs.jsonl and pairs.meta.json" in capsys.readouterr().out
+    assert json.loads(Path("pairs.meta.json").read_text())["seed"] == 1
+
+
+def test_verify_output_onto_an_existing_file_is_refused_unless_overwrite(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("rows.jsonl").write_text('{"completion": "<answer>4</answer>", "answer": "4"}\n')
+    Path("verdicts.jsonl").write_text("mine\n")
+    assert main(["verify", "--verifier", "exact", "--input", "rows.jsonl", "--output", "verdicts.jsonl"]) == 2
+    assert one_error_line(capsys) == ("posttrain: error: --output verdicts.jsonl: already exists; pass --overwrite to "
+                                      "replace it, or choose another --output")
+    assert Path("verdicts.jsonl").read_text() == "mine\n"
+    assert main(["verify", "--verifier", "exact", "--input", "rows.jsonl", "--output", "verdicts.jsonl", "--overwrite"]) == 0
+    assert json.loads(Path("verdicts.jsonl").read_text())["reward"] == 1.0

@@ -112,6 +112,9 @@ class Recipe:
     module: str
     help: str
     settings: str = "Config"
+    new_directory: bool = True
+    """A new run needs a new or empty --output-dir (`runs/directory.check_new_run`), checked before
+    any work; False: the command replaces its own earlier output (the demo) and checks only the kind."""
 
     def register(self, subparsers) -> None:
         """Add `posttrain <command>` with the common flags; other `--key value` pairs override config fields."""
@@ -126,8 +129,18 @@ class Recipe:
 
     def run(self, args: argparse.Namespace) -> int:
         """The command's `func`: build the config, run the recipe, print where its report is."""
+        from posttrain.atomic import output_path_problem
+        from posttrain.runs.directory import check_new_run
+
         loaded = importlib.import_module(self.module)
         settings = resolve_config(settings_factory(self.module, self.settings), args)
+        # Before any work, so that a bad --output-dir never costs the model's loading; under torchrun rank 0
+        # alone asks (another rank could see the directory rank 0 has just made).
+        if settings.output_dir and not args.resume and os.environ.get("RANK", "0") == "0":
+            if self.new_directory:
+                check_new_run(settings.output_dir)
+            elif (problem := output_path_problem(settings.output_dir, directory=True)) is not None:
+                raise UserError(f"--output-dir {settings.output_dir}: {problem}")
         extra = {"resume_changed_config": True} if args.resume_changed_config else {}
         run_dir = loaded.run(settings, resume=bool(args.resume), **extra)
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone speaks
@@ -139,7 +152,8 @@ class Recipe:
 
 RECIPES = (
     Recipe("demo", "posttrain.recipes.demo",
-           "the main job: SFT -> GRPO vs pairs+DPO on the tiny model, with held-out acceptance and a report"),
+           "the main job: SFT -> GRPO vs pairs+DPO on the tiny model, with held-out acceptance and a report",
+           new_directory=False),
     Recipe("dpo", "posttrain.recipes.dpo", "DPO family: pairwise preference loss against a frozen reference",
            settings="posttrain.recipes.dpo_config:Config"),
     Recipe("grpo", "posttrain.recipes.online", "GRPO: group-relative advantages, clipped surrogate, no critic",

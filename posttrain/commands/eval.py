@@ -25,7 +25,7 @@ SETTINGS = "posttrain.evaluation.settings"
 
 
 def handle(args) -> int:
-    from posttrain.atomic import write_text_atomically
+    from posttrain.atomic import output_path_problem, write_text_atomically
     from posttrain.config import build_config, nest_flags, parse_overrides
     from posttrain.evaluation.acceptance import default_checker, evaluate_task, heldout_split
     from posttrain.evaluation.settings import EvalConfig
@@ -39,8 +39,12 @@ def handle(args) -> int:
     config = build_config(EvalConfig, args.config, overrides)
     data, acceptance = config.data, config.acceptance
     output_dir = Path(config.output_dir)
-    if output_dir.exists() and any(output_dir.iterdir()):
-        raise UserError(f"{output_dir}: not empty; choose another --output-dir")
+    problem = output_path_problem(output_dir, directory=True)
+    if problem is not None:
+        raise UserError(f"--output-dir {output_dir}: {problem}")
+    if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite:
+        raise UserError(f"--output-dir {output_dir}: not empty; pass --overwrite to replace its eval.json and summary.json, "
+                        "or choose another --output-dir")
     held_out = heldout_split(data.task, data.eval_size, config.seed, data.load_options())
     name = acceptance.checker or default_checker(held_out)
     if name is None:
@@ -80,4 +84,6 @@ def register(subparsers) -> None:
                             description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[2])
     parser.add_argument("--unsafe-no-sandbox", action="store_true",
                         help="run model-written code WITHOUT the bubblewrap sandbox (as unsafe_no_sandbox; not isolated!)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --output-dir, replacing its eval.json and summary.json (refused without it)")
     parser.set_defaults(func=handle)

@@ -24,6 +24,8 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop string (repeatable; the same as --sampling.stop_strings [TEXT, ...])")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out file and its sidecar (refused without it, before any work)")
     parser.set_defaults(func=handle)
 
 
@@ -49,7 +51,10 @@ def handle(args) -> int:
     from posttrain.data.provenance import provenance_path
     from posttrain.recipes.pairs import PairSettings, build_pairs
 
-    settings = build_config(PairSettings, args.config, settings_overrides(list(args.overrides or []), args.stop))
+    overrides = settings_overrides(list(args.overrides or []), args.stop)
+    if args.overwrite:
+        overrides["overwrite"] = True
+    settings = build_config(PairSettings, args.config, overrides)
     result = build_pairs(settings)
     print(
         f"{result['pairs']} pairs from {result['prompts_paired']} of {result['prompts']} prompts "

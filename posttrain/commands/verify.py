@@ -19,6 +19,7 @@ def register(subparsers) -> None:
                              "callable:<dotted.path>, or a sum like 0.9*math+0.1*format")
     parser.add_argument("--input", required=True, type=Path, help="JSONL rows with a 'completion' field")
     parser.add_argument("--output", type=Path, default=None, help="JSONL verdicts (default: stdout)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file (refused without it)")
     parser.add_argument("--format", choices=("mbpp", "code_contests", "humaneval"), default=None,
                         help="the rows hold the problem in this public layout (MBPP: text, test_list; CodeContests: "
                              "inputs/outputs or public_tests/private_tests; HumanEval: prompt, test, entry_point)")
@@ -81,6 +82,10 @@ def handle(args) -> int:
         raise UserError("--workers must be at least 1")
     if args.timeout <= 0:
         raise UserError("--timeout must be positive")
+    if args.output is not None:  # before any scoring
+        from posttrain.atomic import check_output_file  # here: the CLI starts without torch
+
+        check_output_file(args.output, "--output", args.overwrite)
     try:
         verifier = get_verifier(args.verifier, fraction=args.fraction, extraction=args.extraction,
                                 sandbox=SandboxConfig(timeout_s=args.timeout,

@@ -19,10 +19,11 @@ from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any, ClassVar
 
+from posttrain.atomic import check_output_file
 from posttrain.data import load_splits, render_prompt
 from posttrain.data.examples import derived_seed, verifier_input
 from posttrain.data.pairing import pair_up
-from posttrain.data.provenance import write_with_provenance
+from posttrain.data.provenance import provenance_path, write_with_provenance
 from posttrain.data.source import TaskSource
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, resolve
@@ -58,6 +59,8 @@ class PairSettings:
     """The prompts: data.task (required), format, columns, split, max_prompts, eval_size."""
     out: str = ""
     """Output pairs file (.jsonl, required); the sidecar is <name>.meta.json next to it."""
+    overwrite: bool = False
+    """Replace an existing `out` and its sidecar (`--overwrite`); without it an existing one is refused before any work."""
     group_size: int = 8
     """G answers sampled per prompt."""
     verifier: str | None = None
@@ -95,9 +98,13 @@ class PairSettings:
 
 def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str, Any]:
     """Sample, score, pair, and write `settings.out` and its sidecar atomically; returns the
-    provenance dict (with counts). Raises UserError before writing anything when no pair results."""
+    provenance dict (with counts). Raises UserError before writing anything when no pair results,
+    and before any work when `out` cannot be written or exists (unless `overwrite`)."""
     from posttrain.models import load_model
 
+    out = check_output_file(settings.out, "--out", settings.overwrite)
+    if provenance_path(out).exists() and not settings.overwrite:
+        raise UserError(f"--out {out}: its sidecar {provenance_path(out)} already exists; pass --overwrite to replace both, or choose another --out")
     placement = resolve(settings.hardware)
     # The prompts and the verifier before the model: a bad file or verifier fails before any work.
     data = settings.data

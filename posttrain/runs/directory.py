@@ -10,7 +10,9 @@
       plots/*.png        curves, refreshed at each evaluation
       tensorboard/ wandb/ trackio/ mlruns/   the trackers of `report_to` (see `trackers.py`)
 
-A new run refuses a directory that already holds a run (use `--resume` or another `--output-dir`).
+A new run refuses a directory that already holds a run (use `--resume` or another `--output-dir`), any
+other non-empty directory, and a path that is a file or under one (`check_new_run`: the CLI asks it
+before any work, the run again when it opens the directory).
 metrics.jsonl and samples.jsonl are append-only: each call's lines go in one write, whole or not at
 all (a failed write is cut back off and raised as a one-line `WriteFailed`). On resume, lines past the
 checkpoint's step are dropped, and a torn line (a crash mid-write) with a warning, so a resumed run's
@@ -31,7 +33,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import yaml
 
-from posttrain.atomic import write_text_atomically
+from posttrain.atomic import output_path_problem, write_text_atomically
 from posttrain.distributed import World
 from posttrain.errors import UserError, write_failed
 from posttrain.runs.trackers import make_trackers
@@ -62,8 +64,8 @@ class RunDirectory:
                 raise UserError(f"{self.path}: not a run directory (no config.yaml) - nothing to resume")
         if not writer:
             return
-        if not resume and self.path.exists() and any(self.path.iterdir()):
-            raise UserError(f"{self.path}: already holds a run; pass --resume {self.path} or choose another --output-dir")
+        if not resume:
+            check_new_run(self.path)
         for sub in ("checkpoints", "eval", "plots"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
 
@@ -184,6 +186,19 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSON-lines log; a torn line (a crash mid-write) is ignored with a warning."""
     path = Path(path)
     return [row for _, row in _whole_lines(path)] if path.is_file() else []
+
+
+def check_new_run(path: str | Path) -> None:
+    """A new run's directory must be absent or empty, and makeable (not a file, nor under one): else
+    one UserError line, which says --resume when it holds a run."""
+    path = Path(path)
+    problem = output_path_problem(path, directory=True)
+    if problem is not None:
+        raise UserError(f"--output-dir {path}: {problem}")
+    if path.exists() and any(path.iterdir()):
+        if (path / "config.yaml").is_file():
+            raise UserError(f"{path}: already holds a run; pass --resume {path} or choose another --output-dir")
+        raise UserError(f"--output-dir {path}: not empty (a run starts in a new or empty directory); choose another --output-dir")
 
 
 def default_output_dir(recipe: str, world: World | None = None) -> str:
