@@ -3,6 +3,7 @@ stderr, and nothing written or overwritten."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,69 @@ def test_verify_output_onto_an_existing_file_is_refused_unless_overwrite(tmp_pat
     assert Path("verdicts.jsonl").read_text() == "mine\n"
     assert main(["verify", "--verifier", "exact", "--input", "rows.jsonl", "--output", "verdicts.jsonl", "--overwrite"]) == 0
     assert json.loads(Path("verdicts.jsonl").read_text())["reward"] == 1.0
+
+
+# --- item 10: resume surprises --------------------------------------------------------------------
+
+SMALL_SFT = ["--data.train_size", "16", "--data.eval_size", "4", "--batch_size", "4", "--micro_batch_size", "2",
+             "--acceptance.max_new_tokens", "4", "--acceptance.sets", "[]", "--checkpoint-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def finished_sft_run(tmp_path_factory):
+    """An SFT run of 4 steps, finished (checkpoints at steps 2 and 4)."""
+    run = tmp_path_factory.mktemp("resume") / "run"
+    assert main(["sft", *SMALL_SFT, "--max-steps", "4", "--output-dir", str(run)]) == 0
+    return run
+
+
+def run_files(run: Path) -> dict[str, bytes]:
+    """Every file of a run directory, for "nothing was rewritten" (config.yaml, card, logs, checkpoints)."""
+    return {str(path.relative_to(run)): path.read_bytes() for path in sorted(run.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sft", "--output-dir", "{other}"],
+     "posttrain: error: --resume {run} continues the run in {run}; --output-dir {other} names another directory: give one of them"),
+    (["sft", "--max-steps", "3"],
+     "posttrain: error: {run}: finished: its newest checkpoint is step 4 and max_steps is 3, so there is nothing to resume "
+     "(--max-steps counts all the run's steps: --max-steps 5 or more trains on)"),
+    (["sft"],
+     "posttrain: error: {run}: finished: its newest checkpoint is step 4 and max_steps is 4, so there is nothing to resume "
+     "(--max-steps counts all the run's steps: --max-steps 5 or more trains on)"),
+    (["grpo"], "posttrain: error: {run} is a sft run; resume it with: posttrain sft --resume {run}"),
+    (["ppo", "--max-steps", "6"], "posttrain: error: {run} is a sft run; resume it with: posttrain sft --resume {run}"),
+], ids=["output-dir", "max-steps-below", "finished", "grpo", "ppo"])
+def test_a_resume_that_would_do_nothing_or_the_wrong_thing_is_one_line(argv, message, finished_sft_run, tmp_path, capsys):
+    """--resume DIR with another --output-dir, with a --max-steps the run has reached, or under
+    another recipe's command: one line, the run's files (config.yaml included) byte for byte as they
+    were, and no other directory made."""
+    other = tmp_path / "other"
+    before = run_files(finished_sft_run)
+    argv = [arg.format(other=other) for arg in argv]
+    assert main([argv[0], "--resume", str(finished_sft_run), *argv[1:]]) == 2
+    assert one_error_line(capsys) == message.format(run=finished_sft_run, other=other)
+    assert run_files(finished_sft_run) == before
+    assert not other.exists()
+
+
+def test_a_resume_with_its_own_output_dir_and_more_steps_trains_on(finished_sft_run, tmp_path, capsys):
+    """The same directory named twice is no conflict, and --max-steps past the newest step trains on."""
+    run = tmp_path / "copy"
+    shutil.copytree(finished_sft_run, run)
+    assert main(["sft", "--resume", str(run), "--output-dir", str(run), "--max-steps", "5"]) == 0
+    assert capsys.readouterr().out.strip() == f"results: {run}"
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 5
+
+
+def test_the_python_api_refuses_to_resume_a_finished_run_too(finished_sft_run):
+    """`sft.run(config, resume=True)` asks in `open_run`, before config.yaml is written."""
+    from posttrain.config import build_config
+    from posttrain.errors import UserError
+    from posttrain.recipes import sft
+
+    before = run_files(finished_sft_run)
+    config = build_config(sft.Config, finished_sft_run / "config.yaml")
+    with pytest.raises(UserError, match=r": finished: its newest checkpoint is step 4 and max_steps is 4, so there is nothing"):
+        sft.run(config, resume=True)
+    assert run_files(finished_sft_run) == before

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +22,14 @@ from posttrain.errors import UserError
 RESUMABLE_OVERRIDES = {"max_steps"}
 
 
-def resolve_config(config_cls, args: argparse.Namespace):
+def resolve_config(config_cls, args: argparse.Namespace, command: str | None = None):
     """Build a recipe config from `--config`, the common flags and `--key value` overrides.
 
     With `--resume DIR` the config is the run's own `config.yaml`; only `--max-steps` may change,
     unless `--resume-changed-config` is given: then any `--key value` applies, and the recipe
     records the changes that alter the data order or the loss in the run card (`runs/faults.py`).
+    A resume is refused in one line when DIR is a run of another recipe than `command` (its run
+    card says which) or `--output-dir` names another directory.
     """
     from posttrain.config import build_config, parse_overrides  # here: posttrain.config imports torch (hardware)
 
@@ -44,9 +47,24 @@ def resolve_config(config_cls, args: argparse.Namespace):
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"{run_dir}: not a run directory (no config.yaml) - nothing to resume")
+        if overrides.get("output_dir") is not None and Path(overrides["output_dir"]).resolve() != run_dir.resolve():
+            raise UserError(f"--resume {run_dir} continues the run in {run_dir}; --output-dir {overrides['output_dir']} "
+                            "names another directory: give one of them")
+        recipe = _recipe_of(run_dir)
+        if command is not None and recipe is not None and recipe != command:
+            raise UserError(f"{run_dir} is a {recipe} run; resume it with: posttrain {recipe} --resume {run_dir}")
         # The run's own config.yaml as the file, the flags over it key by key (a section's other keys stay).
         return build_config(config_cls, run_dir / "config.yaml", {**overrides, "output_dir": str(run_dir)})
     return build_config(config_cls, args.config, overrides)
+
+
+def _recipe_of(run_dir: Path) -> str | None:
+    """The recipe that made the run in `run_dir`, as its run card records it (None without a readable card)."""
+    try:
+        recipe = json.loads((run_dir / "run_card.json").read_text(encoding="utf-8"))["run"]["recipe"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return recipe if isinstance(recipe, str) else None
 
 
 def _dotted(tree: dict, prefix: str = "") -> list[str]:
@@ -131,9 +149,12 @@ class Recipe:
         """The command's `func`: build the config, run the recipe, print where its report is."""
         from posttrain.atomic import output_path_problem
         from posttrain.runs.directory import check_new_run
+        from posttrain.runs.training_state import check_unfinished
 
         loaded = importlib.import_module(self.module)
-        settings = resolve_config(settings_factory(self.module, self.settings), args)
+        settings = resolve_config(settings_factory(self.module, self.settings), args, self.command)
+        if args.resume:  # a finished run is one line before any work (the recipe's open_run asks again)
+            check_unfinished(args.resume, settings.max_steps)
         # Before any work, so that a bad --output-dir never costs the model's loading; under torchrun rank 0
         # alone asks (another rank could see the directory rank 0 has just made).
         if settings.output_dir and not args.resume and os.environ.get("RANK", "0") == "0":

@@ -35,6 +35,7 @@ from posttrain.runs.card import write_run_card
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import RunDirectory, default_output_dir
 from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config
+from posttrain.runs.training_state import check_unfinished
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,15 @@ def start(config) -> tuple[Placement, World]:
 
 
 def open_run(recipe: str, config, world: World, resume: bool, resume_changed_config: bool):
-    """The run directory (`config.output_dir`, or runs/<recipe>-<time>), the resume check (a config
-    that changes the data order or the loss is refused unless `resume_changed_config`) and
-    config.yaml. Returns (run_dir, the config with its resolved output_dir: a copy, the caller's is
-    untouched, changes accepted on resume)."""
+    """The run directory (`config.output_dir`, or runs/<recipe>-<time>), the resume checks (a
+    finished run is refused, `training_state.check_unfinished`; a config that changes the data order
+    or the loss unless `resume_changed_config`) and config.yaml, written only when they pass.
+    Returns (run_dir, the config with its resolved output_dir: a copy, the caller's is untouched,
+    changes accepted on resume)."""
     run_dir = RunDirectory(config.output_dir or default_output_dir(recipe, world), resume=resume, writer=world.main,
                            trackers=config.trackers())
+    if resume:
+        check_unfinished(run_dir.path, config.max_steps)
     changes = check_resumed_config(run_dir.path, config, resume_changed_config) if resume else []
     config = dataclasses.replace(config, output_dir=str(run_dir.path))
     if world.main:

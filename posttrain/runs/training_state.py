@@ -12,7 +12,8 @@ import torch
 
 from posttrain.distributed import World, is_sharded, load_model_state, load_optimizer_state, model_state, optimizer_state, unwrap
 from posttrain.errors import UserError
-from posttrain.runs.checkpoint import latest_checkpoint, load_trainer_state, rng_state, set_rng_state, write_step_checkpoint
+from posttrain.runs.checkpoint import (PREFIX, complete_checkpoints, latest_checkpoint, load_trainer_state, rng_state,
+                                      set_rng_state, write_step_checkpoint)
 
 logger = logging.getLogger(__name__)
 
@@ -100,3 +101,19 @@ def restore_training(run_dir, model, optimizer, scheduler, extra_models: dict[st
     run_dir.truncate_logs(state["step"])
     logger.info("resuming from %s (step %d)", checkpoint, state["step"])
     return state
+
+
+def check_unfinished(run_dir: str | Path, max_steps: int) -> None:
+    """Refuse to resume the run in `run_dir` when its newest complete checkpoint is already at
+    `max_steps` or past it: one UserError line saying it is finished (a resume would do nothing, and
+    must not rewrite its config.yaml). Cheap: a checkpoint's files are hashed only when its step says
+    the run is finished."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    newest = complete_checkpoints(checkpoints, verify=False)
+    if not newest or int(newest[-1].name.removeprefix(PREFIX)) < max_steps:
+        return
+    checkpoint = latest_checkpoint(checkpoints)  # verified: a torn newest one would be resumed from an older one
+    step = int(checkpoint.name.removeprefix(PREFIX)) if checkpoint is not None else 0
+    if step >= max_steps:
+        raise UserError(f"{run_dir}: finished: its newest checkpoint is step {step} and max_steps is {max_steps}, so there is "
+                        f"nothing to resume (--max-steps counts all the run's steps: --max-steps {step + 1} or more trains on)")
