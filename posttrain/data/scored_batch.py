@@ -1,27 +1,52 @@
 """The data and reward links of an online step (GRPO, PPO): sample B prompts x G completions with
 the policy, score them, optionally refill groups without signal (DAPO), and, under torchrun, gather
 each rank's share so every rank holds the same global batch. The result is one record, `ScoredBatch`.
-`online_data_card` is the run card's data link of such a run: the prompts, how many per step, the
-group size and the sampling settings.
+`PromptSource` is the online recipe's data section; `online_data_card` the run card's data link of
+such a run: the prompts, how many per step, the group size and the sampling settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from posttrain.algorithms.advantages import informative_groups
 from posttrain.data import render_prompt
 from posttrain.data.examples import Example, Task, derived_seed, verifier_input
+from posttrain.data.source import TaskSource
 from posttrain.data.stream import PromptStream
 from posttrain.distributed import World
 from posttrain.rewards import Verifier
 from posttrain.rewards.scores import Scores, score_rows
 from posttrain.rollout import Rollout, SamplingConfig
 from posttrain.rollout.sampler import Sampler, single_turn
+
+
+@dataclass
+class PromptSource(TaskSource):
+    """The online recipe's data section (`posttrain grpo`, `posttrain ppo`: `data.*`): which prompts
+    (the shared `TaskSource`: task, format, columns, split, system_prompt, eval_size), how many per
+    step and per group, code screening, and DAPO's dynamic sampling."""
+
+    sizes: ClassVar[tuple[str, ...]] = ("train_size", "eval_size", "prompts_per_step")
+
+    train_size: int | None = None
+    """Training prompts; None: 20000 for a generated task (arithmetic, rg:), every row not held out for a file."""
+    prompts_per_step: int = 8
+    """B: prompts sampled per step."""
+    group_size: int = 8
+    """G: completions per prompt (>= 2 for group advantages; 1 is fine with a critic)."""
+    preflight: bool = True
+    """Code tasks: run each problem's reference solution (MBPP `code`, HumanEval `canonical_solution`, a `solution` column) in the sandbox first; a problem failing its own tests is removed and counted."""
+    exclude_weak_tests: bool = False
+    """Code tasks: drop training problems whose tests accept a trivial program (a lookup of the prompt's examples, a constant, an echo, a catch-all; `posttrain audit --data`), counted in the card."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
+    max_refill_rounds: int = 3
+    """Dynamic sampling: at most this many extra sampling rounds per step."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from posttrain.config import PolicyFields
-from posttrain.data.source import TaskSource
+from posttrain.data.scored_batch import PromptSource
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.evaluation import settings as evaluation_settings
@@ -21,27 +21,8 @@ from posttrain.optim import Optimization
 from posttrain.rollout import SamplingConfig
 
 
-@dataclass
-class Data(TaskSource):
-    """Link 1, data: which prompts (task, format, columns, split, system_prompt, eval_size: the
-    shared `TaskSource`), how many per step, and the held-out split kept apart."""
-
-    sizes: ClassVar[tuple[str, ...]] = ("train_size", "eval_size", "prompts_per_step")
-
-    train_size: int | None = None
-    """Training prompts; None: 20000 for a generated task (arithmetic, rg:), every row not held out for a file."""
-    prompts_per_step: int = 8
-    """B: prompts sampled per step."""
-    group_size: int = 8
-    """G: completions per prompt (>= 2 for group advantages; 1 is fine with a critic)."""
-    preflight: bool = True
-    """Code tasks: run each problem's reference solution (MBPP `code`, HumanEval `canonical_solution`, a `solution` column) in the sandbox first; a problem failing its own tests is removed and counted."""
-    exclude_weak_tests: bool = False
-    """Code tasks: drop training problems whose tests accept a trivial program (a lookup of the prompt's examples, a constant, an echo, a catch-all; `posttrain audit --data`), counted in the card."""
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
-    max_refill_rounds: int = 3
-    """Dynamic sampling: at most this many extra sampling rounds per step."""
+Data = PromptSource
+"""Link 1, data: the prompts and groups (`data.*`); the section lives with the sampler that reads it, in `posttrain/data/scored_batch.py`."""
 
 
 @dataclass
