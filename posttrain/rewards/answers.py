@@ -1,8 +1,9 @@
 """Answer verifiers: `math` (math-verify equivalence), `exact` and `numeric` match, `choice`
 (a multiple-choice letter).
 
-Row fields: `answer` (the gold answer). All three extract the completion's final answer with an
-explicit policy (`extract.py`); several different final answers or a hedge (`3 or 4`, `±3`, a
+Row fields: `answer` (the gold answer) and, for a verifier built without an extraction policy, the
+row's own `answer_extraction` (`extract.ROW_POLICY`). All of them extract the completion's final
+answer with an explicit policy (`extract.py`); several different final answers or a hedge (`3 or 4`, `±3`, a
 list where the gold is one value) score 0; an empty or unparseable gold answer is data_error.
 
 math-verify enforces its timeouts with SIGALRM, so it only works in a main thread (elsewhere it
@@ -20,7 +21,7 @@ from fractions import Fraction
 from typing import Any
 
 from posttrain.rewards.base import Verifier
-from posttrain.rewards.extract import DEFAULT_POLICY, POLICIES, extract_answer, hedge
+from posttrain.rewards.extract import AUTO, check_policy, extract_answer, hedge, row_policy
 from posttrain.rewards.pool import WorkerGone
 from posttrain.rewards.verdict import Verdict
 
@@ -34,10 +35,9 @@ def _gold(example: Mapping) -> str | None:
 
 
 class _AnswerVerifier(Verifier):
-    def __init__(self, extraction: str = DEFAULT_POLICY):
-        if extraction not in POLICIES:
-            raise ValueError(f"unknown extraction policy {extraction!r}; choose from {POLICIES}")
-        self.extraction = extraction
+    def __init__(self, extraction: str | None = None):
+        self.extraction = check_policy(extraction)
+        """`extract.POLICIES`, or None: each row's own (`extract.row_policy`)."""
 
     def score(self, completion: str, example: Mapping) -> Verdict:
         """Extract, reject hedges, then `compare` (which subclasses implement)."""
@@ -47,8 +47,11 @@ class _AnswerVerifier(Verifier):
         gold_value = self.parse_gold(gold)
         if gold_value is None:
             return Verdict.data_error(f"gold answer {gold[:60]!r} cannot be parsed by {self.name}")
-        found = extract_answer(completion, self.extraction)
-        details = {"extraction": self.extraction, "extracted": found.answer}
+        policy, problem = row_policy(self.extraction, example)
+        if policy is None:
+            return Verdict.data_error(problem)
+        found = extract_answer(completion, policy)
+        details = {"extraction": policy, "extracted": found.answer}
         if found.answer is None:
             return Verdict.ok(0.0, found.reason, **details)
         hedged = hedge(found.answer, gold)
@@ -74,7 +77,7 @@ class _AnswerVerifier(Verifier):
 
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""
-        return {"verifier": self.name, "extraction": self.extraction}
+        return {"verifier": self.name, "extraction": self.extraction or AUTO}
 
 
 def normalize_text(text: str) -> str:
@@ -120,7 +123,7 @@ class NumericVerifier(_AnswerVerifier):
     name = "numeric"
     comparison = "exact rationals then a tolerance (answers.parse_number)"
 
-    def __init__(self, extraction: str = DEFAULT_POLICY, rel_tol: float = 1e-9, abs_tol: float = 1e-9):
+    def __init__(self, extraction: str | None = None, rel_tol: float = 1e-9, abs_tol: float = 1e-9):
         super().__init__(extraction)
         self.rel_tol, self.abs_tol = rel_tol, abs_tol
 

@@ -19,6 +19,12 @@ completion with its own parser and compares with its own rule.
     rg_answer a reasoning-gym answer equal to the entry's stored answer (folded text or the same
               decimal), where the dataset's own scorer is that same rule (the `rg` reward calls
               reasoning-gym's scorer on `extract.py`'s answer)
+
+"The final answer" is read under an extraction policy of the same names as the rewards' (`POLICIES`,
+each read here by its own code): `boxed_or_tags` (the default: <answer> elements and `\\boxed{}`
+contents together), `boxed`, `tags`, `hashes` (the text after each `####` to the end of its line,
+GSM8K's final answer), `marked` (all three together), `last_number`. A checker built without one
+takes each row's own (`answer_extraction`: a data file's rows carry their gold format's convention).
 """
 
 from __future__ import annotations
@@ -98,15 +104,95 @@ def _integer(text: str) -> int | None:
     return int(text)
 
 
-def final_answer(completion: str) -> tuple[str | None, str]:
-    """The completion's one final answer (its <answer> elements and \\boxed{} contents, stripped,
-    all the same text), or None and why not."""
-    answers, unclosed = answer_elements(completion)
-    if unclosed:
-        return None, "an <answer> element is not closed"
-    distinct = sorted({answer.strip() for answer in answers + boxed_contents(completion)})
+POLICIES = ("boxed_or_tags", "boxed", "tags", "hashes", "marked", "last_number")
+"""The extraction policies, by the rewards' names (`extract.POLICIES`; a test keeps them equal)."""
+DEFAULT_POLICY = "boxed_or_tags"
+ROW_POLICY = "answer_extraction"
+"""The row field naming a row's own policy (`extract.ROW_POLICY`)."""
+_MARKS = {"boxed_or_tags": ("tags", "boxed"), "boxed": ("boxed",), "tags": ("tags",), "hashes": ("hashes",),
+          "marked": ("tags", "boxed", "hashes")}
+_WHAT = {"boxed_or_tags": "no <answer> element or \\boxed{}", "boxed": "no \\boxed{}", "tags": "no <answer> element",
+         "hashes": "no '#### N' final answer", "marked": "no '#### N', <answer> element or \\boxed{}"}
+
+
+def _without_thousands(text: str) -> str:
+    """`1,234,567` as `1234567` (every comma followed by three digits); other text unchanged."""
+    groups = text.split(",")
+    if len(groups) > 1 and all(len(group) == 3 and group.isdigit() for group in groups[1:]):
+        return "".join(groups)
+    return text
+
+
+def _digit(char: str) -> bool:
+    return char.isascii() and char.isdigit()
+
+
+def _plain_number(text: str) -> bool:
+    """An optional `-`, ASCII digits and at most one `.` between digits: `12`, `-3.5`; not `1e3`, `.5`, `3 apples`."""
+    whole, _, fraction = (text[1:] if text.startswith("-") else text).partition(".")
+    return all(_digit(char) for char in whole + fraction) and bool(whole) and (bool(fraction) or "." not in text)
+
+
+def hash_answers(completion: str) -> list[str]:
+    """The text after the first `####` of every line that has one, to the end of that line:
+    stripped, `$` signs, a final period and thousands commas dropped (how GSM8K writes its gold).
+    `final_answer` takes them only when each is a plain number."""
+    answers = []
+    for line in completion.splitlines():
+        start = line.find("####")
+        if start >= 0:
+            answer = line[start + 4:].replace("$", "").strip()
+            answers.append(_without_thousands(answer[:-1].strip() if answer.endswith(".") else answer))
+    return answers
+
+
+def last_number(completion: str) -> str | None:
+    """The last number of the text, read character by character: the last run of ASCII digits with
+    `,` or `.` between digits, a `-` just before it kept; of a run that is not one number (`3,4`,
+    `1.2.3`) its last part (`4`, `3`); thousands commas dropped (`1,234` -> `1234`)."""
+    end = len(completion)
+    while end and not _digit(completion[end - 1]):
+        end -= 1
+    if not end:
+        return None
+    start = end - 1
+    while start and (_digit(completion[start - 1]) or (completion[start - 1] in ",." and start > 1 and _digit(completion[start - 2]))):
+        start -= 1
+    run = completion[start:end]
+    whole, point, fraction = (run.rsplit(".", 1)[1] if run.count(".") > 1 else run).partition(".")
+    if "," in fraction:
+        whole, point, fraction = fraction.rsplit(",", 1)[1], "", ""
+    whole = _without_thousands(whole).rsplit(",", 1)[-1]
+    number = whole + point + fraction
+    at_start = run.replace(",", "") == number  # the number is the whole run: a `-` before it is its sign
+    return ("-" if at_start and start and completion[start - 1] == "-" else "") + number
+
+
+def final_answer(completion: str, policy: str = DEFAULT_POLICY) -> tuple[str | None, str]:
+    """The completion's one final answer under `policy` (`POLICIES`), or None and why not: every
+    answer the policy's marks give (<answer> elements, \\boxed{} contents, `hash_answers`),
+    stripped, must be the same text; `last_number` takes the text's last number."""
+    if policy == "last_number":
+        number = last_number(completion)
+        return (number, "") if number is not None else (None, "no number")
+    marks = _MARKS[policy]
+    answers: list[str] = []
+    if "tags" in marks:
+        elements, unclosed = answer_elements(completion)
+        if unclosed:
+            return None, "an <answer> element is not closed"
+        answers += elements
+    if "boxed" in marks:
+        answers += boxed_contents(completion)
+    if "hashes" in marks:
+        hashed = hash_answers(completion)
+        wrong = next((answer for answer in hashed if not _plain_number(answer)), None)
+        if wrong is not None:
+            return None, f"'####' followed by {wrong[:40]!r}, not a number"
+        answers += hashed
+    distinct = sorted({answer.strip() for answer in answers})
     if not distinct:
-        return None, "no <answer> element or \\boxed{}"
+        return None, _WHAT[policy]
     if len(distinct) > 1:
         return None, f"{len(distinct)} different answers"
     return distinct[0], ""
@@ -133,17 +219,25 @@ def _letter(text: str) -> str | None:
     return letter.upper() if letter.isascii() and letter.isalpha() else None
 
 
-EXTRACTION = "html.parser <answer> elements and counted-brace \\boxed{} (posttrain.rewards.checkers)"
+EXTRACTION = ("html.parser <answer> elements, counted-brace \\boxed{}, line-read '####' and a character-scanned last number "
+              "(posttrain.rewards.checkers)")
 """How every checker here reads the final answer (`final_answer`), for `implementation()`."""
 
 
 class _FinalAnswerChecker(Verifier):
     """The checkers' one shape: parse the gold (data_error if it does not parse), read the
-    completion's `final_answer` (0 with the reason if there is none), parse it (0 if it does not
-    parse), compare. Subclasses give `parse_gold`, `parse_answer`, `compare` and `comparison`."""
+    completion's `final_answer` under the checker's extraction policy, else the row's own (0 with
+    the reason if there is none), parse it (0 if it does not parse), compare. Subclasses give
+    `parse_gold`, `parse_answer`, `compare` and `comparison`."""
 
     comparison = ""
     """The comparison's implementation (for `implementation`)."""
+
+    def __init__(self, extraction: str | None = None):
+        if extraction is not None and extraction not in POLICIES:
+            raise ValueError(f"unknown extraction policy {extraction!r}; choose from {', '.join(POLICIES)}")
+        self.extraction = extraction
+        """One of `POLICIES`, or None: each row's own (`ROW_POLICY`), else `DEFAULT_POLICY`."""
 
     def parse_gold(self, gold: Any) -> tuple[Any, str]:
         """(the gold in comparable form, or None and why it cannot be used)."""
@@ -161,22 +255,26 @@ class _FinalAnswerChecker(Verifier):
         gold, problem = self.parse_gold(example.get("answer"))
         if gold is None:
             return Verdict.data_error(problem)
-        answer, why = final_answer(completion)
+        policy = self.extraction or example.get(ROW_POLICY) or DEFAULT_POLICY
+        if policy not in POLICIES:
+            return Verdict.data_error(f"field {ROW_POLICY!r}: unknown extraction policy {policy!r} (known: {', '.join(POLICIES)})")
+        answer, why = final_answer(completion, policy)
         if answer is None:
-            return Verdict.ok(0.0, why)
+            return Verdict.ok(0.0, why, extraction=policy, extracted=None)
+        details = {"extraction": policy, "extracted": answer[:MAX_ANSWER_CHARS]}
         value, problem = self.parse_answer(answer)
         if value is None:
-            return Verdict.ok(0.0, problem, extracted=answer[:MAX_ANSWER_CHARS])
+            return Verdict.ok(0.0, problem, **details)
         equal, reason = self.compare(value, gold)
-        return Verdict.ok(1.0 if equal else 0.0, reason, extracted=answer[:MAX_ANSWER_CHARS])
+        return Verdict.ok(1.0 if equal else 0.0, reason, **details)
 
     def implementation(self) -> dict[str, str]:
         """How it reads and compares (for the run card's independence check)."""
         return {"extraction": EXTRACTION, "comparison": self.comparison}
 
     def describe(self) -> dict[str, Any]:
-        """Settings for the run card."""
-        return {"verifier": self.name, "implementation": self.implementation()}
+        """Settings for the run card (`extraction`: the policy, or `auto`: each row's own)."""
+        return {"verifier": self.name, "extraction": self.extraction or "auto", "implementation": self.implementation()}
 
 
 class IntegerChecker(_FinalAnswerChecker):
@@ -253,7 +351,8 @@ class MathChecker(_FinalAnswerChecker):
     (same brackets). A hedge (`41 or 42`), two answers, or anything the reader cannot read scores 0.
     Runs in a worker (sympy on `9^{9^{9^9}}` ignores signals): a missed deadline scores 0.
 
-    Row: {"completion", "answer": the gold (number or LaTeX)}. An empty gold is data_error.
+    Row: {"completion", "answer": the gold (number or LaTeX)}. An empty gold, or one the reader
+    cannot read (a whole GSM8K solution, `#### 33`), is data_error: no answer could equal it.
     """
 
     name = "math_equal"
@@ -263,7 +362,15 @@ class MathChecker(_FinalAnswerChecker):
 
     def parse_gold(self, gold: Any) -> tuple[str | None, str]:
         usable = not isinstance(gold, bool) and isinstance(gold, (str, int, float)) and str(gold).strip()
-        return (math_normal_form(str(gold)) if usable else None), "field 'answer' (the gold answer) is missing or empty"
+        if not usable:
+            return None, "field 'answer' (the gold answer) is missing or empty"
+        normal = math_normal_form(str(gold))
+        try:
+            for item in bracketed_items(normal)[1]:
+                LatexReader(item).read()
+        except (ValueError, ZeroDivisionError, TypeError) as error:
+            return None, f"gold answer {str(gold)[:60]!r} cannot be read as math ({str(error)[:60]})"
+        return normal, ""
 
     def parse_answer(self, answer: str) -> tuple[str | None, str]:
         if len(answer) > MAX_ANSWER_CHARS:

@@ -88,7 +88,7 @@ class RewardContext:
     fraction: bool = False
     """Code rewards: tests passed / total instead of all-or-nothing."""
     extraction: str | None = None
-    """Answer rewards: the extraction policy (None: the verifier's default)."""
+    """Answer rewards and checkers: the extraction policy (None: each row's own, else boxed_or_tags)."""
     tests: str = "all"
     """Code rewards: which of a row's tests run (`CODE_TESTS`)."""
     placement: Any = None
@@ -103,7 +103,7 @@ RewardFactory = Callable[[str, RewardContext], Verifier]
 REWARD_KINDS: dict[str, RewardFactory] = {
     **{name: (lambda spec, context, kind=kind: kind(**({"extraction": context.extraction} if context.extraction else {})))
        for name, kind in ANSWER_VERIFIERS.items()},
-    **{name: (lambda spec, context, kind=kind: kind()) for name, kind in CHECKERS.items()},
+    **{name: (lambda spec, context, kind=kind: kind(extraction=context.extraction)) for name, kind in CHECKERS.items()},
     "format": lambda spec, context: FormatVerifier(),
     **{name: (lambda spec, context, kind=kind: kind(sandbox=context.sandbox, fraction=context.fraction, tests=context.tests))
        for name, kind in CODE_VERIFIERS.items()},
@@ -131,7 +131,7 @@ def get_verifier(name: str, *, sandbox: SandboxConfig | None = None, fraction: b
 
     `sandbox` sets the limits of code verifiers (and `unsafe_no_sandbox`); `fraction` makes
     code rewards passed/total instead of all-or-nothing; `extraction` overrides the answer
-    extraction policy of math/exact/numeric/rg; `tests` which of a row's tests code verifiers run
+    extraction policy of math/exact/numeric/rg and of the answer checkers (None: each row's own); `tests` which of a row's tests code verifiers run
     (`CODE_TESTS`: all, half); `placement` and `world` where model-based rewards run.
     """
     return build_reward(name, RewardContext(sandbox=sandbox, fraction=fraction, extraction=extraction, tests=tests,
@@ -170,7 +170,10 @@ class RewardOptions:
     partial_credit: bool = False
     """Code verifiers: reward = tests passed / total instead of all-or-nothing (training reward only)."""
     extraction: str | None = None
-    """Answer verifiers: how the answer is taken from a completion (None: the verifier's default); code verifiers: auto | fenced | raw."""
+    """Answer rewards and checkers: how the final answer is taken from a completion, one of boxed_or_tags,
+    boxed, tags, hashes (`#### N`), marked (any of those three), last_number (rewards/extract.py); None:
+    each row's own, its gold format's convention (GSM8K files: marked), else boxed_or_tags. Code
+    verifiers: auto | fenced | raw."""
     tests: str = "half"
     """Code verifiers as the training reward: `half` runs every other test of each problem (the 1st,
     3rd ...), so that the held-out checker, which always runs all of them, holds tests the policy was
