@@ -17,7 +17,7 @@ import pytest
 from posttrain.config import build_config
 from posttrain.data import load_splits, load_task
 from posttrain.data.files import FORMATS, map_row, resolve_columns
-from posttrain.data.prompts import validate_prompt_file
+from posttrain.data.prompts import CONVENTIONS, validate_prompt_file
 from posttrain.data.source import TaskSource
 from posttrain.data.validation import last_boxed, parse_gsm8k_gold
 from posttrain.errors import UserError
@@ -70,7 +70,10 @@ def test_gsm8k_parquet_with_the_format(gsm8k_parquet):
     assert len(task.examples) == 12 and task.reward_kind == "math"
     assert task.examples[3].prompt.startswith("Tom has 3 apples") and task.examples[3].answer == "8"
     assert task.examples[3].id == "gsm8k.parquet:4"
-    assert task.options == {"answer_format": "gsm8k", "format": "gsm8k"}
+    assert task.options == {"answer_format": "gsm8k", "format": "gsm8k", "answer_extraction": "marked",
+                            "instruction": CONVENTIONS["gsm8k"].instruction}
+    assert task.examples[3].prompt.endswith("\n\n" + CONVENTIONS["gsm8k"].instruction)
+    assert task.examples[3].metadata["answer_extraction"] == "marked"
 
 
 def test_the_same_mapping_by_columns_from_csv_and_json(tmp_path):

@@ -34,8 +34,27 @@ def register(subparsers) -> None:
     check.add_argument("--model", metavar="SPEC", help="tokenizer for the prompt-length check (with --max-prompt-tokens)")
     check.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt, after the chat template")
     check.add_argument("--system-prompt", help="shared system prompt counted in prompt lengths")
+    check.add_argument("--instruction", default=None,
+                       help="prompt: the text appended to every prompt with a gold answer, as task_options.instruction "
+                            "(default: the gold format's, e.g. gsm8k: where the '#### N' answer goes; '' for none)")
     check.set_defaults(func=check_file)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def convention_lines(answer_format: str | None, data_format: str | None, instruction: str | None) -> list[str]:
+    """How an answer file's completions are read and what its prompts say of it
+    (`data.prompts.answer_convention`), for `data check`."""
+    from posttrain.data.prompts import INSTRUCTION_SETTING, answer_convention, resolve_answer_format
+    from posttrain.rewards.extract import ABOUT
+
+    gold_format = resolve_answer_format(answer_format, data_format)
+    convention = answer_convention(gold_format, instruction)
+    lines = [f"answers read as {convention.extraction} ({ABOUT[convention.extraction]}), the gold format {gold_format}'s, "
+             "by the reward and the checker (reward_options.extraction to change)"]
+    if convention.instruction is None:
+        return lines + [f"no instruction appended to the prompts ({INSTRUCTION_SETTING} to add one)"]
+    return lines + [f"appended to every prompt ({INSTRUCTION_SETTING} to change, '' for none):",
+                    *("  " + line for line in convention.instruction.splitlines())]
 
 
 def check_file(args) -> int:
@@ -52,8 +71,8 @@ def check_file(args) -> int:
     except json.JSONDecodeError as error:
         raise UserError(f"--columns: not JSON ({error.msg})") from None
     if args.kind in ("prompt", "prompts"):
-        _, report = validate_prompt_file(args.file, answer_format=args.answer_format, data_format=args.format, columns=columns,
-                                         source_split=args.split, **lengths)
+        parsed, report = validate_prompt_file(args.file, answer_format=args.answer_format, data_format=args.format,
+                                              columns=columns, source_split=args.split, instruction=args.instruction, **lengths)
     elif args.kind == "sft":
         from posttrain.data.sft_data import load_sft_rows
 
@@ -64,6 +83,8 @@ def check_file(args) -> int:
     for line in report.lines():
         print(line)
     print(report.summary())
+    if args.kind in ("prompt", "prompts") and any(example.answer is not None for _, example in parsed):
+        print(*convention_lines(args.answer_format, args.format, args.instruction), sep="\n")
     if tokenizer is None and args.kind != "sft":
         print("prompt lengths not checked (give --model SPEC and --max-prompt-tokens N)")
     return 1 if report.problems else 0

@@ -20,14 +20,16 @@ def register(subparsers) -> None:
     parser.add_argument("--input", required=True, type=Path, help="JSONL rows with a 'completion' field")
     parser.add_argument("--output", type=Path, default=None, help="JSONL verdicts (default: stdout)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file (refused without it)")
-    parser.add_argument("--format", choices=("mbpp", "code_contests", "humaneval"), default=None,
+    parser.add_argument("--format", choices=("mbpp", "code_contests", "humaneval", "gsm8k", "math"), default=None,
                         help="the rows hold the problem in this public layout (MBPP: text, test_list; CodeContests: "
-                             "inputs/outputs or public_tests/private_tests; HumanEval: prompt, test, entry_point)")
+                             "inputs/outputs or public_tests/private_tests; HumanEval: prompt, test, entry_point; GSM8K: "
+                             "answer, its gold after '####', completions read as marked; MATH: solution, its gold boxed)")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPUs)")
     parser.add_argument("--fraction", action="store_true",
                         help="code rewards are tests passed / total instead of all-or-nothing")
     parser.add_argument("--extraction", default=None,
-                        help="answer extraction policy: boxed_or_tags (default), boxed, tags, last_number")
+                        help="answer extraction policy: boxed_or_tags, boxed, tags, hashes ('#### N'), marked (any of "
+                             "those), last_number (default: each row's answer_extraction, else boxed_or_tags)")
     parser.add_argument("--timeout", type=float, default=10.0, help="code: seconds per sample (default 10)")
     parser.add_argument("--details", action="store_true", help="also write each verdict's details")
     parser.add_argument("--unsafe-no-sandbox", action="store_true",
@@ -59,12 +61,27 @@ def read_rows(path: Path) -> tuple[list[str], list[dict]]:
     return completions, examples
 
 
+GOLD_PROBLEM = "gold_problem"
+"""Set by `public_layout` on a row whose gold answer does not parse in its layout (its verdict: data_error)."""
+
+
 def public_layout(row: dict, layout: str) -> dict:
-    """A row in a public layout as the code verifiers read it: MBPP's `test_list` as `tests`,
-    stdin / stdout `inputs` / `outputs` (or CodeContests' public / private tests) as `cases`."""
-    from posttrain.data.files import contest_cases, map_row, resolve_columns
+    """A row in a public layout as the verifiers read it: MBPP's `test_list` as `tests`, stdin /
+    stdout `inputs` / `outputs` (or CodeContests' public / private tests) as `cases`; GSM8K's and
+    MATH's gold read from the solution as training reads it, with their answer convention
+    (`answer_extraction`), or, when it does not parse, no gold and why in `GOLD_PROBLEM`."""
+    from posttrain.data.files import FORMATS, contest_cases, map_row, resolve_columns
+    from posttrain.data.prompts import answer_convention
+    from posttrain.data.validation import ValidationReport, check_answer
 
     mapped = contest_cases(map_row(row, {k: v for k, v in resolve_columns(layout, None).items() if k != "prompt"}))
+    answer_format = FORMATS[layout]["answer_format"]
+    if answer_format is not None:
+        report = ValidationReport("row")
+        mapped["answer"] = check_answer(report, 0, mapped.get("answer"), answer_format)
+        mapped.setdefault("answer_extraction", answer_convention(answer_format).extraction)
+        if mapped["answer"] is None:
+            mapped[GOLD_PROBLEM] = report.problems[0].reason
     if "inputs" in mapped and "cases" not in mapped:
         inputs, outputs = mapped.pop("inputs"), mapped.pop("outputs", None)
         if isinstance(inputs, list) and isinstance(outputs, list) and len(inputs) == len(outputs):
@@ -76,7 +93,7 @@ def public_layout(row: dict, layout: str) -> dict:
 
 def handle(args) -> int:
     """Score every row; write verdicts atomically; print a one-line summary to stderr."""
-    from posttrain.rewards import SandboxConfig, SandboxUnavailable, get_verifier
+    from posttrain.rewards import SandboxConfig, SandboxUnavailable, Verdict, get_verifier
 
     if args.workers is not None and args.workers < 1:
         raise UserError("--workers must be at least 1")
@@ -101,6 +118,8 @@ def handle(args) -> int:
         raise UserError(str(error), exit_code=3) from None
     except ValueError as error:  # e.g. a callable path that does not import
         raise UserError(f"--verifier: {error}") from None
+    verdicts = [Verdict.data_error(f"--format {args.format}: {row[GOLD_PROBLEM]}") if GOLD_PROBLEM in row else verdict
+                for row, verdict in zip(examples, verdicts)]
     lines = []
     for verdict in verdicts:
         row = verdict.to_json()
@@ -120,4 +139,7 @@ def handle(args) -> int:
     print(f"verify {verifier.name}: {len(verdicts)} rows, " +
           ", ".join(f"{k}={statuses[k]}" for k in ("ok", "infra_error", "data_error")) +
           f", mean reward (ok rows) {mean:.4f}{unsafe}", file=sys.stderr)
+    if statuses["data_error"] and not args.format and any("####" in str(row.get("answer", "")) for row in examples):
+        print("hint: the gold answers hold '####', as GSM8K's solutions do: --format gsm8k reads the number after it",
+              file=sys.stderr)
     return 0

@@ -14,6 +14,12 @@ Schema (after the mapping; blank JSONL lines are skipped):
     entry_point  optional string: the function the tests call
     id           optional string or number, unique in the file (default: "<file name>:<line>")
     metadata     optional object; any other field is kept in metadata too
+
+A row with a gold answer also gets its gold format's answer convention (`CONVENTIONS`): the
+instruction appended to its prompt that says where the final answer goes (GSM8K: `#### N`; MATH:
+`\\boxed{}`; `task_options.instruction` replaces it, `""` turns it off) and the extraction policy
+the reward and the checker read the completion with (`metadata.answer_extraction`, which
+`reward_options.extraction` overrides).
 """
 
 from __future__ import annotations
@@ -44,6 +50,45 @@ REWARD_KINDS = {"math": "math", "gsm8k": "math", "boxed": "math", "number": "mat
 numbers and math expressions are compared by math-verify; free text exactly; option letters by
 the `choice` verifier."""
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@dataclass(frozen=True)
+class AnswerConvention:
+    """Where a gold format's completions put their final answer."""
+
+    extraction: str
+    """The extraction policy the reward and the checker read a completion with
+    (`rewards.extract.POLICIES`); every row carries it as `metadata.answer_extraction`."""
+    instruction: str | None = None
+    """Appended to every prompt (after a blank line), saying where the answer goes; None: nothing."""
+
+
+CONVENTIONS = {
+    "gsm8k": AnswerConvention("marked", "Solve the problem step by step. Then write the final answer, a number only, "
+                                        "on the last line after ####, as in:\n#### 12"),
+    "boxed": AnswerConvention("boxed_or_tags", "Solve the problem step by step, and put the final answer in \\boxed{}."),
+}
+"""The answer convention of each gold format (`ANSWER_FORMATS`) with one: GSM8K's gold follows
+`####`, so its completions may end `#### N` as well as box or tag it (`marked`); MATH's is boxed.
+Any other gold format has `DEFAULT_CONVENTION`, and its prompts stay the file's own."""
+DEFAULT_CONVENTION = AnswerConvention("boxed_or_tags")
+INSTRUCTION_SETTING = "task_options.instruction"
+
+
+def answer_convention(answer_format: str, instruction: str | bool | None = None) -> AnswerConvention:
+    """The convention of `answer_format` (`CONVENTIONS`), its instruction replaced by
+    `instruction` when that is given: a text, or `""` / false for none. Anything else is one
+    UserError line.
+
+    >>> answer_convention("gsm8k", "").instruction is None, answer_convention("number").extraction
+    (True, 'boxed_or_tags')
+    """
+    convention = CONVENTIONS.get(answer_format, DEFAULT_CONVENTION)
+    if instruction is None:
+        return convention
+    if instruction is not False and not isinstance(instruction, str):
+        raise UserError(f"{INSTRUCTION_SETTING}: the text appended to every prompt ('' for none), got {type_name(instruction)}")
+    return AnswerConvention(convention.extraction, (instruction or "").strip() or None)
 SHOW_TESTS = {"first": "the task, then its first test: the function's name and one call, as the MBPP paper's prompt "
                        "(arXiv:2108.07732) shows its tests; the others stay unseen",
               "none": "the task text only"}
@@ -120,6 +165,7 @@ def validate_prompt_file(
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
     show_tests: str | None = None,
+    instruction: str | bool | None = None,
 ) -> tuple[list[tuple[int, Example]], ValidationReport]:
     """Read and check the whole file; returns `(row number, Example)` for every valid row and the
     report of every problem in the others.
@@ -130,12 +176,14 @@ def validate_prompt_file(
     the file's (`posttrain.data.files`); a mapped column the file lacks is a UserError.
     source_split: the split of a saved or cached dataset with several.
     show_tests: which tests an assert-list problem's prompt shows (`SHOW_TESTS`; None: the format's).
+    instruction: appended to the prompt of every row with a gold answer (`answer_convention`;
+    None: the gold format's, `""` none).
     tokenizer + max_prompt_tokens: also report prompts longer than the limit after the chat template.
     """
     table = RowTable(path, source_split)
     parsed = _scan(table, ValidationReport(str(path)), answer_format=answer_format, data_format=data_format, columns=columns,
                    tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens, system_prompt=system_prompt,
-                   use_chat_template=use_chat_template, show_tests=show_tests)
+                   use_chat_template=use_chat_template, show_tests=show_tests, instruction=instruction)
     return [(line, example) for _, line, example in parsed.rows], parsed.report
 
 
@@ -149,14 +197,16 @@ class _Scan:
 
 
 def _scan(table: RowTable, report: ValidationReport, *, answer_format=None, data_format=None, columns=None, tokenizer=None,
-          max_prompt_tokens=None, system_prompt=None, use_chat_template=None, show_tests=None) -> _Scan:
+          max_prompt_tokens=None, system_prompt=None, use_chat_template=None, show_tests=None, instruction=None) -> _Scan:
     """The validation pass over `table`: `rows` yields `(handle, row number, Example)` for every
     valid row (exhaust it before reading `report` or `layout`); `parse` turns a row of the
     table into its Example again."""
     answer_format = resolve_answer_format(answer_format, data_format)
     mapping = resolve_columns(data_format, columns)
     check_columns(table.source, table.columns, mapping)
-    layout, parse = _Layout(), _PromptParser(table.source, mapping, answer_format, resolve_show_tests(show_tests, data_format))
+    layout = _Layout()
+    parse = _PromptParser(table.source, mapping, answer_format, resolve_show_tests(show_tests, data_format),
+                          answer_convention(answer_format, instruction))
 
     def rows():
         first_line_of_id: dict[str, int] = {}
@@ -184,13 +234,14 @@ class _PromptParser:
     mapping: dict
     answer_format: str
     show_tests: str = "none"
+    convention: AnswerConvention = DEFAULT_CONVENTION
 
     def __post_init__(self):
         self.file_name = Path(self.source).name
 
     def __call__(self, line: int, row: dict, into: ValidationReport | None = None) -> Example | None:
         return parse_prompt_row(into or ValidationReport(self.source), line, contest_cases(map_row(row, self.mapping)),
-                                self.file_name, self.answer_format, self.show_tests)
+                                self.file_name, self.answer_format, self.show_tests, self.convention)
 
 
 def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all", **checks) -> Task:
@@ -203,7 +254,7 @@ def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all
     """
     table = RowTable(path, checks.get("source_split"))
     keep = ("answer_format", "data_format", "columns", "tokenizer", "max_prompt_tokens", "system_prompt", "use_chat_template",
-            "show_tests")
+            "show_tests", "instruction")
     scan = _scan(table, ValidationReport(str(path)), **{key: value for key, value in checks.items() if key in keep})
     handles, numbers = array("q"), array("q")
     for handle, line, _ in scan.rows:  # each Example checked, then dropped
@@ -219,6 +270,9 @@ def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all
     kind = scan.layout.kind(checks.get("data_format")) or REWARD_KINDS[answer_format]
     if kind == "mbpp":
         options["show_tests"] = scan.parse.show_tests
+    if kind in ("math", "text", "choice"):  # an answer task: how its answers are read, and what its prompts say of it
+        options["answer_extraction"] = scan.parse.convention.extraction
+        options["instruction"] = scan.parse.convention.instruction
     task = Task(name=str(path), split=split, examples=examples, reward_kind=kind, rows_bad=scan.report.rows_bad, options=options)
     require_examples(task)
     return task
@@ -290,9 +344,10 @@ def _appended(prompt: str | None, messages: list[dict] | None, block: str):
 
 
 def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: str, answer_format: str,
-                     show_tests: str = "none"):
+                     show_tests: str = "none", convention: AnswerConvention = DEFAULT_CONVENTION):
     """One row as an Example, or None after reporting each of its problems; an assert-list row's
-    prompt ends with the tests `show_tests` shows (`SHOW_TESTS`), their indices in `metadata.shown_tests`."""
+    prompt ends with the tests `show_tests` shows (`SHOW_TESTS`), their indices in `metadata.shown_tests`;
+    a row with a gold answer's with `convention`'s instruction, its policy in `metadata.answer_extraction`."""
     ok = True
     prompt = messages = answer = tests = entry_point = options = None
     if "prompt" in row and "messages" in row:
@@ -359,6 +414,10 @@ def parse_prompt_row(report: ValidationReport, line: int, row: dict, file_name: 
     if shown:
         prompt, messages = _with_tests(prompt, messages, [tests[i] for i in shown])
         extra["shown_tests"] = shown
+    if answer is not None:
+        extra["answer_extraction"] = convention.extraction
+        if convention.instruction:
+            prompt, messages = _appended(prompt, messages, "\n\n" + convention.instruction)
     return Example(
         id=str(row_id), prompt=prompt, messages=messages, answer=answer, tests=tests,
         entry_point=entry_point, metadata={**metadata, **extra, "source": file_name, "line": line},

@@ -5,7 +5,8 @@
 
 Specs: `arithmetic` (options: digits, operation), `rg:<dataset>` (options: the dataset's config
 fields), `humaneval`, or a data file / saved dataset / cached dataset name (see
-`posttrain.data.prompts` and `posttrain.data.files`; options: answer_format, format, columns, split, show_tests).
+`posttrain.data.prompts` and `posttrain.data.files`; options: answer_format, format, columns, split, show_tests,
+instruction).
 Splits are disjoint by construction (procedural tasks draw each split from its own derived seed;
 fixed sets put disjoint ids in each split) and then checked: training prompts identical to a
 held-out prompt are removed and counted in `Task.duplicates_removed`.
@@ -30,7 +31,7 @@ ARITHMETIC_OPERATIONS = {"add": "+", "sub": "-", "mul": "*"}
 ARITHMETIC_WORDS = {"words": {"add": "plus", "sub": "minus", "mul": "times"}}
 GENERATED_TRAIN_SIZE = 20000
 """Training examples drawn from a generated task when no train_size is given."""
-FILE_OPTIONS = ("answer_format", "format", "columns", "split", "show_tests")
+FILE_OPTIONS = ("answer_format", "format", "columns", "split", "show_tests", "instruction")
 """Options of a data file or dataset name (the recipes' data.format / data.columns / data.split)."""
 
 
@@ -69,6 +70,7 @@ def load_task(
             spec, strict=strict, split=split, tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
             system_prompt=system_prompt, answer_format=options.get("answer_format"), data_format=options.get("format"),
             columns=options.get("columns"), source_split=options.get("split"), show_tests=options.get("show_tests"),
+            instruction=options.get("instruction"),
         )
         task.examples = task.examples[:size]
         return task
