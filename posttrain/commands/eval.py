@@ -66,6 +66,10 @@ def handle(args) -> int:
         )
     summary["hardware"] = placement.describe()
     summary["unsafe_no_sandbox"] = config.unsafe_no_sandbox
+    # A data file's answer convention: how its answers were read, what its prompts said of it (data.prompts.CONVENTIONS).
+    convention = {key: held_out.options[key] for key in ("answer_extraction", "instruction") if key in held_out.options}
+    if convention:
+        summary["answer_convention"] = {**convention, "extraction_used": config.reward_options.extraction or convention["answer_extraction"]}
     write_text_atomically(output_dir / "summary.json", json.dumps({k: v for k, v in summary.items() if k != "correct"}, indent=1) + "\n")
     low, high = summary["pass@1_ci95"]
     if config.unsafe_no_sandbox:
@@ -75,6 +79,9 @@ def handle(args) -> int:
     if acceptance.k > 1:
         low, high = summary[f"pass@{acceptance.k}_ci95"]
         print(f"  pass@{acceptance.k} {summary[f'pass@{acceptance.k}']:.3f}  95% CI [{low:.3f}, {high:.3f}]  (temperature {acceptance.temperature})")
+    if convention:
+        print(f"  final answer read as {summary['answer_convention']['extraction_used']}: none found in {summary['unextracted']} "
+              f"of {summary['problems']} completions" + ("" if convention["instruction"] else "; no instruction in the prompts"))
     print(f"results: {output_dir}")
     return 0
 

@@ -24,6 +24,7 @@ from posttrain.data.examples import Example, Task, derived_seed, require_example
 from posttrain.data.files import pick
 from posttrain.atomic import write_text_atomically
 from posttrain.errors import UserError
+from posttrain.evaluation.heldout_rows import check_extraction, heldout_rows
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
 from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, defaults
 from posttrain.rollout import SamplingConfig, generate
@@ -109,7 +110,10 @@ def evaluate_task(
     Returns:
         a summary dict: `pass@1`, `pass@1_ci95`, `n` (problems scored), `problems`, `correct` (per
         problem: 1, 0, or None when the checker could not score it: left out of n), `infra_errors`,
-        `mean_length`, and `pass@k`, `pass@k_ci95` when k > 1.
+        `unextracted` (completions whose final answer the checker could not read; a warning when
+        they are most: `heldout_rows.check_extraction`), `mean_length`, and `pass@k`, `pass@k_ci95`
+        when k > 1. The output file's rows are `heldout_rows.heldout_rows` (gold and extracted answer
+        beside each completion).
     """
     started = time.perf_counter()
     verifier = checker if isinstance(checker, Verifier) else as_verifier(None, checker or default_checker(task), for_checker=True)
@@ -137,6 +141,7 @@ def evaluate_task(
         "infra_errors": sum(v.status == "infra_error" for v in verdicts),
         "data_errors": sum(v.status == "data_error" for v in verdicts),
         "mean_length": sum(lengths) / max(1, n),
+        "unextracted": check_extraction(task.name, texts, verdicts),
         "correct": correct,
     }
     if k > 1:
@@ -158,10 +163,7 @@ def evaluate_task(
         summary["sample_temperature"] = temperature
     summary["seconds"] = time.perf_counter() - started
     if output_path is not None:
-        rows = [
-            {"id": e.id, "prompt": p, "completion": t, "reward": v.reward, "status": v.status, "reason": v.reason}
-            for e, p, t, v in zip(examples, prompts, texts, verdicts)
-        ]
+        rows = heldout_rows(examples, prompts, texts, verdicts)
         write_text_atomically(output_path, json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")  # whole or not at all
     logger.info("held-out %s: pass@1 %s (n=%d)", task.name, summary["pass@1"], n)
     return summary

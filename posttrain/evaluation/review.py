@@ -1,8 +1,9 @@
 """A human spot check of the acceptance checker, with measured agreement (`posttrain review`).
 
-A seeded sample of a run's held-out rows (one eval file's `rows`: id, prompt, completion, reward,
-status, reason) goes on one self-contained HTML sheet; a person marks each checker verdict
-agree | disagree | unsure and saves `marks.json`:
+A seeded sample of a run's held-out rows (one eval file's `rows`: id, prompt, gold, completion,
+extracted, reward, status, reason: `evaluation/heldout_rows.py`) goes on one self-contained HTML
+sheet, the gold answer and the answer the checker read beside each completion; a person marks each
+checker verdict agree | disagree | unsure and saves `marks.json`:
 
     [{"id": "arithmetic-eval-3", "verdict": "incorrect", "mark": "agree"}, ...]
 
@@ -55,12 +56,14 @@ def checker_verdict(row: dict[str, Any]) -> str:
 
 def sample_rows(rows: Sequence[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
     """`min(n, len(rows))` rows drawn without replacement by `random.Random(seed)`, kept in the eval
-    file's order, each as {id, prompt, completion, reward, status, reason, verdict}.
+    file's order, each as {id, prompt, gold, completion, extracted, reward, status, reason, verdict}
+    (without gold and extracted from an eval file written before its rows kept them).
 
     Raises UserError when the drawn ids are not unique (marks are keyed by id).
     """
     indices = sorted(random.Random(seed).sample(range(len(rows)), min(n, len(rows))))
-    sample = [{key: rows[i].get(key) for key in ("id", "prompt", "completion", "reward", "status", "reason")}
+    sample = [{key: rows[i].get(key) for key in ("id", "prompt", "gold", "completion", "extracted", "reward", "status", "reason")
+               if key in rows[i] or key not in ("gold", "extracted")}
               | {"verdict": checker_verdict(rows[i])} for i in indices]
     ids = [row["id"] for row in sample]
     if len(set(map(json.dumps, ids))) != len(ids):
@@ -157,6 +160,8 @@ body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; 
 .row h3, .row p { margin: 0.4rem 0; }
 pre { white-space: pre-wrap; word-break: break-word; background: #f6f6f6; padding: 0.5rem; max-height: 20rem; overflow: auto; }
 .verdict { font-weight: bold; }
+.answers { display: flex; gap: 2rem; }
+.answers code { background: #eef; padding: 0.1rem 0.3rem; }
 .bar { position: sticky; top: 0; background: #fff; padding: 0.5rem 0; border-bottom: 1px solid #ccc; }
 label { margin-right: 1.5rem; }
 """
@@ -194,11 +199,21 @@ count();
 """
 
 
+def _shown(row: dict[str, Any], key: str, missing: str) -> str:
+    """A row's gold or extracted answer as the sheet shows it: `missing` when it is None, "not
+    recorded" when the eval file's rows did not keep it (written before they did)."""
+    if key not in row:
+        return "not recorded"
+    return missing if row[key] is None else str(row[key])
+
+
 def render_sheet(sample: Sequence[dict[str, Any]], marks: Sequence[dict[str, Any]], title: str) -> str:
     """The review sheet: one self-contained HTML page (inline CSS and JS, nothing fetched).
 
-    Per row: the checker's verdict, reward, status and reason, the prompt and the completion
-    (pre-formatted), and agree / disagree / unsure radio buttons preset from `marks` (marks.json's
+    Per row: the checker's verdict, reward, status and reason, the prompt, the gold answer and the
+    answer the checker read (`extracted`; "none read" when it read none, "not recorded" in an
+    older eval file), the completion (pre-formatted), and agree / disagree / unsure radio buttons
+    preset from `marks` (marks.json's
     rows, in sample order). "Save marks" downloads the current marks as marks.json. Every shown text
     is HTML-escaped and the embedded marks are script-safe JSON: completions are untrusted output.
     """
@@ -212,6 +227,8 @@ def render_sheet(sample: Sequence[dict[str, Any]], marks: Sequence[dict[str, Any
             f'<p>checker: <span class="verdict">{escape(row["verdict"])}</span> (reward {escape(json.dumps(row["reward"]))}, '
             f"status {escape(str(row['status']))}); reason: {escape(str(row['reason'] or ''))}</p>\n"
             f"<p>prompt</p><pre>{escape(str(row['prompt'] or ''))}</pre>\n"
+            f'<p class="answers"><span>gold: <code>{escape(_shown(row, "gold", "none (the tests decide)"))}</code></span>'
+            f'<span>checker read: <code>{escape(_shown(row, "extracted", "none read"))}</code></span></p>\n'
             f"<p>completion</p><pre>{escape(str(row['completion'] or ''))}</pre>\n"
             f"<p>{radios}</p>\n</div>"
         )
