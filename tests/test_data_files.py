@@ -289,7 +289,10 @@ def test_data_check_reads_every_kind_and_format(tmp_path):
                                               f"{parquet}: 3 rows read, 1 bad"]
     result = check("--kind", "sft", str(sft))
     assert result.returncode == 1 and result.stdout.splitlines() == [
-        f"{sft}:2: completion: missing field (an SFT row has `messages`, or `prompt` and `completion`)", f"{sft}: 2 rows read, 1 bad"]
+        f"{sft}:2: completion: missing field (an SFT row has `messages`, or `prompt` and `completion`)", f"{sft}: 2 rows read, 1 bad",
+        """hint: the rows' columns are prompt; map yours to ours with --data.columns '{"completion": "COLUMN"}', """
+        "or pass the --data.format of their layout (docs/data.md)",
+        "prompt lengths not checked (give --model SPEC and --max-prompt-tokens N)"]
     result = check("--kind", "preference", str(parquet), "--format", "gsm8k")
     assert result.returncode == 2 and "no column 'chosen'" in result.stderr
 

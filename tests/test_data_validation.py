@@ -72,7 +72,7 @@ def test_strict_stops_with_the_whole_report_and_lenient_drops(tmp_path):
     with pytest.raises(UserError) as error:
         load_prompt_file(path)
     message = str(error.value)
-    assert message.splitlines()[0] == f"{path}: 4 rows read, 2 bad (fix them, or set strict: false to drop bad rows):"
+    assert message.splitlines()[0] == f"{path}: 4 rows read, 2 bad (fix them, or set data.strict false to drop bad rows):"
     assert f"{path}:2: prompt: empty or whitespace-only" in message
     assert f"{path}:3: row: invalid JSON: Expecting value (column 1)" in message
     task = load_prompt_file(path, strict=False)
@@ -84,7 +84,7 @@ def test_empty_missing_and_number_answers(tmp_path):
     with pytest.raises(UserError, match="no such file"):
         load_prompt_file(tmp_path / "missing.jsonl")
     empty = write_lines(tmp_path / "empty.jsonl", [])
-    with pytest.raises(UserError, match="no usable examples"):
+    with pytest.raises(UserError, match=r"empty.jsonl: no rows \(an empty file\)$"):
         load_prompt_file(empty)
     all_bad = write_lines(tmp_path / "bad.jsonl", [{"prompt": " ", "answer": "1"}])
     with pytest.raises(UserError, match="no usable examples \\(1 bad rows dropped\\)"):

@@ -116,7 +116,7 @@ def test_bad_rows_name_file_row_and_field(tmp_path):
     with pytest.raises(UserError) as error:
         load_preference_file(path, data_format="trl_preference")
     assert str(error.value).splitlines() == [
-        f"{path}: 4 rows read, 2 bad (fix them, or set strict: false to drop bad rows):",
+        f"{path}: 4 rows read, 2 bad (fix them, or set data.strict false to drop bad rows):",
         f"{path}:2: chosen: wrong type: expected a string, got null",
         f"{path}:3: chosen: identical to rejected",
     ]

@@ -27,11 +27,11 @@ def register(subparsers) -> None:
     mode.add_argument("--verifier", help="math, exact, numeric, choice, format, rg, humaneval, mbpp, io or stdio")
     mode.add_argument("--data", help="a code data file (.jsonl .parquet .csv .json .arrow), a saved dataset "
                                      "directory, a cached owner/name, or humaneval (the packaged set)")
-    parser.add_argument("--format", choices=tuple(DATA_LAYOUTS), default=None,
+    parser.add_argument("--format", "--data.format", dest="format", choices=tuple(DATA_LAYOUTS), default=None,
                         help="--data's layout: mbpp (text, test_list, code), humaneval (prompt, test, entry_point, "
                              "canonical_solution) or code_contests (description, public/private tests)")
-    parser.add_argument("--columns", default=None, help="--data: our column names -> the file's, as JSON (as data.columns)")
-    parser.add_argument("--split", default=None, help="--data: the split of a saved or cached dataset (as data.split)")
+    parser.add_argument("--columns", "--data.columns", dest="columns", default=None, help="--data: our column names -> the file's, as JSON (as data.columns)")
+    parser.add_argument("--split", "--data.split", dest="split", default=None, help="--data: the split of a saved or cached dataset (as data.split)")
     parser.add_argument("--show-tests", default=None,
                         help="--data --format mbpp: which tests the prompts show, as task_options.show_tests in training "
                              "(first, the format's default, or none); the programs read what is shown")
@@ -152,7 +152,7 @@ def load_rows(data: str, data_format: str, columns: dict | None, split: str | No
     else:
         parsed, report = validate_prompt_file(data, data_format=data_format, columns=columns, source_split=split,
                                               show_tests=show_tests)
-        report.enforce(strict=True)
+        report.enforce(strict=True, setting=None)  # audit has no data.strict: every problem must be fixed
         examples = [example for _, example in parsed]
     if not examples:
         raise UserError(f"{data}: no problems")

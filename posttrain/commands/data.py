@@ -27,10 +27,11 @@ def register(subparsers) -> None:
         "--answer-format", choices=("math", "number", "text", "gsm8k", "boxed"), default=None,
         help="prompt: how `answer` must parse (default: the format's, else math, as math-verify reads it)",
     )
-    check.add_argument("--format", default=None,
+    # --data.format etc. as the recipes spell them, so that a training error's advice works here too.
+    check.add_argument("--format", "--data.format", dest="format", default=None,
                        help="a public layout (prompt: gsm8k | math | trl_prompt ...; sft: trl_sft; preference: trl_preference)")
-    check.add_argument("--columns", default=None, help="our column names -> the file's, as JSON")
-    check.add_argument("--split", default=None, help="the split of a saved or cached dataset")
+    check.add_argument("--columns", "--data.columns", dest="columns", default=None, help="our column names -> the file's, as JSON")
+    check.add_argument("--split", "--data.split", dest="split", default=None, help="the split of a saved or cached dataset")
     check.add_argument("--model", metavar="SPEC", help="tokenizer for the prompt-length check (with --max-prompt-tokens)")
     check.add_argument("--max-prompt-tokens", type=int, metavar="N", help="longest prompt, after the chat template")
     check.add_argument("--system-prompt", help="shared system prompt counted in prompt lengths")
@@ -77,7 +78,7 @@ def check_file(args) -> int:
         from posttrain.data.sft_data import load_sft_rows
 
         _, report = load_sft_rows(args.file, data_format=args.format, columns=columns, source_split=args.split, strict=False,
-                                  allow_empty=True)
+                                  allow_empty=True, **lengths)
     else:
         _, report = validate_preference_file(args.file, data_format=args.format, columns=columns, source_split=args.split, **lengths)
     for line in report.lines():
@@ -85,6 +86,8 @@ def check_file(args) -> int:
     print(report.summary())
     if args.kind in ("prompt", "prompts") and any(example.answer is not None for _, example in parsed):
         print(*convention_lines(args.answer_format, args.format, args.instruction), sep="\n")
-    if tokenizer is None and args.kind != "sft":
+    if report.hint:
+        print(report.hint)
+    if tokenizer is None:
         print("prompt lengths not checked (give --model SPEC and --max-prompt-tokens N)")
     return 1 if report.problems else 0

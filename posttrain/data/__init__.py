@@ -35,9 +35,10 @@ Prompt tasks (posttrain.data.tasks, .examples, .prompts)
         max_prompt_tokens=None, system_prompt=None) -> Task
         spec: "arithmetic" (options digits=2, operation="add"|"sub"|"mul") | "rg:<dataset>" (options:
         the dataset's config) | "humaneval" | a data file, save_to_disk directory or cached dataset name
-        (options answer_format, format, columns, split).
+        (options answer_format, format, columns, split, strict).
     load_splits(spec, *, train_size=None, eval_size, seed=0, **load_task_options) -> (train, held_out)
-        disjoint by construction and checked; the held-out split depends only on (spec, seed, eval_size).
+        disjoint by construction and checked; the held-out split depends only on (spec, seed, eval_size);
+        eval_size None: 200, or one in ten of a file under 2,000 rows (tasks.default_eval_size).
     score_reasoning_gym(example, answer: str | None) -> float    # the dataset's own scorer, 0..1
     load_prompt_file(path, *, strict=True, answer_format="math", tokenizer=None, max_prompt_tokens=None,
         system_prompt=None, use_chat_template=None) -> Task
@@ -73,13 +74,14 @@ Provenance and order (posttrain.data.provenance, .stream: one epoch stream, two 
 
 Sources (posttrain.data.source)
     TaskSource(task="arithmetic", task_options={}, format=None, columns={}, split=None, eval_size=200,
-        system_prompt=None): the settings every recipe's data section extends (online, SFT, pairs);
-        .load_options() -> dict (what load_splits takes); .validate(prefix="data.") (its `sizes` at
+        system_prompt=None, strict=True): the settings every recipe's data section extends (online, SFT, pairs);
+        .load_options() -> dict (what load_splits takes, strict: false included); .validate(prefix="data.") (its `sizes` at
         least 1, a known format and columns)
 
 Validation (posttrain.data.validation)
-    ValidationReport(source, rows_read, problems: list[BadRow]); .lines() -> ["FILE:LINE: field: reason"];
-    .rows_bad; .enforce(strict) raises UserError listing every problem when strict.
+    ValidationReport(source, rows_read, problems: list[BadRow], hint); .lines() -> ["FILE:LINE: field: reason"];
+    .rows_bad; .enforce(strict, setting="data.strict") raises UserError listing the first 5 problems,
+    how many more and the layout hint when strict.
     validate_prompt_file(path, **checks) / validate_preference_file(path, **checks)
         -> (list[(line, item)], ValidationReport)       # what `posttrain data check` runs
 """

@@ -79,7 +79,7 @@ class RowTable:
     def __init__(self, source: str | Path, split: str | None = None):
         self.source = str(source)
         path = Path(source).expanduser()
-        self.jsonl = self.source.endswith(".jsonl") or (path.is_file() and path.suffix not in FILE_TYPES)
+        self.jsonl = path.suffix == ".jsonl"  # any other file is read by its type, or refused by name (`_open_dataset`)
         self._path, self._file, self._dataset = path, None, None
         if self.jsonl:
             if split not in (None, "train"):
@@ -96,7 +96,23 @@ class RowTable:
 
     def scan(self, report: ValidationReport) -> Iterator[tuple[int, int, dict]]:
         """`(handle, row number, row)` for every row; JSONL lines that are blank are skipped, lines
-        that are not one JSON object go to `report` (a file is read a line at a time)."""
+        that are not one JSON object go to `report` (a file is read a line at a time). A source
+        without a row is one UserError line. Once every row is read, `report.hint` says which
+        `data.format` (or `data.columns`) the first row that lacked one of our fields needed
+        (`layout_hint`), as the caller's parse of each row reported it."""
+        lacking = None  # (columns, field) of the first row a parse found without one of our fields
+        for handle, number, row in self._rows(report):
+            before = len(report.problems)
+            yield handle, number, row
+            if lacking is None:
+                missing = [p.field for p in report.problems[before:] if p.reason.startswith("missing field")]
+                lacking = (list(row), missing[0]) if missing else None
+        if not report.rows_read:
+            raise UserError(f"{self.source}: no rows (an empty file)")
+        if lacking is not None:
+            report.hint = layout_hint(*lacking)
+
+    def _rows(self, report: ValidationReport) -> Iterator[tuple[int, int, dict]]:
         if not self.jsonl:
             report.rows_read += len(self._dataset)
             for index, row in enumerate(self._dataset):
@@ -193,7 +209,9 @@ def _open_dataset(source: str, path: Path, split: str | None):
             options = {"features": _csv_text_columns(path)} if path.suffix == ".csv" else {}
             loaded = datasets.load_dataset(FILE_TYPES[path.suffix], data_files=str(path), split="train", **options)
         elif path.exists():
-            raise UserError(f"{source}: not a data file (.jsonl, .parquet, .csv, .json, .arrow) or a saved dataset directory")
+            kind = f"a {path.suffix} file" if path.suffix else "a file without an extension"
+            raise UserError(f"{source}: {kind}, not a data file posttrain reads (.jsonl, .parquet, .csv, .json, .arrow, "
+                            "or a save_to_disk directory); convert it to one of them")
         else:
             loaded = _cached_dataset(source, split)
     except UserError:
@@ -214,13 +232,26 @@ def _open_dataset(source: str, path: Path, split: str | None):
 
 def _csv_text_columns(path: Path):
     """Every column of a CSV file as text: CSV has no types, and a column of short numeric answers
-    (`"30"`) must not turn into numbers that a text field then rejects."""
+    (`"30"`) must not turn into numbers that a text field then rejects. The file is read once here
+    first, so that a record with more fields than the header (an unquoted comma) is one line naming
+    it, not the CSV parser's traceback; a record with fewer is left to the row checks (null cells)."""
     import csv
 
     import datasets
 
-    with open(path, newline="", encoding="utf-8") as handle:
-        header = next(csv.reader(handle), [])
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            reader = csv.reader(handle)
+            header = next(reader, [])
+            records = (record for record in reader if record)  # blank lines are no rows (as the parser skips them)
+            for number, record in enumerate(records, start=1):
+                if len(record) > len(header):
+                    raise UserError(f"{path}: line {reader.line_num} (row {number}): {len(record)} fields, the header has "
+                                    f"{len(header)} (quote a field that holds a comma)")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path}: non-UTF-8 bytes (byte 0x{error.object[error.start]:02x}); save it as UTF-8") from None
+    except csv.Error as error:
+        raise UserError(f"{path}: line {reader.line_num}: not CSV ({error})") from None
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 
@@ -308,6 +339,21 @@ def map_row(row: dict, mapping: dict[str, str]) -> dict:
         else:
             mapped.setdefault(key, value)
     return mapped
+
+
+def layout_hint(columns: list[str], missing: str) -> str:
+    """What a row with `columns` that lacks our field `missing` needs: the `data.format` whose
+    columns it has and which maps `missing` from one of them (the one naming most columns), else
+    `data.columns` (or a format that needs columns the row lacks). `layout_hint(["question", "answer"], "prompt")` ->
+    "hint: the rows' columns (question, answer) are the gsm8k layout: pass --data.format gsm8k"."""
+    shown = ", ".join(columns[:8]) + (", ..." if len(columns) > 8 else "")
+    fits = [name for name, layout in FORMATS.items()
+            if set(layout["columns"].values()) <= set(columns) and layout["columns"].get(missing, missing) != missing]
+    if fits:
+        best = max(fits, key=lambda name: len(FORMATS[name]["columns"]))
+        return f"hint: the rows' columns ({shown}) are the {best} layout: pass --data.format {best}"
+    return (f"hint: the rows' columns are {shown}; map yours to ours with --data.columns '{{\"{missing}\": \"COLUMN\"}}', "
+            "or pass the --data.format of their layout (docs/data.md)")
 
 
 def _first_line(error: Exception) -> str:

@@ -40,9 +40,9 @@ import torch
 from posttrain.data.examples import Task, derived_seed
 from posttrain.data.files import RowTable, RowView, check_columns, is_data_source, map_row, read_rows, resolve_columns
 from posttrain.data.source import TaskSource
-from posttrain.data.tasks import load_splits
+from posttrain.data.tasks import DEFAULT_EVAL_SIZE, SMALL_FILE_FRACTION, default_eval_size, load_splits
 from posttrain.data.tokenize import TokenizedBatch, has_chat_template, tokenize_prompt_response
-from posttrain.data.validation import ValidationReport, check_messages, check_text, type_name
+from posttrain.data.validation import ValidationReport, check_messages, check_prompt_length, check_text, type_name
 from posttrain.errors import UserError
 from posttrain.rewards import Verifier
 
@@ -78,11 +78,13 @@ def is_sft_file(path: str, data_format: str | None = None, columns: dict | None 
 
 
 def load_sft_rows(path: str | Path, *, data_format: str | None = None, columns: dict | None = None,
-                  source_split: str | None = None, strict: bool = True, allow_empty: bool = False) -> tuple[RowView, ValidationReport]:
+                  source_split: str | None = None, strict: bool = True, allow_empty: bool = False, tokenizer=None,
+                  max_prompt_tokens: int | None = None, system_prompt: str | None = None) -> tuple[RowView, ValidationReport]:
     """Every valid row of an SFT file, and the report of the others (a UserError listing them when
     `strict`, as for every data file; an empty result is a UserError unless `allow_empty`). The rows
     are a `RowView`: handles into the file, each row parsed again when read, so a large file is not
-    held as Python objects."""
+    held as Python objects. tokenizer + max_prompt_tokens: also report a row whose prompt (the
+    messages before its first trained turn, chat template applied) is longer than the limit."""
     mapping = resolve_columns(data_format, columns)
     table = RowTable(path, source_split)
     check_columns(str(path), table.columns, mapping)
@@ -91,7 +93,10 @@ def load_sft_rows(path: str | Path, *, data_format: str | None = None, columns: 
 
     handles, numbers = array("q"), array("q")
     for handle, line, row in table.scan(report):
-        if parse(line, row, report) is not None:  # checked, then dropped
+        parsed = parse(line, row, report)  # checked, then dropped
+        prompt = sft_prompt(parsed) if parsed is not None else None
+        if parsed is not None and (not prompt or check_prompt_length(report, line, prompt, tokenizer, max_prompt_tokens,
+                                                                     system_prompt=system_prompt)):
             handles.append(handle)
             numbers.append(line)
     if not allow_empty:  # allow_empty: a check that reports every row (posttrain data check), no enforcing
@@ -144,6 +149,15 @@ def parse_sft_row(report: ValidationReport, line: int, row: dict, file_name: str
     report.add(line, "completion", f"prompt and completion must both be strings or both message lists, got "
                                    f"{type_name(prompt)} and {type_name(completion)}")
     return None
+
+
+def sft_prompt(row: SFTRow):
+    """What a row's model sees before the first token it is trained on: a string row's prompt, or
+    the messages before a conversation's first trained assistant turn (empty when it opens with one)."""
+    if not row.is_chat:
+        return row.prompt
+    first = next(i for i, m in enumerate(row.messages) if m["role"] == "assistant" and i >= row.train_from)
+    return row.messages[:first]
 
 
 def chat_token_mask(tokenizer, messages: list[dict], loss_on: str = "assistant", train_from: int = 0) -> tuple[list[int], list[bool]]:
@@ -219,8 +233,10 @@ class Data(TaskSource):
     """SFT rows: assistant (every assistant turn; a prompt/completion row's completion) | completion (the last assistant turn) | all (every token)."""
     response_template: str = "<answer>{answer}</answer>"
     """How a gold answer becomes the training response."""
-    train_size: int = 20000
-    """Training examples (procedural tasks generate this many; a file's rows are capped at it)."""
+    eval_size: int | None = None
+    """Held-out rows or problems, disjoint from training (a seeded draw); None: 200, or one in ten of a file under 2,000 rows (logged; the run card records it)."""
+    train_size: int | None = None
+    """Training examples; None: 20000 for a generated task (arithmetic, rg:), every row not held out for a file (more than it has is refused)."""
 
     def validate(self) -> None:
         super().validate()
@@ -259,13 +275,20 @@ def load_data(data: Data, seed: int, tokenizer) -> SFTData:
 
 
 def _load_rows(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
-    """A file's SFT rows: a seeded held-out draw of eval_size rows, the next train_size for training."""
-    rows, report = load_sft_rows(data.task, data_format=data.format, columns=data.columns or None, source_split=data.split)
+    """A file's SFT rows: a seeded held-out draw of eval_size rows (None: `default_eval_size`), the
+    next train_size (None: all the others) for training."""
+    rows, report = load_sft_rows(data.task, data_format=data.format, columns=data.columns or None, source_split=data.split,
+                                 strict=data.strict)
     order = list(range(len(rows)))  # the rows stay in the file; shuffled as positions
     random.Random(derived_seed(seed, "split")).shuffle(order)
-    if data.eval_size >= len(order):
-        raise UserError(f"data.task {data.task}: eval_size={data.eval_size} leaves no training rows out of {len(order)}")
-    held, train = rows.take(order[: data.eval_size]), rows.take(order[data.eval_size :][: data.train_size])
+    eval_size = default_eval_size(len(order), data.task) if data.eval_size is None else data.eval_size
+    if eval_size >= len(order):
+        raise UserError(f"data.task {data.task}: eval_size={eval_size} leaves no training rows out of {len(order)}")
+    if data.train_size is not None and eval_size + data.train_size > len(order):
+        raise UserError(f"data.task {data.task}: train_size={data.train_size} + eval_size={eval_size} is more than its "
+                        f"{len(order)} rows")
+    end = None if data.train_size is None else eval_size + data.train_size
+    held, train = rows.take(order[:eval_size]), rows.take(order[eval_size:end])
 
     def encode(items):
         return tokenize_sft(tokenizer, items, loss_on=data.loss_on, system_prompt=data.system_prompt)
@@ -273,7 +296,8 @@ def _load_rows(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
     encode([*train[:1], *held[:1]])  # a template that cannot mask fails here, before the run directory exists
     chats = sum(row.is_chat for row in train)
     card = {"task": data.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
-            "conversations": chats, "prompt_completion_rows": len(train) - chats, "loss_on": data.loss_on,
+            "heldout_size_from": _size_from(data.eval_size), "conversations": chats,
+            "prompt_completion_rows": len(train) - chats, "loss_on": data.loss_on,
             "rows_bad": report.rows_bad}
     return SFTData(train, held, encode, None, card)
 
@@ -293,5 +317,14 @@ def _load_task(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
                                         system_prompt=data.system_prompt)
 
     card = {"task": data.task, "options": options, "train_examples": len(train), "heldout_examples": len(held_out),
+            "heldout_size_from": _size_from(data.eval_size), "rows_bad": train.rows_bad,
             "duplicates_removed": train.duplicates_removed, "response_template": data.response_template}
     return SFTData(train.examples, held_out.examples, encode, held_out, card)
+
+
+def _size_from(eval_size: int | None) -> str:
+    """Where the held-out size came from, for the run card (the size itself is beside it)."""
+    if eval_size is not None:
+        return "data.eval_size"
+    return (f"data.eval_size not set: {DEFAULT_EVAL_SIZE}, or one in {SMALL_FILE_FRACTION} rows of a file under "
+            f"{DEFAULT_EVAL_SIZE * SMALL_FILE_FRACTION}")

@@ -38,11 +38,15 @@ class TaskSource:
     """Held-out problems, disjoint from training (checked) and never sampled for pairs; the split depends only on the task, its options, the seed and this size, so runs that share them evaluate on the same problems."""
     system_prompt: str | None = None
     """Optional system prompt for chat models."""
+    strict: bool = True
+    """A data file's bad row stops the run, before anything is written (false: bad rows are dropped, logged and counted)."""
 
     def load_options(self) -> dict:
-        """The options `load_splits` takes (`data.files.task_load_options`); `posttrain pairs`
-        records them in its sidecar so that DPO rebuilds the same held-out split."""
-        return task_load_options(self.task_options, self.format, self.columns, self.split)
+        """The options `load_splits` takes (`data.files.task_load_options`, and `strict: false`
+        when set); `posttrain pairs` records them in its sidecar so that DPO rebuilds the same
+        held-out split (dropping bad rows changes which rows are held out)."""
+        options = task_load_options(self.task_options, self.format, self.columns, self.split)
+        return options if self.strict else {**options, "strict": False}
 
     def validate(self, prefix: str = "data.") -> None:
         """Every field of `sizes` at least 1 (None: its default), and a known format and columns

@@ -18,6 +18,7 @@ import functools
 import gzip
 import importlib.util
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -27,10 +28,16 @@ from posttrain.data.prompts import load_prompt_file
 from posttrain.data.validation import ValidationReport, check_prompt_length
 from posttrain.errors import UserError
 
+logger = logging.getLogger(__name__)
+
 ARITHMETIC_OPERATIONS = {"add": "+", "sub": "-", "mul": "*"}
 ARITHMETIC_WORDS = {"words": {"add": "plus", "sub": "minus", "mul": "times"}}
 GENERATED_TRAIN_SIZE = 20000
 """Training examples drawn from a generated task when no train_size is given."""
+DEFAULT_EVAL_SIZE = 200
+"""Held-out examples when no eval_size is given: of a generated task, or of a file of 2,000 rows or more."""
+SMALL_FILE_FRACTION = 10
+"""A smaller file holds out one row in this many when no eval_size is given (at least one)."""
 FILE_OPTIONS = ("answer_format", "format", "columns", "split", "show_tests", "instruction")
 """Options of a data file or dataset name (the recipes' data.format / data.columns / data.split)."""
 
@@ -52,10 +59,12 @@ def load_task(
     size: number of examples (required for procedural specs; fixed sets default to all of them).
     seed and split together choose a procedural stream: the same (seed, split) gives the same
     examples. tokenizer + max_prompt_tokens: report prompts longer than the limit (a UserError when
-    strict, dropped and counted in `rows_bad` otherwise).
+    strict, dropped and counted in `rows_bad` otherwise). strict: a file's bad rows stop the load
+    (False: dropped and counted); an `options["strict"]` (data.strict, `TaskSource.load_options`) overrides it.
     """
     options = dict(options or {})
-    if spec == "arithmetic" or spec.startswith("rg:"):
+    strict = options.pop("strict", strict)  # data.strict (`TaskSource.load_options`): a file's bad rows dropped when false
+    if is_generated(spec):
         if size is None:
             raise UserError(f"task {spec}: give a size (it is generated, not read)")
         generate = arithmetic_examples if spec == "arithmetic" else reasoning_gym_examples
@@ -87,7 +96,7 @@ def load_splits(
     spec: str,
     *,
     train_size: int | None = None,
-    eval_size: int,
+    eval_size: int | None,
     seed: int = 0,
     **load_options,
 ) -> tuple[Task, Task]:
@@ -95,10 +104,11 @@ def load_splits(
 
     Procedural specs draw each split from its own seed (train_size None: GENERATED_TRAIN_SIZE);
     HumanEval and data files are shuffled with `seed` and split by position (held-out first;
-    train_size None: every other row). The held-out split depends only on
-    (spec, seed, eval_size), never on train_size. Other arguments as in `load_task`.
+    train_size None: every other row). eval_size None: `default_eval_size` (logged). The held-out
+    split depends only on (spec, seed, eval_size), never on train_size. Other arguments as in `load_task`.
     """
-    if spec == "arithmetic" or spec.startswith("rg:"):
+    if is_generated(spec):
+        eval_size = DEFAULT_EVAL_SIZE if eval_size is None else eval_size
         held_out = load_task(spec, size=eval_size, seed=seed, split="eval", **load_options)
         train = load_task(spec, size=GENERATED_TRAIN_SIZE if train_size is None else train_size, seed=seed, split="train",
                           **load_options)
@@ -106,6 +116,8 @@ def load_splits(
         everything = load_task(spec, seed=seed, **load_options)
         order = list(range(len(everything.examples)))  # shuffled as the examples were (same permutation)
         random.Random(derived_seed(seed, "split")).shuffle(order)
+        if eval_size is None:
+            eval_size = default_eval_size(len(order), spec)
         if eval_size >= len(order):
             raise UserError(
                 f"task {spec}: eval_size={eval_size} leaves no training examples out of {len(order)}"
@@ -121,6 +133,23 @@ def load_splits(
     check_disjoint(train, held_out)
     require_examples(train)
     return train, held_out
+
+
+def is_generated(spec: str) -> bool:
+    """True for a task drawn from a generator (arithmetic, rg:<dataset>), whose sizes are chosen,
+    not read: a fixed set (HumanEval, a data file) has the rows it has."""
+    return spec == "arithmetic" or spec.startswith("rg:")
+
+
+def default_eval_size(rows: int, source: str) -> int:
+    """The held-out rows of a file of `rows` when no eval_size is given: DEFAULT_EVAL_SIZE, or one
+    in SMALL_FILE_FRACTION of a smaller file (at least 1), logged with how many: 120 rows -> 12.
+    The run card records the resolved size."""
+    size = min(DEFAULT_EVAL_SIZE, max(1, rows // SMALL_FILE_FRACTION))
+    if size < DEFAULT_EVAL_SIZE:
+        logger.info("%s: holding out %d of its %d rows (data.eval_size not set: one in %d of a file under %d rows)",
+                    source, size, rows, SMALL_FILE_FRACTION, DEFAULT_EVAL_SIZE * SMALL_FILE_FRACTION)
+    return size
 
 
 def _subset(task: Task, split: str, examples) -> Task:

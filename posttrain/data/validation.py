@@ -1,9 +1,10 @@
 """Validation of data files: every bad row reported as `FILE:LINE: field: reason`.
 
 A loader reads the whole file, collects every problem in a `ValidationReport`, and only then decides:
-strict (the default) stops with the full report; `strict=False` drops the bad rows, logs how many,
-and keeps their count for the run card. Nothing here trains or tokenises on behalf of the caller
-except the optional prompt-length check, which needs the model's tokenizer.
+strict (the default) stops with the report's first rows, how many more and a hint at the layout
+the rows need; `strict=False` drops the bad rows, logs how many, and keeps their count for the run
+card. Nothing here trains or tokenises on behalf of the caller except the optional prompt-length
+check, which needs the model's tokenizer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from posttrain.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-MAX_REPORTED_ROWS = 200  # a UserError lists at most this many problems; `data check` lists them all
+MAX_REPORTED_ROWS = 5
+"""A UserError lists this many problems, then how many more (`posttrain data check` lists them all)."""
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -42,6 +44,8 @@ class ValidationReport:
     source: str
     rows_read: int = 0
     problems: list[BadRow] = field(default_factory=list)
+    hint: str | None = None
+    """What the rows' layout needs (`data.files.layout_hint`), set by the reader when a row lacked one of our fields."""
 
     def add(self, line: int, field_name: str, reason: str) -> None:
         self.problems.append(BadRow(self.source, line, field_name, reason))
@@ -61,19 +65,19 @@ class ValidationReport:
     def summary(self) -> str:
         return f"{self.source}: {self.rows_read} rows read, {self.rows_bad} bad"
 
-    def enforce(self, strict: bool) -> None:
-        """strict: UserError listing every problem if any row is bad. Not strict: log and go on
-        (the caller drops `bad_lines`)."""
+    def enforce(self, strict: bool, setting: str | None = "data.strict") -> None:
+        """strict: UserError listing the first MAX_REPORTED_ROWS problems, how many more, and the
+        `hint`, if any row is bad; its advice names `setting` (None: the caller has none). Not
+        strict: log and go on (the caller drops `bad_lines`)."""
         if not self.problems:
             return
         if strict:
             listed = self.lines()
             more = len(listed) - MAX_REPORTED_ROWS
-            listed = listed[:MAX_REPORTED_ROWS] + ([f"... and {more} more"] if more > 0 else [])
-            raise UserError(
-                f"{self.summary()} (fix them, or set strict: false to drop bad rows):\n" + "\n".join(listed)
-            )
-        logger.warning("%s; dropping the bad rows (strict: false)", self.summary())
+            listed = listed[:MAX_REPORTED_ROWS] + ([f"... and {more} more (posttrain data check lists them all)"] if more > 0 else [])
+            advice = f"fix them, or set {setting} false to drop bad rows" if setting else "fix them"
+            raise UserError(f"{self.summary()} ({advice}):\n" + "\n".join(listed + ([self.hint] if self.hint else [])))
+        logger.warning("%s; dropping the bad rows (%s false)", self.summary(), setting or "strict")
         for line in self.lines():
             logger.debug("%s", line)
 

@@ -25,6 +25,7 @@ from posttrain.data.examples import derived_seed, verifier_input
 from posttrain.data.pairing import pair_up
 from posttrain.data.provenance import provenance_path, write_with_provenance
 from posttrain.data.source import TaskSource
+from posttrain.data.tasks import is_generated
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, resolve
 from posttrain.rewards.defaults import default_reward
@@ -108,9 +109,12 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     placement = resolve(settings.hardware)
     # The prompts and the verifier before the model: a bad file or verifier fails before any work.
     data = settings.data
-    train, _ = load_splits(data.task, train_size=data.max_prompts, eval_size=data.eval_size,
+    # A generated task draws max_prompts; a file gives every row not held out, of which the first max_prompts.
+    train, _ = load_splits(data.task, train_size=data.max_prompts if is_generated(data.task) else None, eval_size=data.eval_size,
                            seed=settings.seed, options=data.load_options())
     examples = train.examples[: data.max_prompts]
+    if len(examples) < data.max_prompts:
+        logger.info("%s: %d training prompts to sample, fewer than data.max_prompts=%d", data.task, len(examples), data.max_prompts)
     name = settings.verifier or default_reward(train.reward_kind)
     if name is None:
         raise UserError(f"data.task {data.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")

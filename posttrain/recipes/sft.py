@@ -102,6 +102,8 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     placement, world = start(config)
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
     data = with_acceptance(load_data(config.data, config.seed, tokenizer), config, placement, world)
+    if len(data.train) < config.batch_size:  # the data stream would repeat rows within a step
+        raise UserError(f"data.task {config.data.task}: {len(data.train)} training rows, fewer than one batch of batch_size={config.batch_size}")
     warn_if_unsafe(config.unsafe_no_sandbox)
     run_dir, config, changes = open_run("sft", config, world, resume, resume_changed_config)
 
@@ -159,7 +161,7 @@ def with_acceptance(data: SFTData, config: Config, placement, world) -> SFTData:
         data, checker=heldout_checker(config.acceptance.checker, data.task, config.reward_options, config.unsafe_no_sandbox,
                                       placement=placement, world=world),
         shifted=shifted_sets(config.acceptance.sets, trained, config.data.task, config.data.task_options, config.seed,
-                             config.data.eval_size, config.reward_options, config.unsafe_no_sandbox))
+                             len(data.held_out), config.reward_options, config.unsafe_no_sandbox))
 
 
 def make_card(config: Config, data: SFTData) -> dict:
