@@ -9,6 +9,7 @@ from posttrain.cli import main
 from posttrain.data.files import layout_hint
 from posttrain.data.sft_data import load_data
 from posttrain.data.tasks import default_eval_size, load_splits
+from posttrain.errors import UserError
 from posttrain.models import load_model
 
 SFT_FAST = ["--max-steps", "1", "--batch_size", "4", "--micro_batch_size", "4", "--acceptance.max_new_tokens", "2"]
@@ -227,3 +228,16 @@ def test_a_ragged_csv_is_one_line_with_its_line_number(tmp_path, monkeypatch, ca
     assert main(["grpo", "--data.task", "ragged.csv", "--data.eval_size", "1", "--output-dir", "run"]) == 2
     assert error_lines(capsys) == [line]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ragged.csv"]
+
+
+def test_two_training_prompts_are_fewer_than_one_batch_of_prompts_per_step(tmp_path):
+    """The check `--data.prompts_per_step 8` needs in the online recipe (recipes/online.setup, after
+    the screening): 40 rows - 38 held out = 2 prompts, each of which a step of 8 would repeat 4x."""
+    from posttrain.data.examples import require_examples
+
+    path = write_jsonl(tmp_path / "ok.jsonl", prompt_rows(40))
+    train, _ = load_splits(str(path), eval_size=38, seed=0)
+    with pytest.raises(UserError) as error:
+        require_examples(train, 8, setting="data.prompts_per_step")
+    assert str(error.value) == f"{path} (train): 2 usable examples, fewer than one batch of data.prompts_per_step=8 (a step would repeat them)"
+    require_examples(train, 2, setting="data.prompts_per_step")

@@ -95,15 +95,16 @@ def check_disjoint(train: Task, held_out: Task) -> None:
         raise ValueError(f"{len(shared)} prompts are in both the training and held-out splits of {train.name}")
 
 
-def require_examples(task: Task, batch_size: int = 1) -> None:
+def require_examples(task: Task, batch_size: int = 1, setting: str | None = None) -> None:
     """UserError unless `task` holds at least one batch: an empty or too small dataset must stop a
-    run before its first step, never hang it."""
+    run before its first step, never hang it or repeat its examples within a step. `setting` names
+    the batch size's setting in the line (`data.prompts_per_step`)."""
     if not task.examples:
         raise UserError(f"{task.name} ({task.split}): no usable examples ({task.rows_bad} bad rows dropped)")
     if len(task.examples) < batch_size:
         raise UserError(
             f"{task.name} ({task.split}): {len(task.examples)} usable examples, fewer than one batch "
-            f"of {batch_size}"
+            + (f"of {setting}={batch_size} (a step would repeat them)" if setting else f"of {batch_size}")
         )
 
 
