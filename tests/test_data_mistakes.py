@@ -89,6 +89,18 @@ def test_sft_with_fewer_training_rows_than_one_batch_is_refused(tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
 
 
+def test_grpo_with_fewer_training_prompts_than_one_step_is_refused(tmp_path, monkeypatch, capsys):
+    """`--data.prompts_per_step 8` on a file that leaves 2 training prompts would repeat each 4x in a
+    step: one line before the run directory exists."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "sums.jsonl", prompt_rows(10))
+    assert main(["grpo", "--data.task", "sums.jsonl", "--data.eval_size", "8", "--data.prompts_per_step", "8",
+                 "--output-dir", "run"]) == 2
+    line = error_lines(capsys)[0]
+    assert "2 usable examples, fewer than one batch of data.prompts_per_step=8" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sums.jsonl"]
+
+
 def test_pairs_on_a_40_row_file_samples_its_36_training_prompts(tmp_path, monkeypatch, capsys):
     """Was `train_size=256 (max_prompts) + eval_size=4 is more than its 40 examples`. The tiny
     model never writes a 9-digit gold, so no pair comes out: the line counts the prompts sampled."""

@@ -33,7 +33,7 @@ from posttrain.algorithms import kl_estimate, masked_mean
 from posttrain.algorithms import sampler_mismatch
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
 from posttrain.config import to_dict
-from posttrain.data.examples import Task, derived_seed
+from posttrain.data.examples import Task, derived_seed, require_examples
 from posttrain.data.scored_batch import ScoredBatch, online_data_card, sample_and_score
 from posttrain.data.screening import LAYOUTS, screen_problems
 from posttrain.data.stream import PromptStream
@@ -128,6 +128,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
         judge = as_verifier(None, default_reward(train.reward_kind), judge_options, config.unsafe_no_sandbox, for_checker=True)
         screening = screen_problems(train, held_out, judge, preflight=config.data.preflight,
                                     exclude_weak_tests=config.data.exclude_weak_tests)
+    require_examples(train, config.data.prompts_per_step, setting="data.prompts_per_step")  # a step would repeat them
     verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox,
                            placement=placement, world=world)
     checker = heldout_checker(config.acceptance.checker, held_out, config.reward_options, config.unsafe_no_sandbox,
