@@ -187,13 +187,15 @@ def _scalar(text: str) -> Any:
     return text if value is None else value
 
 
-def parse_overrides(arguments: list[str]) -> dict[str, Any]:
+def parse_overrides(arguments: list[str], once: bool = False) -> dict[str, Any]:
     """`['--lr', '1e-5', '--sampling.top_p=0.9']` -> `{'lr': 1e-05, 'sampling': {'top_p': 0.9}}`.
 
     Values are read as YAML scalars (numbers, true/false, null, [lists]); dashes in keys become
-    underscores.
+    underscores. A key given twice keeps its last value, unless `once` (what a user typed: the
+    commands ask it), where it is a one-line UserError naming both (`--max-steps 2 and --max_steps 1`).
     """
     dotted: dict[str, Any] = {}
+    given: dict[str, str] = {}  # key -> the flag and value that set it, for the message
     index = 0
     while index < len(arguments):
         flag = arguments[index]
@@ -205,7 +207,11 @@ def parse_overrides(arguments: list[str]) -> dict[str, Any]:
                 raise UserError(f"--{key}: missing value")
             index += 1
             text = arguments[index]
-        dotted[key.replace("-", "_")] = _scalar(text)
+        name = key.replace("-", "_")
+        if once and name in given:
+            raise UserError(f"{given[name]} and --{key} {text} set the same key; give it once")
+        given[name] = f"--{key} {text}"
+        dotted[name] = _scalar(text)
         index += 1
     return _nest(dotted)
 
@@ -226,6 +232,26 @@ def nest_flags(overrides: dict[str, Any], flags: dict[str, str]) -> dict[str, An
             raise UserError(f"--{short.replace('_', '-')} and --{dotted} set the same key; give one")
         node[leaf] = overrides[short]
     return result
+
+
+PRESETS = Path(__file__).parent / "presets"
+"""The presets shipped with posttrain (package data; the repository's presets/ directory), found by
+name from anywhere: `--config tiny-grpo`."""
+
+
+def preset_path(path: str | Path) -> Path:
+    """The config file `path` names: the file itself, else a shipped preset named by its bare name
+    (`tiny-grpo` or `tiny-grpo.yaml`); else a one-line UserError that says where the presets are."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    shipped = PRESETS / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
+    if path.parent == Path(".") and shipped.is_file():
+        return shipped
+    names = sorted(preset.stem for preset in PRESETS.glob("*.yaml"))
+    hint = f" (a preset shipped with posttrain is named by itself, e.g. --config {shipped.stem}: it is in {PRESETS})" \
+        if shipped.is_file() else f"; the presets shipped with posttrain, by name: {', '.join(names)} (in {PRESETS})"
+    raise UserError(f"{path}: config file not found{hint}")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -250,10 +276,12 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def build_config(cls, yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None):
     """Defaults < YAML < overrides, type-checked, then `config.validate()` if the class has it: the
-    one place a config is validated. `cls` is a config class or a function returning the defaults."""
+    one place a config is validated. `cls` is a config class or a function returning the defaults;
+    `yaml_path` a file or a shipped preset's name (`preset_path`)."""
     config = cls()
     requires: list = []
     if yaml_path is not None:
+        yaml_path = preset_path(yaml_path)
         values = load_yaml(yaml_path)
         requires = _requirements(values.pop("requires", []), yaml_path)
         _apply(config, values, str(yaml_path))
@@ -316,6 +344,21 @@ def describe_fields(cls, prefix: str = "") -> list[tuple[str, str, str]]:
     return rows
 
 
+def tracker_names(report_to: list[str] | str | None) -> list[str]:
+    """`report_to` as a list of names: a list as is; one name or a comma list as Hugging Face's
+    `--report_to` takes it; none (or null) no tracker.
+
+    >>> tracker_names("wandb"), tracker_names("wandb, mlflow"), tracker_names("none"), tracker_names(["tensorboard"])
+    (['wandb'], ['wandb', 'mlflow'], [], ['tensorboard'])
+    """
+    if report_to is None:
+        return []
+    if isinstance(report_to, str):
+        names = [name.strip() for name in report_to.split(",") if name.strip()]
+        return [] if names == ["none"] else names
+    return list(report_to)
+
+
 @dataclasses.dataclass
 class RunFields:
     """The fields every training recipe's config has, declared once (a recipe's config inherits
@@ -335,8 +378,8 @@ class RunFields:
     """Seeds data order, sampling and initialisation."""
     output_dir: str | None = None
     """Run directory (default runs/<recipe>-<time>)."""
-    report_to: list[str] = dataclasses.field(default_factory=list)
-    """Experiment trackers that also get the metrics, the config, the run card and the samples, offline, in the run directory: any of tensorboard, wandb, trackio, mlflow (`--report_to '[wandb, mlflow]'`; each needs its package: `pip install 'posttrain[trackers]'`; docs/metrics.md, Trackers)."""
+    report_to: list[str] | str | None = dataclasses.field(default_factory=list)
+    """Experiment trackers that also get the metrics, the config, the run card and the samples, offline, in the run directory: any of tensorboard, wandb, trackio, mlflow (`--report_to wandb`, `--report_to wandb,mlflow` or `--report_to '[wandb, mlflow]'`; none: no tracker; recorded as a list; each needs its package: `pip install 'posttrain[trackers]'`; docs/metrics.md, Trackers)."""
     tensorboard: bool = False
     """The same as tensorboard in report_to (kept for older configs): TensorBoard event files in <run>/tensorboard."""
     hardware: Hardware = dataclasses.field(default_factory=Hardware)
@@ -352,13 +395,14 @@ class RunFields:
         for name in ("max_steps", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        self.report_to = tracker_names(self.report_to)  # resolved once, so config.yaml and the card hold the list
         from posttrain.runs.trackers import check_trackers  # here: the run packages (matplotlib...) only for a run
 
         check_trackers(self.trackers())
 
     def trackers(self) -> list[str]:
         """The trackers to report to: report_to, plus tensorboard under `tensorboard: true`, each once."""
-        return list(dict.fromkeys(self.report_to + (["tensorboard"] if self.tensorboard else [])))
+        return list(dict.fromkeys(tracker_names(self.report_to) + (["tensorboard"] if self.tensorboard else [])))
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ MY_REWARD = "def score(completion, example):\n    return float(any(c.isdigit() f
 
 def one_error_line(capsys) -> str:
     """The one line a refused command printed on stderr (log lines of its start aside)."""
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("posttrain: ")]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("posttrain: ", "posttrain grpo: "))]
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -218,3 +218,94 @@ def test_the_python_api_refuses_to_resume_a_finished_run_too(finished_sft_run):
     with pytest.raises(UserError, match=r": finished: its newest checkpoint is step 4 and max_steps is 4, so there is nothing"):
         sft.run(config, resume=True)
     assert run_files(finished_sft_run) == before
+
+
+# --- item 11 (parts): report_to, micro_batch_size, repeated flags, presets, docs --------------------
+
+def test_report_to_takes_one_name_or_a_comma_list_as_hugging_face_does():
+    from posttrain.config import build_config, parse_overrides
+    from posttrain.recipes import sft
+
+    def report_to(*argv):
+        return build_config(sft.Config, None, parse_overrides(list(argv), once=True)).report_to
+
+    assert report_to("--report_to", "wandb") == ["wandb"]
+    assert report_to("--report_to", "wandb,mlflow") == ["wandb", "mlflow"]
+    assert report_to("--report_to", "[tensorboard, trackio]") == ["tensorboard", "trackio"]
+    assert report_to("--report_to", "none") == [] and report_to() == []
+
+
+def test_sft_batch_size_alone_sets_the_micro_batch_and_both_are_recorded(tmp_path, monkeypatch, capsys):
+    """`posttrain sft --batch_size 4 --report_to tensorboard`: micro_batch_size follows batch_size (it
+    was 32 and refused 4); config.yaml and the run card hold the resolved numbers and the tracker list."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["sft", "--batch_size", "4", "--report_to", "tensorboard", "--max-steps", "1", "--data.train_size", "8",
+                 "--data.eval_size", "4", "--acceptance.max_new_tokens", "4", "--acceptance.sets", "[]", "--output-dir", "run"]) == 0
+    saved = yaml.safe_load(Path("run/config.yaml").read_text())
+    card = json.loads(Path("run/run_card.json").read_text())["run"]["config"]
+    assert (saved["batch_size"], saved["micro_batch_size"], saved["report_to"]) == (4, 4, ["tensorboard"])
+    assert (card["batch_size"], card["micro_batch_size"], card["report_to"]) == (4, 4, ["tensorboard"])
+    assert any(Path("run/tensorboard").iterdir())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-steps", "2", "--max_steps", "1"], "posttrain: error: --max-steps 2 and --max_steps 1 set the same key; give it once"),
+    (["--optim.lr", "1e-3", "--optim.lr=1e-2"], "posttrain: error: --optim.lr 1e-3 and --optim.lr 1e-2 set the same key; give it once"),
+    (["--max-steps", "2", "--max-steps", "1"],
+     "posttrain grpo: error: argument --max-steps: given twice (2, then 1); give it once (see --help)"),
+], ids=["two-spellings", "override-twice", "flag-twice"])
+def test_a_key_given_twice_is_refused(argv, message, tmp_path, capsys):
+    try:
+        code = main(["grpo", *argv, "--output-dir", str(tmp_path / "run")])
+    except SystemExit as stop:  # argparse's own error: its one line, exit 2
+        code = stop.code
+    assert code == 2
+    assert one_error_line(capsys) == message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_preset_is_found_by_name_from_any_directory(tmp_path, monkeypatch, capsys):
+    """Outside the repository `--config tiny-sft` reads the shipped preset; `presets/tiny-grpo.yaml`
+    there is one line saying how to name it and where the presets are."""
+    from posttrain.config import PRESETS, build_config
+    from posttrain.recipes import sft
+
+    monkeypatch.chdir(tmp_path)
+    assert build_config(sft.Config, "tiny-sft").max_steps == 600
+    assert main(["grpo", "--config", "presets/tiny-grpo.yaml", "--output-dir", "run"]) == 2
+    assert one_error_line(capsys) == ("posttrain: error: presets/tiny-grpo.yaml: config file not found (a preset shipped with "
+                                      f"posttrain is named by itself, e.g. --config tiny-grpo: it is in {PRESETS})")
+    assert main(["grpo", "--config", "my-grpo.yaml", "--output-dir", "run"]) == 2
+    assert one_error_line(capsys) == (
+        "posttrain: error: my-grpo.yaml: config file not found; the presets shipped with posttrain, by name: smollm2-dpo, "
+        f"smollm2-grpo, smollm2-sft, tiny-dpo, tiny-grpo, tiny-ppo, tiny-sft (in {PRESETS})")
+    assert os.listdir() == []
+
+
+def test_the_presets_are_package_data():
+    """posttrain/presets is the repository's presets/ (a link), and the wheel ships its YAML files."""
+    import tomllib
+
+    from posttrain.config import PRESETS
+
+    root = Path(__file__).resolve().parent.parent
+    assert PRESETS.resolve() == (root / "presets").resolve()
+    assert sorted(path.name for path in PRESETS.glob("*.yaml")) == sorted(path.name for path in (root / "presets").glob("*.yaml"))
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert package_data["posttrain"] == ["presets/*.yaml"]
+
+
+def test_the_docs_name_no_file_a_user_lacks_and_eval_examples_say_where_results_go():
+    """No DESIGN.md or "the seed('s)" (a document users do not have) in the docs, README or presets;
+    every `posttrain eval` command in them has --output-dir (required)."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "presets").glob("*.yaml"))]
+    for page in pages:
+        text = page.read_text()
+        assert "DESIGN.md" not in text and not re.search(r"\b[Tt]he seed\b(?! for all rows)", text), page.name
+        commands = re.findall(r"^\s*(?:#\s*)?posttrain eval (.*(?:\\\n.*)*)", text, flags=re.M)
+        assert all("--output-dir" in command for command in commands), (page.name, commands)

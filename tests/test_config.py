@@ -98,7 +98,7 @@ def test_a_preset_names_the_command_that_makes_what_it_requires(tmp_path):
 
     preset = Path(__file__).resolve().parent.parent / "presets" / "tiny-grpo.yaml"
     with pytest.raises(UserError, match=r"runs/tiny-sft/checkpoints/step-000600/model does not exist yet; make it first with: "
-                                        r"posttrain sft --config presets/tiny-sft.yaml --output-dir runs/tiny-sft"):
+                                        r"posttrain sft --config tiny-sft --output-dir runs/tiny-sft"):
         build_config(online_config.grpo_config, preset, {"output_dir": str(tmp_path / "run")})
     assert build_config(online_config.grpo_config, preset, {"model": "tiny"}).model == "tiny"
     bad = tmp_path / "bad.yaml"

@@ -38,6 +38,18 @@ def launch(args: list[str], processes: int) -> list[str]:
             "-m", "posttrain", *args]
 
 
+def with_flags(args: list[str], *flags: str) -> list[str]:
+    """`args` with each `--key value` pair of `flags` set: its value replaced where `args` has the key,
+    else added (the command line refuses a key given twice)."""
+    args = list(args)
+    for key, value in zip(flags[::2], flags[1::2]):
+        if key in args:
+            args[args.index(key) + 1] = value
+        else:
+            args += [key, value]
+    return args
+
+
 def run(args: list[str], processes: int, timeout: int = 600) -> subprocess.CompletedProcess:
     result = subprocess.run(launch(args, processes), env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -73,7 +85,7 @@ def assert_same_run(a: Path, b: Path, step: int, atol: float = 5e-5) -> None:
 
 @pytest.mark.parametrize("strategy, extra", [("ddp", GRPO_UNEVEN), ("fsdp2", [])], ids=["ddp-uneven", "fsdp2"])
 def test_grpo_two_processes_equal_one(tmp_path, strategy, extra):
-    args = [*GRPO, *extra, "--max-steps", "3"]
+    args = [*with_flags(GRPO, *extra), "--max-steps", "3"]
     run([*args, "--output-dir", str(tmp_path / "one")], 1)
     result = run([*args, "--parallel.strategy", strategy, "--output-dir", str(tmp_path / "two")], 2)
     assert result.stdout.count("results:") == 1, "only rank 0 prints"
@@ -190,7 +202,7 @@ PPO = ["ppo", *GRPO[1:], "--critic.warmup_steps", "1"]
 @pytest.mark.parametrize("share", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_ppo_two_processes_equal_one(tmp_path, share):
     """Critic warm-up at step 1, then policy and critic; uneven micro-batches (3 rows of 8 per rank)."""
-    args = [*PPO, "--critic.share_backbone", share, "--update.micro_batch_size", "3", "--max-steps", "3"]
+    args = [*with_flags(PPO, "--critic.share_backbone", share, "--update.micro_batch_size", "3"), "--max-steps", "3"]
     run([*args, "--output-dir", str(tmp_path / "one")], 1)
     run([*args, "--output-dir", str(tmp_path / "two")], 2)
     assert_same_run(tmp_path / "one", tmp_path / "two", 3)

@@ -33,9 +33,11 @@ def resolve_config(config_cls, args: argparse.Namespace, command: str | None = N
     """
     from posttrain.config import build_config, parse_overrides  # here: posttrain.config imports torch (hardware)
 
-    overrides = parse_overrides(list(getattr(args, "overrides", []) or []))
+    overrides = parse_overrides(list(getattr(args, "overrides", []) or []), once=True)
     for flag in ("output_dir", "max_steps", "seed"):
         if getattr(args, flag, None) is not None:
+            if flag in overrides:  # `--max-steps 2 --max_steps 1`: argparse took the one, the overrides the other
+                raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)} and --{flag} {overrides[flag]} set the same key; give it once")
             overrides[flag] = getattr(args, flag)
     if args.resume:
         changed = set(_dotted(overrides)) - RESUMABLE_OVERRIDES - {"output_dir"}
@@ -56,6 +58,15 @@ def resolve_config(config_cls, args: argparse.Namespace, command: str | None = N
         # The run's own config.yaml as the file, the flags over it key by key (a section's other keys stay).
         return build_config(config_cls, run_dir / "config.yaml", {**overrides, "output_dir": str(run_dir)})
     return build_config(config_cls, args.config, overrides)
+
+
+class Once(argparse.Action):
+    """An argparse flag that may be given once: a second `--max-steps` is an error, not a silent win."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            raise argparse.ArgumentError(self, f"given twice ({getattr(namespace, self.dest)}, then {values}); give it once")
+        setattr(namespace, self.dest, values)
 
 
 def _recipe_of(run_dir: Path) -> str | None:
@@ -97,7 +108,7 @@ def config_command(subparsers, name: str, module: str, help_text: str, config: s
         formatter_class=argparse.RawDescriptionHelpFormatter,
         deferred=lambda parser: setattr(parser, "epilog", fields_epilog(settings_factory(module, config))),
     )
-    parser.add_argument("--config", help="YAML preset; its keys override the defaults")
+    parser.add_argument("--config", action=Once, help="YAML file, or a preset shipped with posttrain by name (--config tiny-grpo); its keys override the defaults")
     parser.set_defaults(accepts_overrides=True)
     return parser
 
@@ -137,10 +148,10 @@ class Recipe:
     def register(self, subparsers) -> None:
         """Add `posttrain <command>` with the common flags; other `--key value` pairs override config fields."""
         parser = config_command(subparsers, self.command, self.module, self.help, self.settings)
-        parser.add_argument("--output-dir", help="run directory (default: runs/<recipe>-<time>)")
-        parser.add_argument("--max-steps", type=int, help="training steps")
-        parser.add_argument("--seed", type=int, help="random seed")
-        parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
+        parser.add_argument("--output-dir", action=Once, help="run directory (default: runs/<recipe>-<time>)")
+        parser.add_argument("--max-steps", action=Once, type=int, help="training steps")
+        parser.add_argument("--seed", action=Once, type=int, help="random seed")
+        parser.add_argument("--resume", action=Once, metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
         parser.add_argument("--resume-changed-config", action="store_true",
                             help="with --resume: accept --key value changes that alter the data order or the loss (recorded in the run card)")
         parser.set_defaults(func=self.run)

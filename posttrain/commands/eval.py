@@ -33,7 +33,7 @@ def handle(args) -> int:
     from posttrain.hardware import resolve
     from posttrain.models import load_model
 
-    overrides = nest_flags(parse_overrides(list(args.overrides or [])), EvalConfig.FLAGS)
+    overrides = nest_flags(parse_overrides(list(args.overrides or []), once=True), EvalConfig.FLAGS)
     if args.unsafe_no_sandbox:
         overrides["unsafe_no_sandbox"] = True
     config = build_config(EvalConfig, args.config, overrides)

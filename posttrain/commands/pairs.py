@@ -37,7 +37,7 @@ def settings_overrides(arguments: list[str], stops: list[str]) -> dict:
     for argument in arguments:
         flag, separator, value = argument.partition("=")
         renamed.append(SAMPLING_FLAGS.get(flag, flag) + separator + value)
-    overrides = parse_overrides(renamed)
+    overrides = parse_overrides(renamed, once=True)
     if stops:
         overrides.setdefault("sampling", {})["stop_strings"] = list(stops)
     options = overrides.get("data", {}).get("task_options") if isinstance(overrides.get("data"), dict) else None

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrain.config import build_config
+from posttrain.config import PRESETS, build_config
 from posttrain.data.examples import Task
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_shifts, evaluate_task, heldout_split, independence, shifted_sets
@@ -42,9 +42,6 @@ from posttrain.evaluation.demo_report import DemoResult, write_report
 from posttrain.rewards import get_verifier
 from posttrain.runs import read_jsonl
 
-
-PRESETS = Path(__file__).resolve().parents[2] / "presets"
-"""The repository's presets: each demo stage is one of them plus the overrides below."""
 
 DPO_STAGE = {"batch_size": 16, "micro_batch_size": 16, "data": {"heldout_pairs": 0}}
 """The demo's DPO stage is tiny-dpo.yaml, RPO (DPO plus the chosen answers' NLL, arXiv:2404.19733),
@@ -119,10 +116,10 @@ STAGES = (SFT, GRPO, DPO, DPO_PLAIN)
 
 
 def preset(name: str) -> Path:
-    """presets/<name>.yaml of the repository (the demo runs from a clone)."""
+    """The shipped preset <name>.yaml (`config.PRESETS`): each demo stage is one of them plus the overrides below."""
     path = PRESETS / f"{name}.yaml"
     if not path.is_file():
-        raise UserError(f"{path}: the demo's preset is missing (run the demo from a clone of the repository)")
+        raise UserError(f"{path}: the demo's preset is missing (posttrain installed without its package data?)")
     return path
 
 

@@ -65,8 +65,8 @@ class Config(RunFields):
     """What to imitate (task or file, format, columns, split, loss_on, sizes)."""
     batch_size: int = 32
     """Examples per optimizer step."""
-    micro_batch_size: int = 32
-    """Examples per forward/backward (gradient accumulation when smaller; same gradient)."""
+    micro_batch_size: int | None = None
+    """Examples per forward/backward (None: batch_size, one pass; smaller: gradient accumulation, the same gradient). Recorded resolved in config.yaml."""
     optim: Optimization = dataclasses.field(default_factory=lambda: Optimization(lr=1e-3, warmup_steps=20))
     """Optimizer and schedule."""
     parallel: Parallel = dataclasses.field(default_factory=Parallel)
@@ -81,6 +81,8 @@ class Config(RunFields):
         self.optim.validate()
         self.parallel.validate()
         self.data.validate()
+        if self.micro_batch_size is None:  # follows batch_size (`--batch_size 4` alone works); resolved, so config.yaml holds the number
+            self.micro_batch_size = self.batch_size
         for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
