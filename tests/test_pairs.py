@@ -40,8 +40,17 @@ def test_pair_up(texts, verdicts, limit, expected, outcome):
 
 
 def pairs_command(out, *extra):
-    return [sys.executable, "-m", "posttrain", "pairs", "--model", "tiny", "--data.task", "arithmetic", "--group-size", "4",
-            "--data.max_prompts", "12", "--data.eval_size", "8", "--max-new-tokens", "6", "--seed", "3", "--out", str(out), *extra]
+    """The small pairs command, each `--flag value` of `extra` replacing the default's (the command
+    line refuses a flag given twice) or added."""
+    args = ["--model", "tiny", "--data.task", "arithmetic", "--group-size", "4", "--data.max_prompts", "12",
+            "--data.eval_size", "8", "--max-new-tokens", "6", "--seed", "3", "--out", str(out)]
+    extra = list(extra)
+    for flag, value in zip(extra[::2], extra[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    return [sys.executable, "-m", "posttrain", "pairs", *args]
 
 
 def test_pairs_from_verified_samples(tmp_path):
