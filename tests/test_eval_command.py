@@ -33,7 +33,9 @@ def test_eval_bad_input_writes_nothing(tmp_path, capsys):
         (["--checker", "mbpp", "--extraction", "boxed"], "reward_options.extraction 'boxed': a code verifier takes one of"),
     ):
         out = tmp_path / "eval"
-        code = main(["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4", "--output-dir", str(out), *argv])
+        # the base flags the case does not give itself (a key given twice is refused before anything else)
+        base = [part for flag, value in (("--task", "arithmetic"), ("--eval-size", "4")) if flag not in argv for part in (flag, value)]
+        code = main(["eval", "--model", "tiny", *base, "--output-dir", str(out), *argv])
         assert code == 2 and message in capsys.readouterr().err
         assert not out.exists()
 
