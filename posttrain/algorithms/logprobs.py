@@ -3,7 +3,7 @@
 log p(x) = logit(x) / tau - logsumexp(logits / tau). Computing that over chunks of positions keeps
 one chunk's (chunk, V) temporaries alive instead of a whole log-softmax tensor; logsumexp's backward
 recomputes the softmax per chunk from the logits autograd already holds. The temperature tau must be
-the one the samples were drawn at (DESIGN.md, "Log-probs").
+the one the samples were drawn at (docs/rollout.md, "Which log-probs are which").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`Verdict`: what every reward call returns (see DESIGN.md, "Verdict").
+"""`Verdict`: what every reward call returns (docs/rewards.md).
 
 A candidate's failure (wrong answer, crash, timeout, output flood) is `ok` with reward 0 and a
 reason. A failure of ours (dead worker, broken sandbox, a user verifier that raises) is

@@ -1,4 +1,4 @@
-"""The run directory (DESIGN.md): what every recipe writes, in one place.
+"""The run directory: what every recipe writes, in one place (docs/metrics.md reads each file).
 
     runs/<name>/
       config.yaml        the resolved config
