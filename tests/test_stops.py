@@ -117,7 +117,7 @@ def _oom(*args, **kwargs):
     ("posttrain.rollout.sampler.generate", "generation", "sampling.max_new_tokens", []),
     ("posttrain.recipes.online.rank_logprobs", "reference", "update.micro_batch_size", ["--loss.kl.beta", "0.05"]),
     ("posttrain.recipes.online.loss_step", "update", "memory.gradient_checkpointing", []),
-    ("posttrain.evaluation.acceptance.evaluate_task", "evaluation", "sampling.max_new_tokens", []),
+    ("posttrain.evaluation.acceptance.evaluate_task", "evaluation", "acceptance.max_new_tokens", []),
 ])
 def test_out_of_memory_in_each_online_phase_is_one_line(tmp_path, monkeypatch, capsys, target, phase, knob, extra):
     """A simulated CUDA out-of-memory in each phase of a grpo run: exit 3, one stderr line with the
