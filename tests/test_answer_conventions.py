@@ -95,7 +95,7 @@ def test_a_gsm8k_file_brings_its_convention():
     on each row and in the task's options; task_options.instruction replaces it or, "", drops it."""
     task = load_task(str(GSM8K), options={"format": "gsm8k"})
     instruction = CONVENTIONS["gsm8k"].instruction
-    assert "####" in instruction
+    assert "####" in instruction and not any(char.isdigit() for char in instruction)  # a small model copies a number
     first = task.examples[0]
     assert first.answer == "18" and first.prompt.startswith("Janet\u2019s ducks lay 16 eggs")
     assert first.prompt.endswith("at the farmers' market?\n\n" + instruction)

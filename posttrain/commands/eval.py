@@ -27,6 +27,7 @@ SETTINGS = "posttrain.evaluation.settings"
 def handle(args) -> int:
     from posttrain.atomic import output_path_problem, write_text_atomically
     from posttrain.config import build_config, nest_flags, parse_overrides
+    from posttrain.data.prompts import convention_record
     from posttrain.evaluation.acceptance import default_checker, evaluate_task, heldout_split
     from posttrain.evaluation.settings import EvalConfig
     from posttrain.rewards.registry import as_verifier
@@ -66,8 +67,7 @@ def handle(args) -> int:
         )
     summary["hardware"] = placement.describe()
     summary["unsafe_no_sandbox"] = config.unsafe_no_sandbox
-    # A data file's answer convention: how its answers were read, what its prompts said of it (data.prompts.CONVENTIONS).
-    convention = {key: held_out.options[key] for key in ("answer_extraction", "instruction") if key in held_out.options}
+    convention = convention_record(held_out)  # a data file's: how its answers were read, what its prompts said of it
     if convention:
         summary["answer_convention"] = {**convention, "extraction_used": config.reward_options.extraction or convention["answer_extraction"]}
     write_text_atomically(output_dir / "summary.json", json.dumps({k: v for k, v in summary.items() if k != "correct"}, indent=1) + "\n")

@@ -64,8 +64,9 @@ class AnswerConvention:
 
 
 CONVENTIONS = {
-    "gsm8k": AnswerConvention("marked", "Solve the problem step by step. Then write the final answer, a number only, "
-                                        "on the last line after ####, as in:\n#### 12"),
+    # No example number in it: a small model copies the example's number as its answer (docs/data.md).
+    "gsm8k": AnswerConvention("marked", "Solve the problem step by step. Then write the final answer on the last line "
+                                        "as '#### <number>'."),
     "boxed": AnswerConvention("boxed_or_tags", "Solve the problem step by step, and put the final answer in \\boxed{}."),
 }
 """The answer convention of each gold format (`ANSWER_FORMATS`) with one: GSM8K's gold follows
@@ -129,6 +130,13 @@ class _Layout:
         if not self.tested:
             return None
         return "mbpp" if data_format == "mbpp" or not self.check else "code"
+
+
+def convention_record(task: Task) -> dict:
+    """How `task`'s answers are read and what its prompts say of it, as loading recorded them in
+    its options (`answer_extraction`, `instruction`), for a run card or an eval summary; {} for a
+    task without an answer convention (arithmetic, reasoning-gym, code)."""
+    return {key: task.options[key] for key in ("answer_extraction", "instruction") if key in task.options}
 
 
 def resolve_show_tests(show_tests: str | None, data_format: str | None, setting: str = "task_options.show_tests") -> str:
