@@ -176,7 +176,8 @@ def test_heldout_rows_and_the_extraction_warning(caplog):
     assert record.getMessage().startswith(
         "held-out gsm8k.jsonl: 3 of 4 completions have no final answer the checker can read (extraction marked), "
         "e.g. 'The answer is 1' (no '#### N', <answer> element or \\boxed{}); say where the answer goes "
-        "(task_options.instruction) or read it another way (reward_options.extraction: boxed_or_tags | boxed |")
+        "(task_options.instruction), leave room for it (acceptance.max_new_tokens) or read it another way "
+        "(reward_options.extraction: boxed_or_tags | boxed |")
     caplog.clear()
     mostly_read = verdicts[:1] * 3 + verdicts[1:2]
     assert check_extraction("x", completions, mostly_read) == 1 and not caplog.records

@@ -9,7 +9,7 @@ the completion, a reviewer checks the checker without solving the problem.
 When most scored completions have no final answer the checker can read (a model that ends with
 `The answer is 33` under a policy that wants `\\boxed{}`), every score is 0 for a reason that is
 not the model's arithmetic: `check_extraction` says so once per evaluation, with one example and
-the two settings that change it.
+the settings that change it (the instruction, the token budget, the policy).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 POLICY_SETTING = "reward_options.extraction"
 INSTRUCTION_SETTING = "task_options.instruction"
+BUDGET_SETTING = "acceptance.max_new_tokens"
 
 
 def heldout_rows(examples: Sequence[Example], prompts: Sequence[str], completions: Sequence[str],
@@ -47,12 +48,13 @@ def unextracted(verdicts: Sequence[Verdict]) -> list[int]:
 def check_extraction(name: str, completions: Sequence[str], verdicts: Sequence[Verdict]) -> int:
     """The number of `completions` of held-out set `name` whose final answer the checker could not
     read (`unextracted`); when that is more than half of those it tried to read, one warning: the
-    count, the policy, one completion's end and its reason, and the settings to change.
+    count, the policy, one completion's end and its reason, and the three settings to change (the
+    prompts' instruction, the token budget, a completion cut off before its answer, and the policy).
 
     Example: 27 of 30 unread -> "held-out gsm8k.jsonl: 27 of 30 completions have no final answer the
     checker can read (extraction boxed_or_tags), e.g. '... The answer is 33' (no <answer> element or
-    \\boxed{}); say where the answer goes (task_options.instruction) or read it another way
-    (reward_options.extraction: boxed_or_tags | boxed | ...)".
+    \\boxed{}); say where the answer goes (task_options.instruction), leave room for it
+    (acceptance.max_new_tokens) or read it another way (reward_options.extraction: boxed_or_tags | ...)".
     """
     failed = unextracted(verdicts)
     tried = sum(verdict.status == "ok" and "extraction" in verdict.details for verdict in verdicts)
@@ -60,8 +62,8 @@ def check_extraction(name: str, completions: Sequence[str], verdicts: Sequence[V
         first = verdicts[failed[0]]
         tail = " ".join(completions[failed[0]].split())[-80:]
         logger.warning("held-out %s: %d of %d completions have no final answer the checker can read (extraction %s), "
-                       "e.g. %r (%s); say where the answer goes (%s) or read it another way "
-                       "(%s: %s)", name, len(failed), tried, first.details["extraction"],
-                       ("... " if len(tail) == 80 else "") + tail, first.reason, INSTRUCTION_SETTING, POLICY_SETTING,
-                       " | ".join(POLICIES))
+                       "e.g. %r (%s); say where the answer goes (%s), leave room for it (%s) or read it "
+                       "another way (%s: %s)", name, len(failed), tried, first.details["extraction"],
+                       ("... " if len(tail) == 80 else "") + tail, first.reason, INSTRUCTION_SETTING, BUDGET_SETTING,
+                       POLICY_SETTING, " | ".join(POLICIES))
     return len(failed)
