@@ -110,12 +110,17 @@ def test_a_gsm8k_file_brings_its_convention():
         load_task(str(GSM8K), options={"format": "gsm8k", "instruction": 3})
 
 
-def test_plain_answer_files_keep_their_prompts(tmp_path):
+def test_plain_answer_files_keep_their_prompts_and_math_files_ask_for_a_box(tmp_path):
     path = tmp_path / "plain.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     task = load_task(str(path))
     assert task.examples[0].prompt == "1+1=" and task.options["instruction"] is None
     assert task.examples[0].metadata["answer_extraction"] == "boxed_or_tags"
+    math = tmp_path / "math.jsonl"
+    math.write_text(json.dumps({"problem": "What is 1/2 + 1/2?", "solution": r"It is $\boxed{1}$."}) + "\n")
+    example = load_task(str(math), options={"format": "math"}).examples[0]
+    assert example.prompt == "What is 1/2 + 1/2?\n\n" + CONVENTIONS["boxed"].instruction and "\\boxed{}" in example.prompt
+    assert (example.answer, example.metadata["answer_extraction"]) == ("1", "boxed_or_tags")
 
 
 def test_data_check_shows_the_policy_and_the_instruction(capsys):
