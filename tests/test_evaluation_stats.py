@@ -64,7 +64,7 @@ def test_divergence_alarm():
     ("mbpp", "humaneval", False, "all of the row's tests"),
     ("math", "math_equal", True, None),
     ("rg", "rg_answer", True, None),
-    ("callable:rewards_for_tests.digits", "integer", True, None),
+    ("callable:tests.rewards_for_tests.digits", "integer", True, None),
 ])
 def test_independence_compares_the_resolved_implementations(reward, checker, independent, shared):
     from posttrain.evaluation.acceptance import independence
