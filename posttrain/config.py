@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from posttrain.atomic import write_text_atomically
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, Memory
 from posttrain.rewards.registry import RewardOptions
@@ -324,8 +325,6 @@ def to_dict(config) -> dict[str, Any]:
 
 
 def save_yaml(config, path: str | Path) -> None:
-    from posttrain.atomic import write_text_atomically
-
     write_text_atomically(path, yaml.safe_dump(to_dict(config), sort_keys=False))
 
 

@@ -317,16 +317,8 @@ def test_exclude_weak_tests_drops_single_test_problems_whose_test_is_shown(tmp_p
     training split (counted in the card's screening, beside the shown-tests record that counts the
     problems scored on their shown test alone); mbpp_small's 10 and 20 go too (their hidden tests
     expect 0: the catch-all's default). The held-out split stays whole, its checker running every test."""
-    single = [
-        {"task_id": "even", "text": "Write a function that says whether a number is even.",
-         "test_list": ["assert is_even(4) == True"], "code": "def is_even(n):\n    return n % 2 == 0"},
-        {"task_id": "factorial", "text": "Write a function to compute the factorial of n.",
-         "test_list": ["assert factorial(5) == 120"], "code": "def factorial(n):\n    return 1 if n <= 1 else n * factorial(n - 1)"},
-        {"task_id": "add_numbers", "text": "Write a function to add two numbers.",
-         "test_list": ["assert add_numbers(2, 3) == 5"], "code": "def add_numbers(a, b):\n    return a + b"},
-    ]
     path = tmp_path / "mixed.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in single) + MBPP.read_text())
+    path.write_text((MBPP.parent / "mbpp_single_tests.jsonl").read_text() + MBPP.read_text())
     data = {"task": str(path), "format": "mbpp", "eval_size": 4, "prompts_per_step": 2, "group_size": 2}
     train, held_out = load_splits(str(path), eval_size=4, seed=0, options={"format": "mbpp"})
     config = build_config(online_config.grpo_config, None, {"data": {**data, "exclude_weak_tests": True}, "max_steps": 1,

@@ -12,6 +12,7 @@ from posttrain.data import load_preference_file
 from posttrain.data.pairing import pair_up
 from posttrain.data.provenance import file_sha256, provenance_path
 from posttrain.rewards import Verdict
+from tests.flags import with_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
@@ -44,13 +45,7 @@ def pairs_command(out, *extra):
     line refuses a flag given twice) or added."""
     args = ["--model", "tiny", "--data.task", "arithmetic", "--group-size", "4", "--data.max_prompts", "12",
             "--data.eval_size", "8", "--max-new-tokens", "6", "--seed", "3", "--out", str(out)]
-    extra = list(extra)
-    for flag, value in zip(extra[::2], extra[1::2]):
-        if flag in args:
-            args[args.index(flag) + 1] = value
-        else:
-            args += [flag, value]
-    return [sys.executable, "-m", "posttrain", "pairs", *args]
+    return [sys.executable, "-m", "posttrain", "pairs", *with_flags(args, *extra)]
 
 
 def test_pairs_from_verified_samples(tmp_path):

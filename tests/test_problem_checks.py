@@ -256,14 +256,7 @@ def test_audit_data_command_exit_codes(tmp_path):
     assert missing.returncode == 2 and "no such file" in missing.stderr
 
 
-SINGLE_TESTS = [  # an MBPP-layout file of three problems with one test each (issue 27, item 3)
-    {"task_id": "even", "text": "Write a function that says whether a number is even.",
-     "test_list": ["assert is_even(4) == True"], "code": "def is_even(n):\n    return n % 2 == 0"},
-    {"task_id": "factorial", "text": "Write a function to compute the factorial of n.",
-     "test_list": ["assert factorial(5) == 120"], "code": "def factorial(n):\n    return 1 if n <= 1 else n * factorial(n - 1)"},
-    {"task_id": "add_numbers", "text": "Write a function to add two numbers.",
-     "test_list": ["assert add_numbers(2, 3) == 5"], "code": "def add_numbers(a, b):\n    return a + b"},
-]
+SINGLE_TESTS = DATA / "mbpp_single_tests.jsonl"  # an MBPP-layout file of three problems with one test each (issue 27, item 3)
 
 
 @needs_sandbox
@@ -272,8 +265,7 @@ def test_audit_data_flags_single_test_problems_once_their_test_is_shown(tmp_path
     first), so a lookup of the asserted value passes all three. Before, the prompt was the task text
     alone and only `is_even`, which the constant True passes, was found; `--show-tests none` is that
     prompt, and gives that answer still."""
-    path = tmp_path / "single.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in SINGLE_TESTS))
+    path = SINGLE_TESTS
     shown = audit("--data", str(path), "--format", "mbpp")
     assert shown.returncode == 1, shown.stderr
     assert shown.stdout.splitlines()[:3] == [f"{name}: accepted by lookup table of the visible examples"

@@ -13,13 +13,10 @@ settings are the recipes' own sections (`evaluation/settings.EvalConfig`): any o
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 from posttrain.commands._recipe import config_command
 from posttrain.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 SETTINGS = "posttrain.evaluation.settings"
 
@@ -28,9 +25,9 @@ def handle(args) -> int:
     from posttrain.atomic import output_path_problem, write_text_atomically
     from posttrain.config import build_config, nest_flags, parse_overrides
     from posttrain.data.prompts import convention_record
-    from posttrain.evaluation.acceptance import default_checker, evaluate_task, heldout_split
+    from posttrain.evaluation.acceptance import default_checker, evaluate_task, heldout_checker, heldout_split
     from posttrain.evaluation.settings import EvalConfig
-    from posttrain.rewards.registry import as_verifier
+    from posttrain.runs.skeleton import warn_if_unsafe
     from posttrain.hardware import resolve
     from posttrain.models import load_model
 
@@ -51,11 +48,8 @@ def handle(args) -> int:
     if name is None:
         raise UserError(f"acceptance.checker: task {data.task} has no default checker for kind {held_out.reward_kind!r}; name one")
     # A bad checker name or option fails before anything is written.
-    checker = as_verifier(None, name, config.reward_options, config.unsafe_no_sandbox, for_checker=True, setting="acceptance.checker")
-    if config.unsafe_no_sandbox:
-        logger.warning("UNSAFE: --unsafe-no-sandbox: model-written code runs WITHOUT the bubblewrap sandbox "
-                       "(resource limits only). Use this only on a machine you can lose.")
-    checker.prepare()
+    checker = heldout_checker(name, held_out, config.reward_options, config.unsafe_no_sandbox)
+    warn_if_unsafe(config.unsafe_no_sandbox)
     placement = resolve(config.hardware)
     model, tokenizer = load_model(config.model, dtype=placement.param_dtype, device=placement.device)
     output_dir.mkdir(parents=True, exist_ok=True)

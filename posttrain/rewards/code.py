@@ -25,6 +25,7 @@ from typing import Any
 
 from posttrain.rewards._zygote import decode_value
 from posttrain.rewards.base import Verifier
+from posttrain.rewards.problem_text import walk_tests
 from posttrain.rewards.sandbox import SandboxConfig, SandboxSlot, check_isolation
 from posttrain.rewards.sandbox_io import CandidateGone, SlotBroken
 from posttrain.rewards.verdict import Verdict
@@ -417,14 +418,9 @@ def mbpp_entry_point(tests: list[str]) -> str | None:
     a builtin (`assert remove_Occ("hello", "l") == "heo"` -> `remove_Occ`); None if there is none."""
     import builtins
 
-    for test in tests:
-        try:
-            tree = ast.parse(test)
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not hasattr(builtins, node.func.id):
-                return node.func.id
+    for node in walk_tests(tests):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not hasattr(builtins, node.func.id):
+            return node.func.id
     return None
 
 

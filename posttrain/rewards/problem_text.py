@@ -134,6 +134,17 @@ def description_cases(text: str) -> list[VisibleCase]:
 
 
 _MISSING = object()
+def walk_tests(tests: list[str]):
+    """Every AST node of each test in `tests` that parses (`ast.walk` order); a test that does not
+    parse is skipped."""
+    for test in tests:
+        try:
+            tree = ast.parse(test)
+        except SyntaxError:
+            continue
+        yield from ast.walk(tree)
+
+
 _WRAPPERS = ("set", "frozenset", "sorted", "list", "tuple", "round", "str", "int", "float")
 """Calls a test wraps the function's result in before comparing (`set(f(x)) == {1, 2}`): returning
 the compared value itself passes the comparison for every one of them but `sorted` of an unsorted list."""
@@ -151,15 +162,10 @@ def asserted_calls(tests: list[str], entry_point: str) -> list[AssertedCall]:
     [AssertedCall(args=None, expected=True), AssertedCall(args=[3], expected=False)]
     """
     calls = []
-    for test in tests:
-        try:
-            tree = ast.parse(test)
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assert):
-                parts = node.test.values if isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And) else [node.test]
-                calls += [call for part in parts if (call := _asserted(part, entry_point)) is not None]
+    for node in walk_tests(tests):
+        if isinstance(node, ast.Assert):
+            parts = node.test.values if isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And) else [node.test]
+            calls += [call for part in parts if (call := _asserted(part, entry_point)) is not None]
     return calls
 
 
@@ -349,18 +355,13 @@ def annotation_types(prompt: str, entry_point: str) -> list[type]:
 def tested_types(tests: list[str], entry_point: str) -> list[type]:
     """The types of the literal values the tests compare the function's result with (`==`, `is`)."""
     kinds: list[type] = []
-    for test in tests:
-        try:
-            tree = ast.parse(test)
-        except SyntaxError:
+    for node in walk_tests(tests):
+        if not isinstance(node, ast.Compare) or len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Eq, ast.Is)):
             continue
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Compare) or len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Eq, ast.Is)):
-                continue
-            for call, other in ((node.left, node.comparators[0]), (node.comparators[0], node.left)):
-                if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in (entry_point, "candidate"):
-                    try:
-                        kinds.append(type(ast.literal_eval(other)))
-                    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                        pass
+        for call, other in ((node.left, node.comparators[0]), (node.comparators[0], node.left)):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in (entry_point, "candidate"):
+                try:
+                    kinds.append(type(ast.literal_eval(other)))
+                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                    pass
     return list(dict.fromkeys(kinds))
