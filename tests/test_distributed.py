@@ -14,10 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.flags import with_flags
+
 ROOT = Path(__file__).resolve().parent.parent
+LR = 1e-3  # every run here trains at this learning rate (assert_same_run's bounds are fractions of it)
 GRPO = [
     "grpo", "--data.eval_size", "8", "--data.train_size", "200", "--data.prompts_per_step", "4", "--data.group_size", "4",
-    "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", "1e-3", "--loss.kl.beta", "0.05",
+    "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", str(LR), "--loss.kl.beta", "0.05",
     "--reward", "callable:rewards_for_tests.digits", "--seed", "5", "--acceptance.eval_every", "2",
     "--parallel.timeout_seconds", "120",  # a test that deadlocks fails in minutes, not in half an hour
 ]
@@ -38,18 +41,6 @@ def launch(args: list[str], processes: int) -> list[str]:
             "-m", "posttrain", *args]
 
 
-def with_flags(args: list[str], *flags: str) -> list[str]:
-    """`args` with each `--key value` pair of `flags` set: its value replaced where `args` has the key,
-    else added (the command line refuses a key given twice)."""
-    args = list(args)
-    for key, value in zip(flags[::2], flags[1::2]):
-        if key in args:
-            args[args.index(key) + 1] = value
-        else:
-            args += [key, value]
-    return args
-
-
 def run(args: list[str], processes: int, timeout: int = 600) -> subprocess.CompletedProcess:
     result = subprocess.run(launch(args, processes), env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -65,10 +56,12 @@ def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "checkpoints" / f"step-{step:06d}" / "model" / "model.safetensors")
 
 
-def assert_same_run(a: Path, b: Path, step: int, atol: float = 5e-5) -> None:
+def assert_same_run(a: Path, b: Path, step: int, atol: float = 5e-5, strays: int = 0) -> None:
     """Per-step loss to 1e-5 and the same rewards; parameters after `step` steps to `atol` (Adam
     turns float-rounding differences of near-zero gradients into steps up to lr in size, so the
-    parameter tolerance is a small fraction of lr = 1e-3, not 1e-7)."""
+    parameter tolerance is a small fraction of lr = 1e-3, not 1e-7). `strays`: how many elements
+    of a tensor may lie past `atol`, each still within one Adam step either way per step (2·lr·step):
+    a gradient within rounding of zero can take either sign when the sum runs in another order."""
     rows_a, rows_b = metrics(a), metrics(b)
     assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b], "rank 0 alone writes: one line per step"
     for row_a, row_b in zip(rows_a, rows_b):
@@ -80,7 +73,9 @@ def assert_same_run(a: Path, b: Path, step: int, atol: float = 5e-5) -> None:
     weights_a, weights_b = final_weights(a, step), final_weights(b, step)
     assert set(weights_a) == set(weights_b)
     for name, value in weights_a.items():
-        assert torch.allclose(weights_b[name], value, atol=atol), (name, float((weights_b[name] - value).abs().max()))
+        difference = (weights_b[name] - value).abs()
+        far = int((difference > atol).sum())
+        assert far <= strays and float(difference.max()) <= 2 * LR * step, (name, far, float(difference.max()))
 
 
 @pytest.mark.parametrize("strategy, extra", [("ddp", GRPO_UNEVEN), ("fsdp2", [])], ids=["ddp-uneven", "fsdp2"])
@@ -111,11 +106,13 @@ def test_two_process_run_resumes_with_two_or_one(tmp_path):
 
     # SIGTERM to rank 1 alone: the ranks agree on the step, rank 0 checkpoints it, the resume is exact.
     term = tmp_path / "term"
-    process = subprocess.Popen(launch([*args, "--checkpoint-every", "100", "--max-steps", "4", "--output-dir", str(term)], 2), env=env(),
+    process = subprocess.Popen(launch(with_flags(args, "--checkpoint-every", "100", "--max-steps", "4", "--output-dir", str(term)), 2), env=env(),
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and len((term / "metrics.jsonl").read_text().splitlines() if (term / "metrics.jsonl").exists() else []) < 2:
+    while process.poll() is None and time.time() < deadline and len(
+            (term / "metrics.jsonl").read_text().splitlines() if (term / "metrics.jsonl").exists() else []) < 2:
         time.sleep(0.1)
+    assert process.poll() is None, f"the run ended (exit {process.returncode}) before it could be stopped: {process.stderr.read()[-3000:]}"
     os.kill(rank_pid(term, 1), signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
     step = len((term / "metrics.jsonl").read_text().splitlines()) - 1
@@ -125,17 +122,22 @@ def test_two_process_run_resumes_with_two_or_one(tmp_path):
     assert_same_run(tmp_path / "straight", term, 4, atol=1e-6)
 
 
-def rank_pid(run_dir: Path, rank: int) -> int:
-    """The process id of torchrun worker `rank` of the run writing `run_dir`."""
-    for pid in os.listdir("/proc"):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline:
-            return int(pid)
-    raise AssertionError(f"rank {rank} not found")
+def rank_pid(run_dir: Path, rank: int, seconds: float = 30) -> int:
+    """The process id of torchrun worker `rank` of the run writing `run_dir` (looked for again
+    until `seconds` pass: a loaded machine may list a process late)."""
+    deadline = time.time() + seconds
+    while True:
+        for pid in os.listdir("/proc"):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except (OSError, ValueError):
+                continue
+            if f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline:
+                return int(pid)
+        if time.time() > deadline:
+            raise AssertionError(f"rank {rank} of {run_dir} not found among the running processes")
+        time.sleep(0.2)
 
 
 def test_a_dead_rank_ends_the_job(tmp_path):
@@ -175,7 +177,7 @@ def dpo_args(tmp_path) -> list[str]:
     from tests.test_dpo import arithmetic_pairs, write_pairs
 
     pairs = write_pairs(tmp_path / "pairs.jsonl", arithmetic_pairs(24))
-    return ["dpo", "--data.pairs", str(pairs), "--data.heldout_pairs", "4", "--optim.lr", "1e-3", "--seed", "2",
+    return ["dpo", "--data.pairs", str(pairs), "--data.heldout_pairs", "4", "--optim.lr", str(LR), "--seed", "2",
             "--acceptance.eval_every", "2", "--parallel.timeout_seconds", "120"]
 
 
@@ -188,12 +190,15 @@ def test_dpo_two_processes_equal_one(tmp_path, strategy, extra):
     args = [*dpo_args(tmp_path), *extra, "--max-steps", "3"]
     run([*args, "--output-dir", str(tmp_path / "one")], 1)
     run([*args, "--parallel.strategy", strategy, "--output-dir", str(tmp_path / "two")], 2)
-    assert_same_run(tmp_path / "one", tmp_path / "two", 3)
+    # FSDP2 reduce-scatters in another order: 1 of 65,536 v_proj elements past 5e-5 here (5.1e-5, Intel
+    # VM), up to 9.1e-5 on AMD ones, the median difference 4e-9.
+    assert_same_run(tmp_path / "one", tmp_path / "two", 3, strays=4 if strategy == "fsdp2" else 0)
     for key in ("rewards/accuracy", "rewards/margins", "logratio/chosen", "heldout/preference_accuracy"):
         for row_a, row_b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two")):
             if row_a.get(key) is None or (key == "rewards/accuracy" and row_a["step"] == 1):
                 continue  # step 1: policy == reference, every margin is 0 and a tie's accuracy is rounding
-            assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), (row_a["step"], key)
+            # rel: a summed log-ratio of 26.7 nats carries float32 rounding of a few 1e-6 (1.3e-5 seen, fsdp2)
+            assert row_b[key] == pytest.approx(row_a[key], rel=1e-6, abs=1e-5), (row_a["step"], key)
 
 
 PPO = ["ppo", *GRPO[1:], "--critic.warmup_steps", "1"]

@@ -200,7 +200,7 @@ def _reading(result: DemoResult, rows: dict[str, list[dict]], alarms: list[str])
         "Training reward is what the optimizer saw; held-out accuracy, from problems it never saw, is the acceptance; "
         "the shifted sets say whether what was learned carries beyond the training distribution. "
         + _shift_reading(result), "",
-        _why_plain_dpo_falls(rows["dpo"], rows["dpo_plain"], alarms), "",
+        _two_dpo_runs(result, rows["dpo"], rows["dpo_plain"], alarms), "",
     ]
 
 
@@ -226,19 +226,29 @@ def _shift_reading(result: DemoResult) -> str:
     return " ".join(sentences)
 
 
-def _why_plain_dpo_falls(rpo_rows: list[dict], plain_rows: list[dict], alarms: list[str]) -> str:
-    """Likelihood displacement, read from the two DPO runs' chosen log-ratio and plain DPO's alarm."""
+def _change(result: DemoResult, stage: str) -> str:
+    """'rose'/'fell'/'did not clearly change' for `stage` on the in-distribution set, by its paired interval."""
+    gain, low, high = result.gain(stage)
+    verdict = "rose" if low > 0 else "fell" if high < 0 else "did not clearly change"
+    return f"{verdict} ({gain:+.3f} [{low:+.3f}, {high:+.3f}])"
+
+
+def _two_dpo_runs(result: DemoResult, rpo_rows: list[dict], plain_rows: list[dict], alarms: list[str]) -> str:
+    """The two DPO runs read side by side: likelihood displacement from their chosen log-ratios and
+    plain DPO's alarm, and what each did to held-out accuracy (by its interval, never assumed)."""
     plain_low, plain_step = _lowest(plain_rows, "logratio/chosen")
     rpo_low, rpo_step = _lowest(rpo_rows, "logratio/chosen")
+    plain_falls = result.gain("dpo_plain")[2] < 0
     return (
-        "**Why plain DPO falls here.** Both DPO runs see the same pairs, steps and learning rate; the only difference is "
+        ("**Why plain DPO falls here.** " if plain_falls else "**Plain DPO beside RPO.** ")
+        + "Both DPO runs see the same pairs, steps and learning rate; the only difference is "
         "RPO's NLL term on the chosen answers. DPO's loss only asks the chosen answer's log-ratio to beat the rejected one's; "
         "it can win by pushing both down. Plain DPO's chosen log-ratio log pi(chosen) - log pi_ref(chosen) fell to "
         f"{plain_low:.2f} nats (step {plain_step}) and ended at {_last(plain_rows, 'logratio/chosen')}, while its pair accuracy ended at "
-        f"{_last(plain_rows, 'rewards/accuracy')}: the margin grew as the correct answers themselves became less likely. "
+        f"{_last(plain_rows, 'rewards/accuracy')}; its held-out accuracy {_change(result, 'dpo_plain')}. "
         + (f"The likelihood-displacement alarm rang: \"{alarms[0]}\". " if alarms else "The likelihood-displacement alarm did not reach its threshold. ")
         + f"With the NLL term the chosen log-ratio stayed at or above {rpo_low:.2f} (step {rpo_step}; it ended at "
-        f"{_last(rpo_rows, 'logratio/chosen')}), and held-out accuracy rose."
+        f"{_last(rpo_rows, 'logratio/chosen')}), and held-out accuracy {_change(result, 'dpo')}."
     )
 
 
