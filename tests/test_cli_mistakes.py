@@ -65,7 +65,7 @@ def test_the_posttrain_script_imports_a_reward_module_from_the_current_directory
     result = subprocess.run([POSTTRAIN, "grpo", "--reward", "callable:my_rewards.score", *SMALL_ONLINE, "--output-dir", "run"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "results: run"
+    assert result.stdout.strip().splitlines()[-1] == "results: run (the run card: run/run_card.md)"
     assert "training reward callable:my_rewards.score" in result.stderr
     assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()
 
@@ -203,7 +203,7 @@ def test_a_resume_with_its_own_output_dir_and_more_steps_trains_on(finished_sft_
     run = tmp_path / "copy"
     shutil.copytree(finished_sft_run, run)
     assert main(["sft", "--resume", str(run), "--output-dir", str(run), "--max-steps", "5"]) == 0
-    assert capsys.readouterr().out.strip() == f"results: {run}"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"results: {run} (the run card: {run / 'run_card.md'})"
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 5
 
 

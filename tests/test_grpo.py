@@ -238,9 +238,16 @@ def test_divergence_alarm_rings_once_in_a_gamed_run_and_not_in_an_honest_one(tmp
     rows = [json.loads(line) for line in (gamed / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["reward/mean"] == 1.0 and all(row["heldout/pass@1"] == 0.0 for row in rows if "heldout/pass@1" in row)
     alarms = json.loads((gamed / "run_card.json").read_text())["alarms"]
-    assert len(alarms) == 1 and alarms[0].startswith("divergence: from step ") and "held-out accuracy changed by +0.000" in alarms[0]
+    divergence = [alarm for alarm in alarms if alarm.startswith("divergence")]
+    assert len(divergence) == 1 and divergence[0].startswith("divergence: from step ") and "changed by +0.000" in divergence[0]
+    # Once every completion has a digit, every group's rewards are equal: the training-signal alarm rings too.
+    assert [alarm for alarm in alarms if alarm not in divergence] == [json.loads((gamed / "run_card.json").read_text())[
+        "training_signal"]["alarm"]]
     honest = grpo.run(small_config(tmp_path / "honest", *fast, "--reward", "exact"))
-    assert json.loads((honest / "run_card.json").read_text())["alarms"] == []
+    honest_card = json.loads((honest / "run_card.json").read_text())
+    # The untrained model never answers exactly: no reward rose, so no divergence; but no group ever differed.
+    assert honest_card["alarms"] == [honest_card["training_signal"]["alarm"]]
+    assert honest_card["training_signal"]["zero_variance_group_fraction"] == 1.0
 
 
 def test_shifted_heldout_sets_are_evaluated_plotted_and_carded(tmp_path):

@@ -157,7 +157,8 @@ class Recipe:
         parser.set_defaults(func=self.run)
 
     def run(self, args: argparse.Namespace) -> int:
-        """The command's `func`: build the config, run the recipe, print where its report is."""
+        """The command's `func`: build the config, run the recipe, print its three-line summary
+        (held-out, training, where the results are; `runs.results.summary_lines`)."""
         from posttrain.atomic import output_path_problem
         from posttrain.runs.directory import check_new_run
         from posttrain.runs.training_state import check_unfinished
@@ -178,7 +179,12 @@ class Recipe:
         if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 alone speaks
             return 0
         report = Path(run_dir) / "report.md"
-        print(f"report: {report}" if report.is_file() else f"results: {run_dir}")
+        if report.is_file():  # the demo: its report holds every stage
+            print(f"report: {report}")
+        else:
+            from posttrain.runs.results import summary_lines
+
+            print("\n".join(summary_lines(run_dir)))
         return 0
 
 

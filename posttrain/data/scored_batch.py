@@ -16,10 +16,11 @@ import torch
 from posttrain.algorithms.advantages import informative_groups
 from posttrain.data import render_prompt
 from posttrain.data.examples import Example, Task, derived_seed, verifier_input
+from posttrain.data.prompts import convention_record
 from posttrain.data.source import TaskSource
 from posttrain.data.stream import PromptStream
 from posttrain.distributed import World
-from posttrain.rewards import Verifier
+from posttrain.rewards import Verdict, Verifier
 from posttrain.rewards.scores import Scores, score_rows
 from posttrain.rollout import Rollout, SamplingConfig
 from posttrain.rollout.sampler import Sampler, single_turn
@@ -66,6 +67,12 @@ class ScoredBatch:
     """(N,) long: the rank that sampled each row, and so trains on it (all 0 in one process)."""
     stats: dict[str, Any]
     """Group statistics of the sampling (dropped / refilled / trained groups, errors, rounds)."""
+    rows_sampled: int = 0
+    """Every row sampled this step, those of groups dynamic sampling dropped included (what the
+    error counts of `stats` are out of)."""
+    failures: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Up to `FAILURES_KEPT` rows the reward could not score (infra or data error), each as
+    `posttrain verify --input` reads it: the completion, the verifier's row, status and reason."""
 
     def to(self, device: torch.device | str) -> ScoredBatch:
         """The same batch with the rollout and the rewards on `device` (the step's one boundary);
@@ -134,7 +141,8 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     B, G = prompts, group_size
     dynamic = refill_rounds is not None
     parts, kept_examples, kept_rendered, verdict_parts, owner_parts = [], [], [], [], []
-    dropped = refilled = infra_errors = data_errors = 0
+    dropped = refilled = infra_errors = data_errors = sampled = 0
+    failures: list[dict[str, Any]] = []
     wanted, rounds = B, 0
     policy.eval()
     while wanted > 0:
@@ -158,6 +166,8 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
             rollout = Rollout.concat([(part, list(range(part.prompt_ids.shape[0] // G))) for part, _ in gathered])
             scores = Scores.of([verdict for _, verdicts in gathered for verdict in verdicts])
         infra_errors, data_errors = infra_errors + scores.infra_errors, data_errors + scores.data_errors
+        sampled += len(scores.verdicts)
+        failures += _failures(scores.verdicts, rollout.texts, examples, rendered, G, FAILURES_KEPT - len(failures))
         groups = informative_groups(scores.rewards, G) if dynamic else list(range(len(examples)))
         dropped += len(examples) - len(groups)
         refilled += len(groups) if rounds else 0
@@ -182,7 +192,26 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     if G > 1:
         stats["groups/zero_variance_fraction"] = 1 - len(informative_groups(merged_scores.rewards, G)) / groups
     return ScoredBatch(rollout=merged, examples=kept_examples, rendered=kept_rendered, scores=merged_scores,
-                       owners=torch.cat(owner_parts), stats=stats)
+                       owners=torch.cat(owner_parts), stats=stats, rows_sampled=sampled, failures=failures)
+
+
+FAILURES_KEPT = 3
+"""How many unscorable rows a step keeps for the training-signal check's messages."""
+
+
+def _failures(verdicts: list[Verdict], texts: list[str], examples: list[Example], rendered: list[str], group_size: int,
+              limit: int) -> list[dict[str, Any]]:
+    """The first `limit` rows of one round whose verdict is an infra or data error (row i answers
+    examples[i // group_size]), as `posttrain verify --input` reads a row."""
+    rows = []
+    for i, verdict in enumerate(verdicts):
+        if len(rows) >= limit:
+            break
+        if verdict.status in ("infra_error", "data_error"):
+            b = i // group_size
+            rows.append({**verifier_input(examples[b], rendered[b]), "completion": texts[i], "status": verdict.status,
+                         "reason": verdict.reason})
+    return rows
 
 
 def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingConfig, *, grouped: bool,
@@ -190,8 +219,9 @@ def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingC
     """The run card's data link of an online run: `data` (the recipe's data section, a
     `data.source.TaskSource` with prompts_per_step, group_size, dynamic_sampling and
     max_refill_rounds), the sizes of the `train` and `held_out` splits and the duplicates removed,
-    the `sampling` settings, and `screening` (what the code problems' screening removed; None:
-    left out). G is `group_size` when `grouped` (the advantages compare a prompt's completions),
+    the `sampling` settings, the answer convention a data file's rows carry (`data.prompts.convention_record`:
+    how answers are read, the instruction the prompts end with), and `screening` (what the code
+    problems' screening removed; None: left out). G is `group_size` when `grouped` (the advantages compare a prompt's completions),
     else `samples_per_prompt`."""
     return {
         "source": "online: the policy's own samples", "task": data.task, "options": data.load_options(),
@@ -200,5 +230,6 @@ def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingC
         **({"max_refill_rounds": data.max_refill_rounds} if data.dynamic_sampling else {}),
         ("group_size" if grouped else "samples_per_prompt"): data.group_size,
         "sampling": dataclasses.asdict(sampling),
+        **({"answer_convention": convention_record(train)} if convention_record(train) else {}),
         **({"screening": screening} if screening is not None else {}),
     }

@@ -94,6 +94,7 @@ def evaluate_task(
     system_prompt: str | None = None,
     batch_size: int = 64,
     output_path: str | Path | None = None,
+    label: str | None = None,
 ) -> dict[str, Any]:
     """Held-out accuracy of `model` on `task`.
 
@@ -106,6 +107,7 @@ def evaluate_task(
         seed: sampling seed (pass@k only; greedy is deterministic).
         batch_size: prompts per generation call.
         output_path: write the summary and per-problem rows as JSON there.
+        label: the held-out set's name in the log line (None: the task's name alone).
 
     Returns:
         a summary dict: `pass@1`, `pass@1_ci95`, `n` (problems scored), `problems`, `correct` (per
@@ -141,7 +143,7 @@ def evaluate_task(
         "infra_errors": sum(v.status == "infra_error" for v in verdicts),
         "data_errors": sum(v.status == "data_error" for v in verdicts),
         "mean_length": sum(lengths) / max(1, n),
-        "unextracted": check_extraction(task.name, texts, verdicts),
+        "unextracted": check_extraction(f"{label} ({task.name})" if label else task.name, texts, verdicts),
         "correct": correct,
     }
     if k > 1:
@@ -165,7 +167,9 @@ def evaluate_task(
     if output_path is not None:
         rows = heldout_rows(examples, prompts, texts, verdicts)
         write_text_atomically(output_path, json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")  # whole or not at all
-    logger.info("held-out %s: pass@1 %s (n=%d)", task.name, summary["pass@1"], n)
+    low, high = summary["pass@1_ci95"]
+    logger.info("held-out %s: pass@1 %s [%.3f, %.3f] (n=%d)", f"{label} ({task.name})" if label else task.name,
+                "n/a" if summary["pass@1"] is None else f"{summary['pass@1']:.3f}", low, high, n)
     return summary
 
 
@@ -279,7 +283,7 @@ def evaluate_sets(model, tokenizer, held_out: Task, checker, shifted: list[HeldO
     heldout/pass@1 with its interval (and pass@k when k > 1), and heldout/<set>/... for every set."""
     result = evaluate_task(model, tokenizer, held_out, checker=checker, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
                            seed=derived_seed(seed, "eval", str(step)), system_prompt=system_prompt,
-                           output_path=eval_dir / f"{in_distribution_file}-{step:06d}.json")
+                           output_path=eval_dir / f"{in_distribution_file}-{step:06d}.json", label=f"{IN_DISTRIBUTION} at step {step}")
     low, high = result["pass@1_ci95"]
     metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high}
     if k > 1:
@@ -289,7 +293,7 @@ def evaluate_sets(model, tokenizer, held_out: Task, checker, shifted: list[HeldO
         metrics.update(set_metrics(held.name, evaluate_task(
             model, tokenizer, held.task, checker=held.checker, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
             seed=derived_seed(seed, "eval", held.name, str(step)), system_prompt=system_prompt,
-            output_path=eval_dir / f"{held.name}-step-{step:06d}.json"), k))
+            output_path=eval_dir / f"{held.name}-step-{step:06d}.json", label=f"{held.name} at step {step}"), k))
     return result, metrics
 
 

@@ -148,7 +148,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     card = make_card(state, changes)
     write_card = card_writer(run_dir, card, world)
     write_card()
-    with closing(run_dir, write_card), StepLoop("dpo", run_dir, world, state.step, config.max_steps, config.checkpoint_every,
+    with closing(run_dir, card, write_card), StepLoop("dpo", run_dir, world, state.step, config.max_steps, config.checkpoint_every,
                                                  config.acceptance.eval_every) as loop:
         _train(state, run_dir, loop, card, write_card)
     del state.trainer, state.models  # DDP wrappers first, then the process group

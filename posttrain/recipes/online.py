@@ -34,6 +34,7 @@ from posttrain.algorithms import sampler_mismatch
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
 from posttrain.config import to_dict
 from posttrain.data.examples import Task, derived_seed, require_examples
+from posttrain.data.prompts import convention_record
 from posttrain.data.scored_batch import ScoredBatch, online_data_card, sample_and_score
 from posttrain.data.screening import LAYOUTS, screen_problems
 from posttrain.data.stream import PromptStream
@@ -51,6 +52,7 @@ from posttrain.evaluation.acceptance import (
     shifted_sets,
 )
 from posttrain.evaluation.alarms import DivergenceAlarm
+from posttrain.evaluation.signal import SignalLost, StepSignal, TrainingSignal
 from posttrain.models import make_critic, make_reference
 from posttrain.models.forward import TrainingForward, completion_values, policy_and_critic, policy_logits, rank_logprobs
 from posttrain.models.loading import load_policy
@@ -134,8 +136,10 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     checker = heldout_checker(config.acceptance.checker, held_out, config.reward_options, config.unsafe_no_sandbox,
                               placement=placement, world=world)
     warn_if_unsafe(config.unsafe_no_sandbox)
-    logger.info("training reward %s, held-out checker %s (task %s, gold format %s)", verifier.name, checker.name,
-                config.data.task, train.reward_kind)
+    convention = convention_record(train).get("answer_extraction")
+    logger.info("training reward %s, held-out checker %s (task %s%s; answer kind %s%s)", verifier.name, checker.name, config.data.task,
+                f", format {config.data.format}" if config.data.format else "", train.reward_kind,
+                f", read as {convention}" if convention else "")
     independent, why = independence(verifier, checker)
     if not independent:
         logger.warning("acceptance is not independent: %s", why)
@@ -308,14 +312,18 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     state.reference_refreshed_at = saved.get("reference_refreshed_at", [])
     alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []),
                             rings=saved.get("alarm_rings", []))
+    signal = TrainingSignal(stop_after=config.acceptance.signal_stop_after, window=config.acceptance.signal_window,
+                            verify=None if reward is not None else config.reward if config.reward != "auto" else state.verifier.name,
+                            **saved.get("training_signal", {}))
     card = make_card(config, state, reward, changes)
+    card["training_signal"] = signal.card()
 
     write_card = card_writer(run_dir, card, world)
 
     write_card()
-    with closing(run_dir, write_card), StepLoop(recipe, run_dir, world, state.step, config.max_steps, config.checkpoint_every,
+    with closing(run_dir, card, write_card), StepLoop(recipe, run_dir, world, state.step, config.max_steps, config.checkpoint_every,
                                                  config.acceptance.eval_every) as loop:
-        _train(state, RunParts(run_dir, card, write_card, alarm, extra_models), loop)
+        _train(state, RunParts(run_dir, card, write_card, alarm, signal, extra_models), loop)
     del state.trainer  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
@@ -324,12 +332,14 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
 @dataclass
 class RunParts:
     """What `run` opened around the loop: the run directory, the card and its writer, the
-    divergence alarm, and the models checkpointed beside the policy (critic, refreshed reference)."""
+    divergence alarm, the training-signal check, and the models checkpointed beside the policy
+    (critic, refreshed reference)."""
 
     directory: RunDirectory
     card: dict
     write_card: Callable[[], None]
     alarm: DivergenceAlarm
+    signal: TrainingSignal
     extra_models: dict
 
 
@@ -337,7 +347,8 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
     """`run`'s loop: step 0's evaluation, then sample, step, log, evaluate, checkpoint until max_steps
     or a stop signal (a checkpoint at that step, then `RunStopped`)."""
     config, world, placement = state.config, state.world, state.placement
-    run_dir, card, write_card, alarm, extra_models = parts.directory, parts.card, parts.write_card, parts.alarm, parts.extra_models
+    run_dir, card, write_card, alarm, signal, extra_models = (parts.directory, parts.card, parts.write_card, parts.alarm,
+                                                              parts.signal, parts.extra_models)
     if state.step == 0:
         with memory_guard(0, MEMORY_KNOBS, phase="evaluation"):
             run_dir.log_metrics(0, evaluate(state, run_dir, alarm, None))
@@ -366,13 +377,30 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
         if loop.evaluates(done):
             with memory_guard(done, MEMORY_KNOBS, phase="evaluation"):
                 metrics.update(evaluate(state, run_dir, alarm, metrics["reward/mean"]))
-            card["alarms"] = list(alarm.rings)
+            card["alarms"] = list(alarm.rings) + signal.rings
             write_card()
+        signal.observe(done, step_signal(batch, metrics))
+        card["training_signal"], card["alarms"] = signal.card(), list(alarm.rings) + signal.rings
         loop.end_step(done, metrics, save=lambda: save_training(
             run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
             extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
-                         "reference_refreshed_at": state.reference_refreshed_at}),
-            after_log=plot if "heldout/pass@1" in metrics and world.main else None, reward=f"{metrics['reward/mean'] or 0:.3f}")
+                         "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state()}),
+            after_log=plot if "heldout/pass@1" in metrics and world.main else None,
+            reward="n/a" if metrics["reward/mean"] is None else f"{metrics['reward/mean']:.3f}")
+        try:
+            signal.stop(done, batch.failures, run_dir.path if world.main else None)
+        except SignalLost as lost:
+            card["notes"].append(str(lost))
+            write_card()
+            raise
+
+
+def step_signal(batch: ScoredBatch, metrics: dict[str, Any]) -> StepSignal:
+    """What a step gave the loss (`evaluation.signal.StepSignal`): its rows, the unscorable ones and
+    their first reasons, the zero-variance group fraction and the update's gradient norm."""
+    return StepSignal(rows=batch.rows_sampled, infra_errors=batch.stats["errors/infra"], data_errors=batch.stats["errors/data"],
+                      reasons=[f"{row['status']}: {row['reason']}" for row in batch.failures],
+                      zero_variance_fraction=batch.stats.get("groups/zero_variance_fraction"), grad_norm=metrics.get("grad_norm"))
 
 
 def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_reward: float | None) -> dict[str, Any]:

@@ -40,11 +40,18 @@ class Acceptance(evaluation_settings.Acceptance):
     """Divergence alarm: evaluations to look back over."""
     alarm_reward_rise: float = 0.1
     """Divergence alarm: training-reward rise over the window that, without held-out gain, rings it."""
+    signal_stop_after: int = 3
+    """Training signal: stop the run when the reward could not score any row for this many steps in a row (0: never stop)."""
+    signal_window: int = 5
+    """Training signal: ring the alarm once when this many steps in a row had no reward signal (every row unscorable, or every group's rewards equal; 0: never)."""
 
     def validate(self, prefix: str = "acceptance.") -> None:
         super().validate(prefix)
         if self.k < 1 or self.alarm_window < 1:
             raise UserError(f"{prefix}k and {prefix}alarm_window must be at least 1, got {self.k} and {self.alarm_window}")
+        if self.signal_stop_after < 0 or self.signal_window < 0:
+            raise UserError(f"{prefix}signal_stop_after and {prefix}signal_window must be 0 (off) or more, "
+                            f"got {self.signal_stop_after} and {self.signal_window}")
 
 
 @dataclass

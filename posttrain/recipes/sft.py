@@ -119,7 +119,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     write_card = card_writer(run_dir, card, world)
     write_card()
     model.train()
-    with closing(run_dir, write_card), StepLoop("sft", run_dir, world, start_step, config.max_steps, config.checkpoint_every,
+    with closing(run_dir, card, write_card), StepLoop("sft", run_dir, world, start_step, config.max_steps, config.checkpoint_every,
                                                  config.acceptance.eval_every) as loop:
         for done in loop:
             started = time.perf_counter()

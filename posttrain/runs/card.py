@@ -75,6 +75,11 @@ def render_markdown(card: dict[str, Any]) -> str:
         lines += [f"### {link}: {QUESTIONS[link]}", "", "| setting | value |", "|---|---|"]
         lines += [f"| {key} | {_format(value)} |" for key, value in card["links"].get(link, {}).items()]
         lines.append("")
+    if card.get("results"):
+        lines += results_markdown(card["results"])
+    if card.get("training_signal"):
+        lines += ["## Training signal", "", "| measure | value |", "|---|---|"]
+        lines += [f"| {key} | {_format(value)} |" for key, value in card["training_signal"].items()] + [""]
     if card.get("alarms"):
         lines += ["## Alarms", ""] + [f"- **{alarm}**" for alarm in card["alarms"]] + [""]
     if card.get("notes"):
@@ -101,3 +106,46 @@ def write_run_card(run_dir: str | Path, card: dict[str, Any]) -> None:
             acceptance["human_review"] = review
     write_text_atomically(path, json.dumps(card, indent=2, default=str) + "\n")
     write_text_atomically(run_dir / "run_card.md", render_markdown(card))
+
+
+OTHER = {"heldout/preference_accuracy": "preference accuracy", "heldout/nll": "NLL"}
+"""Held-out metrics of a run's results beside pass@1 (`runs.results`), with their names."""
+TRAINING = {"reward/mean": "reward", "loss": "loss"}
+"""Training metrics of a run's results, with their names."""
+
+
+def _interval(ci95: list | None, signed: bool = False) -> str:
+    if not ci95 or None in ci95:
+        return ""
+    return f" [{ci95[0]:+.3f}, {ci95[1]:+.3f}]" if signed else f" [{ci95[0]:.3f}, {ci95[1]:.3f}]"
+
+
+def set_line(name: str, entry: dict[str, Any]) -> str:
+    """'in_distribution 0.120 [0.06, 0.22] (step 0) -> 0.300 [...] (step 20), +0.180 [+0.08, +0.28] paired'."""
+    start, end = entry["start"], entry["end"]
+    text = f"{name} {value_text(start['pass@1'])}{_interval(start['ci95'])} (step {start['step']})"
+    if "change" not in entry:
+        return text
+    change = entry["change"]
+    text += f" -> {value_text(end['pass@1'])}{_interval(end['ci95'])} (step {end['step']})"
+    return text + f", {change['value']:+.3f}{_interval(change['ci95'], signed=True)}" + (" paired" if change["paired"] else "")
+
+
+def value_text(value: float | None) -> str:
+    """A rate to 3 decimals, 'n/a' for None."""
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def results_markdown(found: dict[str, Any]) -> list[str]:
+    """The card's "Results" section (markdown lines)."""
+    lines = ["## Results", "", "| held-out set | start | end | change (95% CI) |", "|---|---|---|---|"]
+    for name, entry in found["sets"].items():
+        start, end, change = entry["start"], entry["end"], entry.get("change")
+        lines.append(f"| {name} | {value_text(start['pass@1'])}{_interval(start['ci95'])} (step {start['step']}) | "
+                     + (f"{value_text(end['pass@1'])}{_interval(end['ci95'])} (step {end['step']}) | "
+                        f"{change['value']:+.3f}{_interval(change['ci95'], signed=True)}{' paired' if change['paired'] else ''} |"
+                        if change else "- | - |"))
+    for key, span in {**found["heldout"], **found["training"]}.items():
+        lines.append(f"| {OTHER.get(key) or TRAINING[key]} | {value_text(span['start']['value'])} (step {span['start']['step']}) | "
+                     f"{value_text(span['end']['value'])} (step {span['end']['step']}) | - |")
+    return lines + [""]

@@ -35,6 +35,7 @@ from posttrain.runs.card import write_run_card
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import RunDirectory, default_output_dir
 from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config
+from posttrain.runs.results import results
 from posttrain.runs.training_state import check_unfinished
 
 logger = logging.getLogger(__name__)
@@ -96,16 +97,22 @@ def card_writer(run_dir: RunDirectory, card: dict[str, Any], world: World) -> Ca
 
 
 @contextlib.contextmanager
-def closing(run_dir: RunDirectory, write_card: Callable[[], None]) -> Iterator[None]:
-    """The epilogue: the card written when the loop ends (at max_steps, or early by a stop signal),
-    and the run directory closed whatever happens. The world is the caller's to close after its
-    wrapped models are gone (DDP's destructors talk to the process group), and only on success: on a
-    failure a barrier would pair with another rank's pending collective, and torchrun ends the job."""
+def closing(run_dir: RunDirectory, card: dict[str, Any], write_card: Callable[[], None]) -> Iterator[None]:
+    """The epilogue: the card, with its results section (`runs.results`: each held-out set from
+    its first evaluation to its last), written when the loop ends (at max_steps, or early by a stop
+    signal), and the run directory closed whatever happens. The world is the caller's to close after
+    its wrapped models are gone (DDP's destructors talk to the process group), and only on success:
+    on a failure a barrier would pair with another rank's pending collective, and torchrun ends the job."""
+    def finish() -> None:
+        if run_dir.writer:
+            card["results"] = results(run_dir.path)
+        write_card()
+
     try:
         yield
-        write_card()
+        finish()
     except RunStopped:
-        write_card()
+        finish()
         raise
     finally:
         run_dir.close()
