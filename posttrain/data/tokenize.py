@@ -1,6 +1,6 @@
 """Prompt rendering and the canonical tokenisation of prompt + response pairs.
 
-Mask convention (DESIGN.md "Masks"): `mask[i, t]` is True when token `input_ids[i, t]` belongs to
+Mask convention (docs/rollout.md, "`Rollout` fields"): `mask[i, t]` is True when token `input_ids[i, t]` belongs to
 the response, including the EOS that ends it; prompt and padding are False. The log-prob of token t
 comes from the logits at t-1, so a loss over response tokens uses `logits[:, :-1]`, labels
 `input_ids[:, 1:]` and `mask[:, 1:]`.
