@@ -67,6 +67,29 @@ def test_sft_on_a_120_row_chat_file_holds_out_a_tenth_and_says_so(tmp_path, monk
     assert data["heldout_size_from"] == "data.eval_size not set: 200, or one in 10 rows of a file under 2000"
 
 
+def test_grpo_pairs_and_eval_on_a_120_row_gsm8k_file_hold_out_the_same_tenth(tmp_path, monkeypatch, caplog, capsys):
+    """Was `eval_size=200 leaves no training examples out of 120` for every recipe but SFT: GRPO,
+    pairs and eval now resolve the same default (12 of 120), pairs record the resolved size in
+    their provenance (a DPO run re-derives the held-out split from it), eval scores those 12."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows(120))
+    online = ["--data.task", "gsm8k.jsonl", "--data.format", "gsm8k", "--sampling.max_new_tokens", "2",
+              "--acceptance.max_new_tokens", "2", "--acceptance.sets", "[]"]
+    with caplog.at_level("INFO", logger="posttrain.data.tasks"):
+        assert main(["grpo", *online, "--data.prompts_per_step", "2", "--data.group_size", "2", "--max-steps", "1",
+                     "--output-dir", "run"]) == 0
+    assert "gsm8k.jsonl: holding out 12 of its 120 rows (data.eval_size not set: one in 10 of a file under 2000 rows)" in caplog.messages
+    data = card_data(tmp_path / "run")
+    assert (data["train_prompts"], data["heldout_prompts"]) == (108, 12)
+    assert data["heldout_size_from"] == "data.eval_size not set: 200, or one in 10 rows of a file under 2000"
+    assert main(["pairs", "--model", "tiny", "--data.task", "gsm8k.jsonl", "--data.format", "gsm8k", "--data.max_prompts", "4", "--group_size", "4",
+                 "--verifier", "callable:tests.rewards_for_tests.digits", "--sampling.max_new_tokens", "6", "--out", "pairs.jsonl"]) == 0
+    assert json.loads((tmp_path / "pairs.meta.json").read_text())["eval_size"] == 12
+    assert main(["eval", "--model", "tiny", "--task", "gsm8k.jsonl", "--format", "gsm8k", "--max-new-tokens", "2",
+                 "--output-dir", "eval"]) == 0
+    assert "tiny on gsm8k.jsonl held-out (12 problems, checker math_equal)" in capsys.readouterr().out
+
+
 def test_default_eval_size_is_200_or_a_tenth_of_a_small_file():
     assert [default_eval_size(rows, "f") for rows in (1, 9, 40, 120, 1999, 2000, 50_000)] == [1, 1, 4, 12, 199, 200, 200]
 

@@ -73,7 +73,7 @@ Provenance and order (posttrain.data.provenance, .stream: one epoch stream, two 
     PromptStream(task, seed, position=0).take(count) -> list[Example]  # the online recipes' prompts
 
 Sources (posttrain.data.source)
-    TaskSource(task="arithmetic", task_options={}, format=None, columns={}, split=None, eval_size=200,
+    TaskSource(task="arithmetic", task_options={}, format=None, columns={}, split=None, eval_size=None,
         system_prompt=None, strict=True): the settings every recipe's data section extends (online, SFT, pairs);
         .load_options() -> dict (what load_splits takes, strict: false included); .validate(prefix="data.") (its `sizes` at
         least 1, a known format and columns)

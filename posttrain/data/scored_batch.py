@@ -19,6 +19,7 @@ from posttrain.data.examples import Example, Task, derived_seed, verifier_input
 from posttrain.data.prompts import convention_record
 from posttrain.data.source import TaskSource
 from posttrain.data.stream import PromptStream
+from posttrain.data.tasks import heldout_size_from
 from posttrain.distributed import World
 from posttrain.rewards import Verdict, Verifier
 from posttrain.rewards.scores import Scores, score_rows
@@ -225,7 +226,8 @@ def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingC
     else `samples_per_prompt`."""
     return {
         "source": "online: the policy's own samples", "task": data.task, "options": data.load_options(),
-        "train_prompts": len(train), "heldout_prompts": len(held_out), "duplicates_removed": train.duplicates_removed,
+        "train_prompts": len(train), "heldout_prompts": len(held_out), "heldout_size_from": heldout_size_from(data.eval_size),
+        "duplicates_removed": train.duplicates_removed,
         "prompts_per_step": data.prompts_per_step, "dynamic_sampling": data.dynamic_sampling,
         **({"max_refill_rounds": data.max_refill_rounds} if data.dynamic_sampling else {}),
         ("group_size" if grouped else "samples_per_prompt"): data.group_size,

@@ -40,7 +40,7 @@ import torch
 from posttrain.data.examples import Task, derived_seed
 from posttrain.data.files import RowTable, RowView, check_columns, is_data_source, map_row, read_rows, resolve_columns
 from posttrain.data.source import TaskSource
-from posttrain.data.tasks import DEFAULT_EVAL_SIZE, SMALL_FILE_FRACTION, default_eval_size, load_splits
+from posttrain.data.tasks import default_eval_size, heldout_size_from, load_splits
 from posttrain.data.tokenize import TokenizedBatch, has_chat_template, tokenize_prompt_response
 from posttrain.data.validation import ValidationReport, check_messages, check_prompt_length, check_text, type_name
 from posttrain.errors import UserError
@@ -296,7 +296,7 @@ def _load_rows(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
     encode([*train[:1], *held[:1]])  # a template that cannot mask fails here, before the run directory exists
     chats = sum(row.is_chat for row in train)
     card = {"task": data.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
-            "heldout_size_from": _size_from(data.eval_size), "conversations": chats,
+            "heldout_size_from": heldout_size_from(data.eval_size), "conversations": chats,
             "prompt_completion_rows": len(train) - chats, "loss_on": data.loss_on,
             "rows_bad": report.rows_bad}
     return SFTData(train, held, encode, None, card)
@@ -317,14 +317,6 @@ def _load_task(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
                                         system_prompt=data.system_prompt)
 
     card = {"task": data.task, "options": options, "train_examples": len(train), "heldout_examples": len(held_out),
-            "heldout_size_from": _size_from(data.eval_size), "rows_bad": train.rows_bad,
+            "heldout_size_from": heldout_size_from(data.eval_size), "rows_bad": train.rows_bad,
             "duplicates_removed": train.duplicates_removed, "response_template": data.response_template}
     return SFTData(train.examples, held_out.examples, encode, held_out, card)
-
-
-def _size_from(eval_size: int | None) -> str:
-    """Where the held-out size came from, for the run card (the size itself is beside it)."""
-    if eval_size is not None:
-        return "data.eval_size"
-    return (f"data.eval_size not set: {DEFAULT_EVAL_SIZE}, or one in {SMALL_FILE_FRACTION} rows of a file under "
-            f"{DEFAULT_EVAL_SIZE * SMALL_FILE_FRACTION}")

@@ -34,8 +34,8 @@ class TaskSource:
     """Our column names -> the file's, e.g. {prompt: question, answer: answer} (overrides the format's)."""
     split: str | None = None
     """The split of a saved or cached dataset with several (default train)."""
-    eval_size: int = 200
-    """Held-out problems, disjoint from training (checked) and never sampled for pairs; the split depends only on the task, its options, the seed and this size, so runs that share them evaluate on the same problems."""
+    eval_size: int | None = None
+    """Held-out problems, disjoint from training (checked) and never sampled for pairs; the split depends only on the task, its options, the seed and this size, so runs that share them evaluate on the same problems. None: 200 of a generated task or of a file of 2,000 rows or more, one row in 10 of a smaller file (logged; the run card records the size)."""
     system_prompt: str | None = None
     """Optional system prompt for chat models."""
     strict: bool = True

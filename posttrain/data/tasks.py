@@ -152,6 +152,14 @@ def default_eval_size(rows: int, source: str) -> int:
     return size
 
 
+def heldout_size_from(eval_size: int | None) -> str:
+    """Where a held-out size came from, for a run card (the size itself is beside it)."""
+    if eval_size is not None:
+        return "data.eval_size"
+    return (f"data.eval_size not set: {DEFAULT_EVAL_SIZE}, or one in {SMALL_FILE_FRACTION} rows of a file under "
+            f"{DEFAULT_EVAL_SIZE * SMALL_FILE_FRACTION}")
+
+
 def _subset(task: Task, split: str, examples) -> Task:
     return Task(task.name, split, examples, task.reward_kind, task.rows_bad, 0, dict(task.options))
 

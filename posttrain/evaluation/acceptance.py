@@ -317,11 +317,12 @@ def acceptance_card(acceptance: dict[str, Any], task: str, heldout_size: int, re
     }
 
 
-def heldout_split(spec: str, eval_size: int, seed: int = 0, options: dict | None = None) -> Task:
+def heldout_split(spec: str, eval_size: int | None, seed: int = 0, options: dict | None = None) -> Task:
     """The held-out split that a training run with the same task, seed and eval size kept apart
-    (it depends on nothing else), without building that run's training split."""
-    from posttrain.data.tasks import load_splits, load_task
+    (it depends on nothing else), without building that run's training split. eval_size None:
+    the same default as `load_splits` (200, or one row in 10 of a small file)."""
+    from posttrain.data.tasks import DEFAULT_EVAL_SIZE, load_splits, load_task
 
     if spec == "arithmetic" or spec.startswith("rg:"):
-        return load_task(spec, size=eval_size, seed=seed, split="eval", options=options)
+        return load_task(spec, size=DEFAULT_EVAL_SIZE if eval_size is None else eval_size, seed=seed, split="eval", options=options)
     return load_splits(spec, train_size=None, eval_size=eval_size, seed=seed, options=options)[1]

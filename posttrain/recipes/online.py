@@ -146,7 +146,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     verifier.prepare()
 
     shifted = shifted_sets(config.acceptance.sets, train, config.data.task, config.data.load_options(), config.seed,
-                           config.data.eval_size, config.reward_options, config.unsafe_no_sandbox)
+                           len(held_out), config.reward_options, config.unsafe_no_sandbox)
     reference = make_reference(policy) if config.loss.kl.beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy

@@ -110,8 +110,8 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     # The prompts and the verifier before the model: a bad file or verifier fails before any work.
     data = settings.data
     # A generated task draws max_prompts; a file gives every row not held out, of which the first max_prompts.
-    train, _ = load_splits(data.task, train_size=data.max_prompts if is_generated(data.task) else None, eval_size=data.eval_size,
-                           seed=settings.seed, options=data.load_options())
+    train, held_out = load_splits(data.task, train_size=data.max_prompts if is_generated(data.task) else None, eval_size=data.eval_size,
+                                   seed=settings.seed, options=data.load_options())
     examples = train.examples[: data.max_prompts]
     if len(examples) < data.max_prompts:
         logger.info("%s: %d training prompts to sample, fewer than data.max_prompts=%d", data.task, len(examples), data.max_prompts)
@@ -150,7 +150,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     provenance = {
         "kind": "pairs from verified samples", "model": settings.model, "verifier": verifier.name,
         "verifier_settings": verifier.describe(), "task": data.task, "task_options": data.load_options(),
-        "eval_size": data.eval_size, "seed": settings.seed, "group_size": G, "prompts": len(examples),
+        "eval_size": len(held_out), "seed": settings.seed, "group_size": G, "prompts": len(examples),
         "pairs": len(rows), "prompts_paired": outcomes["paired"], "prompts_skipped_all_correct": outcomes["all_correct"],
         "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
         "verdict_errors": errors, "correct_threshold": settings.correct_threshold,

@@ -136,6 +136,13 @@ def value_text(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
+def span_text(span: dict[str, Any]) -> str:
+    """'0.520 (step 1) -> 0.740 (step 20)', or '0.520 (step 1)' for a span of one step."""
+    start, end = span["start"], span["end"]
+    text = f"{value_text(start['value'])} (step {start['step']})"
+    return text if start["step"] == end["step"] else f"{text} -> {value_text(end['value'])} (step {end['step']})"
+
+
 def results_markdown(found: dict[str, Any]) -> list[str]:
     """The card's "Results" section (markdown lines)."""
     lines = ["## Results", "", "| held-out set | start | end | change (95% CI) |", "|---|---|---|---|"]

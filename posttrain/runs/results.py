@@ -14,7 +14,7 @@ from typing import Any
 
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION
 from posttrain.evaluation.stats import paired_difference_ci
-from posttrain.runs.card import OTHER, TRAINING, set_line, value_text
+from posttrain.runs.card import OTHER, TRAINING, set_line, span_text
 from posttrain.runs.directory import read_jsonl
 
 IN_DISTRIBUTION_FILES = ("step", "task-step")
@@ -90,10 +90,9 @@ def summary_lines(run_dir: str | Path) -> list[str]:
     card = json.loads((run_dir / "run_card.json").read_text()) if (run_dir / "run_card.json").is_file() else {}
     found = card.get("results") or results(run_dir)
     held = [set_line(name, entry) for name, entry in found["sets"].items()]
-    held += [f"{OTHER[key]} {value_text(span['start']['value'])} -> {value_text(span['end']['value'])}" for key, span in found["heldout"].items()]
+    held += [f"{OTHER[key]} {span_text(span)}" for key, span in found["heldout"].items()]
     lines = ["held-out: " + ("; ".join(held) if held else "not evaluated")]
-    training = [f"{TRAINING[key]} {value_text(span['start']['value'])} (step {span['start']['step']}) -> {value_text(span['end']['value'])} "
-                f"(step {span['end']['step']})" for key, span in found["training"].items()]
+    training = [f"{TRAINING[key]} {span_text(span)}" for key, span in found["training"].items()]
     signal = card.get("training_signal")
     if signal and signal.get("rows"):
         training.append(f"unscorable rows {signal['infra_error_rate']:.1%} infra, {signal['data_error_rate']:.1%} data")
