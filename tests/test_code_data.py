@@ -385,3 +385,15 @@ def test_training_reward_runs_half_the_tests_and_the_checker_all():
         assert (trained.reward, trained.details["tests_total"]) == (1.0, half_total), trained
         assert checked.reward == 0.0 and checked.details["tests_passed"] < checked.details["tests_total"], checked
         assert as_verifier(None, name, RewardOptions(tests="all"))(completion, example).reward == 0.0
+
+
+def test_verify_reads_an_mbpp_row_with_the_tests_its_training_prompt_shows():
+    """`posttrain verify --format mbpp`: the row gets the `shown_tests` a training prompt of the
+    layout shows (the first), so `reward_options.tests: half` runs what training runs; a row that
+    names its own keeps them."""
+    from posttrain.commands.verify import public_layout
+
+    tests = ["assert f(1) == 2", "assert f(2) == 3", "assert f(3) == 4"]
+    assert public_layout({"text": "t", "test_list": tests}, "mbpp")["shown_tests"] == [0]
+    assert public_layout({"text": "t", "test_list": tests, "shown_tests": []}, "mbpp")["shown_tests"] == []
+    assert "shown_tests" not in public_layout({"prompt": "p", "test": "def check(c): pass", "entry_point": "f"}, "humaneval")

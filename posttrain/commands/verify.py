@@ -66,12 +66,13 @@ GOLD_PROBLEM = "gold_problem"
 
 
 def public_layout(row: dict, layout: str) -> dict:
-    """A row in a public layout as the verifiers read it: MBPP's `test_list` as `tests`, stdin /
+    """A row in a public layout as the verifiers read it: MBPP's `test_list` as `tests` (with the
+    `shown_tests` a training prompt of the layout shows, unless the row names its own), stdin /
     stdout `inputs` / `outputs` (or CodeContests' public / private tests) as `cases`; GSM8K's and
     MATH's gold read from the solution as training reads it, with their answer convention
     (`answer_extraction`), or, when it does not parse, no gold and why in `GOLD_PROBLEM`."""
     from posttrain.data.files import FORMATS, contest_cases, map_row, resolve_columns
-    from posttrain.data.prompts import answer_convention
+    from posttrain.data.prompts import answer_convention, shown_tests
     from posttrain.data.validation import ValidationReport, check_answer
 
     mapped = contest_cases(map_row(row, {k: v for k, v in resolve_columns(layout, None).items() if k != "prompt"}))
@@ -88,6 +89,9 @@ def public_layout(row: dict, layout: str) -> dict:
             mapped["cases"] = [{"stdin": i, "stdout": o} for i, o in zip(inputs, outputs)]
     if layout == "humaneval" and isinstance(mapped.get("tests"), str):
         mapped["test"] = mapped["tests"]
+    if FORMATS[layout].get("show_tests") and isinstance(mapped.get("tests"), list) and "shown_tests" not in mapped:
+        # the tests a training prompt of this layout shows, so that `reward_options.tests: half` picks as in training
+        mapped["shown_tests"] = shown_tests(mapped["tests"], FORMATS[layout]["show_tests"])
     return mapped
 
 
