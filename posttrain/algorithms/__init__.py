@@ -16,17 +16,23 @@ from posttrain.algorithms.kl import ESTIMATORS, exact_kl, kl_estimate, kl_penali
 from posttrain.algorithms.logprobs import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss, sampler_mismatch, truncated_importance_weights
 from posttrain.algorithms.preference import (
+    KTO_CLASS_BALANCE_BAND,
     LABEL_SMOOTHED,
     PAIR_METRICS,
     PREFERENCE_LOSSES,
     conservative_dpo_loss,
+    cpo_loss,
     dpo_loss,
     hinge_loss,
     ipo_loss,
+    kto_class_balance,
+    kto_loss,
     length_normalized_dpo_loss,
+    orpo_loss,
     pair_columns,
     pair_metrics,
     robust_dpo_loss,
+    simpo_loss,
 )
 
 __all__ = [
@@ -34,6 +40,7 @@ __all__ = [
     "truncated_importance_weights",
     "AGGREGATIONS",
     "ESTIMATORS",
+    "KTO_CLASS_BALANCE_BAND",
     "LABEL_SMOOTHED",
     "PAIR_METRICS",
     "PREFERENCE_LOSSES",
@@ -41,6 +48,7 @@ __all__ = [
     "clipped_surrogate",
     "clipped_value_loss",
     "conservative_dpo_loss",
+    "cpo_loss",
     "dpo_loss",
     "exact_kl",
     "gae",
@@ -51,14 +59,18 @@ __all__ = [
     "ipo_loss",
     "kl_estimate",
     "kl_penalized_rewards",
+    "kto_class_balance",
+    "kto_loss",
     "length_normalized_dpo_loss",
     "masked_mean",
+    "orpo_loss",
     "pair_columns",
     "pair_metrics",
     "response_logprobs",
     "rloo_advantages",
     "robust_dpo_loss",
     "sequence_logprobs",
+    "simpo_loss",
     "token_logprobs",
     "whiten",
 ]
