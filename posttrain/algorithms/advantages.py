@@ -136,6 +136,29 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return advantages.reshape(-1)
 
 
+def reinforce_returns(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Undiscounted returns to go (REINFORCE++, Hu et al. arXiv:2501.03262 section 3, gamma = 1):
+
+        G_t = sum_{i >= t} r_i   over the counted tokens of each row
+
+    With the sequence reward R on the last counted token and -beta * KL_i on every token
+    (`kl.kl_in_reward(..., per_token=True)`), G_t = R - beta * sum_{i >= t} KL_i.
+
+    Args:
+        token_rewards: (N, T) per-token rewards.
+        mask: (N, T) bool, True = the token counts (others contribute nothing and get 0).
+
+    Returns:
+        (N, T) returns, 0 where mask is False.
+
+    Example: R = 1 on the last of three tokens, k1 KL [0.1, 0.2, 0.3], beta = 0.5 -> token rewards
+    [-0.05, -0.1, 0.85] -> returns [0.70, 0.75, 0.85].
+    """
+    counted = torch.where(mask, token_rewards, torch.zeros_like(token_rewards))
+    returns = counted.flip(-1).cumsum(-1).flip(-1)
+    return torch.where(mask, returns, torch.zeros_like(returns))
+
+
 def gae(
     token_rewards: torch.Tensor,
     values: torch.Tensor,

@@ -3,7 +3,7 @@
 metrics it plots, and computes the step's advantages from the step's rewards. The online recipe
 asks the entry, never "is it group?".
 
-Adding an estimator (RLOO, REINFORCE++) is one function and one entry in `ADVANTAGE_ESTIMATORS`
+Adding an estimator is one function and one entry in `ADVANTAGE_ESTIMATORS`
 (plus, if it has settings of its own, their section in `losses/policy_gradient_config.Loss`).
 Pure tensor math like the rest of `algorithms/`: no models, configs or `.item()`.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.algorithms.advantages import explained_variance, gae, grpo_advantages, masked_mean
+from posttrain.algorithms.advantages import explained_variance, gae, grpo_advantages, masked_mean, reinforce_returns, rloo_advantages
 from posttrain.algorithms.advantages import whiten as whiten_tokens
 from posttrain.algorithms.kl import kl_in_reward
 
@@ -77,6 +77,8 @@ class AdvantageEstimator:
     """Where the sequence reward enters, when it is not the whole sequence's (for the run card)."""
     describe: Callable[[dict], dict] = lambda settings: {}
     """Extra run-card entries of its settings."""
+    peers: str = ""
+    """The same estimator as the peers spell it (TRL, verl, OpenRLHF), for the run card."""
 
 
 def group_estimate(inputs: StepRewards, scale: str, eps: float, unbiased_std: bool) -> Estimate:
@@ -103,6 +105,45 @@ def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten: bool) ->
                                           "explained_variance": explained_variance(values, returns, mask)})
 
 
+def rloo_estimate(inputs: StepRewards) -> Estimate:
+    """REINFORCE leave-one-out (Ahmadian et al. arXiv:2402.14740 eq. 6): each sequence's reward
+    minus the mean of the others in its group (`rloo_advantages`), each first charged beta x the
+    sum of its per-token KL estimates when the KL is placed in the reward (as the paper and TRL do)."""
+    rewards = inputs.rewards
+    if inputs.kl is not None and inputs.kl_beta:
+        rewards = kl_in_reward(rewards, inputs.kl, inputs.sampled, inputs.kl_beta, per_token=False)
+    return Estimate(rloo_advantages(rewards, inputs.group_size))
+
+
+def _reinforce_pp(inputs: StepRewards, rewards: torch.Tensor, whiten: bool) -> Estimate:
+    """Per-token returns of `rewards` (on each row's last counted token, -beta x KL on every token
+    when the KL is in the reward), whitened over the batch's counted tokens when asked."""
+    mask = inputs.mask
+    kl = inputs.kl if inputs.kl is not None else torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device)
+    token_rewards = kl_in_reward(torch.nan_to_num(rewards, nan=0.0), kl, mask, inputs.kl_beta, per_token=True)
+    returns = reinforce_returns(token_rewards, mask)
+    advantages = whiten_tokens(returns, mask) if whiten else returns
+    return Estimate(advantages, metrics={"returns/mean": masked_mean(returns, mask)})
+
+
+def reinforce_pp_estimate(inputs: StepRewards, whiten: bool) -> Estimate:
+    """REINFORCE++ (Hu et al. arXiv:2501.03262 eqs. 4-6): per-token returns R - beta x the sum of
+    the KL estimates from each token on (gamma = 1, no critic, no group), whitened over every
+    counted token of the batch (the global normalisation that replaces a baseline)."""
+    return _reinforce_pp(inputs, inputs.rewards, whiten)
+
+
+def reinforce_pp_baseline_estimate(inputs: StepRewards, whiten: bool) -> Estimate:
+    """REINFORCE++-baseline (arXiv:2501.03262 v3 section 3.2, verl `reinforce_plus_plus_baseline`):
+    each reward minus its group's mean first (`grpo_advantages` with scale none), then as
+    REINFORCE++: per-token returns with the KL when in the reward, whitened over the batch."""
+    return _reinforce_pp(inputs, grpo_advantages(inputs.rewards, inputs.group_size, scale="none"), whiten)
+
+
+_REINFORCE_KL = "per-token penalty: -beta x the {estimator} estimate in each token's reward, summed into every earlier token's return"
+_REINFORCE_WHITEN = lambda settings: {"whitening": "population variance (n) over the batch's counted tokens, mean shifted to 0"  # noqa: E731
+                                      if settings["whiten"] else "none"}
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "group": AdvantageEstimator(
         name="group", command="grpo", algorithm="GRPO (group-relative advantages, clipped surrogate, no critic)",
@@ -113,6 +154,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         kl_metric="update",
         plotted=("reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "length/mean", "loss", "entropy"),
         describe=lambda settings: {"std": "sample (n-1)" if settings["unbiased_std"] else "population (n)"},
+        peers="TRL GRPOTrainer; verl adv_estimator=grpo; OpenRLHF advantage_estimator=group_norm",
     ),
     "gae": AdvantageEstimator(
         name="gae", command="ppo", algorithm="PPO with a learned critic (GAE advantages, clipped surrogate, clipped value loss)",
@@ -121,6 +163,33 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         kl_metric="rollout",
         plotted=("reward/mean", "heldout/pass@1", "kl/estimate", "value_loss", "length/mean", "loss"),
         reward_placement="verifier score on the last response token",
+        peers="TRL PPOTrainer; verl adv_estimator=gae; OpenRLHF advantage_estimator=gae",
+    ),
+    "rloo": AdvantageEstimator(
+        name="rloo", command="grpo", algorithm="RLOO (REINFORCE with a leave-one-out group baseline, no critic)",
+        estimate=rloo_estimate, section=None, needs_critic=False, per_token=False, min_group_size=2,
+        kl_in_reward=("per-sequence sum: each sequence's reward minus beta x the sum of its per-token {estimator} "
+                      "estimates, before the leave-one-out baseline (arXiv:2402.14740, TRL RLOOTrainer)"),
+        kl_metric="update",
+        plotted=("reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "length/mean", "loss", "entropy"),
+        peers="TRL RLOOTrainer; verl adv_estimator=rloo; OpenRLHF advantage_estimator=rloo",
+    ),
+    "reinforce_pp": AdvantageEstimator(
+        name="reinforce_pp", command="grpo", algorithm="REINFORCE++ (per-token KL-penalised returns, batch-whitened, no critic, no group)",
+        estimate=reinforce_pp_estimate, section="reinforce", needs_critic=False, per_token=True, min_group_size=1,
+        kl_in_reward=_REINFORCE_KL, kl_metric="update",
+        plotted=("reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "returns/mean", "length/mean", "loss"),
+        reward_placement="verifier score on the last response token", describe=_REINFORCE_WHITEN,
+        peers="verl adv_estimator=reinforce_plus_plus; OpenRLHF advantage_estimator=reinforce",
+    ),
+    "reinforce_pp_baseline": AdvantageEstimator(
+        name="reinforce_pp_baseline", command="grpo",
+        algorithm="REINFORCE++-baseline (group-mean baseline, then per-token returns, batch-whitened, no critic)",
+        estimate=reinforce_pp_baseline_estimate, section="reinforce", needs_critic=False, per_token=True, min_group_size=2,
+        kl_in_reward=_REINFORCE_KL, kl_metric="update",
+        plotted=("reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "returns/mean", "length/mean", "loss"),
+        reward_placement="verifier score minus its group's mean, on the last response token", describe=_REINFORCE_WHITEN,
+        peers="verl adv_estimator=reinforce_plus_plus_baseline; OpenRLHF advantage_estimator=reinforce_baseline",
     ),
 }
 """Every advantage estimator by its `loss.advantage` name."""

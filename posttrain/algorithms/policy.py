@@ -80,6 +80,100 @@ def clipped_surrogate(
     return loss, stats
 
 
+def sequence_clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO's sequence-level clipped surrogate, in its GSPO-token form (Zheng et al.
+    arXiv:2507.18071 eqs. 5-7 and section 4.3):
+
+        s_i     = exp(mean_t (log pi_t - log pi_old_t))            (the geometric-mean ratio)
+        s_{i,t} = sg[s_i] * pi_t / sg[pi_t]                         (value s_i, gradient s_i * grad log pi_t)
+        loss    = -min(s_{i,t} A_{i,t}, clip(s_{i,t}, 1 - clip_low, 1 + clip_high) A_{i,t})
+
+    Averaged per sequence over its tokens (aggregation seq_mean_token_mean), it is GSPO's
+    -min(s_i A_i, clip(s_i) A_i) in value and in gradient when the advantage is per sequence; with
+    per-token advantages it is GSPO-token. The clip range applies to the geometric-mean ratio, so
+    it is narrow: the paper's 3e-4 / 4e-4 are the defaults. On-policy (s = 1, unclipped) its
+    gradient is GRPO's under seq_mean_token_mean.
+
+    Args:
+        logprobs, old_logprobs: (N, T) current (with grad) and behaviour-policy log-probs.
+        advantages: (N,) or (N, T).
+        mask: (N, T) bool, the tokens of each sequence that count (the mean's support; a row with
+            none gets s = 1 and no loss once masked).
+        clip_low, clip_high: s is clipped to [1 - clip_low, 1 + clip_high].
+
+    Returns:
+        loss (N, T) per token (to be aggregated per sequence), and detached per-token stats:
+        `ratio` (s_i on every token of row i), `clipped_low`, `clipped_high` (as in `clipped_surrogate`).
+
+    Example: token log-ratios [0.1, -0.3, 0.5], A = 1 -> s = exp(0.1) = 1.105171; with clip 0.2 / 0.2
+    the gradient of the sequence's mean loss w.r.t. each log pi_t is -s / 3 = -0.368390; with the
+    paper's 3e-4 / 4e-4, s is clipped and the gradient is 0.
+    """
+    if advantages.dim() == logprobs.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.expand_as(logprobs)
+    counted = mask.to(logprobs.dtype)
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    mean_log_ratio = (log_ratio * counted).sum(-1) / counted.sum(-1).clamp(min=1)  # (N,)
+    sequence_ratio = torch.exp(mean_log_ratio.detach())[:, None]
+    ratio = sequence_ratio * torch.exp(logprobs - logprobs.detach())  # value s_i, gradient s_i * grad log pi_t
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped_loss, clipped_loss)
+    shown = ratio.detach()
+    stats = {
+        "ratio": shown,
+        "clipped_low": ((shown < 1.0 - clip_low) & (advantages < 0)).detach(),
+        "clipped_high": ((shown > 1.0 + clip_high) & (advantages > 0)).detach(),
+    }
+    return loss, stats
+
+
+def cispo_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    low: float = 0.0,
+    high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585 section 3.1, eq. 4-5): the importance weight is clipped
+    and stopped, never the gradient:
+
+        loss = -sg(clip(r, low, high)) * A * log pi,   r = exp(log pi - log pi_old)
+
+    `low` and `high` are ABSOLUTE bounds on r (not 1 -/+ eps): low 0 leaves it unbounded below, high
+    5 is TRL's recommended cap (`loss_type="cispo"`, `epsilon_high`). Unlike the PPO clip, a token
+    whose ratio passed the bound keeps its gradient, scaled by the bound.
+
+    Args:
+        logprobs, old_logprobs: (N, T) current (with grad) and behaviour-policy log-probs.
+        advantages: (N,) or (N, T).
+        low, high: 0 <= low < high.
+
+    Returns:
+        loss (N, T) per token, and detached per-token stats: `ratio`, `clipped_low` (r < low),
+        `clipped_high` (r > high).
+
+    Example: r = 1.5, A = 2, high = 1.28 -> d loss / d log pi = -1.28 * 2 = -2.56 (the PPO clip with
+    1 + 0.28 gives 0 there).
+    """
+    if advantages.dim() == logprobs.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.expand_as(logprobs)
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)).detach()
+    weight = ratio.clamp(low, high)
+    loss = -weight * advantages * logprobs
+    stats = {"ratio": ratio, "clipped_low": ratio < low, "clipped_high": ratio > high}
+    return loss, stats
+
+
 def clipped_value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

@@ -3,7 +3,7 @@ of settings it reads, the per-token statistics it reports (logged as fractions o
 tokens) and its run-card text. The loss step (`posttrain/losses/policy_gradient.py`) asks the
 entry, never "is it the clipped ratio?".
 
-Adding a surrogate (GSPO, CISPO) is one function of `surrogate(logprobs, old_logprobs, advantages,
+Adding a surrogate is one function of `surrogate(logprobs, old_logprobs, advantages, mask,
 **settings) -> (per-token loss, stats)` and one entry in `SURROGATES`, plus its settings section.
 Pure tensor math like the rest of `algorithms/`.
 """
@@ -15,25 +15,37 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.algorithms.policy import clipped_surrogate
+from posttrain.algorithms.policy import cispo_surrogate, clipped_surrogate, sequence_clipped_surrogate
 
 
 @dataclass(frozen=True)
 class Surrogate:
     name: str
     function: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-    """function(logprobs (n, T), old_logprobs (n, T), advantages (n,) or (n, T), **settings) ->
-    ((n, T) per-token loss, detached per-token stats, `ratio` among them)."""
+    """function(logprobs (n, T), old_logprobs (n, T), advantages (n,) or (n, T), mask (n, T) bool,
+    **settings) -> ((n, T) per-token loss, detached per-token stats, `ratio` among them)."""
     section: str
     """The `loss.<section>` whose fields are its keyword settings."""
     fractions: tuple[tuple[str, str], ...]
     """(metric, stats key) pairs: boolean statistics logged as a fraction of the counted tokens."""
     describe: Callable[[dict], str]
     """describe(its settings) -> what the run card says it is."""
+    aggregations: tuple[str, ...] | None = None
+    """The `loss.aggregation` values it is defined under (None: any)."""
+    peers: str = ""
+    """The same surrogate as the peers spell it, for the run card."""
 
 
-def _clip(logprobs, old_logprobs, advantages, low: float, high: float, dual: float | None):
+def _clip(logprobs, old_logprobs, advantages, mask, low: float, high: float, dual: float | None):
     return clipped_surrogate(logprobs, old_logprobs, advantages, low, high, dual)
+
+
+def _gspo(logprobs, old_logprobs, advantages, mask, low: float, high: float):
+    return sequence_clipped_surrogate(logprobs, old_logprobs, advantages, mask, low, high)
+
+
+def _cispo(logprobs, old_logprobs, advantages, mask, low: float, high: float):
+    return cispo_surrogate(logprobs, old_logprobs, advantages, low, high)
 
 
 SURROGATES: dict[str, Surrogate] = {
@@ -43,6 +55,22 @@ SURROGATES: dict[str, Surrogate] = {
         describe=lambda s: (f"PPO clipped ratio per token: -min(r A, clip(r, 1 - {s['low']}, 1 + {s['high']}) A) (arXiv:1707.06347 eq. 7)"
                             + (f"; a negative advantage's loss capped at {s['dual']} x |A| (dual clip, arXiv:1912.09729 eq. 5)"
                                if s["dual"] is not None else "")),
+        peers="TRL GRPOTrainer importance_sampling_level=token; verl loss_mode=vanilla; OpenRLHF policy_loss_type=ppo",
+    ),
+    "gspo": Surrogate(
+        name="gspo", function=_gspo, section="gspo",
+        fractions=(("clip/low", "clipped_low"), ("clip/high", "clipped_high")),
+        describe=lambda s: (f"GSPO sequence ratio s = exp(mean_t log r_t), clipped to [1 - {s['low']}, 1 + {s['high']}], in its "
+                            "GSPO-token form (arXiv:2507.18071 section 4.3: equal to GSPO for per-sequence advantages)"),
+        aggregations=("seq_mean_token_mean",),
+        peers="TRL GRPOTrainer importance_sampling_level=sequence; verl loss_mode=gspo; OpenRLHF policy_loss_type=gspo",
+    ),
+    "cispo": Surrogate(
+        name="cispo", function=_cispo, section="cispo",
+        fractions=(("clip/low", "clipped_low"), ("clip/high", "clipped_high")),
+        describe=lambda s: (f"CISPO: -sg(clip(r, {s['low']}, {s['high']})) A log pi per token, absolute bounds on the ratio, "
+                            "every token keeps its gradient (arXiv:2506.13585 section 3.1)"),
+        peers="TRL GRPOTrainer loss_type=cispo (epsilon_high = our high); open-instruct loss_fn=cispo; verl loss_mode=cispo",
     ),
 }
 """Every surrogate by its `loss.surrogate` name."""

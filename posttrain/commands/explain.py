@@ -192,6 +192,74 @@ def explain_kl(args) -> int:
     return _emit(args, result, lines)
 
 
+def explain_rloo(args) -> int:
+    from posttrain.algorithms import rloo_advantages
+
+    rewards = args.rewards
+    group_size = args.group_size or len(rewards)
+    if group_size < 2 or len(rewards) % group_size:
+        raise UserError(f"--rewards: {len(rewards)} values are not whole groups of at least 2 (group size {group_size})")
+    advantages = rloo_advantages(_tensor(rewards), group_size).tolist()
+    lines = ["RLOO leave-one-out advantages (arXiv:2402.14740 eq. 6): A_i = r_i - mean of the others in its group",
+             f"  rewards    {rewards}", f"  advantages {_round(advantages)}"]
+    return _emit(args, {"advantages": advantages}, lines)
+
+
+def explain_reinforce(args) -> int:
+    import torch
+
+    from posttrain.algorithms.advantages import reinforce_returns
+    from posttrain.algorithms.kl import kl_in_reward
+
+    kl = _tensor([args.kl])
+    mask = torch.ones_like(kl, dtype=torch.bool)
+    returns = reinforce_returns(kl_in_reward(_tensor([args.reward]), kl, mask, args.beta, per_token=True), mask)[0].tolist()
+    lines = ["REINFORCE++ returns before whitening (arXiv:2501.03262): G_t = R - beta * sum_{i >= t} KL_i",
+             f"  R {args.reward}, beta {args.beta}, KL {args.kl}", f"  returns {_round(returns)}"]
+    return _emit(args, {"returns": returns}, lines)
+
+
+def _token_grad(surrogate, logprobs, aggregate_mode: str | None = None):
+    """The loss and d loss / d log pi_t of a one-row surrogate (mean over the row's tokens when
+    `aggregate_mode` is given, else the sum of the per-token losses)."""
+    from posttrain.algorithms import aggregate
+
+    logprobs = logprobs.clone().requires_grad_(True)
+    per_token, stats = surrogate(logprobs)
+    mask = logprobs.new_ones(logprobs.shape, dtype=bool)
+    loss = aggregate(per_token, mask, aggregate_mode) if aggregate_mode else per_token.sum()
+    loss.backward()
+    return loss.item(), logprobs.grad[0].tolist(), stats
+
+
+def explain_gspo(args) -> int:
+    from posttrain.algorithms.policy import sequence_clipped_surrogate
+
+    log_ratios = _tensor([args.log_ratios])
+    old = log_ratios * 0
+    loss, grad, stats = _token_grad(lambda lp: sequence_clipped_surrogate(
+        lp, old, _tensor([args.advantage]), old == 0, args.clip_low, args.clip_high), log_ratios, "seq_mean_token_mean")
+    ratio = stats["ratio"][0, 0].item()
+    clipped = bool(stats["clipped_low"].any() or stats["clipped_high"].any())
+    lines = ["GSPO sequence-level clipped surrogate (arXiv:2507.18071 section 4), one sequence",
+             f"  s = exp(mean log-ratio {args.log_ratios}) = {ratio:.6f}, clip range [{1 - args.clip_low:.6g}, {1 + args.clip_high:.6g}]",
+             f"  loss = {loss:.6f}; d loss / d log pi_t = {_round(grad, 6)}" + ("   (clipped: no gradient)" if clipped else "")]
+    return _emit(args, {"ratio": ratio, "loss": loss, "grad": grad, "clipped": clipped}, lines)
+
+
+def explain_cispo(args) -> int:
+    from posttrain.algorithms.policy import cispo_surrogate
+
+    if not 0 <= args.min < args.max:
+        raise UserError(f"--min and --max must satisfy 0 <= min < max, got {args.min}, {args.max}")
+    logprob = _tensor([[math.log(args.ratio)]])
+    loss, grad, stats = _token_grad(lambda lp: cispo_surrogate(lp, lp.detach() * 0, _tensor([args.advantage]), args.min, args.max), logprob)
+    lines = ["CISPO for one token (arXiv:2506.13585 section 3.1): -sg(clip(r, min, max)) * A * log pi",
+             f"  r {args.ratio}, A {args.advantage}, bounds [{args.min:g}, {args.max:g}] (absolute)",
+             f"  loss = {loss:.6f} (at log pi = log r); d loss / d log pi = {grad[0]:.6f}"]
+    return _emit(args, {"loss": loss, "grad": grad[0], "clipped": bool(stats["clipped_high"].any() or stats["clipped_low"].any())}, lines)
+
+
 def register(subparsers) -> None:
     subparsers.add_parser("explain", help="the seed's worked examples, computed by the library", deferred=add_examples)
 
@@ -235,5 +303,30 @@ def add_examples(parser) -> None:
     kl.add_argument("--reference", type=float, nargs="+", required=True, help="reference probabilities")
     kl.set_defaults(func=_library_errors_are_user_errors(explain_kl))
 
-    for sub in (advantages, clip, dpo, kl):
+    rloo = commands.add_parser("rloo", help="RLOO leave-one-out advantages")
+    rloo.add_argument("--rewards", type=_reward, nargs="+", required=True, help="rewards; nan = unscorable")
+    rloo.add_argument("--group-size", type=int, default=None, help="G (default: all rewards are one group)")
+    rloo.set_defaults(func=_library_errors_are_user_errors(explain_rloo))
+
+    reinforce = commands.add_parser("reinforce", help="REINFORCE++ per-token returns of one sequence")
+    reinforce.add_argument("--reward", type=float, required=True, help="the sequence reward R")
+    reinforce.add_argument("--kl", type=float, nargs="+", required=True, help="per-token KL estimates")
+    reinforce.add_argument("--beta", type=float, required=True)
+    reinforce.set_defaults(func=_library_errors_are_user_errors(explain_reinforce))
+
+    gspo = commands.add_parser("gspo", help="GSPO sequence-ratio surrogate of one sequence, with its gradient")
+    gspo.add_argument("--log-ratios", type=float, nargs="+", required=True, help="log pi - log pi_old of each token")
+    gspo.add_argument("--advantage", type=float, required=True)
+    gspo.add_argument("--clip-low", type=float, default=3e-4)
+    gspo.add_argument("--clip-high", type=float, default=4e-4)
+    gspo.set_defaults(func=_library_errors_are_user_errors(explain_gspo))
+
+    cispo = commands.add_parser("cispo", help="CISPO for one token, with its gradient")
+    cispo.add_argument("--ratio", type=float, required=True, help="pi / pi_old of the token")
+    cispo.add_argument("--advantage", type=float, required=True)
+    cispo.add_argument("--min", type=float, default=0.0, help="absolute lower bound of the weight")
+    cispo.add_argument("--max", type=float, default=5.0, help="absolute upper bound of the weight")
+    cispo.set_defaults(func=_library_errors_are_user_errors(explain_cispo))
+
+    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo):
         sub.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,5 +1,5 @@
 """The policy-gradient loss step: the surrogate (`loss.surrogate`, an entry of
-`algorithms/surrogates.py`: the clipped ratio today) over a batch of scored rollouts (GRPO, PPO),
+`algorithms/surrogates.py`: PPO's clipped ratio, GSPO, CISPO) over a batch of scored rollouts (GRPO, PPO),
 with truncated importance sampling, the KL term in the loss, and a critic's clipped value loss.
 
 `step` runs `update.epochs` passes over `update.mini_batches` mini-batches, one optimizer step each,
@@ -160,7 +160,8 @@ def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], mi
     logits, values = trainer(inputs, rows, P, T, detach_hidden=settings.critic_only)
     logprobs = token_logprobs(logits, batch.rollout.completion_ids[rows], settings.temperature)
     old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
-    per_token, stats = SURROGATES[loss_cfg.surrogate].function(logprobs, old, batch.advantages[rows], **loss_cfg.surrogate_settings())
+    per_token, stats = SURROGATES[loss_cfg.surrogate].function(logprobs, old, batch.advantages[rows], mask,
+                                                               **loss_cfg.surrogate_settings())
     sums: dict[str, torch.Tensor] = {}
     if loss_cfg.sampler_correction == "tis":  # truncated importance sampling: the sampler drew these tokens, not the trainer's policy
         weights = truncated_importance_weights(old, batch.rollout.sampler_logprobs[rows], loss_cfg.sampler_correction_cap)

@@ -1,7 +1,7 @@
 """The settings of the policy-gradient loss link, one section per axis: `loss.advantage` names the
-estimator (`algorithms/estimators.py`), whose own settings are `loss.<its section>` (group, gae);
-`loss.surrogate` names the surrogate (`algorithms/surrogates.py`), whose own settings are
-`loss.<its section>` (clip); `loss.aggregation` how per-token losses become one; `loss.kl` the KL
+estimator (`algorithms/estimators.py`), whose own settings are `loss.<its section>` (group, gae,
+reinforce); `loss.surrogate` names the surrogate (`algorithms/surrogates.py`), whose own settings
+are `loss.<its section>` (clip, gspo, cispo); `loss.aggregation` how per-token losses become one; `loss.kl` the KL
 to the reference and where it goes. `Critic` and `Update` are the value model's and the update's
 sections. Each checks what it can alone in `validate`; what spans sections is the recipe config's.
 `precomputes_old` says whether these sections need the old log-probs fixed before the update, and
@@ -60,6 +60,34 @@ class Clip:
 
 
 @dataclass
+class ReinforceAdvantage:
+    """`loss.advantage: reinforce_pp | reinforce_pp_baseline` (REINFORCE++): per-token returns, no critic."""
+
+    whiten: bool = True
+    """Normalise the returns to zero mean, unit (population) std over the batch's response tokens (REINFORCE++'s global normalisation)."""
+
+
+@dataclass
+class Gspo:
+    """`loss.surrogate: gspo`: the sequence ratio exp(mean log r), clipped (its range is narrow: it bounds a geometric mean)."""
+
+    low: float = 3e-4
+    """Sequence ratio clipped below at 1 - low (arXiv:2507.18071: 3e-4)."""
+    high: float = 4e-4
+    """Sequence ratio clipped above at 1 + high (arXiv:2507.18071: 4e-4)."""
+
+
+@dataclass
+class Cispo:
+    """`loss.surrogate: cispo`: the importance weight clipped to absolute bounds and stopped; every token keeps its gradient."""
+
+    low: float = 0.0
+    """Absolute lower bound of the weight (0: none)."""
+    high: float = 5.0
+    """Absolute upper bound of the weight (TRL's recommended epsilon_high; MiniMax-M1 tunes it)."""
+
+
+@dataclass
 class KL:
     """The KL to a frozen reference: its weight, its sampled estimator and where it enters."""
 
@@ -80,15 +108,21 @@ class Loss:
     section per axis."""
 
     advantage: str = "group"
-    """The advantage estimator (`algorithms/estimators.py`): group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO)."""
+    """The advantage estimator (`algorithms/estimators.py`): group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO); rloo: leave-one-out group baseline (RLOO); reinforce_pp: per-token KL-penalised returns, batch-whitened (REINFORCE++); reinforce_pp_baseline: the group mean subtracted first."""
     group: GroupAdvantage = field(default_factory=GroupAdvantage)
     """loss.advantage group's settings."""
     gae: GaeAdvantage = field(default_factory=GaeAdvantage)
     """loss.advantage gae's settings."""
+    reinforce: ReinforceAdvantage = field(default_factory=ReinforceAdvantage)
+    """loss.advantage reinforce_pp's and reinforce_pp_baseline's settings."""
     surrogate: str = "clip"
-    """The surrogate (`algorithms/surrogates.py`): clip: the PPO clipped ratio per token."""
+    """The surrogate (`algorithms/surrogates.py`): clip: the PPO clipped ratio per token; gspo: the clipped sequence ratio (needs aggregation seq_mean_token_mean); cispo: the clipped, stopped importance weight times log pi."""
     clip: Clip = field(default_factory=Clip)
     """loss.surrogate clip's settings."""
+    gspo: Gspo = field(default_factory=Gspo)
+    """loss.surrogate gspo's settings."""
+    cispo: Cispo = field(default_factory=Cispo)
+    """loss.surrogate cispo's settings."""
     aggregation: str = "token_mean"
     """token_mean | seq_mean_token_mean (GRPO paper) | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO)."""
     kl: KL = field(default_factory=KL)
@@ -109,11 +143,20 @@ class Loss:
         if self.aggregation not in AGGREGATIONS:  # a str, not a Literal: this message names the field the way users read it
             raise UserError(f"loss.aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
         for setting, table in (("advantage", ADVANTAGE_ESTIMATORS), ("surrogate", SURROGATES)):
-            for name, entry in table.items():
-                section = entry.section
-                if section and name != getattr(self, setting) and getattr(self, section) != getattr(Loss(), section):
-                    raise UserError(f"loss.{section} applies to loss.{setting} {name} only (this run: {getattr(self, setting)})")
+            mine = table[getattr(self, setting)].section
+            for section in {entry.section for entry in table.values()} - {None, mine}:
+                if getattr(self, section) != getattr(Loss(), section):
+                    users = " or ".join(name for name, entry in table.items() if entry.section == section)
+                    raise UserError(f"loss.{section} applies to loss.{setting} {users} only (this run: {getattr(self, setting)})")
+        allowed = SURROGATES[self.surrogate].aggregations
+        if allowed is not None and self.aggregation not in allowed:
+            raise UserError(f"loss.aggregation must be {' or '.join(allowed)} with loss.surrogate {self.surrogate} "
+                            f"(its ratio is a per-sequence mean), got {self.aggregation}")
         clip, kl, group, gae = self.clip, self.kl, self.group, self.gae
+        if self.gspo.low < 0 or self.gspo.low >= 1 or self.gspo.high < 0:
+            raise UserError(f"loss.gspo.low must be in [0, 1) and loss.gspo.high >= 0, got {self.gspo.low}, {self.gspo.high}")
+        if not 0 <= self.cispo.low < self.cispo.high:
+            raise UserError(f"loss.cispo needs 0 <= low < high (absolute bounds on the ratio), got {self.cispo.low}, {self.cispo.high}")
         if clip.low < 0 or clip.low >= 1 or clip.high < 0:
             raise UserError(f"loss.clip.low must be in [0, 1) and loss.clip.high >= 0, got {clip.low}, {clip.high}")
         if clip.dual is not None and clip.dual <= 1:
@@ -224,7 +267,9 @@ def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConf
         **({f"critic_{k}": v for k, v in dataclasses.asdict(critic).items()} if estimator.needs_critic else {}),
         **dataclasses.asdict(update),
         **estimator.describe(loss.estimator_settings()),
+        "advantage_as_peers_spell_it": estimator.peers,
         "surrogate_meaning": SURROGATES[loss.surrogate].describe(loss.surrogate_settings()),
+        "surrogate_as_peers_spell_it": SURROGATES[loss.surrogate].peers,
         "kl_placement_meaning": loss.kl_meaning(),
         "reference": "none (kl.beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
         "old_logprobs": "recomputed by a no-grad forward before the update" if precomputes_old(loss, update) else "the on-policy forward, detached (ratio exactly 1)",
