@@ -169,3 +169,50 @@ def test_explain_computes_the_new_rows_with_the_library(capsys, argv, key, expec
 
     assert main(["explain", *argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[key] == pytest.approx(expected, abs=1e-6)
+
+
+def trl_loss(loss_type: str, level: str, logprobs, old, advantages, mask, epsilon_low=0.2, epsilon_high=0.2):
+    """TRL 1.16's own GRPOTrainer._compute_loss on our tensors: the method called unbound on a stand-in
+    that serves the log-probs (no model), with its KL, entropy bonus, vLLM correction and masks off."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    accelerator = SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x,
+                                  num_processes=1, sync_gradients=True)
+    stand_in = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, torch.zeros_like(logprobs), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=0.0,
+        loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, args=SimpleNamespace(delta=None),
+        use_vllm=False, model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        accelerator=accelerator, _metrics={"train": defaultdict(list)}, _entropy_bonus_enabled=False, aux_loss_enabled=False)
+    stand_in.args.steps_per_generation = 1
+    ids = torch.zeros(mask.shape, dtype=torch.long)
+    inputs = {"prompt_ids": ids[:, :1], "prompt_mask": ids[:, :1] + 1, "completion_ids": ids, "completion_mask": mask.long(),
+              "advantages": advantages, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+    return GRPOTrainer._compute_loss(stand_in, None, inputs)
+
+
+def test_gspo_and_cispo_equal_trls_own_loss_and_gradient():
+    """TRL importance_sampling_level="sequence" with loss_type "grpo" (its per-sequence mean) is our gspo
+    under seq_mean_token_mean; TRL loss_type "cispo" (epsilon_high the absolute cap, no lower bound,
+    divided by the batch's tokens) is our cispo (low 0) under token_mean."""
+    pytest.importorskip("trl")
+    torch.manual_seed(1)
+    old = torch.randn(3, 4) * 0.1 - 1.0
+    base = old + torch.randn(3, 4) * 0.2
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    advantages = torch.tensor([1.0, -0.5, 0.3])
+    cases = [("grpo", "sequence", 0.05, 0.08, "seq_mean_token_mean",
+              lambda lp: sequence_clipped_surrogate(lp, old, advantages, mask, 0.05, 0.08)[0]),
+             ("cispo", "token", 0.2, 1.1, "token_mean", lambda lp: cispo_surrogate(lp, old, advantages, 0.0, 1.1)[0])]
+    for loss_type, level, low, high, mode, ours in cases:
+        theirs_lp, ours_lp = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+        theirs = trl_loss(loss_type, level, theirs_lp, old, advantages, mask, low, high)
+        mine = aggregate(ours(ours_lp), mask, mode)
+        theirs.backward()
+        mine.backward()
+        assert float(mine.detach()) == pytest.approx(float(theirs.detach()), abs=1e-6), loss_type
+        assert torch.allclose(ours_lp.grad, theirs_lp.grad, atol=1e-6), loss_type
+        assert ours_lp.grad.abs().sum() > 0
