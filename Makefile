@@ -17,11 +17,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two workers, a test file each at a time (a file's tests share fixtures and order: test_readme's
+# commands use what earlier ones trained); conftest.py hands out the longest file, the demo, first.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 test-all: install
-	$(PY) -m pytest -m ''
+	$(PY) -m pytest -n 2 --dist loadfile -m ''
 
 demo: install
 	$(VENV)/bin/posttrain demo --output-dir runs/demo
