@@ -63,8 +63,11 @@ def test_every_entry_names_real_settings_and_a_real_command():
         settings = online_config.Loss(advantage=name).estimator_settings()  # what estimate() is called with
         assert set(settings) == set(inspect.signature(entry.estimate).parameters) - {"inputs"}, name
         assert entry.command in ("grpo", "ppo") and entry.kl_metric in ("update", "rollout")
-        assert "{estimator}" in entry.kl_in_reward
-        assert entry.per_token == entry.needs_critic  # today's two entries; a per-token REINFORCE++ would differ
+        assert "{estimator}" in entry.kl_in_reward and entry.peers
+        assert entry.command == ("ppo" if entry.needs_critic else "grpo")
+        # A rollout KL metric needs the old log-probs precomputed, which only a critic guarantees.
+        assert entry.kl_metric == "update" or entry.needs_critic, name
+    assert {name for name, e in ADVANTAGE_ESTIMATORS.items() if e.per_token} == {"gae", "reinforce_pp", "reinforce_pp_baseline"}
 
 
 def config(advantage, **loss):
@@ -73,8 +76,9 @@ def config(advantage, **loss):
 
 
 def test_an_unknown_estimator_is_one_line_naming_the_table():
-    with pytest.raises(UserError, match=r"^loss.advantage must be one of group, gae, got 'rloo'$"):
-        config("rloo")
+    with pytest.raises(UserError, match=r"^loss.advantage must be one of group, gae, rloo, reinforce_pp, reinforce_pp_baseline, "
+                                         r"got 'vtrace'$"):
+        config("vtrace")
 
 
 @pytest.mark.parametrize("advantage, section, field, value", [("group", "gae", "lam", 0.9), ("gae", "group", "unbiased_std", True)])
@@ -100,17 +104,18 @@ def test_every_surrogate_names_its_section_and_its_statistics():
         settings = online_config.Loss(surrogate=name).surrogate_settings()
         assert entry.name == name and entry.section in fields, name
         old = torch.log(torch.tensor([[0.20]]))
-        _, stats = entry.function(torch.log(torch.tensor([[0.26]])), old, torch.tensor([3.0 ** 0.5]), **settings)
+        _, stats = entry.function(torch.log(torch.tensor([[0.26]])), old, torch.tensor([3.0 ** 0.5]), torch.ones(1, 1, dtype=torch.bool),
+                                  **settings)
         assert {key for _, key in entry.fractions} | {"ratio"} <= set(stats), name
         assert entry.describe(settings)
     _, stats = SURROGATES["clip"].function(torch.log(torch.tensor([[0.26]])), torch.log(torch.tensor([[0.20]])),
-                                           torch.tensor([3.0 ** 0.5]), low=0.2, high=0.2, dual=None)
+                                           torch.tensor([3.0 ** 0.5]), torch.ones(1, 1, dtype=torch.bool), low=0.2, high=0.2, dual=None)
     assert stats["ratio"].item() == pytest.approx(1.3) and bool(stats["clipped_high"])
 
 
 def test_an_unknown_surrogate_is_one_line_naming_the_table():
-    with pytest.raises(UserError, match=r"^loss.surrogate must be one of clip, got 'gspo'$"):
-        config("group", surrogate="gspo")
+    with pytest.raises(UserError, match=r"^loss.surrogate must be one of clip, gspo, cispo, got 'sapo'$"):
+        config("group", surrogate="sapo")
 
 
 @pytest.mark.parametrize("old, new", sorted(MOVED.items()))
