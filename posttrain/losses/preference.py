@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from posttrain.algorithms import LABEL_SMOOTHED, PREFERENCE_LOSSES, pair_columns, pair_metrics
+from posttrain.algorithms import LABEL_SMOOTHED, PREFERENCE_LOSSES, cpo_loss, orpo_loss, pair_columns, pair_metrics, simpo_loss
 from posttrain.data import PreferenceBatch
 from posttrain.distributed import World, gradient_sync, rank_micro_batches, unwrap
 from posttrain.errors import UserError
@@ -31,8 +31,24 @@ OBJECTIVES = {
     "hinge": "hinge / SLiC (arXiv:2305.10425 eq. 3)",
     "length_normalized": "length-normalised DPO: sigmoid loss on per-token MEAN log-probs (a different objective)",
     "length_normalized_ipo": "length-normalised IPO (TRL's ipo): IPO squared loss on per-token MEAN log-ratios (a different objective)",
+    "simpo": "SimPO (arXiv:2405.14734 eq. 6): -log sigmoid(beta x mean log pi(chosen) - beta x mean log pi(rejected) - gamma), no reference",
+    "cpo": "CPO (arXiv:2401.08417 eq. 3): -log sigmoid(beta x (log pi(chosen) - log pi(rejected))) + the NLL term, no reference",
+    "orpo": "ORPO (arXiv:2403.07691 eqs. 6-7): the NLL term + lambda x -log sigmoid(log odds(chosen) - log odds(rejected)) on mean "
+            "log-probs (lambda = loss.beta, TRL's beta), no reference",
 }
 """What the run card says each `loss.type` is."""
+REFERENCE_FREE = {
+    "simpo": lambda loss, sums: simpo_loss(sums.chosen / sums.chosen_lengths.clamp(min=1), sums.rejected / sums.rejected_lengths.clamp(min=1),
+                                           beta=loss.beta, gamma=loss.gamma_ratio * loss.beta),
+    "cpo": lambda loss, sums: cpo_loss(sums.chosen, sums.rejected, beta=loss.beta),
+    "orpo": lambda loss, sums: orpo_loss(sums.chosen / sums.chosen_lengths.clamp(min=1), sums.rejected / sums.rejected_lengths.clamp(min=1),
+                                         lam=loss.beta),
+}
+"""The objectives that use no reference model, each loss(section, the policy's `PairLogprobs`) -> (losses,
+chosen rewards, rejected rewards); a run with one loads no reference and never forwards one."""
+NLL_TERM = {"cpo": 1.0, "orpo": 1.0}
+"""The NLL weight an objective is defined with (CPO's behaviour-cloning term, ORPO's SFT term), when
+loss.nll_weight is not set; every other objective's default is 0."""
 REFERENCE_CACHE = "reference_logprobs.pt"
 """The precomputed reference's file in the run directory (`loss.reference: precomputed`)."""
 
@@ -41,16 +57,19 @@ REFERENCE_CACHE = "reference_logprobs.pt"
 class Loss:
     """Link 3, loss: the objective, beta, length handling, reference handling."""
 
-    type: Literal["sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized", "length_normalized_ipo"] = "sigmoid"
+    type: Literal["sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized", "length_normalized_ipo",
+                  "simpo", "cpo", "orpo"] = "sigmoid"
     """sigmoid (DPO; cDPO with label_smoothing, unlike TRL's sigmoid) | conservative (cDPO) | robust | ipo (summed
     log-ratios) | hinge | length_normalized (token-mean objective, TRL's sigmoid_norm) | length_normalized_ipo
-    (token-mean IPO, TRL's ipo)."""
+    (token-mean IPO, TRL's ipo) | simpo | cpo | orpo (reference-free: no reference model is loaded)."""
     beta: float = 0.1
-    """Inverse temperature of the implicit reward beta * (log pi - log pi_ref)."""
+    """Inverse temperature of the implicit reward beta * (log pi - log pi_ref); simpo: of beta x mean log pi (the paper: 2.5); orpo: its lambda (TRL's beta)."""
+    gamma_ratio: float = 0.55
+    """simpo: the target margin as gamma / beta (the paper's ratio; the card states the absolute gamma, TRL's simpo_gamma)."""
     label_smoothing: float = 0.0
     """Assumed label-flip rate (sigmoid, conservative: > 0, robust)."""
-    nll_weight: float = 0.0
-    """RPO (arXiv:2404.19733): add weight * token-mean NLL of the chosen responses (0: off)."""
+    nll_weight: float | None = None
+    """Weight of the token-mean NLL of the chosen responses: RPO (arXiv:2404.19733) on a DPO loss; CPO's and ORPO's own term. None: 1.0 for cpo and orpo, else 0 (off)."""
     reference: Literal["live", "precomputed"] = "live"
     """live: a frozen copy (or, with LoRA, the base with adapters off); precomputed: one pass at start, cached."""
     reference_refresh_every: int = 0
@@ -60,6 +79,14 @@ class Loss:
         """One UserError line naming the `loss.*` field that is out of range or does not apply."""
         if self.beta <= 0:
             raise UserError(f"loss.beta must be > 0, got {self.beta}")
+        if self.nll_weight is None:  # resolved, so config.yaml holds the number
+            self.nll_weight = NLL_TERM.get(self.type, 0.0)
+        if self.gamma_ratio != Loss.gamma_ratio and self.type != "simpo":
+            raise UserError(f"loss.gamma_ratio applies to loss.type simpo only (this run: {self.type})")
+        if self.gamma_ratio < 0:
+            raise UserError(f"loss.gamma_ratio must be >= 0, got {self.gamma_ratio}")
+        if self.type in REFERENCE_FREE and (self.reference != "live" or self.reference_refresh_every):
+            raise UserError(f"loss.type {self.type} uses no reference: leave loss.reference and loss.reference_refresh_every unset")
         if self.type not in LABEL_SMOOTHED and self.label_smoothing:
             raise UserError(f"loss.label_smoothing applies to {', '.join(LABEL_SMOOTHED)}, not {self.type}")
         low = 0.0 if self.type != "conservative" else 1e-12
@@ -84,7 +111,10 @@ class PreferenceModels:
 
 
 def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
-    """Per-pair losses and implicit rewards of the configured objective; each (M,)."""
+    """Per-pair losses and implicit rewards of the configured objective; each (M,). A reference-free
+    objective (`REFERENCE_FREE`) reads the policy's sums alone (the reference's are zeros)."""
+    if loss.type in REFERENCE_FREE:
+        return REFERENCE_FREE[loss.type](loss, policy)
     return PREFERENCE_LOSSES[loss.type](
         policy.chosen, policy.rejected, ref_chosen, ref_rejected, policy.chosen_lengths, policy.rejected_lengths,
         beta=loss.beta, label_smoothing=loss.label_smoothing,
@@ -94,7 +124,7 @@ def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor
 def step_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[str, float]:
     """The logged means of (7, M) `pair_columns`, with loss = preference loss + nll_weight * nll."""
     means = {key: float(value) for key, value in pair_metrics(columns).items()}
-    return {"loss": means["loss/preference"] + nll_weight * nll, "loss/preference": means["loss/preference"], "loss/nll": nll, **means}
+    return {"loss": means["loss/preference"] + (nll_weight or 0.0) * nll, "loss/preference": means["loss/preference"], "loss/nll": nll, **means}
 
 
 def step(models: PreferenceModels, batch: PreferenceBatch, loss: Loss, micro_batch_size: int, world: World | None = None,
@@ -144,7 +174,9 @@ def loss_card(loss: Loss, reference: Any, lora_rank: int, optim: Optimization) -
     reference (`reference`: a live `ReferenceModel`, whose `adapter_disabled` says it is the LoRA
     base, or None when precomputed into `REFERENCE_CACHE`; `lora_rank` > 0: from the LoRA base) and
     the optimizer section `optim`, in full."""
-    if reference is None:
+    if loss.type in REFERENCE_FREE:
+        reference_text = "none: the objective uses no reference (no reference model loaded, no reference forward)"
+    elif reference is None:
         reference_text = "precomputed once at the start from the initial policy" + (" (LoRA base)" if lora_rank else "") + f", cached in {REFERENCE_CACHE}; no reference model in memory"
     elif reference.adapter_disabled:
         reference_text = "LoRA base (the policy with adapters disabled; no copy)"
@@ -152,10 +184,13 @@ def loss_card(loss: Loss, reference: Any, lora_rank: int, optim: Optimization) -
         reference_text = "frozen copy of the initial policy"
     return {
         "objective": OBJECTIVES[loss.type], "type": loss.type, "beta": loss.beta, "label_smoothing": loss.label_smoothing,
+        **({"gamma_ratio": loss.gamma_ratio, "gamma": loss.gamma_ratio * loss.beta} if loss.type == "simpo" else {}),
         "sequence_logprob": "sum over response tokens (prompt and padding masked, the ending EOS counted)",
-        "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type.startswith("length_normalized") else "none: summed log-probs",
+        "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type.startswith("length_normalized")
+        or loss.type in ("simpo", "orpo") else "none: summed log-probs",
         "nll_weight": loss.nll_weight,
-        "nll_term": "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)" if loss.nll_weight else "off",
+        "nll_term": ("off" if not loss.nll_weight else f"{loss.type.upper()}'s own term: weight * token-mean NLL of the chosen responses"
+                     if loss.type in NLL_TERM else "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)"),
         "reference": reference_text, "reference_refresh_every": loss.reference_refresh_every,
         "reference_refresh": "TR-DPO hard update: the reference becomes the current policy (arXiv:2404.09656)" if loss.reference_refresh_every else "never",
         "forward": "chosen and rejected concatenated in one forward pass, each prompt computed once for both (a shared KV cache) where the model allows",

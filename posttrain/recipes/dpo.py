@@ -56,7 +56,7 @@ from posttrain.models import ReferenceModel, make_reference
 from posttrain.models.forward import TrainingForward
 from posttrain.models.loading import load_policy
 from posttrain.models.pair_forward import pair_logprobs, precomputed_reference
-from posttrain.losses.preference import REFERENCE_CACHE, PreferenceModels, loss_card
+from posttrain.losses.preference import REFERENCE_CACHE, REFERENCE_FREE, PreferenceModels, loss_card
 from posttrain.losses.preference import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.dpo_config import Config
@@ -210,9 +210,12 @@ def task_shifted_sets(config: Config, train: list[PreferencePair], task_spec: di
 
 def build_trainer(state: State, run_dir: RunDirectory) -> None:
     """The reference (live: a frozen copy or the LoRA base; precomputed: by the initial policy,
-    before any wrapping, into the run directory), then the trainer, its optimizer and schedule."""
+    before any wrapping, into the run directory; none for a reference-free objective, whose
+    reference log-probs are zeros), then the trainer, its optimizer and schedule."""
     config, world, placement = state.config, state.world, state.placement
-    if config.loss.reference == "precomputed":
+    if config.loss.type in REFERENCE_FREE:  # no reference model: its log-probs are zeros, never computed
+        state.cached = {"train": torch.zeros(len(state.train), 2), "heldout": torch.zeros(len(state.held_pairs), 2)}
+    elif config.loss.reference == "precomputed":
         with placement.autocast(), memory_guard(0, MEMORY_KNOBS, phase="reference"):
             state.cached = cached_reference(state, run_dir)
     else:
@@ -278,7 +281,8 @@ def step(state: State, done: int, card: dict, write_card: Callable[[], None]) ->
             metrics = loss_step(state.models, batch, config.loss, config.micro_batch_size, state.world, cached_reference=ref)
     state.step = done
     # 4. Alarm, refresh (then `_train`: evaluate, log, checkpoint).
-    message = state.alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"])
+    # A reference-free objective has no log-ratio to the reference: the displacement alarm does not apply.
+    message = state.alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"]) if config.loss.type not in REFERENCE_FREE else None
     if message:
         logger.warning(message)
         card["alarms"] = list(state.alarm.rings)
@@ -360,6 +364,9 @@ def make_card(state: State, changes: list[str]) -> dict[str, Any]:
                                                                           state.checker, state.provenance, state.shifted)
     if acceptance.get("independent") is False:
         card["notes"].append(f"acceptance is not independent of the labels: {acceptance['independence_reason']}")
+    if config.loss.type in REFERENCE_FREE:
+        acceptance["displacement_alarm"] = (f"off: loss.type {config.loss.type} uses no reference, so there is no chosen log-ratio "
+                                            "to watch (logratio/* metrics are the policy's own summed log-probs)")
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
     card["alarms"] = list(state.alarm.rings)
     card_run_part(card, config, state.placement, state.world, changes)
