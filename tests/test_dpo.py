@@ -107,9 +107,13 @@ def test_each_loss_type_by_hand(loss, expected):
 
 
 def test_every_loss_type_is_a_row_of_the_one_table():
-    """The config's choices, the loss table and the run card's descriptions name the same losses."""
+    """The config's choices, the loss tables (with a reference, and reference-free) and the run
+    card's descriptions name the same losses, each in one table."""
+    from posttrain.losses.preference import REFERENCE_FREE
+
     choices = typing.get_args(typing.get_type_hints(Loss)["type"])
-    assert set(choices) == set(PREFERENCE_LOSSES) == set(OBJECTIVES)
+    assert set(choices) == set(PREFERENCE_LOSSES) | set(REFERENCE_FREE) == set(OBJECTIVES)
+    assert not set(PREFERENCE_LOSSES) & set(REFERENCE_FREE)
 
 
 def naive_response_sum(model, prompt_ids, response_ids) -> float:
