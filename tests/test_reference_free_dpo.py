@@ -67,3 +67,15 @@ def test_a_reference_free_run_loads_no_reference(tmp_path, pairs_file, monkeypat
     assert card["alarms"] == []
     if kind == "simpo":
         assert card["links"]["loss"]["gamma"] == pytest.approx(0.55 * 2.0)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["simpo", "--chosen-mean", "-0.5", "--rejected-mean", "-1.0", "--beta", "2.5", "--gamma", "1.375"], 0.757599),
+    (["orpo", "--chosen-mean", str(math.log(0.5)), "--rejected-mean", str(math.log(0.25)), "--lam", "0.1"], 0.721915),
+    (["kto", "--log-ratio", "2", "--mismatched", "0.8", "0.2", "--beta", "0.1", "--label", "desirable"], 0.462570),
+])
+def test_explain_computes_the_offline_rows_with_the_library(capsys, argv, expected):
+    from posttrain.cli import main
+
+    assert main(["explain", *argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(expected, abs=1e-6)

@@ -260,6 +260,52 @@ def explain_cispo(args) -> int:
     return _emit(args, {"loss": loss, "grad": grad[0], "clipped": bool(stats["clipped_high"].any() or stats["clipped_low"].any())}, lines)
 
 
+def _pair_loss(function, *values, **settings):
+    """The loss of one pair from a reference-free objective, and its gradient w.r.t. each input."""
+    inputs = [_tensor([value]).requires_grad_(True) for value in values]
+    losses, _, _ = function(*inputs, **settings)
+    losses.sum().backward()
+    return losses.item(), [tensor.grad.item() for tensor in inputs]
+
+
+def explain_simpo(args) -> int:
+    from posttrain.algorithms import simpo_loss
+
+    loss, grad = _pair_loss(simpo_loss, args.chosen_mean, args.rejected_mean, beta=args.beta, gamma=args.gamma)
+    margin = args.beta * (args.chosen_mean - args.rejected_mean) - args.gamma
+    lines = ["SimPO for one pair (arXiv:2405.14734 eq. 6), no reference: -log sigmoid(beta m_c - beta m_r - gamma)",
+             f"  mean log-probs chosen {args.chosen_mean}, rejected {args.rejected_mean}; beta {args.beta}, gamma {args.gamma} "
+             f"(absolute; gamma/beta = {args.gamma / args.beta:.4g})",
+             f"  margin = {margin:.6f}, loss = {loss:.6f}; d loss / d m_c = {grad[0]:.6f}"]
+    return _emit(args, {"loss": loss, "grad": grad[0], "margin": margin}, lines)
+
+
+def explain_orpo(args) -> int:
+    from posttrain.algorithms import orpo_loss
+
+    loss, grad = _pair_loss(orpo_loss, args.chosen_mean, args.rejected_mean, lam=args.lam)
+    total = loss - args.chosen_mean  # the SFT term: the chosen's token-mean NLL
+    lines = ["ORPO for one pair (arXiv:2403.07691 eqs. 6-7), no reference: NLL(chosen) + lambda * -log sigmoid(log odds_c - log odds_r)",
+             f"  mean log-probs chosen {args.chosen_mean}, rejected {args.rejected_mean}; lambda {args.lam}",
+             f"  lambda * L_OR = {loss:.6f}; with the chosen NLL {-args.chosen_mean:.6f}: {total:.6f}"]
+    return _emit(args, {"loss": total, "odds_ratio_term": loss, "grad": grad[0] - 1.0}, lines)
+
+
+def explain_kto(args) -> int:
+    import torch
+
+    from posttrain.algorithms import kto_loss
+
+    log_ratio = _tensor([args.log_ratio]).requires_grad_(True)
+    losses, _, reference_point = kto_loss(log_ratio, _tensor(args.mismatched), torch.tensor([args.label == "desirable"]),
+                                          beta=args.beta)
+    losses.sum().backward()
+    lines = [f"KTO for one {args.label} completion (arXiv:2402.01306), reference point z0 = max(0, mean of the mismatched log-ratios)",
+             f"  log-ratio {args.log_ratio}, mismatched {args.mismatched} -> z0 {reference_point.item():.6f}, beta {args.beta}",
+             f"  loss = {losses.item():.6f}; d loss / d log-ratio = {log_ratio.grad.item():.6f}"]
+    return _emit(args, {"loss": losses.item(), "grad": log_ratio.grad.item(), "reference_point": reference_point.item()}, lines)
+
+
 def register(subparsers) -> None:
     subparsers.add_parser("explain", help="the seed's worked examples, computed by the library", deferred=add_examples)
 
@@ -328,5 +374,23 @@ def add_examples(parser) -> None:
     cispo.add_argument("--max", type=float, default=5.0, help="absolute upper bound of the weight")
     cispo.set_defaults(func=_library_errors_are_user_errors(explain_cispo))
 
-    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo):
+    simpo = commands.add_parser("simpo", help="SimPO loss of one pair (no reference)")
+    orpo = commands.add_parser("orpo", help="ORPO loss of one pair (no reference)")
+    for sub in (simpo, orpo):
+        sub.add_argument("--chosen-mean", type=float, required=True, help="the chosen answer's mean token log-prob")
+        sub.add_argument("--rejected-mean", type=float, required=True, help="the rejected answer's mean token log-prob")
+    simpo.add_argument("--beta", type=float, default=2.5)
+    simpo.add_argument("--gamma", type=float, default=1.375, help="the absolute target margin (TRL's simpo_gamma)")
+    simpo.set_defaults(func=_library_errors_are_user_errors(explain_simpo))
+    orpo.add_argument("--lam", type=float, default=0.1, help="lambda, the odds-ratio term's weight (TRL's beta)")
+    orpo.set_defaults(func=_library_errors_are_user_errors(explain_orpo))
+
+    kto = commands.add_parser("kto", help="KTO loss of one labelled completion")
+    kto.add_argument("--log-ratio", type=float, required=True, help="log pi - log pi_ref of the completion")
+    kto.add_argument("--mismatched", type=float, nargs="+", required=True, help="log-ratios of mismatched prompt/completion pairs")
+    kto.add_argument("--beta", type=float, default=0.1)
+    kto.add_argument("--label", choices=["desirable", "undesirable"], required=True)
+    kto.set_defaults(func=_library_errors_are_user_errors(explain_kto))
+
+    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, simpo, orpo, kto):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
