@@ -5,8 +5,9 @@ fewer GRPO/DPO steps; the GRPO gain must still be significant (its 95% interval 
 must end above plain DPO, and the report must say what DPO did as its interval says it. Whether RPO
 itself gains in 12 steps depends on the SFT start: from 0.692 (Intel VM, 2026-12-02, 500 SFT steps)
 it fell 0.074 [0.017, 0.131] while GRPO gained 0.236, at this commit and the one before the links
-refactor alike. About 6 minutes alone on a 2-core Intel VM, more beside make test's other worker, and over 10 on the CI machine (its timeout is
-raised): the longest test of the default suite, kept in it because it is the product's main claim.
+refactor alike. About 6 minutes alone on a 2-core Intel VM, more beside make test's other
+worker, and over 10 on the CI machine (its timeout is raised): the longest test of the default
+suite, kept in it because it is the product's main claim.
 SFT stops at the first 100-step round whose held-out pass@1 reaches 0.5: where its
 rounding-sensitive transition falls moves with the processor (a fixed 400 steps gave 0.38 on an
 Intel VM, a fixed 600 gave 0.97 on an AMD one, where DPO then had no room to gain)."""
