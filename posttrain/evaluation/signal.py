@@ -101,11 +101,12 @@ class TrainingSignal:
             self.rings.append(message)
             logger.warning(message)
 
-    def stop(self, step: int, failures: list[dict[str, Any]], run_dir: Path | None = None) -> None:
+    def stop(self, step: int, failures: list[dict[str, Any]], run_dir: Path | None = None, write: bool = True) -> None:
         """After `step` is logged and checkpointed: `SignalLost` when every row failed for
         `stop_after` steps in a row. `failures` (the step's unscorable rows: completion, the
-        verifier's row, status, reason) go to `run_dir`/reward_failures.jsonl first (None: not
-        written, as on ranks other than 0), so that the printed `posttrain verify` command replays them."""
+        verifier's row, status, reason) go to `run_dir`/reward_failures.jsonl first (not with
+        `write` False, as on ranks other than 0, whose message names the same file), so that the
+        printed `posttrain verify` command replays them."""
         if not self.stop_after or self.failed_in_a_row < self.stop_after:
             return
         reasons = self.last.reasons if self.last else []
@@ -113,7 +114,7 @@ class TrainingSignal:
                    f"({reasons[0] if reasons else 'no reason given'}); the run stops")
         if failures:
             path = Path(run_dir or ".") / FAILURES_FILE
-            if run_dir is not None:
+            if run_dir is not None and write:
                 write_text_atomically(path, "".join(json.dumps(row, default=str) + "\n" for row in failures))
             if self.verify is not None:
                 message += f"; try the reward on those rows: posttrain verify --verifier '{self.verify}' --input {path}"

@@ -388,7 +388,7 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
             after_log=plot if "heldout/pass@1" in metrics and world.main else None,
             reward="n/a" if metrics["reward/mean"] is None else f"{metrics['reward/mean']:.3f}")
         try:
-            signal.stop(done, batch.failures, run_dir.path if world.main else None)
+            signal.stop(done, batch.failures, run_dir.path, write=world.main)
         except SignalLost as lost:
             card["notes"].append(str(lost))
             write_card()
