@@ -280,7 +280,7 @@ def test_a_preset_is_found_by_name_from_any_directory(tmp_path, monkeypatch, cap
     assert main(["grpo", "--config", "my-grpo.yaml", "--output-dir", "run"]) == 2
     assert one_error_line(capsys) == (
         "posttrain: error: my-grpo.yaml: config file not found; the presets shipped with posttrain, by name: smollm2-dpo, "
-        f"smollm2-grpo, smollm2-sft, tiny-dpo, tiny-grpo, tiny-ppo, tiny-sft (in {PRESETS})")
+        f"smollm2-grpo, smollm2-sft, tiny-dpo, tiny-grpo, tiny-orpo, tiny-ppo, tiny-rloo, tiny-sft (in {PRESETS})")
     assert os.listdir() == []
 
 

@@ -179,3 +179,27 @@ def test_sft_cli_preset_and_resume_with_an_old_key_are_one_line_and_write_nothin
     # The resumed run's own config.yaml is named as the source of the old key.
     assert capsys.readouterr().err.strip().splitlines() == [f"posttrain: error: {old_run / 'config.yaml'}: eval_every moved to acceptance.eval_every"]
     assert sorted(old_run.iterdir()) == before and "eval_every: 0" in (old_run / "config.yaml").read_text()
+
+
+def test_every_shipped_preset_builds_its_recipes_config(tmp_path):
+    """Each preset's keys are real settings of its recipe and pass validation (its `requires:` paths
+    aside, lifted by pointing the start at the tiny model and, for pairs, at a file of one pair)."""
+    import json
+
+    from posttrain.config import PRESETS
+    from posttrain.recipes import dpo_config, online_config, sft
+
+    recipes = {"sft": sft.Config, "grpo": online_config.grpo_config, "rloo": online_config.grpo_config,
+               "ppo": online_config.ppo_config, "dpo": dpo_config.Config, "orpo": dpo_config.Config}
+    names = sorted(path.stem for path in PRESETS.glob("*.yaml"))
+    assert {name.split("-")[1] for name in names} <= set(recipes), names
+    pairs = tmp_path / "one_pair.jsonl"
+    pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "3"}) + "\n")
+    for name in names:
+        kind = name.split("-")[1]
+        overrides = {"model": "tiny", **({"data": {"pairs": str(pairs)}} if kind in ("dpo", "orpo") else {})}
+        config = build_config(recipes[kind], PRESETS / f"{name}.yaml", overrides)
+        if kind == "rloo":
+            assert config.loss.advantage == "rloo" and config.loss.kl.placement == "reward"
+        if kind == "orpo":
+            assert config.loss.type == "orpo" and config.loss.nll_weight == 1.0
