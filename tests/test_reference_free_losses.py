@@ -1,4 +1,4 @@
-"""SimPO, CPO, ORPO and KTO (posttrain.algorithms.preference): hand-computed values, gradients
+"""SimPO, CPO, ORPO and KTO (posttrain.algorithms.reference_free): hand-computed values, gradients
 against their closed forms, finiteness at extreme inputs, per-row independence, and parity with
 TRL 1.16's own loss code (CPOTrainer.cpo_loss, ORPOTrainer.odds_ratio_loss, the CPO/ORPO
 get_batch_loss_metrics that add the NLL term, KTOTrainer._compute_loss), called on minimal stand-in

@@ -16,24 +16,19 @@ from posttrain.algorithms.kl import ESTIMATORS, exact_kl, kl_estimate, kl_penali
 from posttrain.algorithms.logprobs import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss, sampler_mismatch, truncated_importance_weights
 from posttrain.algorithms.preference import (
-    KTO_CLASS_BALANCE_BAND,
     LABEL_SMOOTHED,
     PAIR_METRICS,
     PREFERENCE_LOSSES,
     conservative_dpo_loss,
-    cpo_loss,
     dpo_loss,
     hinge_loss,
     ipo_loss,
-    kto_class_balance,
-    kto_loss,
     length_normalized_dpo_loss,
-    orpo_loss,
     pair_columns,
     pair_metrics,
     robust_dpo_loss,
-    simpo_loss,
 )
+from posttrain.algorithms.reference_free import KTO_CLASS_BALANCE_BAND, cpo_loss, kto_class_balance, kto_loss, orpo_loss, simpo_loss
 
 __all__ = [
     "sampler_mismatch",

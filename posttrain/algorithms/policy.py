@@ -62,20 +62,27 @@ def clipped_surrogate(
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.expand_as(logprobs)
     log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped_loss, clipped_loss)
+    loss, stats = _clipped_objective(torch.exp(log_ratio), advantages, clip_low, clip_high)
     dual_clipped = torch.zeros_like(loss, dtype=torch.bool)
     if dual_clip is not None:
         dual_bound = -advantages * dual_clip
         dual_clipped = (advantages < 0) & (loss > dual_bound)
         loss = torch.where(advantages < 0, torch.minimum(loss, dual_bound), loss)
+    stats["dual_clipped"] = dual_clipped.detach()
+    return loss, stats
+
+
+def _clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float):
+    """-min(r A, clip(r, 1 - low, 1 + high) A) per token, and the detached `ratio`, `clipped_low`
+    (r < 1 - low with A < 0) and `clipped_high` (r > 1 + high with A > 0); r, A (N, T)."""
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped_loss, clipped_loss)
+    shown = ratio.detach()
     stats = {
-        "ratio": ratio.detach(),
-        "clipped_low": ((ratio < 1.0 - clip_low) & (advantages < 0)).detach(),
-        "clipped_high": ((ratio > 1.0 + clip_high) & (advantages > 0)).detach(),
-        "dual_clipped": dual_clipped.detach(),
+        "ratio": shown,
+        "clipped_low": ((shown < 1.0 - clip_low) & (advantages < 0)).detach(),
+        "clipped_high": ((shown > 1.0 + clip_high) & (advantages > 0)).detach(),
     }
     return loss, stats
 
@@ -124,16 +131,7 @@ def sequence_clipped_surrogate(
     mean_log_ratio = (log_ratio * counted).sum(-1) / counted.sum(-1).clamp(min=1)  # (N,)
     sequence_ratio = torch.exp(mean_log_ratio.detach())[:, None]
     ratio = sequence_ratio * torch.exp(logprobs - logprobs.detach())  # value s_i, gradient s_i * grad log pi_t
-    unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped_loss, clipped_loss)
-    shown = ratio.detach()
-    stats = {
-        "ratio": shown,
-        "clipped_low": ((shown < 1.0 - clip_low) & (advantages < 0)).detach(),
-        "clipped_high": ((shown > 1.0 + clip_high) & (advantages > 0)).detach(),
-    }
-    return loss, stats
+    return _clipped_objective(ratio, advantages, clip_low, clip_high)
 
 
 def cispo_surrogate(
