@@ -196,6 +196,7 @@ RECIPES = (
            settings="posttrain.recipes.dpo_config:Config"),
     Recipe("grpo", "posttrain.recipes.online", "GRPO: group-relative advantages, clipped surrogate, no critic",
            settings="posttrain.recipes.online_config:grpo_config"),
+    Recipe("iterative-dpo", "posttrain.recipes.iterative_dpo", "rounds of sample -> label -> pairs -> DPO from the current policy, in one run directory"),
     Recipe("ppo", "posttrain.recipes.online", "PPO with a learned critic: GAE, clipped surrogate, clipped value loss",
            settings="posttrain.recipes.online_config:ppo_config"),
     Recipe("sft", "posttrain.recipes.sft", "supervised fine-tuning: masked NLL on response tokens"),
