@@ -187,10 +187,11 @@ def test_every_shipped_preset_builds_its_recipes_config(tmp_path):
     import json
 
     from posttrain.config import PRESETS
-    from posttrain.recipes import dpo_config, online_config, sft
+    from posttrain.recipes import dpo_config, iterative_dpo, online_config, sft
 
     recipes = {"sft": sft.Config, "grpo": online_config.grpo_config, "rloo": online_config.grpo_config,
-               "ppo": online_config.ppo_config, "dpo": dpo_config.Config, "orpo": dpo_config.Config}
+               "ppo": online_config.ppo_config, "dpo": dpo_config.Config, "orpo": dpo_config.Config,
+               "iterative": iterative_dpo.Config}
     names = sorted(path.stem for path in PRESETS.glob("*.yaml"))
     assert {name.split("-")[1] for name in names} <= set(recipes), names
     pairs = tmp_path / "one_pair.jsonl"

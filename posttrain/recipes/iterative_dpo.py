@@ -55,8 +55,7 @@ from posttrain.runs.results import results
 logger = logging.getLogger(__name__)
 
 REFERENCES = {"round_start": "each round's DPO reference is the policy that round starts from (round 1: the start model; round K: "
-                             "round K-1's last checkpoint): the reference is refreshed every round, as in the iterated DPO of "
-                             "Self-Rewarding LMs (arXiv:2401.10020) and Snorkel's iterative DPO"}
+                             "round K-1's last checkpoint): the reference is refreshed every round"}
 """`reference`'s choices and their card text. `initial` (every round against the start model) would need `posttrain
 dpo` to take a reference model apart from its start (a `loss.reference_model` setting), which it does not yet."""
 
