@@ -112,6 +112,7 @@ def test_round_2_reference_is_round_1s_end(finished):
     (["--pairs.group_size", "1"], "pairs.group-size must be at least 2"),
     (["--pairs.verifier", "nosuch"], "pairs.verifier: unknown verifier 'nosuch'"),
     (["--rounds", "0"], "rounds must be at least 1"),
+    (["--model", "/no/such/model"], "model '/no/such/model': no such directory"),
     (["--max-steps", "3"], "unknown key 'max_steps'"),
 ])
 def test_bad_config_is_one_line_and_writes_nothing(tmp_path, capsys, overrides, message):

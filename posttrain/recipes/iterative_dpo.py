@@ -202,9 +202,12 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
 
 
 def preflight(config: Config) -> None:
-    """The checks that read the task and build the verifiers: the pairs' task splits (every round's seed), the labelling
+    """The checks that read the task and build the verifiers: the start model's directory, the pairs' task splits (every round's seed), the labelling
     verifier and the held-out checker, each a one-line UserError before the run directory is written."""
     data, placement = config.pairs.data, resolve(config.pairs.hardware)
+    model = Path(config.model).expanduser()
+    if not model.exists() and (config.model.startswith((".", "/", "~")) or config.model.count("/") > 1):  # as load_model reads a spec
+        raise UserError(f"model {config.model!r}: no such directory")
     for seed in sorted({round_seed(config, number) for number in range(2, config.rounds + 1)} - {config.seed}):
         load_splits(data.task, train_size=data.max_prompts if is_generated(data.task) else None, eval_size=data.eval_size,
                     seed=seed, options=data.load_options())
