@@ -23,7 +23,7 @@ from posttrain.data.validation import ValidationReport, type_name
 from posttrain.errors import UserError
 
 CANONICAL_COLUMNS = ("prompt", "messages", "answer", "tests", "entry_point", "id", "chosen", "rejected", "completion",
-                     "inputs", "outputs", "choices")
+                     "label", "inputs", "outputs", "choices")
 """The names our loaders read; `data.columns` maps each to a column of the user's file."""
 
 FORMATS: dict[str, dict[str, Any]] = {
@@ -47,6 +47,9 @@ FORMATS: dict[str, dict[str, Any]] = {
     "trl_preference": {"columns": {"chosen": "chosen", "rejected": "rejected"}, "answer_format": None,
                        "about": "TRL's preference layouts: `prompt`, `chosen`, `rejected` (strings, or chat messages), or no `prompt` "
                                 "and whole conversations sharing every message but the last"},
+    "trl_unpaired": {"columns": {"completion": "completion", "label": "label"}, "answer_format": None,
+                     "about": "TRL's unpaired preference layout (KTO): `prompt`, `completion` (strings, or chat messages: the prompt's "
+                              "list and one assistant message), `label` (true: desirable, false: undesirable)"},
 }
 """Named public layouts: the column mapping, how the gold answer is written, and which tests an
 assert-list problem's prompt shows (`show_tests`, `data.prompts.SHOW_TESTS`; none when not named)."""

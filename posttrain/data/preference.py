@@ -349,7 +349,14 @@ def load_pairs(
         train, held = split_pairs(loaded.pairs, heldout_pairs, split_seed)
     else:
         train, held = loaded.pairs, []
-    stats: dict[str, Any] = {"rows_bad": loaded.rows_bad}
+    return truncated_splits(tokenizer, train, held, {"rows_bad": loaded.rows_bad}, truncation=truncation,
+                            system_prompt=system_prompt, use_chat_template=use_chat_template)
+
+
+def truncated_splits(tokenizer, train: list[PreferencePair], held: list[PreferencePair], stats: dict[str, Any], *,
+                     truncation: TruncationPolicy, system_prompt: str | None, use_chat_template: bool | None) -> PairSplits:
+    """The training and held-out pairs that the truncation policy keeps (tokenised as a run does),
+    with `stats` completed by each split's counts: pairs, prompts_truncated, responses_truncated, dropped."""
     splits = {}
     for name, pairs in (("train", train), ("heldout", held)):
         kept, counts = [], [0, 0, 0]

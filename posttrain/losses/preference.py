@@ -35,6 +35,9 @@ OBJECTIVES = {
     "cpo": "CPO (arXiv:2401.08417 eq. 3): -log sigmoid(beta x (log pi(chosen) - log pi(rejected))) + the NLL term, no reference",
     "orpo": "ORPO (arXiv:2403.07691 eqs. 6-7): the NLL term + lambda x -log sigmoid(log odds(chosen) - log odds(rejected)) on mean "
             "log-probs (lambda = loss.beta, TRL's beta), no reference",
+    "kto": "KTO (arXiv:2402.01306 eq. 7): unpaired completions, w_d x (1 - sigmoid(beta x (r - z0))) for a desirable one and "
+           "w_u x (1 - sigmoid(beta x (z0 - r))) for an undesirable one, r = log pi - log pi_ref summed, z0 = max(0, the batch's "
+           "mean r on mismatched prompt/completion pairs), detached",
 }
 """What the run card says each `loss.type` is."""
 REFERENCE_FREE = {
@@ -58,14 +61,19 @@ class Loss:
     """Link 3, loss: the objective, beta, length handling, reference handling."""
 
     type: Literal["sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized", "length_normalized_ipo",
-                  "simpo", "cpo", "orpo"] = "sigmoid"
+                  "simpo", "cpo", "orpo", "kto"] = "sigmoid"
     """sigmoid (DPO; cDPO with label_smoothing, unlike TRL's sigmoid) | conservative (cDPO) | robust | ipo (summed
     log-ratios) | hinge | length_normalized (token-mean objective, TRL's sigmoid_norm) | length_normalized_ipo
-    (token-mean IPO, TRL's ipo) | simpo | cpo | orpo (reference-free: no reference model is loaded)."""
+    (token-mean IPO, TRL's ipo) | simpo | cpo | orpo (reference-free: no reference model is loaded) | kto (unpaired
+    rows: prompt, completion, label; a pairs file is read as one desirable and one undesirable row per pair)."""
     beta: float = 0.1
     """Inverse temperature of the implicit reward beta * (log pi - log pi_ref); simpo: of beta x mean log pi (the paper: 2.5); orpo: its lambda (TRL's beta)."""
     gamma_ratio: float = 0.55
     """simpo: the target margin as gamma / beta (the paper's ratio; the card states the absolute gamma, TRL's simpo_gamma)."""
+    desirable_weight: float = 1.0
+    """kto: w_d, the weight of a desirable row's loss (TRL's desirable_weight)."""
+    undesirable_weight: float = 1.0
+    """kto: w_u, the weight of an undesirable row's loss; choose both so w_d x n_d / (w_u x n_u) is in [1, 4/3] (the run warns otherwise)."""
     label_smoothing: float = 0.0
     """Assumed label-flip rate (sigmoid, conservative: > 0, robust)."""
     nll_weight: float | None = None
@@ -83,6 +91,12 @@ class Loss:
             self.nll_weight = NLL_TERM.get(self.type, 0.0)
         if self.gamma_ratio != Loss.gamma_ratio and self.type != "simpo":
             raise UserError(f"loss.gamma_ratio applies to loss.type simpo only (this run: {self.type})")
+        if (self.desirable_weight, self.undesirable_weight) != (1.0, 1.0) and self.type != "kto":
+            raise UserError(f"loss.desirable_weight and loss.undesirable_weight apply to loss.type kto only (this run: {self.type})")
+        if min(self.desirable_weight, self.undesirable_weight) <= 0:
+            raise UserError(f"loss.desirable_weight and loss.undesirable_weight must be > 0, got {self.desirable_weight}, {self.undesirable_weight}")
+        if self.type == "kto" and self.nll_weight:
+            raise UserError("loss.nll_weight does not apply to loss.type kto (its rows are not pairs with a chosen side); leave it unset")
         if self.gamma_ratio < 0:
             raise UserError(f"loss.gamma_ratio must be >= 0, got {self.gamma_ratio}")
         if self.type in REFERENCE_FREE and (self.reference != "live" or self.reference_refresh_every):
@@ -185,6 +199,12 @@ def loss_card(loss: Loss, reference: Any, lora_rank: int, optim: Optimization) -
     return {
         "objective": OBJECTIVES[loss.type], "type": loss.type, "beta": loss.beta, "label_smoothing": loss.label_smoothing,
         **({"gamma_ratio": loss.gamma_ratio, "gamma": loss.gamma_ratio * loss.beta} if loss.type == "simpo" else {}),
+        **({"desirable_weight": loss.desirable_weight, "undesirable_weight": loss.undesirable_weight,
+            "reference_point": "z0 = max(0, mean over the whole batch of the mismatched rows' log-ratio), detached, all-reduced "
+                               "over ranks (TRL: per micro-batch, each prompt with the previous row's completion); each row's "
+                               "mismatched completion is another prompt's, fixed at load by a seeded cycle",
+            "as_peers_spell_it": {"trl": f"KTOTrainer(loss_type='kto', beta={loss.beta}, desirable_weight={loss.desirable_weight}, "
+                                         f"undesirable_weight={loss.undesirable_weight})"}} if loss.type == "kto" else {}),
         "sequence_logprob": "sum over response tokens (prompt and padding masked, the ending EOS counted)",
         "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type.startswith("length_normalized")
         or loss.type in ("simpo", "orpo") else "none: summed log-probs",
@@ -193,7 +213,9 @@ def loss_card(loss: Loss, reference: Any, lora_rank: int, optim: Optimization) -
                      if loss.type in NLL_TERM else "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)"),
         "reference": reference_text, "reference_refresh_every": loss.reference_refresh_every,
         "reference_refresh": "TR-DPO hard update: the reference becomes the current policy (arXiv:2404.09656)" if loss.reference_refresh_every else "never",
-        "forward": "chosen and rejected concatenated in one forward pass, each prompt computed once for both (a shared KV cache) where the model allows",
-        "reduction": "mean over the batch's pairs",
+        "forward": ("the mismatched completions without gradient (the reference point), then the rows' own completions"
+                    if loss.type == "kto" else
+                    "chosen and rejected concatenated in one forward pass, each prompt computed once for both (a shared KV cache) where the model allows"),
+        "reduction": "mean over the batch's rows" if loss.type == "kto" else "mean over the batch's pairs",
         "optimizer": dataclasses.asdict(optim),
     }

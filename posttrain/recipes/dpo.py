@@ -45,6 +45,7 @@ from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_
 from posttrain.data.examples import Example, Task
 from posttrain.data.stream import data_order
 from posttrain.data.preference import PairSplits, load_pairs, preference_data_card, prompt_key
+from posttrain.data.unpaired import labels, load_unpaired
 from posttrain.data.provenance import read_provenance, reward_card
 from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
@@ -56,6 +57,7 @@ from posttrain.models import ReferenceModel, make_reference
 from posttrain.models.forward import TrainingForward
 from posttrain.models.loading import load_policy
 from posttrain.models.pair_forward import pair_logprobs, precomputed_reference
+from posttrain.losses import kto
 from posttrain.losses.preference import REFERENCE_CACHE, REFERENCE_FREE, PreferenceModels, loss_card
 from posttrain.losses.preference import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
@@ -72,6 +74,9 @@ logger = logging.getLogger(__name__)
 
 PLOTTED = ["loss", "rewards/accuracy", "rewards/margins", "logratio/chosen", "logratio/rejected",
            "heldout/preference_accuracy", "heldout/pass@1"]
+KTO_PLOTTED = ["loss", "kl", "rewards/accuracy", "rewards/desirable", "rewards/undesirable", "logratio/desirable",
+               "logratio/undesirable", "heldout/preference_accuracy", "heldout/pass@1"]
+"""What a KTO run plots: its rows are unpaired, so desirable / undesirable instead of chosen / rejected."""
 
 
 MEMORY_KNOBS = {"reference": ["micro_batch_size", "hardware.precision", "data.max_response_tokens"],
@@ -96,6 +101,7 @@ class State:
     encode: Callable[[list[PreferencePair]], PreferenceBatch]
     """Pairs -> a tokenised batch on the run's device: the one boundary."""
     train: list[PreferencePair]
+    """The training pairs; for KTO its unpaired rows (chosen = the completion, rejected = a mismatched one, `data.unpaired`)."""
     held_pairs: list[PreferencePair]
     data_stats: dict
     """What loading and splitting the pairs counted (the card's data link)."""
@@ -120,6 +126,11 @@ class State:
     alarm: DisplacementAlarm | None = None
     step: int = 0
     reference_refreshed_at: list[int] = field(default_factory=list)
+
+    @property
+    def kto(self) -> bool:
+        """Whether the rows are KTO's unpaired ones (`loss.type kto`)."""
+        return self.config.loss.type == "kto"
 
     @property
     def frozen(self):
@@ -171,9 +182,9 @@ def setup(config: Config, world: World, placement: Placement) -> State:
     def encode(pairs: list[PreferencePair]) -> PreferenceBatch:  # tokenised, on the run's device: the one boundary
         return tokenize_preference_pairs(tokenizer, pairs, **rendering).to(placement.device)
 
-    splits = load_pairs(data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs,
-                        split_seed=config.seed, strict=data.strict, data_format=data.format, columns=data.columns,
-                        source_split=data.split, **rendering)
+    splits = (load_unpaired if config.loss.type == "kto" else load_pairs)(
+        data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs, split_seed=config.seed,
+        strict=data.strict, data_format=data.format, columns=data.columns, source_split=data.split, **rendering)
     held_task, task_spec = heldout_task(config.acceptance, provenance, config.seed)
     checker = None
     if held_task is not None:
@@ -184,6 +195,11 @@ def setup(config: Config, world: World, placement: Placement) -> State:
     if held_task is not None:
         train = outside_task(train, held_task, splits.stats, f"{data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
         shifted = task_shifted_sets(config, train, task_spec)
+    if config.loss.type == "kto":
+        desirable = int(labels(train).sum())
+        splits.stats["class_balance"] = balance = kto.class_balance(desirable, len(train) - desirable, config.loss)
+        if "warning" in balance:
+            logger.warning(balance["warning"])
     return State(config=dataclasses.replace(config, data=data), world=world, placement=placement, policy=policy, tokenizer=tokenizer,
                  encode=encode, train=train, held_pairs=splits.heldout, data_stats=splits.stats, provenance=provenance,
                  held_task=held_task, task_spec=task_spec, checker=checker, shifted=shifted)
@@ -225,7 +241,8 @@ def build_trainer(state: State, run_dir: RunDirectory) -> None:
         wrap(state.frozen, world, placement)
     # One call = pair log-probs of some rows (DDP, FSDP2 or the policy itself); FSDP2 takes the
     # plain forward so the root's shards are gathered.
-    state.trainer = wrap(TrainingForward(state.policy, pair_logprobs, placement, full_forward=sharded), world, placement)
+    state.trainer = wrap(TrainingForward(state.policy, kto.side_sums if state.kto else pair_logprobs, placement, full_forward=sharded),
+                         world, placement)
     state.optimizer, state.scheduler = make_optimizer(state.trainer.parameters(), config.optim, config.max_steps)
     state.models = PreferenceModels(Trainable(state.trainer, state.optimizer, state.scheduler, config.optim.max_grad_norm),
                                     state.reference)
@@ -250,7 +267,7 @@ def _train(state: State, run_dir: RunDirectory, loop: StepLoop, card: dict, writ
     state.policy.train()
 
     def plot() -> None:
-        plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)
+        plot_metrics(run_dir.read_metrics(), KTO_PLOTTED if state.kto else PLOTTED, run_dir.plots)
         if state.shifted:
             plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
 
@@ -273,16 +290,23 @@ def step(state: State, done: int, card: dict, write_card: Callable[[], None]) ->
     placement.reset_peak_memory()
     # 1. The next batch of the seeded pair stream.
     indices = data_order(len(state.train), config.seed, (done - 1) * config.batch_size, config.batch_size)
-    batch = state.encode([state.train[i] for i in indices])
+    rows = [state.train[i] for i in indices]
+    batch = state.encode(rows)
     # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
     with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
         ref = state.cached["train"][indices].to(placement.device) if state.cached is not None else None
         with full_weights(state.frozen):
-            metrics = loss_step(state.models, batch, config.loss, config.micro_batch_size, state.world, cached_reference=ref)
+            if state.kto:
+                metrics = kto.step(state.models, batch, labels(rows), config.loss, config.micro_batch_size, state.world, cached_reference=ref)
+            else:
+                metrics = loss_step(state.models, batch, config.loss, config.micro_batch_size, state.world, cached_reference=ref)
     state.step = done
     # 4. Alarm, refresh (then `_train`: evaluate, log, checkpoint).
     # A reference-free objective has no log-ratio to the reference: the displacement alarm does not apply.
-    message = state.alarm.observe(done, metrics["logratio/chosen"], metrics["rewards/accuracy"]) if config.loss.type not in REFERENCE_FREE else None
+    # KTO watches its desirable rows' log-ratio (a batch without one skips the alarm).
+    watched = metrics.get("logratio/desirable") if state.kto else metrics.get("logratio/chosen")
+    message = (state.alarm.observe(done, watched, metrics["rewards/accuracy"])
+               if config.loss.type not in REFERENCE_FREE and watched is not None else None)
     if message:
         logger.warning(message)
         card["alarms"] = list(state.alarm.rings)
@@ -328,8 +352,11 @@ def _evaluate_main(state: State, run_dir: RunDirectory) -> dict[str, Any]:
     config, policy = state.config, state.policy
     was_training = policy.training
     policy.eval()
-    metrics = evaluate_pairs(policy, HeldoutPairs(state.held_pairs, state.encode, config.loss, config.micro_batch_size, state.reference,
-                                                  state.cached["heldout"] if state.cached is not None else None))
+    cached = state.cached["heldout"] if state.cached is not None else None
+    if state.kto:
+        metrics = kto.heldout_metrics(policy, state.held_pairs, state.encode, config.loss, config.micro_batch_size, state.reference, cached)
+    else:
+        metrics = evaluate_pairs(policy, HeldoutPairs(state.held_pairs, state.encode, config.loss, config.micro_batch_size, state.reference, cached))
     if state.held_task is not None:
         metrics.update(evaluate_sets(policy, state.tokenizer, state.held_task, state.checker, state.shifted, step=state.step,
                                      eval_dir=run_dir.eval_dir, seed=config.seed, max_new_tokens=config.acceptance.max_new_tokens,
@@ -360,6 +387,10 @@ def make_card(state: State, changes: list[str]) -> dict[str, Any]:
                                                  seed=config.seed, batch_size=config.batch_size, micro_batch_size=config.micro_batch_size)
     card["links"]["reward"] = reward_card(config.data.pairs, state.provenance)
     card["links"]["loss"] = loss_card(config.loss, state.reference, config.lora_rank, config.optim)
+    if state.kto:
+        balance = card["links"]["loss"]["class_balance"] = state.data_stats["class_balance"]
+        if "warning" in balance:
+            card["notes"].append(balance["warning"])
     acceptance = card["links"]["acceptance"] = preference_acceptance_card(config.acceptance, len(state.held_pairs), state.task_spec,
                                                                           state.checker, state.provenance, state.shifted)
     if acceptance.get("independent") is False:

@@ -1,0 +1,168 @@
+"""The KTO loss step (Ethayarajh et al., arXiv:2402.01306): unpaired completions, each desirable or
+undesirable, against a reference point z0 estimated from mismatched (prompt, completion) pairs. The
+objective is `algorithms.kto_loss`; the rows are `data.unpaired` pairs (chosen = the row's
+completion, rejected = its mismatched completion, the label beside).
+
+One step: 1. z0 = max(0, mean over the WHOLE batch of the policy's minus the reference's summed
+log-prob of the mismatched completions), without gradient (as the paper and TRL), all-reduced under
+torchrun; 2. forward/backward of the rows' own completions in micro-batches, the loss the batch mean
+of the per-row losses. The gradient therefore does not depend on micro_batch_size or the world size
+(TRL's z0 is per micro-batch). The policy's mismatched forward takes no gradient, as TRL's.
+
+    metrics = step(models, batch, desirable, loss, micro_batch_size, world)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.algorithms import KTO_CLASS_BALANCE_BAND, kto_class_balance, kto_loss
+from posttrain.data import PreferenceBatch
+from posttrain.distributed import World, gradient_sync, rank_micro_batches, unwrap
+from posttrain.models.forward import batch_response_sums
+from posttrain.models.pair_forward import pair_logprobs
+
+KTO_COLUMNS = ("loss", "reward", "logratio", "mismatched_logratio", "logps", "label")
+"""The per-row values a step keeps (`kto_columns`), one row each of a (6, M) tensor."""
+
+
+def side_sums(model, batch: PreferenceBatch, rows: torch.Tensor, side: str, full_forward: bool = False) -> torch.Tensor:
+    """(n,) summed response log-probs of `rows` of one side of `batch` (`"chosen"`: the rows' own
+    completions; `"rejected"`: their mismatched ones) through `model`: the trainer's function for KTO."""
+    return batch_response_sums(model, getattr(batch, side), rows, full_forward)
+
+
+def kto_columns(losses: torch.Tensor, rewards: torch.Tensor, logratios: torch.Tensor, mismatched: torch.Tensor,
+                logps: torch.Tensor, desirable: torch.Tensor) -> torch.Tensor:
+    """(6, n) detached per-row values in `KTO_COLUMNS` order, so micro-batches and ranks concatenate
+    along dim 1 before `kto_metrics`. Args: each (n,)."""
+    return torch.stack([losses.detach(), rewards.detach(), logratios.detach(), mismatched.detach(), logps.detach(),
+                        desirable.to(losses.dtype)])
+
+
+def kto_metrics(columns: torch.Tensor, reference_point: float) -> dict[str, float]:
+    """The logged means of (6, M) `kto_columns`: loss, kl (z0), rewards/desirable and
+    rewards/undesirable (beta x log-ratio, each over its class; absent when the batch has none),
+    rewards/margins (their difference), logratio/* and logps/* per class, and rewards/accuracy: the
+    fraction of rows on their label's side of z0 (desirable r > z0, undesirable r < z0; a tie is
+    wrong). Example: log-ratios [1.0, -0.2], labels [desirable, undesirable], z0 0.1: accuracy 1."""
+    losses, rewards, logratios, _mismatched, logps, label = columns
+    desirable = label > 0.5
+    right = torch.where(desirable, logratios > reference_point, logratios < reference_point)
+    metrics = {"loss": float(losses.mean()), "kl": reference_point, "rewards/accuracy": float(right.float().mean()),
+               "rows/desirable": float(desirable.float().mean())}
+    for name, chosen in (("desirable", desirable), ("undesirable", ~desirable)):
+        if chosen.any():
+            metrics.update({f"rewards/{name}": float(rewards[chosen].mean()), f"logratio/{name}": float(logratios[chosen].mean()),
+                            f"logps/{name}": float(logps[chosen].mean())})
+    if desirable.any() and (~desirable).any():
+        metrics["rewards/margins"] = metrics["rewards/desirable"] - metrics["rewards/undesirable"]
+    return metrics
+
+
+def step(models, batch: PreferenceBatch, desirable: torch.Tensor, loss, micro_batch_size: int, world: World | None = None,
+         cached_reference: torch.Tensor | None = None) -> dict[str, float]:
+    """One KTO optimizer step on M rows. `models`: a `PreferenceModels` whose trainer is a
+    `TrainingForward` over `side_sums`; `batch`: M `data.unpaired` rows (chosen = completion,
+    rejected = mismatched completion); `desirable` (M,) bool; `loss`: the loss section (beta,
+    desirable_weight, undesirable_weight); `cached_reference` (M, 2) the reference's completion and
+    mismatched sums (precomputed), else a forward of `models.reference`. Returns the step's metrics
+    over the whole batch (`kto_metrics`), with "grad_norm" (pre-clipping)."""
+    world = world or World()
+    trainer = models.policy.trainer
+    forward = unwrap(trainer)
+    M = batch.chosen.input_ids.shape[0]
+    device = batch.chosen.input_ids.device
+    desirable = desirable.to(device)
+    micro = list(rank_micro_batches(torch.arange(M), world.block_owners(M), world, micro_batch_size))
+    # 1. The reference point over the whole batch, before any backward: no gradient, as in the paper and TRL.
+    references, mismatched, total = [], [], torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for rows, weight, _ in micro:
+            if cached_reference is None:
+                with forward.placement.autocast():
+                    ref = pair_logprobs(models.reference, batch, rows, full_forward=forward.options.get("full_forward", False))
+                ref_own, ref_mismatched = ref.chosen, ref.rejected
+            else:
+                ref_own, ref_mismatched = cached_reference[rows, 0], cached_reference[rows, 1]
+            ratio = trainer(batch, rows, "rejected").float() - ref_mismatched.float()
+            references.append(ref_own)
+            mismatched.append(ratio)
+            if weight:
+                total += torch.stack([ratio.double().sum(), torch.tensor(float(len(rows)), dtype=torch.float64, device=device)])
+    total = world.reduce(total)
+    mean_mismatched = (total[0] / total[1]).float().reshape(1)
+    # 2. The rows' own completions, with gradient; the loss is the batch mean, however it is split.
+    parts = [torch.zeros(len(KTO_COLUMNS), 0, device=device)]
+    reference_point = 0.0
+    for (rows, weight, last), ref_own, ratio_mismatched in zip(micro, references, mismatched):
+        with gradient_sync(trainer, last):
+            sums = trainer(batch, rows, "chosen")
+            logratios = sums - ref_own
+            losses, rewards, point = kto_loss(logratios, mean_mismatched, desirable[rows], beta=loss.beta,
+                                              desirable_weight=loss.desirable_weight, undesirable_weight=loss.undesirable_weight)
+            (losses.sum() / M * (weight * world.size)).backward()  # DDP / FSDP2 average gradients over ranks
+        reference_point = float(point)
+        if weight:
+            parts.append(kto_columns(losses, rewards, logratios, ratio_mismatched, sums, desirable[rows]))
+    columns = torch.cat(parts, dim=1)
+    if world.active:  # through the CPU: a pickled CUDA tensor would unpickle onto the sender's GPU
+        columns = torch.cat([part.to(device) for part in world.gather(columns.cpu())], dim=1)
+    metrics = kto_metrics(columns, reference_point)
+    metrics["grad_norm"] = models.policy.step()
+    return metrics
+
+
+@torch.no_grad()
+def heldout_metrics(policy, pairs: list, encode, loss, micro_batch_size: int, reference=None,
+                    cached: torch.Tensor | None = None) -> dict[str, float]:
+    """The held-out rows' KTO metrics (`kto_metrics`, z0 from the held-out rows' own mismatched
+    completions), prefixed heldout/; {} without rows. `reference` live, or `cached` (M, 2) sums."""
+    from posttrain.data.unpaired import labels
+
+    if not pairs:
+        return {}
+    own, mismatched, ref_own, ref_mismatched = [], [], [], []
+    for start in range(0, len(pairs), micro_batch_size):
+        batch = encode(pairs[start : start + micro_batch_size])
+        sums = pair_logprobs(policy, batch)
+        if cached is not None:
+            ref_c, ref_r = cached[start : start + micro_batch_size].to(sums.chosen.device).unbind(1)
+        else:
+            ref = pair_logprobs(reference, batch)
+            ref_c, ref_r = ref.chosen, ref.rejected
+        own.append(sums.chosen)
+        mismatched.append(sums.rejected)
+        ref_own.append(ref_c)
+        ref_mismatched.append(ref_r)
+    own, mismatched, ref_own, ref_mismatched = (torch.cat(values).float() for values in (own, mismatched, ref_own, ref_mismatched))
+    desirable = labels(pairs).to(own.device)
+    logratios, mismatched_ratios = own - ref_own, mismatched - ref_mismatched
+    losses, rewards, point = kto_loss(logratios, mismatched_ratios, desirable, beta=loss.beta,
+                                      desirable_weight=loss.desirable_weight, undesirable_weight=loss.undesirable_weight)
+    metrics = kto_metrics(kto_columns(losses, rewards, logratios, mismatched_ratios, own, desirable), float(point))
+    return {f"heldout/{'preference_accuracy' if key == 'rewards/accuracy' else key}": value for key, value in metrics.items()}
+
+
+def class_balance(desirable: int, undesirable: int, loss) -> dict[str, Any]:
+    """The card's class-balance entry of a KTO run on `desirable` and `undesirable` training rows:
+    the weighted ratio (`kto_class_balance`), TRL's recommended band, whether it is inside, and
+    when not a `warning` naming the weights that would bring it in."""
+    low, high = KTO_CLASS_BALANCE_BAND
+    entry: dict[str, Any] = {"desirable": desirable, "undesirable": undesirable, "desirable_weight": loss.desirable_weight,
+                             "undesirable_weight": loss.undesirable_weight, "band": [low, round(high, 6)]}
+    if not desirable or not undesirable:
+        missing, present = ("desirable", "undesirable") if not desirable else ("undesirable", "desirable")
+        entry.update(ratio=None, in_band=False, warning=f"KTO: the training rows have no {missing} completion; only the {present} term trains")
+        return entry
+    ratio = kto_class_balance(desirable, undesirable, loss.desirable_weight, loss.undesirable_weight)
+    entry.update(ratio=ratio, in_band=low <= ratio <= high)
+    if not entry["in_band"]:
+        lo_w = loss.desirable_weight * desirable / (high * undesirable)
+        hi_w = loss.desirable_weight * desirable / (low * undesirable)
+        entry["warning"] = (f"KTO class balance: desirable_weight x {desirable} desirable / (undesirable_weight x {undesirable} "
+                            f"undesirable) = {ratio:.3f}, outside the recommended [{low:g}, {high:.3f}] (arXiv:2402.01306 eq. 8, "
+                            f"TRL's KTO docs); loss.undesirable_weight in [{lo_w:.3f}, {hi_w:.3f}] brings it in")
+    return entry
