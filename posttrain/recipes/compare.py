@@ -1,0 +1,438 @@
+"""`posttrain compare` (what `make compare` runs): every online and offline method of the library
+from ONE SFT start, the same budget each, scored on the same held-out problems by the independent
+checker, in one table.
+
+1. The start: the demo's SFT stage (`demo.train_sft`: rounds to partial competence), or `--start`.
+2. Its acceptance on the demo's held-out sets (`demo.heldout_sets`, `demo.acceptance`: greedy
+   pass@1 by `integer`, written apart from the `exact` reward and labeller).
+3. One pairs file from the start (`posttrain pairs`, labelled by `exact`), as many sampled answers
+   as each online row draws (steps x prompts per step x G): every offline row trains on it.
+4. Each row (`ROWS`: the flags of docs/algorithms.md §3d) in its own process, `sys.executable -m
+   posttrain ...`, so that its wall time and peak RSS are its own and a failing row is one line of
+   the table, not the end of the comparison; then its acceptance on the same sets.
+5. comparison.md, comparison.json and comparison.png (gain over the start per row, paired 95%
+   intervals) in the output directory.
+
+Each row names the links it changed relative to its family's base (GRPO online, DPO offline):
+that column is the point of the table (the seed's "which link moved?"), and its footer says what one
+task, one model, one seed and N steps cannot conclude.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.atomic import write_text_atomically
+from posttrain.errors import UserError
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, independence
+from posttrain.evaluation.stats import paired_difference_ci
+from posttrain.recipes import demo
+from posttrain.rewards import get_verifier
+
+logger = logging.getLogger(__name__)
+
+PROMPTS_PER_STEP, GROUP_SIZE = 16, 8
+"""Every online row's budget per step (presets/tiny-grpo.yaml's; PPO's preset draws 32 x 2, set to this)."""
+PAIRS_PER_STEP = 16
+"""Every offline row's pairs per step (the demo's DPO stage, docs/algorithms.md §3d)."""
+REWARD = "exact"
+"""The online rows' reward and the pairs' labeller; the held-out checker is `integer` (demo.acceptance)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method of the table: its command and flags over the family's base command, and the links
+    it changed relative to the family's base row (GRPO online, DPO offline)."""
+
+    name: str
+    """Its `--rows` name, run directory and key in comparison.json."""
+    label: str
+    command: str
+    """grpo | ppo | dpo: `posttrain <command>`, with `base_flags` (its preset, start, budget) first."""
+    flags: tuple[str, ...] = ()
+    """The row's own flags (docs/algorithms.md §3d's tables)."""
+    changed: tuple[tuple[str, str, str], ...] = ()
+    """(link, which part of it, how) relative to the family's base row: ("loss", "advantage
+    estimator", "leave-one-out"); empty for the base itself."""
+
+    @property
+    def online(self) -> bool:
+        return self.command in ("grpo", "ppo")
+
+
+def _loss(*parts: tuple[str, str]) -> tuple[tuple[str, str, str], ...]:
+    return tuple(("loss", part, detail) for part, detail in parts)
+
+
+UNPAIRED = ("data", "unpaired", "each pair one desirable and one undesirable row")
+NO_REFERENCE = ("loss", "reference", "none")
+ROWS = (
+    Row("grpo", "GRPO", "grpo"),
+    Row("dr_grpo", "Dr. GRPO", "grpo", ("--loss.group.scale", "none", "--loss.aggregation", "seq_mean_token_sum_norm"),
+        _loss(("advantage estimator", "group mean, no std"), ("aggregation", "seq_mean_token_sum_norm"))),
+    Row("rloo", "RLOO", "grpo", ("--loss.advantage", "rloo", "--loss.kl.placement", "reward", "--loss.kl.estimator", "k1",
+                                 "--loss.aggregation", "seq_mean_token_sum"),
+        _loss(("advantage estimator", "leave-one-out"), ("KL placement", "k1 summed into the reward"), ("aggregation", "seq_mean_token_sum"))),
+    Row("reinforce_pp", "REINFORCE++", "grpo", ("--loss.advantage", "reinforce_pp", "--loss.kl.placement", "reward", "--loss.kl.estimator", "k1"),
+        _loss(("advantage estimator", "batch-whitened returns, no group"), ("KL placement", "k1 per token in the reward"))),
+    Row("reinforce_pp_baseline", "REINFORCE++-baseline", "grpo", ("--loss.advantage", "reinforce_pp_baseline"),
+        _loss(("advantage estimator", "group mean, then batch-whitened"))),
+    Row("gspo", "GSPO", "grpo", ("--loss.surrogate", "gspo", "--loss.aggregation", "seq_mean_token_mean"),
+        _loss(("surrogate", "sequence ratio, narrow clip"), ("aggregation", "seq_mean_token_mean"))),
+    Row("cispo", "CISPO", "grpo", ("--loss.surrogate", "cispo"), _loss(("surrogate", "clipped stop-gradient IS weight"))),
+    Row("ppo", "PPO", "ppo", (),
+        _loss(("advantage estimator", "GAE with a learned critic, trained alone for its first 5 steps: the policy moves for N - 5"),
+              ("KL placement", "k1 in the reward, beta 0.02"),
+              ("update", "2 epochs x 2 mini-batches"), ("optimizer", "lr 3e-5"))),
+    Row("dpo", "DPO", "dpo", ("--loss.nll_weight", "0")),
+    Row("rpo", "RPO (DPO + NLL 1.0)", "dpo", (), _loss(("objective", "+ chosen NLL 1.0"))),
+    Row("kto", "KTO", "dpo", ("--loss.type", "kto", "--loss.nll_weight", "0"), (UNPAIRED, ("loss", "objective", "KTO, reference point"))),
+    Row("simpo", "SimPO (beta 2.5, gamma/beta 0.55)", "dpo", ("--loss.type", "simpo", "--loss.beta", "2.5", "--loss.nll_weight", "0"),
+        (("loss", "objective", "length-normalised margin, gamma"), NO_REFERENCE)),
+    Row("cpo", "CPO (beta 0.1, NLL 1.0)", "dpo", ("--loss.type", "cpo"), (("loss", "objective", "+ chosen NLL 1.0"), NO_REFERENCE)),
+    Row("orpo", "ORPO (lambda 0.1, NLL 1.0)", "dpo", ("--loss.type", "orpo"), (("loss", "objective", "odds ratio + NLL 1.0"), NO_REFERENCE)),
+)
+"""Every row, in the table's order: the online family (base GRPO), then the offline one (base DPO)."""
+BASE = {"grpo": "grpo", "ppo": "grpo", "dpo": "dpo"}
+"""The row each command's rows are compared with in the links column."""
+PRESET = {"grpo": "tiny-grpo", "ppo": "tiny-ppo", "dpo": "tiny-dpo"}
+CANNOT = ("one task (2-digit sums), one model (the built-in tiny one), one seed and {steps} steps from one start: a row that "
+          "gains more here is not shown to be the better method, only to have moved this model on this budget; rows whose "
+          "intervals overlap are not told apart; wall time and peak RSS are one 2-core CPU run's (the first row's includes a cold "
+          "cache), not a speed ranking; the offline rows see a fixed pairs file, the online ones fresh samples each step, so "
+          "the two families differ in the data link before any loss choice.")
+
+
+@dataclass
+class Config:
+    output_dir: str = "runs/compare"
+    """The start, the pairs, every row's run directory, eval/ and the table (replaced if it holds an earlier comparison)."""
+    rows: tuple[str, ...] | None = None
+    """The rows to run (`ROWS` names); None: all."""
+    steps: int = 12
+    """Training steps of every row (each checkpoints once, at the last)."""
+    sft_steps: int = 600
+    """The most SFT steps of the start (demo.train_sft stops at the first round reaching `sft_target`)."""
+    sft_round: int = 100
+    sft_target: float = 0.5
+    eval_size: int = 500
+    """Held-out problems per set, never trained on (every row's data.eval_size too)."""
+    seed: int = 0
+    """One seed for the start, the pairs and every row."""
+    start: str | None = None
+    """Reuse this SFT checkpoint (a model directory, or a run directory: its newest checkpoint) instead of training one."""
+    pairs: str | None = None
+    """Reuse this pairs file (its .meta.json sidecar read if there) instead of sampling one from the
+    start: the same offline inputs again (a rerun of one row), or a start too weak to yield pairs (the tests)."""
+    threads: int = 1
+    """torch threads here and OMP_NUM_THREADS of every row (1: the demo's reason, recipes/demo.py)."""
+
+    def validate(self) -> None:
+        names = [row.name for row in ROWS]
+        unknown = [name for name in self.rows or () if name not in names]
+        if unknown:
+            raise UserError(f"--rows: no row {', '.join(unknown)} (rows: {', '.join(names)})")
+        if self.rows is not None and not self.rows:
+            raise UserError("--rows: give at least one row")
+        for name in ("steps", "sft_steps", "sft_round", "eval_size", "threads"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+
+    def selected(self) -> tuple[Row, ...]:
+        return tuple(row for row in ROWS if self.rows is None or row.name in self.rows)
+
+
+@dataclass
+class Outcome:
+    """What one row did: the child's wall time and peak RSS, and its acceptance or its one-line error."""
+
+    row: Row
+    seconds: float = 0.0
+    peak_rss_mib: float | None = None
+    error: str | None = None
+    sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Held-out set -> its `evaluate_task` result (in distribution first)."""
+
+
+def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
+    """Run the comparison; returns the output directory. `rows` (default: `config.selected()`) lets
+    a caller add rows of its own (the tests: one that fails)."""
+    config.validate()
+    rows = config.selected() if rows is None else rows
+    started = time.perf_counter()
+    torch.set_num_threads(config.threads)
+    out = _fresh_directory(Path(config.output_dir).resolve(), config.start, config.pairs)
+
+    # 1. The start: the demo's SFT stage, or --start.
+    sft_settings = demo.Config(output_dir=str(out), seed=config.seed, eval_size=config.eval_size, sft_steps=config.sft_steps,
+                               sft_round=config.sft_round, sft_target=config.sft_target)
+    held_out_size = {"data": {"eval_size": config.eval_size}}
+    sft_config = demo.stage_config(demo.SFT, sft_settings, {}, held_out_size)
+    clock = time.perf_counter()
+    start = _start_model(Path(config.start) if config.start else demo.train_sft(sft_settings, held_out_size))
+    sft_seconds = time.perf_counter() - clock
+    data, budget = sft_config.data, sft_config.acceptance.max_new_tokens
+
+    # 2. The start's acceptance on the held-out sets every row shares.
+    sets = demo.heldout_sets(data.task, data.task_options, config.seed, config.eval_size)
+    start_sets = demo.acceptance(start, sets, budget, config.seed, out / "eval", "start")
+    logger.info("start %s: %s", start, _cell(start_sets[IN_DISTRIBUTION]))
+
+    # 3. One pairs file from the start, as many sampled answers as each online row draws (or --pairs).
+    pairs_file, provenance, pairs_error = Path(config.pairs).resolve() if config.pairs else out / "pairs.jsonl", None, None
+    if config.pairs:
+        if not pairs_file.is_file():
+            raise UserError(f"--pairs {config.pairs}: no such file")
+        sidecar = pairs_file.with_name(pairs_file.name.removesuffix(".jsonl") + ".meta.json")
+        provenance = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
+    elif any(not row.online for row in rows):
+        seconds, _, pairs_error = _child(["pairs", "--model", start, "--out", str(pairs_file), "--group_size", str(GROUP_SIZE),
+                                          "--verifier", REWARD, "--data.task", data.task, "--data.task_options", json.dumps(data.task_options),
+                                          "--data.max_prompts", str(config.steps * PROMPTS_PER_STEP), "--data.eval_size", str(config.eval_size),
+                                          "--sampling.max_new_tokens", str(budget), "--seed", str(config.seed)], out / "logs" / "pairs.log", config.threads)
+        if pairs_error is None:
+            provenance = json.loads(pairs_file.with_name("pairs.meta.json").read_text())
+            logger.info("pairs: %s pairs from %s prompts (%.0f s)", provenance.get("pairs"), provenance.get("prompts"), seconds)
+        else:
+            logger.info("pairs: failed: %s", pairs_error)
+
+    # 4. Each row in its own process, then its acceptance on the same problems.
+    outcomes = []
+    for index, row in enumerate(rows, 1):
+        outcome = Outcome(row)
+        if not row.online and pairs_error is not None:
+            outcome.error = f"no pairs file (posttrain pairs: {pairs_error})"
+        else:
+            outcome.seconds, outcome.peak_rss_mib, outcome.error = _child(
+                row_command(row, start, str(pairs_file), out / row.name, config), out / "logs" / f"{row.name}.log", config.threads)
+        if outcome.error is None:
+            try:
+                outcome.sets = demo.acceptance(demo._last_checkpoint(out / row.name, config.steps), sets, budget, config.seed, out / "eval", row.name)
+            except Exception as error:  # noqa: BLE001 - a model that cannot be scored is its row's failure, not the comparison's
+                outcome.error = f"acceptance: {type(error).__name__}: {error}".splitlines()[0]
+        outcomes.append(outcome)
+        logger.info("[%d/%d] %s: %s", index, len(rows), row.name, _progress(outcome, start_sets))
+
+    # 5. The table, its JSON and the plot.
+    checked = independence(get_verifier(REWARD), get_verifier("integer"))
+    table = comparison(config, start, start_sets, outcomes, provenance, checked, sft_seconds, time.perf_counter() - started)
+    write_text_atomically(out / "comparison.json", json.dumps(table, indent=1) + "\n")
+    write_text_atomically(out / "comparison.md", markdown(table) + "\n")
+    plot(table, out / "comparison.png")
+    return out
+
+
+def row_command(row: Row, start: str, pairs_file: str, run_dir: Path, config: Config) -> list[str]:
+    """`posttrain <command>` arguments of one row: its preset, the start, the shared budget and held-out
+    split, one checkpoint and evaluation at the last step, no shifted sets in the run (they are scored
+    here, once, for every row alike), then the row's own flags."""
+    steps = str(config.steps)
+    common = ["--config", PRESET[row.command], "--model", start, "--max-steps", steps, "--checkpoint-every", steps,
+              "--acceptance.eval_every", steps, "--acceptance.sets", "[]", "--seed", str(config.seed), "--output-dir", str(run_dir)]
+    if row.online:
+        family = ["--reward", REWARD, "--data.eval_size", str(config.eval_size),
+                  "--data.prompts_per_step", str(PROMPTS_PER_STEP), "--data.group_size", str(GROUP_SIZE)]
+    else:
+        family = ["--data.pairs", pairs_file, "--data.heldout_pairs", "0", "--batch_size", str(PAIRS_PER_STEP),
+                  "--micro_batch_size", str(PAIRS_PER_STEP)]
+    return [row.command, *common, *family, *row.flags]
+
+
+def links_changed(row: Row) -> str:
+    """The links column, grouped by link: 'loss: advantage estimator (leave-one-out), aggregation
+    (seq_mean_token_sum)'; the base's own note for the base."""
+    if not row.changed:
+        return f"(the {'online' if row.online else 'offline'} base)"
+    links = dict.fromkeys(link for link, _, _ in row.changed)
+    return "; ".join(f"{link}: " + ", ".join(f"{part} ({how})" for name, part, how in row.changed if name == link) for link in links)
+
+
+def _child(arguments: list[str], log: Path, threads: int) -> tuple[float, float | None, str | None]:
+    """Run `python -m posttrain ARGUMENTS` with its output in `log`; returns (wall seconds, its peak
+    RSS in MiB, its one-line error or None). os.wait4 reads the child's own resource usage."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    clock = time.perf_counter()
+    with log.open("w") as stream:
+        stream.write("$ posttrain " + " ".join(arguments) + "\n")
+        stream.flush()
+        child = subprocess.Popen([sys.executable, "-m", "posttrain", *arguments], stdout=stream, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - clock
+    peak = usage.ru_maxrss / 1024  # KiB on Linux
+    return seconds, peak, None if child.returncode == 0 else _error_line(log, child.returncode)
+
+
+def _error_line(log: Path, code: int) -> str:
+    """A failed child's one line: its `posttrain: error:` line, else its last line (a traceback's exception)."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("posttrain: ")]
+    line = errors[-1].removeprefix("posttrain: error: ").removeprefix("posttrain: ") if errors else (lines[-1] if len(lines) > 1 else "no output")
+    return f"{line} (exit {code}; {log.name})"
+
+
+def _start_model(path: Path) -> str:
+    """The start's model directory: `path` itself, or a run directory's newest checkpoint."""
+    if (path / "checkpoints").is_dir():
+        return demo._last_checkpoint(path, demo._newest_step(path))
+    if not (path / "config.json").is_file():
+        raise UserError(f"--start {path}: neither a model directory (config.json) nor a run directory (checkpoints/step-N/model)")
+    return str(path.resolve())
+
+
+def _fresh_directory(out: Path, start: str | None, pairs: str | None) -> Path:
+    """`out`, created empty; an earlier comparison there (comparison.json) is replaced, anything else
+    refused, and so is a --start or --pairs inside it (the replacement would delete it)."""
+    for flag, given in (("--start", start), ("--pairs", pairs)):
+        if given is not None and out in Path(given).resolve().parents:
+            raise UserError(f"{flag} {given} lies inside --output-dir {out}, which a new comparison replaces; choose another --output-dir")
+    if out.exists():
+        if not out.is_dir() or (not (out / "comparison.json").exists() and any(out.iterdir())):
+            raise UserError(f"--output-dir {out}: holds something other than a finished comparison; choose another")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return out
+
+
+def _gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """after - before, paired over the same problems (`stats.paired_difference_ci`)."""
+    value, low, high = paired_difference_ci(before["correct"], after["correct"])
+    return {"value": value, "ci95": [low, high], "paired": True}
+
+
+def comparison(config: Config, start: str, start_sets: dict, outcomes: list[Outcome], provenance: dict | None,
+               checked: tuple[bool, str], sft_seconds: float, seconds: float) -> dict[str, Any]:
+    """comparison.json: the settings, the start on every set, each row (command, links, wall, peak
+    RSS, every set's pass@1 and paired gain, or its error), the checker's independence, the footer."""
+    def point(result: dict[str, Any]) -> dict[str, Any]:
+        return {"pass@1": result["pass@1"], "ci95": list(result["pass@1_ci95"]), "n": result["n"]}
+
+    rows = []
+    for outcome in outcomes:
+        row = outcome.row
+        rows.append({
+            "name": row.name, "label": row.label, "family": "online" if row.online else "offline", "base": BASE[row.command],
+            "command": ["posttrain", *row_command(row, "START", "PAIRS", Path("DIR") / row.name, config)],
+            "flags": list(row.flags), "links_changed": [list(change) for change in row.changed], "links_text": links_changed(row),
+            "status": "failed" if outcome.error else "ok", "error": outcome.error,
+            "wall_s": round(outcome.seconds, 1), "peak_rss_mib": None if outcome.peak_rss_mib is None else round(outcome.peak_rss_mib, 1),
+            "sets": {name: {**point(result), "gain": _gain(start_sets[name], result)} for name, result in outcome.sets.items()},
+        })
+    independent, why = checked
+    return {
+        "settings": {"steps": config.steps, "eval_size": config.eval_size, "seed": config.seed, "prompts_per_step": PROMPTS_PER_STEP,
+                     "group_size": GROUP_SIZE, "pairs_per_step": PAIRS_PER_STEP, "reward": REWARD, "checker": "integer",
+                     "threads": config.threads},
+        "start": {"model": start, "given": config.start is not None, "seconds": round(sft_seconds, 1),
+                  "sets": {name: point(result) for name, result in start_sets.items()}},
+        "pairs": provenance and {"file": str(config.pairs) if config.pairs else "pairs.jsonl", "given": config.pairs is not None,
+                                 **{key: provenance.get(key) for key in ("pairs", "prompts", "verifier", "model", "group_size")}},
+        "rows": rows,
+        "checker": {"name": "integer", "independent": independent, "independence_reason": why},
+        "footer": CANNOT.format(steps=config.steps),
+        "seconds": round(seconds, 1),
+    }
+
+
+def _cell(result: dict[str, Any]) -> str:
+    low, high = result["pass@1_ci95"] if "pass@1_ci95" in result else result["ci95"]
+    return f"{result['pass@1']:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def _gain_text(gain: dict[str, Any]) -> str:
+    low, high = gain["ci95"]
+    return f"{gain['value']:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def _progress(outcome: Outcome, start_sets: dict) -> str:
+    if outcome.error:
+        return f"failed: {outcome.error}"
+    held = outcome.sets[IN_DISTRIBUTION]
+    return (f"{_cell(held)}, gain {_gain_text(_gain(start_sets[IN_DISTRIBUTION], held))}, "
+            f"{outcome.seconds:.0f} s, {outcome.peak_rss_mib:.0f} MiB")
+
+
+def markdown(table: dict[str, Any]) -> str:
+    """comparison.md: the main table (in distribution), the shifted sets' gains, the footer."""
+    settings, start = table["settings"], table["start"]
+    names = list(start["sets"])
+    lines = [f"# One start, every method: {settings['steps']} steps each", "",
+             f"Start: `{start['model']}`, held-out pass@1 {_cell(start['sets'][IN_DISTRIBUTION])} on {start['sets'][IN_DISTRIBUTION]['n']} "
+             f"problems. Online rows: {settings['prompts_per_step']} prompts x G = {settings['group_size']} per step, reward "
+             f"`{settings['reward']}`; offline rows: {settings['pairs_per_step']} pairs per step from one pairs file"
+             + _pairs_text(table["pairs"]) + ". Held-out checker `integer` "
+             f"({'independent of' if table['checker']['independent'] else 'NOT independent of'} the reward: "
+             f"{table['checker']['independence_reason']}); gains paired over the same problems, 95% intervals.", "",
+             "| row | links changed (vs GRPO / DPO) | held-out pass@1 | gain over the start (paired) | wall | peak RSS | flags |",
+             "|---|---|---|---|---|---|---|"]
+    for row in table["rows"]:
+        flags = "`" + " ".join(row["flags"]) + "`" if row["flags"] else "(none)"
+        if row["status"] == "failed":
+            lines.append(f"| {row['label']} | {row['links_text']} | failed: {row['error']} | | {row['wall_s']:.0f} s | | {flags} |")
+            continue
+        held = row["sets"][IN_DISTRIBUTION]
+        lines.append(f"| {row['label']} | {row['links_text']} | {_cell(held)} | {_gain_text(held['gain'])} | {row['wall_s']:.0f} s "
+                     f"| {row['peak_rss_mib']:.0f} MiB | {flags} |")
+    lines += ["", "Gain over the start on every held-out set (paired 95% intervals):", "",
+              "| row | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+              "| start (pass@1) | " + " | ".join(_cell(start["sets"][name]) for name in names) + " |"]
+    lines += [f"| {row['label']} | " + " | ".join(_gain_text(row["sets"][name]["gain"]) for name in names) + " |"
+              for row in table["rows"] if row["status"] == "ok"]
+    lines += ["", ("Every row's command is in comparison.json (START, PAIRS and DIR: the start, the pairs file, this directory); "
+                   "its run directory and log (logs/) are here."), "", f"What this cannot conclude: {table['footer']}",
+              "", f"Wall time of the whole comparison: {table['seconds']:.0f} s (the start: {start['seconds']:.0f} s)."]
+    return "\n".join(lines)
+
+
+def _pairs_text(pairs: dict[str, Any] | None) -> str:
+    if not pairs:
+        return ""
+    if pairs["given"]:
+        return f" (`{pairs['file']}`, given by --pairs: not sampled from this start by this comparison)"
+    return f" ({pairs['pairs']} pairs from {pairs['prompts']} prompts, sampled from the start, labelled by `{pairs['verifier']}`)"
+
+
+def plot(table: dict[str, Any], path: Path) -> None:
+    """comparison.png: each finished row's in-distribution gain with its paired 95% interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from posttrain.runs.plots import save_figure
+
+    rows = [row for row in table["rows"] if row["status"] == "ok"]
+    figure, axis = plt.subplots(figsize=(7, 0.4 * max(3, len(rows)) + 1.2))
+    for index, row in enumerate(rows):
+        gain = row["sets"][IN_DISTRIBUTION]["gain"]
+        low, high = gain["ci95"]
+        axis.errorbar(gain["value"], index, xerr=[[gain["value"] - low], [high - gain["value"]]], fmt="o", capsize=4,
+                      color="tab:blue" if row["family"] == "online" else "tab:orange")
+    axis.axvline(0, color="grey", linewidth=1)
+    axis.set_yticks(range(len(rows)), [row["label"] for row in rows])
+    axis.invert_yaxis()
+    axis.set_xlabel("held-out pass@1 gain over the start (paired 95% interval)")
+    axis.set_title(f"{table['settings']['steps']} steps from one start (blue: online, orange: offline)")
+    axis.grid(alpha=0.3, axis="x")
+    save_figure(figure, path)
+
+
+def closing_lines(out: Path) -> list[str]:
+    """The lines the command ends with: every row's in-distribution gain (or failure), then `results: DIR`."""
+    table = json.loads((out / "comparison.json").read_text())
+    rows = [f"{row['name']} {_gain_text(row['sets'][IN_DISTRIBUTION]['gain'])}" if row["status"] == "ok" else f"{row['name']} failed"
+            for row in table["rows"]]
+    return ["held-out gain over the start (in distribution, paired 95%): " + "; ".join(rows),
+            f"results: {out} (the table: {out / 'comparison.md'}, {out / 'comparison.json'}, {out / 'comparison.png'})"]

@@ -1,0 +1,131 @@
+"""`posttrain compare`: a tiny comparison (a 20-step SFT start, one training step per row, 16
+held-out problems) through the real recipe: the table's rows in order, every gain paired over the
+same held-out problems as the start's (recomputed here from the eval files), a failing row reported
+in one line while the others complete; the links column against the rows' own configs; a bad
+--rows value one line before any work. About a minute on a 2-core VM (four row processes)."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import build_config, parse_overrides
+from posttrain.evaluation.stats import paired_difference_ci
+from posttrain.recipes import compare, dpo_config, online_config
+from posttrain.recipes.demo import preset
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = {row.name: row for row in compare.ROWS}
+BROKEN = compare.Row("broken", "a row that fails", "grpo", ("--loss.advantage", "nonsense"))
+
+
+def arithmetic_pairs(count: int = 24) -> list[dict]:
+    """Correct vs wrong sums: a 20-step start is too weak for `posttrain pairs` to find any."""
+    return [{"id": f"p{index}", "prompt": f"{10 + 3 * index}+{21 + 2 * index}=", "chosen": f"<answer>{31 + 5 * index}</answer>",
+             "rejected": f"<answer>{32 + 5 * index}</answer>"} for index in range(count)]
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    work = tmp_path_factory.mktemp("compare")
+    pairs = work / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_pairs()))
+    config = compare.Config(output_dir=str(work / "out"), steps=1, sft_steps=20, sft_round=20, eval_size=16, pairs=str(pairs))
+    out = compare.run(config, rows=(ROWS["grpo"], ROWS["rloo"], BROKEN, ROWS["dpo"]))
+    return out, json.loads((out / "comparison.json").read_text())
+
+
+def test_table_rows_in_order_and_a_failing_row_reported_while_the_others_complete(comparison):
+    out, table = comparison
+    assert [row["name"] for row in table["rows"]] == ["grpo", "rloo", "broken", "dpo"]
+    assert [row["status"] for row in table["rows"]] == ["ok", "ok", "failed", "ok"]
+    broken = table["rows"][2]
+    assert "loss.advantage" in broken["error"] and "nonsense" in broken["error"] and "\n" not in broken["error"]
+    assert broken["sets"] == {}
+    for row in table["rows"]:
+        if row["status"] == "ok":
+            assert row["wall_s"] > 0 and row["peak_rss_mib"] > 50  # the child's own RSS: torch alone is more
+            assert set(row["sets"]) == set(table["start"]["sets"])
+    text = (out / "comparison.md").read_text()
+    assert all(f"| {row['label']} |" in text for row in table["rows"]) and "failed: " in text
+    assert "What this cannot conclude: one task" in text and "1 steps" in text
+    assert (out / "comparison.png").stat().st_size > 1000
+    lines = compare.closing_lines(out)
+    assert lines[-1].startswith(f"results: {out} ") and "broken failed" in lines[0]
+
+
+def test_every_gain_is_paired_over_the_start_problems(comparison):
+    """Each gain is recomputed from the two eval files, which must hold the same problems in the same order."""
+    out, table = comparison
+    for row in (row for row in table["rows"] if row["status"] == "ok"):
+        for name, result in row["sets"].items():
+            suffix = "" if name == "in_distribution" else f"_{name}"
+            before = json.loads((out / "eval" / f"eval_start{suffix}.json").read_text())
+            after = json.loads((out / "eval" / f"eval_{row['name']}{suffix}.json").read_text())
+            assert [r["prompt"] for r in before["rows"]] == [r["prompt"] for r in after["rows"]]
+            value, low, high = paired_difference_ci(before["summary"]["correct"], after["summary"]["correct"])
+            assert result["gain"] == {"value": value, "ci95": [low, high], "paired": True}
+            assert result["n"] == table["start"]["sets"][name]["n"]
+
+
+KEY_PARTS = {"loss.advantage": "advantage estimator", "loss.group": "advantage estimator", "loss.gae": "advantage estimator",
+             "loss.reinforce": "advantage estimator", "critic": "advantage estimator", "loss.surrogate": "surrogate",
+             "loss.aggregation": "aggregation", "loss.kl": "KL placement", "update": "update", "optim": "optimizer",
+             "loss.type": "objective", "loss.nll_weight": "objective", "loss.beta": "objective"}
+"""Which part of the loss link a config key belongs to (the first matching prefix)."""
+SET_FOR_EVERY_ROW = {"output_dir", "max_steps", "checkpoint_every", "exact_kl_tokens"}
+"""Keys the presets differ in that no row trains with: its command sets the first three alike for
+every row, and exact_kl_tokens only chooses what is logged (tiny-ppo logs no exact KL)."""
+
+
+def _flat(tree, prefix=""):
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def _config(row):
+    settings = {"grpo": online_config.grpo_config, "ppo": online_config.ppo_config, "dpo": dpo_config.Config}[row.command]
+    family = (["--data.prompts_per_step", str(compare.PROMPTS_PER_STEP), "--data.group_size", str(compare.GROUP_SIZE)]
+              if row.online else ["--data.pairs", "pairs.jsonl"])
+    config = build_config(settings, preset(compare.PRESET[row.command]), parse_overrides(["--model", "tiny", *family, *row.flags]))
+    return _flat(dataclasses.asdict(config))
+
+
+@pytest.mark.parametrize("name", [row.name for row in compare.ROWS if row.name != "kto"])
+def test_links_column_names_the_parts_whose_keys_differ_from_the_base(name):
+    """Every config key that differs from the family's base row belongs to a part the column names,
+    and every named part of the loss has such a key (but the reference, which a loss type drops)."""
+    row = ROWS[name]
+    base, own = _config(ROWS[compare.BASE[row.command]]), _config(row)
+    differing = {key for key in base.keys() | own.keys() if base.get(key) != own.get(key) and key not in SET_FOR_EVERY_ROW}
+    parts = {next(part for prefix, part in KEY_PARTS.items() if key == prefix or key.startswith(prefix + ".")) for key in differing}
+    named = {part for link, part, _ in row.changed}
+    assert parts <= named and named - parts <= {"reference"}, (differing, named)
+    assert all(link == "loss" for link, _, _ in row.changed)
+
+
+def test_links_rloo_against_grpo():
+    assert compare.links_changed(ROWS["grpo"]) == "(the online base)"
+    assert compare.links_changed(ROWS["rloo"]) == ("loss: advantage estimator (leave-one-out), KL placement (k1 summed into the reward), "
+                                                   "aggregation (seq_mean_token_sum)")
+    assert ("data", "unpaired") in {(link, part) for link, part, _ in ROWS["kto"].changed}
+
+
+def test_bad_rows_value_is_one_line_before_any_work(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "posttrain", "compare", "--rows", "grpo,nope", "--output-dir", str(tmp_path / "out")],
+                            capture_output=True, text=True, cwd=ROOT, check=False)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "no row nope" in result.stderr
+    assert "rloo" in result.stderr  # it lists the rows there are
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_start_inside_the_output_directory_is_refused(tmp_path):
+    (tmp_path / "out" / "sft").mkdir(parents=True)
+    with pytest.raises(compare.UserError, match="lies inside --output-dir"):
+        compare.run(compare.Config(output_dir=str(tmp_path / "out"), start=str(tmp_path / "out" / "sft")))
