@@ -29,7 +29,7 @@ demo: install
 	$(VENV)/bin/posttrain demo --output-dir runs/demo
 
 # Every method from one SFT start, the same budget each, one table (docs/algorithms.md §3e). With
-# --steps 2 every row took 7.3 min on the 2-core VM (the SFT start 3.5 of them); the 12-step default is not yet timed.
+# --steps 2 every row took 7.2 min on the 2-core VM (the SFT start 2.6 of them); the 12-step default is not yet timed.
 compare: install
 	$(VENV)/bin/posttrain compare --output-dir runs/compare
 
