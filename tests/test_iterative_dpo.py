@@ -156,3 +156,25 @@ def test_resume_skips_the_completed_round(finished, tmp_path, caplog, capsys):
     assert card["run"]["resumed_with_changes"] == ["rounds: 2 -> 3"] and len(card["rounds"]) == 3
     held_out = capsys.readouterr().out.strip().splitlines()[-3]
     assert held_out.startswith("held-out: in_distribution ") and "(step 0) -> " in held_out and "(step 6)" in held_out
+
+
+def test_iterative_kto_rounds_on_unpaired_rows(tmp_path):
+    """`--pairs.unpaired true --dpo.loss.type kto`: each round writes KTO's unpaired rows of the current
+    policy's samples and trains KTO on them; the card's rounds count the rows. Unpaired rows with a
+    pairwise loss are one line before any work."""
+    out = tmp_path / "run"
+    one_round = list(RUN)
+    one_round[one_round.index("--rounds") + 1] = "1"
+    result = subprocess.run([sys.executable, "-m", "posttrain", "iterative-dpo", *one_round, "--pairs.unpaired", "true",
+                             "--dpo.loss.type", "kto", "--output-dir", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((out / "rounds" / "round-1" / "pairs.meta.json").read_text())
+    written = rows(out / "rounds" / "round-1" / "pairs.jsonl")
+    assert meta["unpaired"] is True and meta["rows"] == len(written) > 0 and {"completion", "label"} <= set(written[0])
+    card = json.loads((out / "run_card.json").read_text())
+    assert card["rounds"][-1]["pairs"] == meta["rows"]
+    assert json.loads((out / "rounds" / "round-1" / "dpo" / "run_card.json").read_text())["links"]["loss"]["type"] == "kto"
+    refused = subprocess.run([sys.executable, "-m", "posttrain", "iterative-dpo", *one_round, "--pairs.unpaired", "true",
+                              "--output-dir", str(tmp_path / "refused")], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 2 and "pairs.unpaired writes KTO's unpaired rows" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "refused").exists()

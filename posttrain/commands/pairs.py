@@ -26,6 +26,8 @@ def register(subparsers) -> None:
                         help="stop string (repeatable; the same as --sampling.stop_strings [TEXT, ...])")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out file and its sidecar (refused without it, before any work)")
+    parser.add_argument("--unpaired", action="store_true",
+                        help="write KTO's unpaired rows (prompt, completion, label) from every scored answer instead of pairs")
     parser.set_defaults(func=handle)
 
 
@@ -52,15 +54,25 @@ def handle(args) -> int:
     from posttrain.recipes.pairs import PairSettings, build_pairs
 
     overrides = settings_overrides(list(args.overrides or []), args.stop)
-    if args.overwrite:
-        overrides["overwrite"] = True
+    for flag in ("overwrite", "unpaired"):
+        if getattr(args, flag):
+            overrides[flag] = True
     settings = build_config(PairSettings, args.config, overrides)
     result = build_pairs(settings)
-    print(
-        f"{result['pairs']} pairs from {result['prompts_paired']} of {result['prompts']} prompts "
-        f"(skipped: {result['prompts_skipped_all_correct']} all correct, {result['prompts_skipped_all_incorrect']} all incorrect, "
-        f"{result['prompts_skipped_unscored']} unscored; verdict errors: {result['verdict_errors']})"
-    )
+    if settings.unpaired:
+        print(
+            f"{result['rows']} unpaired rows ({result['desirable']} desirable, {result['undesirable']} undesirable) from "
+            f"{result['prompts'] - result['prompts_unscored']} of {result['prompts']} prompts (rows from groups with both kinds: "
+            f"{result['rows_from_mixed_groups']}, all correct: {result['rows_from_all_correct_groups']}, all incorrect: "
+            f"{result['rows_from_all_incorrect_groups']}; {result['duplicates_dropped']} repeated answers dropped; "
+            f"verdict errors: {result['verdict_errors']})"
+        )
+    else:
+        print(
+            f"{result['pairs']} pairs from {result['prompts_paired']} of {result['prompts']} prompts "
+            f"(skipped: {result['prompts_skipped_all_correct']} all correct, {result['prompts_skipped_all_incorrect']} all incorrect, "
+            f"{result['prompts_skipped_unscored']} unscored; verdict errors: {result['verdict_errors']})"
+        )
     print(f"labels: verifier {result['verifier']} on samples of model {result['model']} (G={result['group_size']}, seed {result['seed']})")
     print(f"wrote {settings.out} and {provenance_path(settings.out)}")
     return 0

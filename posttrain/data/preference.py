@@ -377,8 +377,10 @@ def preference_data_card(data: PairSource, splits: PairSplits, provenance: dict[
     trains and evaluates on and what loading and splitting them counted (`splits`, after any other
     removal, e.g. of a held-out task's prompts), the split `seed`, the pairs per optimizer step and
     per forward/backward, and from `provenance` (the pairs file's sidecar; None: none) what sampled them."""
+    unpaired = "desirable" in splits.stats.get("train", {})  # `data.unpaired.load_unpaired`'s rows (KTO)
     link = {
-        "source": f"offline: preference pairs from {data.pairs}", "train_pairs": len(splits.train),
+        "source": f"offline: {'unpaired rows (prompt, completion, label)' if unpaired else 'preference pairs'} from {data.pairs}",
+        "train_pairs": len(splits.train),
         "heldout_pairs": len(splits.heldout),
         "heldout_pairs_from": data.heldout_file or f"split off the training file by prompt (seed {seed})",
         "format": data.format, "columns": data.columns, "split": data.split,
@@ -388,4 +390,6 @@ def preference_data_card(data: PairSource, splits: PairSplits, provenance: dict[
     if provenance:
         link.update({"sampled_from": provenance.get("model"), "task": provenance.get("task"),
                      "group_size": provenance.get("group_size"), "sampling": provenance.get("sampling")})
+        if provenance.get("unpaired"):  # `posttrain pairs --unpaired`: where the rows came from, by their groups
+            link["rows_from_groups"] = {key: provenance.get(f"rows_from_{key}_groups") for key in ("mixed", "all_correct", "all_incorrect")}
     return link

@@ -6,7 +6,9 @@ checker, in one table.
 2. Its acceptance on the demo's held-out sets (`demo.heldout_sets`, `demo.acceptance`: greedy
    pass@1 by `integer`, written apart from the `exact` reward and labeller).
 3. One pairs file from the start (`posttrain pairs`, labelled by `exact`), as many sampled answers
-   as each online row draws (steps x prompts per step x G): every offline row trains on it.
+   as each online row draws (steps x prompts per step x G): every offline row trains on it, but KTO,
+   which trains on the unpaired rows of the same samples (`posttrain pairs --unpaired`, the same
+   seed: every distinct scored answer, the groups pairing skips included).
 4. Each row (`ROWS`: the flags of docs/algorithms.md §3d) in its own process, `sys.executable -m
    posttrain ...`, so that its wall time and peak RSS are its own and a failing row is one line of
    the table, not the end of the comparison; then its acceptance on the same sets.
@@ -65,6 +67,9 @@ class Row:
     changed: tuple[tuple[str, str, str], ...] = ()
     """(link, which part of it, how) relative to the family's base row: ("loss", "advantage
     estimator", "leave-one-out"); empty for the base itself."""
+    data: str = "pairs"
+    """An offline row's file: `pairs`, or `unpaired` (the unpaired rows of the same samples; with
+    --pairs, that file, which the KTO loader reads as two rows per pair)."""
 
     @property
     def online(self) -> bool:
@@ -75,7 +80,8 @@ def _loss(*parts: tuple[str, str]) -> tuple[tuple[str, str, str], ...]:
     return tuple(("loss", part, detail) for part, detail in parts)
 
 
-UNPAIRED = ("data", "unpaired", "each pair one desirable and one undesirable row")
+UNPAIRED = ("data", "unpaired", "every distinct scored answer of the same samples, a row each, the all-correct and "
+            "all-incorrect groups included")
 NO_REFERENCE = ("loss", "reference", "none")
 ROWS = (
     Row("grpo", "GRPO", "grpo"),
@@ -97,7 +103,8 @@ ROWS = (
               ("update", "2 epochs x 2 mini-batches"), ("optimizer", "lr 3e-5"))),
     Row("dpo", "DPO", "dpo", ("--loss.nll_weight", "0")),
     Row("rpo", "RPO (DPO + NLL 1.0)", "dpo", (), _loss(("objective", "+ chosen NLL 1.0"))),
-    Row("kto", "KTO", "dpo", ("--loss.type", "kto", "--loss.nll_weight", "0"), (UNPAIRED, ("loss", "objective", "KTO, reference point"))),
+    Row("kto", "KTO", "dpo", ("--loss.type", "kto", "--loss.nll_weight", "0"), (UNPAIRED, ("loss", "objective", "KTO, reference point")),
+        data="unpaired"),
     Row("simpo", "SimPO (beta 2.5, gamma/beta 0.55)", "dpo", ("--loss.type", "simpo", "--loss.beta", "2.5", "--loss.nll_weight", "0"),
         (("loss", "objective", "length-normalised margin, gamma"), NO_REFERENCE)),
     Row("cpo", "CPO (beta 0.1, NLL 1.0)", "dpo", ("--loss.type", "cpo"), (("loss", "objective", "+ chosen NLL 1.0"), NO_REFERENCE)),
@@ -189,33 +196,39 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
     start_sets = demo.acceptance(start, sets, budget, config.seed, out / "eval", "start")
     logger.info("start %s: %s", start, _cell(start_sets[IN_DISTRIBUTION]))
 
-    # 3. One pairs file from the start, as many sampled answers as each online row draws (or --pairs).
-    pairs_file, provenance, pairs_error = Path(config.pairs).resolve() if config.pairs else out / "pairs.jsonl", None, None
+    # 3. One pairs file from the start, as many sampled answers as each online row draws (or --pairs);
+    #    the unpaired rows of the same samples (same seed) when a row trains on them.
+    files = {"pairs": Path(config.pairs).resolve() if config.pairs else out / "pairs.jsonl"}
+    files["unpaired"] = files["pairs"] if config.pairs else out / "unpaired.jsonl"
+    provenance, errors = {}, {}
     if config.pairs:
-        if not pairs_file.is_file():
+        if not files["pairs"].is_file():
             raise UserError(f"--pairs {config.pairs}: no such file")
-        sidecar = pairs_file.with_name(pairs_file.name.removesuffix(".jsonl") + ".meta.json")
-        provenance = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
-    elif any(not row.online for row in rows):
-        seconds, _, pairs_error = _child(["pairs", "--model", start, "--out", str(pairs_file), "--group_size", str(GROUP_SIZE),
-                                          "--verifier", REWARD, "--data.task", data.task, "--data.task_options", json.dumps(data.task_options),
-                                          "--data.max_prompts", str(config.steps * PROMPTS_PER_STEP), "--data.eval_size", str(config.eval_size),
-                                          "--sampling.max_new_tokens", str(budget), "--seed", str(config.seed)], out / "logs" / "pairs.log", config.threads)
-        if pairs_error is None:
-            provenance = json.loads(pairs_file.with_name("pairs.meta.json").read_text())
-            logger.info("pairs: %s pairs from %s prompts (%.0f s)", provenance.get("pairs"), provenance.get("prompts"), seconds)
-        else:
-            logger.info("pairs: failed: %s", pairs_error)
+        sidecar = files["pairs"].with_name(files["pairs"].name.removesuffix(".jsonl") + ".meta.json")
+        provenance["pairs"] = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
+    else:
+        for kind in dict.fromkeys(row.data for row in rows if not row.online):
+            arguments = ["pairs", "--model", start, "--out", str(files[kind]), "--group_size", str(GROUP_SIZE), "--verifier", REWARD,
+                         "--data.task", data.task, "--data.task_options", json.dumps(data.task_options),
+                         "--data.max_prompts", str(config.steps * PROMPTS_PER_STEP), "--data.eval_size", str(config.eval_size),
+                         "--sampling.max_new_tokens", str(budget), "--seed", str(config.seed), *(["--unpaired"] if kind == "unpaired" else [])]
+            seconds, _, errors[kind] = _child(arguments, out / "logs" / f"{kind}.log", config.threads)
+            if errors[kind] is None:
+                provenance[kind] = json.loads(files[kind].with_name(f"{kind}.meta.json").read_text())
+                logger.info("%s: %s rows from %s prompts (%.0f s)", kind, provenance[kind].get("pairs", provenance[kind].get("rows")),
+                            provenance[kind].get("prompts"), seconds)
+            else:
+                logger.info("%s: failed: %s", kind, errors[kind])
 
     # 4. Each row in its own process, then its acceptance on the same problems.
     outcomes = []
     for index, row in enumerate(rows, 1):
         outcome = Outcome(row)
-        if not row.online and pairs_error is not None:
-            outcome.error = f"no pairs file (posttrain pairs: {pairs_error})"
+        if not row.online and errors.get(row.data) is not None:
+            outcome.error = f"no {row.data} file (posttrain pairs: {errors[row.data]})"
         else:
             outcome.seconds, outcome.peak_rss_mib, outcome.error = _child(
-                row_command(row, start, str(pairs_file), out / row.name, config), out / "logs" / f"{row.name}.log", config.threads)
+                row_command(row, start, str(files[row.data]), out / row.name, config), out / "logs" / f"{row.name}.log", config.threads)
         if outcome.error is None:
             try:
                 outcome.sets = demo.acceptance(demo._last_checkpoint(out / row.name, config.steps), sets, budget, config.seed, out / "eval", row.name)
@@ -236,7 +249,8 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
 def row_command(row: Row, start: str, pairs_file: str, run_dir: Path, config: Config) -> list[str]:
     """`posttrain <command>` arguments of one row: its preset, the start, the shared budget and held-out
     split, one checkpoint and evaluation at the last step, no shifted sets in the run (they are scored
-    here, once, for every row alike), then the row's own flags."""
+    here, once, for every row alike), then the row's own flags. `pairs_file`: an offline row's file
+    (its `data`: the pairs or the unpaired rows)."""
     steps = str(config.steps)
     common = ["--config", PRESET[row.command], "--model", start, "--max-steps", steps, "--checkpoint-every", steps,
               "--acceptance.eval_every", steps, "--acceptance.sets", "[]", "--seed", str(config.seed), "--output-dir", str(run_dir)]
@@ -312,10 +326,11 @@ def _gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return {"value": value, "ci95": [low, high], "paired": True}
 
 
-def comparison(config: Config, start: str, start_sets: dict, outcomes: list[Outcome], provenance: dict | None,
+def comparison(config: Config, start: str, start_sets: dict, outcomes: list[Outcome], provenance: dict[str, dict],
                checked: tuple[bool, str], sft_seconds: float, seconds: float) -> dict[str, Any]:
-    """comparison.json: the settings, the start on every set, each row (command, links, wall, peak
-    RSS, every set's pass@1 and paired gain, or its error), the checker's independence, the footer."""
+    """comparison.json: the settings, the start on every set, the offline files (`provenance`: their
+    sidecars by `Row.data`), each row (command, links, wall, peak RSS, every set's pass@1 and paired
+    gain, or its error), the checker's independence, the footer."""
     def point(result: dict[str, Any]) -> dict[str, Any]:
         return {"pass@1": result["pass@1"], "ci95": list(result["pass@1_ci95"]), "n": result["n"]}
 
@@ -324,7 +339,7 @@ def comparison(config: Config, start: str, start_sets: dict, outcomes: list[Outc
         row = outcome.row
         rows.append({
             "name": row.name, "label": row.label, "family": "online" if row.online else "offline", "base": BASE[row.command],
-            "command": ["posttrain", *row_command(row, "START", "PAIRS", Path("DIR") / row.name, config)],
+            "command": ["posttrain", *row_command(row, "START", row.data.upper(), Path("DIR") / row.name, config)],
             "flags": list(row.flags), "links_changed": [list(change) for change in row.changed], "links_text": links_changed(row),
             "status": "failed" if outcome.error else "ok", "error": outcome.error,
             "wall_s": round(outcome.seconds, 1), "peak_rss_mib": None if outcome.peak_rss_mib is None else round(outcome.peak_rss_mib, 1),
@@ -337,8 +352,11 @@ def comparison(config: Config, start: str, start_sets: dict, outcomes: list[Outc
                      "threads": config.threads},
         "start": {"model": start, "given": config.start is not None, "seconds": round(sft_seconds, 1),
                   "sets": {name: point(result) for name, result in start_sets.items()}},
-        "pairs": provenance and {"file": str(config.pairs) if config.pairs else "pairs.jsonl", "given": config.pairs is not None,
-                                 **{key: provenance.get(key) for key in ("pairs", "prompts", "verifier", "model", "group_size")}},
+        "pairs": provenance.get("pairs") and {"file": str(config.pairs) if config.pairs else "pairs.jsonl", "given": config.pairs is not None,
+                                              **{key: provenance["pairs"].get(key) for key in ("pairs", "prompts", "verifier", "model", "group_size")}},
+        "unpaired": provenance.get("unpaired") and {"file": "unpaired.jsonl", **{key: provenance["unpaired"].get(key) for key in (
+            "rows", "desirable", "undesirable", "rows_from_mixed_groups", "rows_from_all_correct_groups", "rows_from_all_incorrect_groups",
+            "prompts", "verifier", "model", "group_size")}},
         "rows": rows,
         "checker": {"name": "integer", "independent": independent, "independence_reason": why},
         "footer": CANNOT.format(steps=config.steps),
@@ -372,7 +390,7 @@ def markdown(table: dict[str, Any]) -> str:
              f"Start: `{start['model']}`, held-out pass@1 {_cell(start['sets'][IN_DISTRIBUTION])} on {start['sets'][IN_DISTRIBUTION]['n']} "
              f"problems. Online rows: {settings['prompts_per_step']} prompts x G = {settings['group_size']} per step, reward "
              f"`{settings['reward']}`; offline rows: {settings['pairs_per_step']} pairs per step from one pairs file"
-             + _pairs_text(table["pairs"]) + ". Held-out checker `integer` "
+             + _pairs_text(table["pairs"]) + _unpaired_text(table.get("unpaired")) + ". Held-out checker `integer` "
              f"({'independent of' if table['checker']['independent'] else 'NOT independent of'} the reward: "
              f"{table['checker']['independence_reason']}); gains paired over the same problems, 95% intervals.", "",
              "| row | links changed (vs GRPO / DPO) | held-out pass@1 | gain over the start (paired) | wall | peak RSS | flags |",
@@ -402,6 +420,14 @@ def _pairs_text(pairs: dict[str, Any] | None) -> str:
     if pairs["given"]:
         return f" (`{pairs['file']}`, given by --pairs: not sampled from this start by this comparison)"
     return f" ({pairs['pairs']} pairs from {pairs['prompts']} prompts, sampled from the start, labelled by `{pairs['verifier']}`)"
+
+
+def _unpaired_text(unpaired: dict[str, Any] | None) -> str:
+    if not unpaired:
+        return ""
+    return (f"; KTO: {unpaired['rows']} unpaired rows of the same samples ({unpaired['desirable']} desirable, {unpaired['undesirable']} "
+            f"undesirable; {unpaired['rows_from_all_correct_groups']} from all-correct and {unpaired['rows_from_all_incorrect_groups']} "
+            "from all-incorrect groups, which pairing skips)")
 
 
 def plot(table: dict[str, Any], path: Path) -> None:

@@ -118,6 +118,8 @@ class Config:
         if self.dpo.lora_rank:
             raise UserError("dpo.lora_rank: iterative DPO needs full fine-tuning (with LoRA the reference would be the base "
                             "model in every round, not the round's start)")
+        if self.pairs.unpaired and self.dpo.loss.type != "kto":
+            raise UserError(f"pairs.unpaired writes KTO's unpaired rows, which only dpo.loss.type kto trains on (this run: {self.dpo.loss.type})")
         if not self.pairs.data.task:
             raise UserError("pairs.data.task: required, the task whose training split each round samples (--pairs.data.task arithmetic)")
         # Each section checked as a round will run it (the round's own values filled in), its errors named by the section.
@@ -263,7 +265,7 @@ def round_record(config: Config, number: int, round_dir: Path, start_model: str)
     return {
         "round": number, "sampled_from": start_model, "end_model": str(round_dir / "dpo" / "checkpoints" / f"{PREFIX}{config.steps_per_round:06d}" / "model"),
         "pairs_file": str(round_dir / "pairs.jsonl"), "sampling_seed": provenance.get("seed"), "prompts": provenance.get("prompts"),
-        "pairs": provenance.get("pairs"), "prompts_paired": provenance.get("prompts_paired"),
+        "pairs": provenance.get("pairs", provenance.get("rows")), "prompts_paired": provenance.get("prompts_paired"),
         "prompts_skipped_all_correct": provenance.get("prompts_skipped_all_correct"),
         "prompts_skipped_all_incorrect": provenance.get("prompts_skipped_all_incorrect"),
         "train_pairs": link.get("train_pairs"), "heldout_pairs": link.get("heldout_pairs"),

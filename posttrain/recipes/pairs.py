@@ -7,6 +7,11 @@ or all incorrect give no pair and are counted. The output is a standard-format p
 where the labels came from (model, verifier, task, seed, sampling, file hash); the DPO run card
 reads it ("labels came from verifier V on samples of model M").
 
+With `--unpaired`, the file holds KTO's unpaired rows instead (`{"id", "prompt", "completion",
+"label", "metadata"}`, TRL's unpaired layout): every distinct scored answer of every prompt, labelled
+desirable when correct, the groups that pairing skips (all correct, all incorrect) included and
+counted; `posttrain dpo --loss.type kto` trains on it.
+
 The prompts come from the *training* split of `load_splits(data.task, eval_size=E, seed=S)`, so a DPO run
 that evaluates on the held-out split with the same (task, E, S) never trained on its problems.
 """
@@ -22,7 +27,7 @@ from typing import Any, ClassVar
 from posttrain.atomic import check_output_file
 from posttrain.data import load_splits, render_prompt
 from posttrain.data.examples import derived_seed, verifier_input
-from posttrain.data.pairing import pair_up
+from posttrain.data.pairing import label_all, pair_up
 from posttrain.data.provenance import provenance_path, write_with_provenance
 from posttrain.data.source import TaskSource
 from posttrain.data.tasks import is_generated
@@ -72,6 +77,9 @@ class PairSettings:
     """Run model-written code WITHOUT the bubblewrap sandbox (resource limits only): a machine you can lose."""
     pairs_per_prompt: int = 1
     """At most this many (correct, incorrect) pairs per prompt, from distinct answers."""
+    unpaired: bool = False
+    """Write KTO's unpaired rows (prompt, completion, label) instead of pairs: every distinct scored answer, desirable when correct,
+    the all-correct and all-incorrect groups included (`posttrain dpo --loss.type kto` reads the file)."""
     correct_threshold: float = 1.0
     """A verdict is correct when its reward is >= this, incorrect below."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
@@ -95,6 +103,8 @@ class PairSettings:
                 raise UserError(f"--{name} must be at least 1, got {value}")
         if not self.out.endswith(".jsonl"):
             raise UserError(f"--out {self.out}: the pairs file must end in .jsonl")
+        if self.unpaired and self.pairs_per_prompt != 1:
+            raise UserError("--pairs-per-prompt does not apply with --unpaired (every distinct scored answer is a row); leave it unset")
 
 
 def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str, Any]:
@@ -127,6 +137,9 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     G = settings.group_size
     rows, outcomes = [], {"paired": 0, "all_correct": 0, "all_incorrect": 0, "unscored": 0}
     errors = {"infra_error": 0, "data_error": 0}
+    from_group = {"paired": 0, "all_correct": 0, "all_incorrect": 0}  # unpaired rows by their group's outcome
+    duplicates = 0
+    origin = {"labelled_by": verifier.name, "sampled_from": settings.model}
     for start in range(0, len(examples), settings.batch_size):
         chunk = examples[start : start + settings.batch_size]
         prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=data.system_prompt) for e in chunk]
@@ -139,26 +152,52 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
                 errors[verdict.status] += 1
         for b, example in enumerate(chunk):
             texts, group = rollout.texts[b * G : (b + 1) * G], verdicts[b * G : (b + 1) * G]
+            if settings.unpaired:
+                labelled = label_all(texts, group, settings.correct_threshold)
+                outcomes[labelled.outcome] += 1
+                duplicates += labelled.duplicates
+                new = unpaired_rows(example, texts, group, labelled, origin)
+                if labelled.outcome in from_group:
+                    from_group[labelled.outcome] += len(new)
+                rows += new
+                continue
             pairs, outcome = pair_up(texts, group, settings.correct_threshold, settings.pairs_per_prompt)
             outcomes[outcome] += 1
-            rows += pair_rows(example, texts, group, pairs, {"labelled_by": verifier.name, "sampled_from": settings.model})
+            rows += pair_rows(example, texts, group, pairs, origin)
     if not rows:
+        what = "unpaired rows: every answer" if settings.unpaired else "pairs"
         raise UserError(
-            f"no pairs: of {len(examples)} prompts, {outcomes['all_correct']} had only correct answers, "
+            f"no {what}: of {len(examples)} prompts, {outcomes['all_correct']} had only correct answers, "
             f"{outcomes['all_incorrect']} only incorrect, {outcomes['unscored']} could not be scored (G={G}); nothing written"
+            if not settings.unpaired else
+            f"no unpaired rows: none of the {len(examples) * G} answers to {len(examples)} prompts could be scored "
+            f"(verdict errors: {errors}); nothing written"
         )
     provenance = {
-        "kind": "pairs from verified samples", "model": settings.model, "verifier": verifier.name,
+        "kind": "unpaired rows from verified samples" if settings.unpaired else "pairs from verified samples",
+        "model": settings.model, "verifier": verifier.name,
         "verifier_settings": verifier.describe(), "task": data.task, "task_options": data.load_options(),
         "eval_size": len(held_out), "seed": settings.seed, "group_size": G, "prompts": len(examples),
-        "pairs": len(rows), "prompts_paired": outcomes["paired"], "prompts_skipped_all_correct": outcomes["all_correct"],
-        "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
-        "verdict_errors": errors, "correct_threshold": settings.correct_threshold,
-        "pairs_per_prompt": settings.pairs_per_prompt, "system_prompt": data.system_prompt,
+        "verdict_errors": errors, "correct_threshold": settings.correct_threshold, "system_prompt": data.system_prompt,
         "unsafe_no_sandbox": settings.unsafe_no_sandbox,
         "sampling": asdict(settings.sampling), "hardware": placement.describe(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "posttrain": _version(),
     }
+    if settings.unpaired:
+        desirable = sum(row["label"] for row in rows)
+        provenance.update({
+            "unpaired": True, "rows": len(rows), "desirable": desirable, "undesirable": len(rows) - desirable,
+            "rows_from_mixed_groups": from_group["paired"], "rows_from_all_correct_groups": from_group["all_correct"],
+            "rows_from_all_incorrect_groups": from_group["all_incorrect"], "prompts_mixed": outcomes["paired"],
+            "prompts_all_correct": outcomes["all_correct"], "prompts_all_incorrect": outcomes["all_incorrect"],
+            "prompts_unscored": outcomes["unscored"], "duplicates_dropped": duplicates,
+        })
+    else:
+        provenance.update({
+            "pairs": len(rows), "prompts_paired": outcomes["paired"], "prompts_skipped_all_correct": outcomes["all_correct"],
+            "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
+            "pairs_per_prompt": settings.pairs_per_prompt,
+        })
     write_with_provenance(settings.out, rows, provenance)
     return provenance
 
@@ -171,6 +210,17 @@ def pair_rows(example, texts: list[str], verdicts: list, pairs: list[tuple[int, 
              "metadata": {"example": example.id, "chosen_reward": verdicts[chosen].reward, "rejected_reward": verdicts[rejected].reward,
                           "rejected_reason": verdicts[rejected].reason, **origin}}
             for number, (chosen, rejected) in enumerate(pairs)]
+
+
+def unpaired_rows(example, texts: list[str], verdicts: list, labelled, origin: dict[str, str]) -> list[dict]:
+    """KTO's rows of one prompt: each distinct scored answer of `labelled` (`data.pairing.label_all`),
+    in sampling order, label true when correct; metadata names its reward, the verdict's reason, the
+    group's outcome and `origin`."""
+    desirable = set(labelled.correct)
+    return [{"id": f"{example.id}/{index}", "prompt": example.prompt_input, "completion": texts[index], "label": index in desirable,
+             "metadata": {"example": example.id, "reward": verdicts[index].reward, "reason": verdicts[index].reason,
+                          "group": labelled.outcome, **origin}}
+            for index in sorted(labelled.correct + labelled.incorrect)]
 
 
 def _version() -> str:
