@@ -199,6 +199,7 @@ RECIPES = (
     Recipe("iterative-dpo", "posttrain.recipes.iterative_dpo", "rounds of sample -> label -> pairs -> DPO from the current policy, in one run directory"),
     Recipe("ppo", "posttrain.recipes.online", "PPO with a learned critic: GAE, clipped surrogate, clipped value loss",
            settings="posttrain.recipes.online_config:ppo_config"),
+    Recipe("rm", "posttrain.recipes.rm", "reward model: a scalar head trained on preference pairs (Bradley-Terry), exported for --reward rm:DIR"),
     Recipe("sft", "posttrain.recipes.sft", "supervised fine-tuning: masked NLL on response tokens"),
 )
 """Every training command. `posttrain demo` runs SFT, then GRPO and pairs + DPO from the same start."""

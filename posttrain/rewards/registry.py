@@ -95,6 +95,12 @@ class RewardContext:
     """The run's `hardware.Placement` (device, precision); None: the CPU in float32."""
     world: Any = None
     """The run's `distributed.World`; None: one process."""
+    batch_size: int = 16
+    """Model-based rewards (rm:, judge:): rows per forward."""
+    normalisation: str = "stored"
+    """rm:: stored | batch | none (`RewardOptions.normalisation`)."""
+    clip: float | None = None
+    """rm:: clamp the normalised reward to [-clip, clip]; None: no clamp."""
 
 
 RewardFactory = Callable[[str, RewardContext], Verifier]
@@ -109,9 +115,21 @@ REWARD_KINDS: dict[str, RewardFactory] = {
        for name, kind in CODE_VERIFIERS.items()},
 }
 """Reward kinds by name: one entry per verifier a config can name."""
-PREFIXED_KINDS: dict[str, tuple[RewardFactory, str]] = {"callable": (lambda path, context: CallableVerifier(path), "callable:<dotted.path>")}
-"""Reward kinds named `<kind>:<spec>`, each (factory, how it is written): callable:<dotted.path>
-(a reward model's rm:<directory> would be one more)."""
+def _reward_model(directory: str, context: RewardContext) -> Verifier:
+    """rm:<directory>: a `posttrain rm` export on the run's device (imported here: it needs torch and transformers)."""
+    if not directory:
+        raise ValueError("rm:<directory>: name the reward model's directory, e.g. rm:runs/rm/final")
+    from posttrain.rewards.reward_model import RewardModelVerifier
+
+    return RewardModelVerifier(directory, context.placement, batch_size=context.batch_size, normalisation=context.normalisation,
+                               clip=context.clip)
+
+
+PREFIXED_KINDS: dict[str, tuple[RewardFactory, str]] = {
+    "callable": (lambda path, context: CallableVerifier(path), "callable:<dotted.path>"),
+    "rm": (_reward_model, "rm:<directory>"),
+}
+"""Reward kinds named `<kind>:<spec>`, each (factory, how it is written): callable:<dotted.path>, rm:<directory>."""
 
 
 def register_reward(name: str, factory: RewardFactory, usage: str | None = None) -> None:
@@ -179,12 +197,22 @@ class RewardOptions:
     3rd ...), so that the held-out checker, which always runs all of them, holds tests the policy was
     never rewarded on (an independent check); `all` trains on every test (the run card then says the
     checker is not independent)."""
+    batch_size: int = 16
+    """Model-based rewards (rm:, judge:): completions per forward."""
+    normalisation: str = "stored"
+    """rm:: stored ((r - mean) / population std, as stored with the reward model at export) | batch (over each batch's rows) | none."""
+    clip: float | None = None
+    """rm:: clamp the normalised reward to [-clip, clip] (None: no clamp)."""
 
     def __post_init__(self):
         if self.tests not in CODE_TESTS:
             raise UserError(f"reward_options.tests: one of {', '.join(CODE_TESTS)}, got {self.tests!r}")
         if self.timeout_s <= 0 or self.memory_mb < 64:
             raise UserError(f"reward_options: timeout_s must be > 0 and memory_mb >= 64, got {self.timeout_s}, {self.memory_mb}")
+        if self.normalisation not in ("stored", "batch", "none"):
+            raise UserError(f"reward_options.normalisation: one of stored, batch, none, got {self.normalisation!r}")
+        if self.batch_size < 1 or (self.clip is not None and self.clip <= 0):
+            raise UserError(f"reward_options: batch_size must be >= 1 and clip > 0, got {self.batch_size}, {self.clip}")
 
     def sandbox(self, unsafe_no_sandbox: bool = False) -> SandboxConfig:
         return SandboxConfig(timeout_s=self.timeout_s, memory_mb=self.memory_mb, unsafe_no_sandbox=unsafe_no_sandbox)
@@ -210,7 +238,7 @@ def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str,
         verifier = build_reward(name, RewardContext(
             sandbox=options.sandbox(unsafe_no_sandbox), fraction=options.partial_credit and not for_checker,
             extraction=None if _is_code(name) else options.extraction, tests="all" if for_checker else options.tests,
-            placement=placement, world=world))
+            placement=placement, world=world, batch_size=options.batch_size, normalisation=options.normalisation, clip=options.clip))
     except (ValueError, TypeError) as error:
         raise UserError(f"{setting or ('acceptance.checker' if for_checker else 'reward')}: {error}") from None
     if options.extraction and _is_code(name):
@@ -222,3 +250,17 @@ def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str,
 
 def _is_code(name: str) -> bool:
     return name.strip() in CODE_VERIFIERS
+
+
+def _judge_factory(spec: str, context: RewardContext) -> Verifier:
+    """`judge:<model>[,mode=generate][,max_score=K][,batch_size=N]`: a local LLM judge
+    (posttrain/rewards/judge.py) on the run's placement, imported here so that `import
+    posttrain.rewards` stays free of torch and transformers."""
+    if not spec.strip():
+        raise ValueError("judge:<model>: name the judge model, e.g. judge:smollm2-135m")
+    from posttrain.rewards.judge import judge_from_spec
+
+    return judge_from_spec(spec, placement=context.placement)
+
+
+register_reward("judge", _judge_factory, "judge:<model>")

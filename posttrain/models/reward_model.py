@@ -1,0 +1,173 @@
+"""A scalar reward model: a causal LM's decoder with a linear score head, pooled at each row's last
+attended token (the EOS appended to the response), and its export as a directory that transformers'
+`AutoModelForSequenceClassification` loads with the same scores.
+
+    model = RewardModel.from_policy(policy)                # (N,) rewards of (N, L) rows
+    rewards = model(input_ids, attention_mask)
+    export(model, tokenizer, "runs/rm/final", meta)        # config.json (num_labels 1), score.weight, reward_model.json
+    model, tokenizer, meta = load_reward_model("runs/rm/final")
+
+Pooling reads the attention mask (lengths), never token ids: SmolLM2's pad token is its EOS, and
+transformers' own sequence-classification pooling (the last token that is not the pad id) would skip
+the final EOS there. The export therefore sets a pad token that is not the EOS (adding `<|pad|>`
+when the tokenizer has none apart), so transformers pools on the same token as this module.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.data import position_ids_from_attention_mask
+from posttrain.errors import UserError
+from posttrain.models.adapters import is_lora
+
+META_FILE = "reward_model.json"
+"""The export's own facts beside config.json: pooling rule, EOS appended, chat template hash, the
+stored reward mean and std, held-out accuracy, the pairs' provenance."""
+POOLING = "last attended token (from the attention mask): the EOS appended to the response"
+PAD_TOKEN = "<|pad|>"
+
+
+def last_attended_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(N,) position of each row's last attended token in (N, L) `attention_mask` (right or left
+    padding alike; 0 for a row with none). Example: mask [1, 1, 1, 1, 1, 0, 0] -> 4, whatever ids
+    the padding holds (a pad id equal to the EOS id included)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask.long()).argmax(-1)
+
+
+class RewardModel(torch.nn.Module):
+    """r(x, y): the decoder's final hidden state at the last attended token through `score`, a
+    Linear(H, 1) without bias. `decoder` is the transformer body (a LlamaModel; with LoRA, the
+    adapted one inside a PEFT model: `backbone` then holds the PEFT model so that adapters can be
+    saved and merged)."""
+
+    def __init__(self, backbone: torch.nn.Module, score: torch.nn.Linear):
+        super().__init__()
+        self.backbone = backbone
+        self.score = score
+
+    @property
+    def decoder(self) -> torch.nn.Module:
+        backbone = self.backbone
+        if hasattr(backbone, "get_decoder"):
+            return backbone.get_decoder()
+        return getattr(backbone, backbone.base_model_prefix)
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+    @classmethod
+    def from_policy(cls, policy: torch.nn.Module, seed: int = 0) -> "RewardModel":
+        """A reward model on `policy`'s decoder (a causal LM, maybe LoRA-wrapped: its LM head is not
+        used) with a fresh head drawn from N(0, 1/sqrt(H + 1)) by `seed`. Not zero: a zero head
+        gives every pair loss ln 2, accuracy 0 (ties are wrong) and no gradient into the backbone on
+        the first step."""
+        hidden = policy.config.hidden_size
+        parameter = next(policy.parameters())
+        score = torch.nn.Linear(hidden, 1, bias=False)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            score.weight.copy_(torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1))
+        return cls(policy, score.to(device=parameter.device, dtype=torch.float32))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(N, L) ids and attention mask -> (N,) float32 rewards. Position ids count real tokens, so a
+        row scores the same right-padded, left-padded or alone."""
+        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids_from_attention_mask(attention_mask)).last_hidden_state  # (N, L, H)
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_attended_index(attention_mask)]  # (N, H)
+        return self.score(pooled.to(self.score.weight.dtype)).squeeze(-1).float()
+
+
+def batch_rewards(model: torch.nn.Module, batch, rows=slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n,) chosen and (n,) rejected rewards of `rows` of a `PreferenceBatch` (tokenised pairs),
+    in one forward of the 2n sequences: the trainer's function of `posttrain rm`."""
+    chosen, rejected = batch.chosen, batch.rejected
+    width = max(chosen.input_ids.shape[1], rejected.input_ids.shape[1])
+
+    def pad(tensor: torch.Tensor) -> torch.Tensor:  # right-pad to a common width (pooling reads the mask)
+        return torch.nn.functional.pad(tensor[rows], (0, width - tensor.shape[1]))
+
+    input_ids = torch.cat([pad(chosen.input_ids), pad(rejected.input_ids)])
+    attention = torch.cat([pad(chosen.attention_mask), pad(rejected.attention_mask)])
+    rewards = model(input_ids, attention)
+    n = rewards.shape[0] // 2
+    return rewards[:n], rewards[n:]
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """sha256 of every tensor of `model`'s state dict, in name order: a reward model's identity for
+    independence (the same weights as reward and checker are not independent)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def chat_template_hash(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    return hashlib.sha256(template.encode()).hexdigest()[:16] if isinstance(template, str) else None
+
+
+def export(model: RewardModel, tokenizer, directory: str | Path, meta: dict[str, Any]) -> Path:
+    """Write `model` as a transformers sequence-classification directory (`num_labels` 1, the
+    decoder's weights, `score.weight`; LoRA merged), its tokenizer with a pad token that is not the
+    EOS, and `reward_model.json` (`meta` plus the pooling rule, the pad and EOS ids and the chat
+    template's hash). Returns the directory."""
+    from transformers import AutoModelForSequenceClassification
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    backbone = model.backbone
+    if is_lora(backbone):
+        backbone = copy.deepcopy(backbone).merge_and_unload()
+    tokenizer = copy.deepcopy(tokenizer)
+    decoder_state = {key: value.detach().cpu() for key, value in (backbone.get_decoder() if hasattr(backbone, "get_decoder")
+                                                                  else getattr(backbone, backbone.base_model_prefix)).state_dict().items()}
+    added = tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id
+    if added:  # transformers pools on the last token that is not the pad id: the pad must not be the EOS
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    config = copy.deepcopy(backbone.config)
+    config.num_labels, config.pad_token_id, config.architectures = 1, tokenizer.pad_token_id, None
+    if added:  # one more embedding row, for the pad (never read: padding is masked)
+        embeddings = decoder_state["embed_tokens.weight"]
+        decoder_state["embed_tokens.weight"] = torch.cat([embeddings, embeddings.mean(0, keepdim=True)])
+        config.vocab_size = embeddings.shape[0] + 1
+    classifier = AutoModelForSequenceClassification.from_config(config).to(next(iter(decoder_state.values())).dtype)
+    getattr(classifier, classifier.base_model_prefix).load_state_dict(decoder_state)
+    with torch.no_grad():
+        classifier.score.weight.copy_(model.score.weight.detach().cpu().to(classifier.score.weight.dtype))
+    classifier.config.architectures = [type(classifier).__name__]
+    classifier.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    full = {**meta, "pooling": POOLING, "eos_appended": True, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "pad_token_added": added, "chat_template_sha256": chat_template_hash(tokenizer),
+            "loads_with": "transformers.AutoModelForSequenceClassification (num_labels=1): the same scores on right-padded rows"}
+    (directory / META_FILE).write_text(json.dumps(full, indent=1, default=str) + "\n")
+    return directory
+
+
+def load_reward_model(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(RewardModel, tokenizer, meta) from an `export` directory, in eval mode without gradients.
+    A directory without reward_model.json is one UserError line naming the command that makes one."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    directory = Path(directory)
+    if not (directory / META_FILE).is_file():
+        raise UserError(f"rm:{directory}: not a reward model directory (no {META_FILE}); train one with "
+                        f"posttrain rm --model M --data.pairs PAIRS.jsonl, then give its final/ directory")
+    meta = json.loads((directory / META_FILE).read_text())
+    classifier = AutoModelForSequenceClassification.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    model = RewardModel(classifier, classifier.score).to(device).eval().requires_grad_(False)
+    return model, tokenizer, meta
