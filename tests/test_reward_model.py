@@ -1,0 +1,258 @@
+"""Reward models: Bradley-Terry by hand, pair metrics, the stored scale, the length-bias probes,
+pooling at the last attended token (pad = EOS included), padding invariance, the export that
+transformers loads with the same scores, `rm:DIR` as a reward (its own tokenizer's rendering,
+batched = row by row, normalisation, independence by weights), and `posttrain rm` from the command
+line (card, export, resume, one-line mistakes)."""
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.algorithms.reward_model import bradley_terry_loss, length_bias, pearson, reward_pair_metrics, reward_scale
+from posttrain.data import encode_prompt, encode_response
+from posttrain.evaluation.acceptance import independence
+from posttrain.models import load_model
+from posttrain.models.reward_model import RewardModel, export, last_attended_index, load_reward_model
+from posttrain.rewards import RewardOptions, as_verifier, get_verifier
+from posttrain.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({}, 0.313262),  # -log sigmoid(1)
+        ({"margin": torch.tensor([0.5])}, 0.474077),  # -log sigmoid(1 - 0.5)
+        ({"centering": 0.01}, 0.323262),  # 0.313262 + 0.01 x (1 + 0)^2
+        # label smoothing 0.1: 0.9 x 0.313262 + 0.1 x -log sigmoid(-1) = 0.281936 + 0.131326
+        ({"label_smoothing": 0.1}, 0.9 * 0.313262 + 0.1 * 1.313262),
+    ],
+)
+def test_bradley_terry_by_hand(options, expected):
+    loss = bradley_terry_loss(torch.tensor([1.0]), torch.tensor([0.0]), **options)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_bradley_terry_gradient_is_sigmoid_of_minus_the_difference():
+    """d/dr_c of -log sigmoid(r_c - r_r) = -sigmoid(-(r_c - r_r)) = -(1 - sigmoid(1)) = -0.268941."""
+    chosen, rejected = torch.tensor([1.0], requires_grad=True), torch.tensor([0.0], requires_grad=True)
+    bradley_terry_loss(chosen, rejected).sum().backward()
+    assert chosen.grad.item() == pytest.approx(-0.268941, abs=1e-6) and rejected.grad.item() == pytest.approx(0.268941, abs=1e-6)
+
+
+def test_pair_metrics_scale_and_length_bias_by_hand():
+    """Pairs (1.0, 0.0) and (0.2, 0.5): accuracy 0.5, margin (1 - 0.3) / 2 = 0.35; a tie is wrong.
+    Rewards [1, 2, 3, 4]: mean 2.5, population std sqrt(1.25) = 1.118034, sample std 1.290994."""
+    metrics = reward_pair_metrics(torch.tensor([1.0, 0.2]), torch.tensor([0.0, 0.5]))
+    assert metrics["accuracy"].item() == 0.5 and metrics["margin"].item() == pytest.approx(0.35)
+    assert reward_pair_metrics(torch.tensor([1.0]), torch.tensor([1.0]))["accuracy"].item() == 0.0
+    scale = reward_scale(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert (scale["mean"].item(), scale["std_population"].item(), scale["std_sample"].item()) == pytest.approx((2.5, 1.118034, 1.290994), abs=1e-6)
+    assert pearson(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 7.0])).item() == pytest.approx(0.993399, abs=1e-6)
+    # Rewards grow with length exactly: correlation 1; of the 2 pairs whose chosen is shorter, 0 are right.
+    probes = length_bias(torch.tensor([1.0, 2.0, 5.0]), torch.tensor([3.0, 4.0, 0.0]), torch.tensor([1, 2, 5]), torch.tensor([3, 4, 0]))
+    assert probes["reward_length_correlation"].item() == pytest.approx(1.0)
+    assert probes["shorter_chosen_pairs"].item() == 2 and probes["accuracy_shorter_chosen"].item() == 0.0
+
+
+def test_pooling_reads_the_attention_mask_not_the_ids():
+    """Row [p, p, x, y, EOS, PAD, PAD] with the pad id equal to the EOS id pools index 4; a
+    left-padded row pools its last position."""
+    eos = 2
+    ids = torch.tensor([[7, 7, 9, 10, eos, eos, eos]])
+    assert last_attended_index(torch.tensor([[1, 1, 1, 1, 1, 0, 0]])).tolist() == [4]
+    assert (ids[0, last_attended_index(torch.tensor([[1, 1, 1, 1, 1, 0, 0]]))] == eos).all()
+    assert last_attended_index(torch.tensor([[0, 0, 1, 1, 1, 1, 1]])).tolist() == [6]
+
+
+@pytest.fixture(scope="module")
+def tiny_reward_model():
+    policy, tokenizer = load_model("tiny")
+    return RewardModel.from_policy(policy, seed=0).eval(), tokenizer
+
+
+def test_a_row_scores_the_same_right_padded_left_padded_and_alone(tiny_reward_model):
+    model, tokenizer = tiny_reward_model
+    short, long = tokenizer("1+2=3<|im_end|>")["input_ids"], tokenizer("12+345=357<|im_end|>")["input_ids"]
+    width = len(long)
+    with torch.no_grad():
+        alone = model(torch.tensor([short]), torch.ones(1, len(short), dtype=torch.long))
+        for side in ("right", "left"):
+            pad = [0] * (width - len(short))
+            ids = short + pad if side == "right" else pad + short
+            mask = [1] * len(short) + [0] * len(pad) if side == "right" else [0] * len(pad) + [1] * len(short)
+            both = model(torch.tensor([ids, long]), torch.tensor([mask, [1] * width]))
+            assert both[0].item() == pytest.approx(alone.item(), abs=1e-5), side
+    assert model.score.weight.std().item() == pytest.approx(1 / math.sqrt(257), rel=0.2), "N(0, 1/sqrt(H+1)), not zero"
+
+
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_export_loads_in_transformers_with_the_same_scores(tiny_reward_model, tmp_path, pad_is_eos):
+    """AutoModelForSequenceClassification(num_labels 1) scores right-padded rows as we do; with a
+    tokenizer whose pad is its EOS (SmolLM2's case) the export adds a pad of its own, or transformers
+    would pool the token before the final EOS."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model, tokenizer = tiny_reward_model
+    tokenizer = copy.deepcopy(tokenizer)
+    if pad_is_eos:
+        tokenizer.pad_token = tokenizer.eos_token
+    export(model, tokenizer, tmp_path / "rm", {"reward_mean": 0.0, "reward_std_population": 1.0})
+    meta = json.loads((tmp_path / "rm" / "reward_model.json").read_text())
+    assert meta["pad_token_added"] is pad_is_eos and meta["pad_token_id"] != meta["eos_token_id"]
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "rm")
+    texts = ["1+2=3<|im_end|>", "12+345=357<|im_end|>", "7<|im_end|>"]
+    batch = hf_tokenizer(texts, padding=True, return_tensors="pt")
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    with torch.no_grad():
+        theirs = hf(**batch).logits.squeeze(-1)
+        ours = model(batch["input_ids"].clamp(max=model.config.vocab_size - 1), batch["attention_mask"])
+        loaded = load_reward_model(tmp_path / "rm")[0](batch["input_ids"], batch["attention_mask"])
+    assert torch.allclose(theirs, ours, atol=1e-5) and torch.allclose(loaded, ours, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_reward_model):
+    model, tokenizer = tiny_reward_model
+    directory = tmp_path_factory.mktemp("rm") / "final"
+    export(model, tokenizer, directory, {"reward_mean": 0.5, "reward_std_population": 2.0, "system_prompt": None})
+    return directory
+
+
+def test_rm_reward_renders_the_conversation_with_its_own_tokenizer(exported, tiny_reward_model):
+    """The row carries the policy's own rendering (`rendered_prompt`, another template); the reward
+    model re-renders `messages` with its ChatML template, then the completion and ONE EOS, and its
+    verdict is (r - 0.5) / 2 of that sequence's reward."""
+    model, tokenizer = tiny_reward_model
+    verifier = get_verifier(f"rm:{exported}")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    row = {"messages": messages, "prompt": None, "rendered_prompt": "### System: Be brief.\n### User: 2+2=\n### Assistant:"}
+    ids, cut = verifier.render("4", row)
+    expected = encode_prompt(tokenizer, messages) + encode_response(tokenizer, "4")
+    assert ids == expected and ids.count(tokenizer.eos_token_id) == 3 and cut == {"prompt": 0, "response": 0}  # 2 turn ends + 1 EOS
+    assert verifier.render("4<|im_end|>", row)[0] == expected, "an EOS already there is not doubled"
+    verdict = verifier("4", row)
+    with torch.no_grad():
+        raw = model(torch.tensor([expected]), torch.ones(1, len(expected), dtype=torch.long)).item()
+    assert verdict.status == "ok" and verdict.details["raw"] == pytest.approx(raw, abs=1e-5)
+    assert verdict.reward == pytest.approx((raw - 0.5) / 2.0, abs=1e-5)
+    assert verifier("4", {"prompt": None}).status == "data_error"
+
+
+def test_rm_batched_equals_row_by_row_and_normalisations(exported):
+    rows = [{"prompt": f"{a}+{b}="} for a, b in ((1, 2), (12, 345), (7, 0), (99, 99), (3, 3))]
+    completions = ["3", "<answer>357</answer>", "7", "no idea at all, sorry", ""]
+    verifier = get_verifier(f"rm:{exported}")
+    verifier.batch_size = 2
+    batched = [v.details["raw"] for v in verifier.batch(completions, rows)]
+    single = [verifier(c, r).details["raw"] for c, r in zip(completions, rows)]
+    assert batched == pytest.approx(single, abs=1e-5)
+    options = RewardOptions(normalisation="batch", clip=0.5)
+    normalised = [v.reward for v in as_verifier(None, f"rm:{exported}", options).batch(completions, rows)]
+    raw = torch.tensor(batched)
+    assert normalised == pytest.approx(((raw - raw.mean()) / raw.std(correction=0)).clamp(-0.5, 0.5).tolist(), abs=1e-4)
+    plain = as_verifier(None, f"rm:{exported}", RewardOptions(normalisation="none")).batch(completions, rows)
+    assert [v.reward for v in plain] == pytest.approx(batched, abs=1e-6)
+
+
+def test_rm_identity_is_its_weights(exported, tmp_path, tiny_reward_model):
+    """The same reward model as reward and checker is not independent; against the integer checker it is;
+    another export of the same weights is the same model."""
+    model, tokenizer = tiny_reward_model
+    same = get_verifier(f"rm:{exported}")
+    independent, _ = independence(same, get_verifier("integer"))
+    assert independent
+    copy_dir = export(model, tokenizer, tmp_path / "again", {"reward_mean": 0.0, "reward_std_population": 1.0})
+    independent, why = independence(same, get_verifier(f"rm:{copy_dir}"))
+    assert not independent and "weights sha256" in why
+
+
+def test_rm_mistakes_are_one_line(tmp_path):
+    with pytest.raises(UserError, match="not a reward model directory"):
+        as_verifier(None, f"rm:{tmp_path}")
+    with pytest.raises(UserError, match="name the reward model's directory"):
+        as_verifier(None, "rm:")
+    with pytest.raises(UserError, match="reward_options.normalisation"):
+        RewardOptions(normalisation="zscore")
+
+
+def pairs_file(path: Path, count: int = 40) -> Path:
+    rows = []
+    for index in range(count):
+        a, b = 10 + 7 * index, 21 + 5 * index
+        rows.append({"id": f"p{index}", "prompt": f"{a}+{b}=", "chosen": f"<answer>{a + b}</answer>", "margin": 1.0 + index % 2,
+                     "rejected": f"<answer>{a + b + 1 + index % 3}</answer>" if index % 2 else "I do not know"})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def rm_command(pairs: Path, out: Path, *extra) -> list[str]:
+    return [sys.executable, "-m", "posttrain", "rm", "--data.pairs", str(pairs), "--data.heldout_pairs", "8", "--batch_size", "8",
+            "--micro_batch_size", "4", "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", str(out), *extra]
+
+
+def test_cli_run_card_export_and_resume(tmp_path):
+    """4 steps with margins and centering: the card's four links, the held-out metrics at step 0 and 4,
+    an export that `rm:` loads, whose stored scale is the held-out rewards'; a resume past the end
+    trains 2 more steps from the checkpoint."""
+    pairs = pairs_file(tmp_path / "pairs.jsonl")
+    run = tmp_path / "run"
+    result = subprocess.run(rm_command(pairs, run, "--loss.margin", "true", "--loss.centering", "0.01"),
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    card = json.loads((run / "run_card.json").read_text())
+    assert card["run"]["recipe"] == "rm" and set(card["links"]) == {"data", "reward", "loss", "acceptance"}
+    assert card["links"]["data"]["train_pairs"] == 32 and card["links"]["data"]["margins"] == "each pair's `margin` column"
+    assert "Bradley-Terry" in card["links"]["loss"]["objective"] and "margin" in card["links"]["loss"]["objective"]
+    assert card["links"]["acceptance"]["heldout_pairs"] == 8
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "heldout/preference_accuracy" in m] == [0, 4]
+    last = metrics[-1]
+    assert last["heldout/preference_accuracy_low"] <= last["heldout/preference_accuracy"] <= last["heldout/preference_accuracy_high"]
+    assert {"heldout/reward_length_correlation", "heldout/accuracy_shorter_chosen", "loss", "accuracy", "margin", "grad_norm"} <= set(last)
+    meta = json.loads((run / "final" / "reward_model.json").read_text())
+    assert meta["heldout_accuracy"] == last["heldout/preference_accuracy"] and meta["steps"] == 4
+    assert meta["reward_std_population"] > 0 and "8 held-out pairs" in meta["scale_from"]
+    assert card["export"]["use_as"] == f"--reward rm:{run / 'final'}"
+    assert "results: " in result.stdout and "preference accuracy" in result.stdout
+    assert (run / "plots" / "loss.png").is_file()
+    resumed = subprocess.run([sys.executable, "-m", "posttrain", "rm", "--resume", str(run), "--max-steps", "6"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4, 5, 6]
+    assert json.loads((run / "final" / "reward_model.json").read_text())["steps"] == 6
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--loss.label_smoothing", "0.6"], "loss.label_smoothing must be in [0, 0.5)"),
+        (["--loss.centering", "-1"], "loss.centering must be >= 0"),
+        (["--parallel.strategy", "fsdp2"], "not yet fsdp2"),
+        (["--data.pairs", "missing.jsonl"], "missing.jsonl"),
+    ],
+)
+def test_bad_config_is_one_line_and_writes_nothing(tmp_path, extra, message):
+    pairs = pairs_file(tmp_path / "pairs.jsonl")
+    result = subprocess.run(rm_command(pairs, tmp_path / "run", *extra), capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_margin_without_the_column_names_the_pair(tmp_path):
+    rows = [json.loads(line) for line in pairs_file(tmp_path / "pairs.jsonl").read_text().splitlines()]
+    del rows[3]["margin"]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = subprocess.run(rm_command(tmp_path / "pairs.jsonl", tmp_path / "run", "--loss.margin", "true"),
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and "pair p3" in result.stderr and "margin" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
