@@ -254,13 +254,14 @@ def _is_code(name: str) -> bool:
 
 def _judge_factory(spec: str, context: RewardContext) -> Verifier:
     """`judge:<model>[,mode=generate][,max_score=K][,batch_size=N]`: a local LLM judge
-    (posttrain/rewards/judge.py) on the run's placement, imported here so that `import
-    posttrain.rewards` stays free of torch and transformers."""
+    (posttrain/rewards/judge.py) on the run's placement, `reward_options.batch_size` rows per forward
+    unless the spec says; imported here so that `import posttrain.rewards` stays free of torch and
+    transformers."""
     if not spec.strip():
         raise ValueError("judge:<model>: name the judge model, e.g. judge:smollm2-135m")
     from posttrain.rewards.judge import judge_from_spec
 
-    return judge_from_spec(spec, placement=context.placement)
+    return judge_from_spec(spec, placement=context.placement, batch_size=context.batch_size)
 
 
 register_reward("judge", _judge_factory, "judge:<model>")

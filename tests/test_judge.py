@@ -1,0 +1,225 @@
+"""The LLM judge reward (`judge:MODEL`): its math by hand, its batched forward against a naive
+per-row forward, its refusals, its strict reply parser, its registration and its identity."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain.algorithms.judge import expected_score, last_position_logits, pairwise_preference, score_probabilities
+from posttrain.errors import UserError
+from posttrain.models import build_tiny_model
+from posttrain.rewards import RewardOptions, as_verifier, get_verifier
+from posttrain.rewards.judge import DEFAULT_TEMPLATE, JudgeVerifier, conversation_text, parse_score
+
+ROWS = [
+    {"prompt": "What is 2+2?", "answer": "4"},
+    {"messages": [{"role": "system", "content": "Answer briefly."},
+                  {"role": "user", "content": "Name a colour of the sky on a clear day, and say why it is that colour."}]},
+    {"prompt": "Say hi"},
+]
+COMPLETIONS = ["4", "Blue: air scatters short wavelengths more than long ones.", "hi"]
+
+
+@pytest.fixture(scope="module")
+def judge():
+    return JudgeVerifier("tiny", loaded=build_tiny_model(), batch_size=2)
+
+
+# --- the math ------------------------------------------------------------------------------------
+def test_expected_score_of_the_issues_example():
+    """p = [0.1, 0.2, 0.4, 0.2, 0.1] over "1".."5": E[k] = 0.1 + 0.4 + 1.2 + 0.8 + 0.5 = 3,
+    reward = (3 - 1) / (5 - 1) = 0.5. Logits log p reproduce p; adding 7.3 to every logit changes
+    nothing (the softmax's normaliser absorbs it)."""
+    probabilities = torch.tensor([[0.1, 0.2, 0.4, 0.2, 0.1]])
+    logits = probabilities.log()
+    assert expected_score(logits).tolist() == pytest.approx([0.5], abs=1e-6)
+    assert expected_score(logits + 7.3).tolist() == pytest.approx([0.5], abs=1e-6)
+    assert score_probabilities(logits + 7.3).tolist()[0] == pytest.approx([0.1, 0.2, 0.4, 0.2, 0.1], abs=1e-6)
+
+
+def test_expected_score_ends_of_the_scale():
+    """All mass on "1": E = 1, reward 0; all on "K": E = K, reward 1; uniform over 1..4: E = 2.5,
+    reward 1.5 / 3 = 0.5. A one-point scale is refused."""
+    logits = torch.tensor([[30.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 30.0], [1.0, 1.0, 1.0, 1.0]])
+    assert expected_score(logits).tolist() == pytest.approx([0.0, 1.0, 0.5], abs=1e-6)
+    with pytest.raises(ValueError):
+        expected_score(torch.zeros(1, 1))
+
+
+def test_pairwise_preference_of_the_issues_example():
+    """A first: the first-shown answer wins with 0.8; B first: with 0.4 (so A wins with 0.6).
+    P(A > B) = 1/2 (0.8 + 1 - 0.4) = 0.7; position bias = 1/2 (0.8 + 0.4) - 1/2 = 0.1.
+    An unbiased judge (p_ba = 1 - p_ab = 0.3 for p_ab = 0.7): P = 0.7, bias 0."""
+    p, bias = pairwise_preference(torch.tensor([0.8, 0.7]), torch.tensor([0.4, 0.3]))
+    assert p.tolist() == pytest.approx([0.7, 0.7], abs=1e-6)
+    assert bias.tolist() == pytest.approx([0.1, 0.0], abs=1e-6)
+
+
+def test_last_position_logits_reads_the_attention_mask():
+    """T = 4, masks [0, 1, 1, 1] and [1, 1, 0, 0]: last attended positions 3 and 1. With the
+    logits of the last L = 1 position only (left padding), row 0 reads its one kept position."""
+    logits = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)  # logits[n, t] = 12n + 3t + (0, 1, 2)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    assert last_position_logits(logits, mask).tolist() == [[9.0, 10.0, 11.0], [15.0, 16.0, 17.0]]
+    left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    assert last_position_logits(logits[:, -1:], left).tolist() == [[9.0, 10.0, 11.0], [21.0, 22.0, 23.0]]
+
+
+def test_parse_score_is_strict():
+    """The reply must start (after spaces) with an integer in 1..K that is not a decimal."""
+    assert [parse_score(reply, 5) for reply in ["4", " 4.", "5\n", "1 because", "3/5"]] == [4, 4, 5, 1, 3]
+    assert [parse_score(reply, 5) for reply in ["great!", "9", "0", "45", "4.5", "Score 4", ""]] == [None] * 7
+
+
+# --- logit mode on the tiny model ----------------------------------------------------------------
+def naive_rewards(judge: JudgeVerifier, completions, rows) -> list[float]:
+    """One unpadded forward per row, the softmax over the WHOLE vocabulary at the last position,
+    then the K score tokens' probabilities renormalised and E[k] rescaled."""
+    rewards = []
+    for completion, row in zip(completions, rows):
+        ids = judge.encode(judge.render(judge.rubric(completion, row), judge.score_tokens.prompt_suffix))
+        with torch.no_grad():
+            logits = judge.model(input_ids=torch.tensor([ids])).logits[0, -1]
+        probabilities = torch.softmax(logits.double(), -1)[list(judge.score_tokens.ids)]
+        probabilities = probabilities / probabilities.sum()
+        expected = sum((k + 1) * p for k, p in enumerate(probabilities.tolist()))
+        rewards.append((expected - 1) / (judge.max_score - 1))
+    return rewards
+
+
+def test_logit_mode_matches_the_naive_forward_and_row_by_row(judge):
+    """Rows of different lengths in batches of 2 (so one batch is padded) score as a naive per-row
+    forward does (to 1e-5) and as each row alone does."""
+    batched = judge.batch(COMPLETIONS, ROWS)
+    assert [v.status for v in batched] == ["ok"] * 3
+    rewards = [v.reward for v in batched]
+    assert all(0.0 <= r <= 1.0 for r in rewards)
+    assert rewards == pytest.approx(naive_rewards(judge, COMPLETIONS, ROWS), abs=1e-5)
+    alone = [judge.score(c, row).reward for c, row in zip(COMPLETIONS, ROWS)]
+    assert rewards == pytest.approx(alone, abs=1e-5)
+    assert sum(batched[0].details["probabilities"]) == pytest.approx(1.0, abs=1e-5)
+    assert judge.batch(COMPLETIONS, ROWS)[1].reward == batched[1].reward  # deterministic
+
+
+def test_rendering_rule(judge):
+    """Messages become "role: content" blocks; a prompt is one user message; the gold answer is
+    shown only for a row that has one; the prompt ends with the judge's chat template's generation
+    prompt and the cue, and the tiny tokenizer writes "Score: 4" as the cue, a space, then "4"."""
+    assert conversation_text(ROWS[1]).startswith("system: Answer briefly.\n\nuser: Name a colour")
+    with_gold, without = judge.rubric("4", ROWS[0]), judge.rubric("hi", ROWS[2])
+    assert "Reference answer: 4\n\n" in with_gold and "Reference answer" not in without
+    text = judge.render(with_gold, judge.score_tokens.prompt_suffix)
+    assert text.endswith("<|im_start|>assistant\nScore: ")
+    assert judge.score_tokens.ids == tuple(judge.tokenizer.convert_tokens_to_ids(list("12345")))
+    assert DEFAULT_TEMPLATE.count("{answer}") == 1
+
+
+def test_a_row_with_nothing_to_judge_against_is_a_data_error(judge):
+    verdicts = judge.batch(["4", "4", "4"], [{"answer": "4"}, {"prompt": "2+2?"}, {"messages": "not a list"}])
+    assert [v.status for v in verdicts] == ["data_error", "ok", "data_error"]
+    assert "neither a prompt nor messages" in verdicts[0].reason
+
+
+# --- refusals ------------------------------------------------------------------------------------
+def test_a_score_that_is_not_one_token_is_refused_in_one_line(judge):
+    """K = 12: the character-level tokenizer writes "10" as "1", "0"."""
+    with pytest.raises(UserError) as caught:
+        JudgeVerifier("tiny", max_score=12, loaded=(judge.model, judge.tokenizer))
+    message = str(caught.value)
+    assert "'10'" in message and "judge:tiny" in message and "\n" not in message
+
+
+def test_bad_settings_are_refused_in_one_line(judge):
+    loaded = (judge.model, judge.tokenizer)
+    for settings in [{"mode": "sample"}, {"max_score": 1}, {"template": "{conversation} {reply}"},
+                     {"template": "Rate {completion}"}, {"template": "{conversation}\n{completion}\nScore:"}]:
+        with pytest.raises(UserError) as caught:
+            JudgeVerifier("tiny", loaded=loaded, **settings)
+        assert "\n" not in str(caught.value)
+
+
+def test_a_custom_template(judge):
+    custom = JudgeVerifier("tiny", loaded=(judge.model, judge.tokenizer),
+                           template="Q: {conversation}\nA: {completion}\nGold: {answer}Scale 1-{max_score}.")
+    assert custom.rubric("4", ROWS[0]) == "Q: user: What is 2+2?\nA: 4\nGold: Reference answer: 4\n\nScale 1-5."
+    assert custom.score("4", ROWS[0]).status == "ok"
+    assert custom.describe()["template_sha256"] != judge.describe()["template_sha256"]
+
+
+# --- generate mode -------------------------------------------------------------------------------
+def test_generate_mode_reads_the_reply_strictly(judge, monkeypatch):
+    """A reply "4" on 1..5 is (4 - 1) / 4 = 0.75; "great!" and "9" are infra_errors quoting the
+    reply, never a 0."""
+    generating = JudgeVerifier("tiny", mode="generate", loaded=(judge.model, judge.tokenizer))
+    monkeypatch.setattr(generating, "replies", lambda prompts: ["4", "great!", "9"][:len(prompts)])
+    verdicts = generating.batch(COMPLETIONS, ROWS)
+    assert verdicts[0].status == "ok" and verdicts[0].reward == 0.75 and verdicts[0].details["reply"] == "4"
+    assert [v.status for v in verdicts[1:]] == ["infra_error", "infra_error"]
+    assert "'great!'" in verdicts[1].reason and "'9'" in verdicts[2].reason
+
+
+def test_generate_mode_generates_greedily(judge):
+    """A real greedy reply of the random tiny model: the same both times, scored or refused."""
+    generating = JudgeVerifier("tiny", mode="generate", loaded=(judge.model, judge.tokenizer))
+    first, second = generating.batch(COMPLETIONS[:2], ROWS[:2]), generating.batch(COMPLETIONS[:2], ROWS[:2])
+    assert [v.to_json() for v in first] == [v.to_json() for v in second]
+    assert all(v.status in ("ok", "infra_error") and "reply" in v.details for v in first)
+
+
+# --- pairwise ------------------------------------------------------------------------------------
+def test_prefer_combines_both_orders(judge):
+    """p and position_bias follow from p_ab and p_ba as `pairwise_preference` says; a row with
+    nothing to judge against gets None and a reason."""
+    results = judge.prefer(ROWS[:2] + [{}], ["4", "Blue.", "x"], ["5", "Green, because of the grass.", "y"])
+    for result in results[:2]:
+        assert result["p"] == pytest.approx(0.5 * (result["p_ab"] + 1 - result["p_ba"]), abs=1e-6)
+        assert result["position_bias"] == pytest.approx(0.5 * (result["p_ab"] + result["p_ba"]) - 0.5, abs=1e-6)
+        assert 0.0 <= result["p"] <= 1.0
+    assert results[2]["p"] is None and "neither" in results[2]["reason"]
+    swapped = judge.prefer(ROWS[:1], ["5"], ["4"])[0]
+    assert swapped["p"] == pytest.approx(1 - results[0]["p"], abs=1e-6)
+    assert swapped["position_bias"] == pytest.approx(results[0]["position_bias"], abs=1e-6)
+
+
+# --- registry and identity -----------------------------------------------------------------------
+def test_the_registry_builds_the_judge():
+    verifier = get_verifier("judge:tiny")
+    assert isinstance(verifier, JudgeVerifier) and verifier.name == "judge:tiny" and not verifier.in_worker
+    assert verifier.mode == "logits" and verifier.max_score == 5
+    assert verifier.batch_size == 16  # reward_options.batch_size's default
+    generating = get_verifier("judge:tiny,mode=generate,max_score=4,batch_size=3")
+    assert (generating.mode, generating.max_score, generating.batch_size) == ("generate", 4, 3)
+    assert as_verifier(None, "judge:tiny", RewardOptions(batch_size=5)).batch_size == 5
+    with pytest.raises(ValueError, match="name the judge model"):
+        get_verifier("judge:")
+    with pytest.raises(UserError) as caught:
+        as_verifier(None, "judge:")
+    assert "\n" not in str(caught.value) and "judge:smollm2-135m" in str(caught.value)
+    with pytest.raises(UserError):
+        as_verifier(None, "judge:tiny,temperature=2")
+
+
+def test_the_judges_identity_is_its_weights(judge):
+    """Same seed, same weights, same hash (and computed once); one weight changed, another hash."""
+    again = JudgeVerifier("tiny", loaded=build_tiny_model())
+    assert judge.implementation()["judge"] == again.implementation()["judge"]
+    assert "weights_hash" in judge.__dict__  # cached after the first call
+    model, tokenizer = build_tiny_model()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3
+    changed = JudgeVerifier("tiny", loaded=(model, tokenizer))
+    assert changed.implementation()["judge"] != judge.implementation()["judge"]
+    assert math.isfinite(changed.score("4", ROWS[0]).reward)
+
+
+def test_independence_tells_judges_apart(judge):
+    """Two judges with the same weights (whatever their mode) are not independent; a judge and an
+    answer checker are."""
+    from posttrain.evaluation.acceptance import independence
+
+    generating = JudgeVerifier("tiny", mode="generate", loaded=(judge.model, judge.tokenizer))
+    assert independence(judge, generating)[0] is False
+    assert independence(judge, get_verifier("integer"))[0] is True
