@@ -56,6 +56,22 @@ def test_gae_entry_is_gae_over_the_token_rewards_then_whitened():
     assert set(estimate.metrics) == {"values/mean", "returns/mean", "explained_variance"}
 
 
+def test_gae_normalize_rewards_standardises_the_scored_rows_first():
+    """loss.gae.normalize_rewards: rewards [1, 3, NaN] -> [-1, 1, NaN] (mean 2, population std 1)
+    before GAE; the unscored row still gets reward 0. A learned reward's offset and scale then do not
+    matter: [11, 13] gives the same advantages as [1, 3]."""
+    from posttrain.algorithms.estimators import standardized_rewards
+
+    assert standardized_rewards(torch.tensor([1.0, 3.0, float("nan")])).tolist()[:2] == [-1.0, 1.0]
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    values = torch.zeros(3, 2)
+    inputs = lambda rewards: StepRewards(torch.tensor(rewards), mask, mask, 1, values=values)
+    estimate = ADVANTAGE_ESTIMATORS["gae"].estimate(inputs([1.0, 3.0, float("nan")]), gamma=1.0, lam=1.0, whiten=False, normalize_rewards=True)
+    assert estimate.returns.tolist() == [[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0]]
+    shifted = ADVANTAGE_ESTIMATORS["gae"].estimate(inputs([11.0, 13.0, float("nan")]), gamma=1.0, lam=1.0, whiten=False, normalize_rewards=True)
+    assert torch.allclose(shifted.advantages, estimate.advantages)
+
+
 def test_every_entry_names_real_settings_and_a_real_command():
     fields = {f.name: f for f in dataclasses.fields(online_config.Loss)}
     for name, entry in ADVANTAGE_ESTIMATORS.items():

@@ -55,6 +55,23 @@ def test_divergence_alarm():
     assert healthy.observe(2, 0.5, 0.4) is None  # both rose
 
 
+def test_divergence_alarm_threshold_is_relative_for_a_reward_off_zero_one():
+    """Rewards [-1.2, 0.3, 0.9, -0.4]: mean -0.1, population std sqrt((1.21 + 0.16 + 1.0 + 0.09) / 4)
+    = 0.784219; reward_rise 0.1 rings at a rise of 0.0784. A 0/1 verifier's rewards keep the absolute 0.1."""
+    alarm = DivergenceAlarm(window=2, reward_rise=0.1)
+    alarm.calibrate([-1.2, 0.3, 0.9, -0.4])
+    assert alarm.reward_spread == pytest.approx(0.784219, abs=1e-6) and alarm.threshold == pytest.approx(0.0784219, abs=1e-7)
+    alarm.calibrate([0.0, 100.0])  # once only
+    assert alarm.reward_spread == pytest.approx(0.784219, abs=1e-6) and "relative" in alarm.describe()
+    alarm.observe(1, 0.0, 0.5)
+    assert alarm.observe(2, 0.08, 0.5) is not None  # +0.08 >= 0.0784: rings, where an absolute 0.1 would not
+    binary = DivergenceAlarm(window=2, reward_rise=0.1)
+    binary.calibrate([0.0, 1.0, 1.0, 0.0])
+    assert binary.reward_spread is None and binary.threshold == 0.1 and "absolute" in binary.describe()
+    resumed = DivergenceAlarm(window=2, reward_rise=0.1, reward_spread=alarm.reward_spread)
+    assert resumed.threshold == alarm.threshold
+
+
 @pytest.mark.parametrize("reward, checker, independent, shared", [
     ("exact", "integer", True, None),
     ("0.9*exact+0.1*format", "integer", True, None),

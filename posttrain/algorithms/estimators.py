@@ -90,14 +90,25 @@ def group_estimate(inputs: StepRewards, scale: str, eps: float, unbiased_std: bo
     return Estimate(grpo_advantages(rewards, inputs.group_size, scale=scale, eps=eps, unbiased_std=unbiased_std))
 
 
-def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten: bool) -> Estimate:
+def standardized_rewards(rewards: torch.Tensor) -> torch.Tensor:
+    """(N,) sequence rewards standardised over the scored rows (NaN rows stay NaN): mean 0,
+    population std 1 (a constant batch: 0). Example: [1, 3, NaN] -> [-1, 1, NaN]."""
+    scored = rewards[~torch.isnan(rewards)]
+    if scored.numel() < 2:
+        return rewards - scored.mean() if scored.numel() else rewards
+    return (rewards - scored.mean()) / scored.std(correction=0).clamp(min=1e-6)
+
+
+def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten: bool, normalize_rewards: bool = False) -> Estimate:
     """PPO's per-token advantages: GAE (Schulman et al. arXiv:1506.02438 eq. 16) over per-token
-    rewards (the sequence reward on its last token, -beta x KL on every token when placed in the
-    reward: Ouyang et al. arXiv:2203.02155 eq. 2) and the critic's values; whitened over the
-    batch's counted tokens when asked. Unscored rows (NaN) get reward 0 and no loss (mask)."""
+    rewards (the sequence reward on its last token, standardised over the batch first when asked,
+    -beta x KL on every token when placed in the reward: Ouyang et al. arXiv:2203.02155 eq. 2) and
+    the critic's values; whitened over the batch's counted tokens when asked. Unscored rows (NaN)
+    get reward 0 and no loss (mask)."""
     values, mask = inputs.values, inputs.mask
     kl = inputs.kl if inputs.kl is not None else torch.zeros_like(values)
-    token_rewards = kl_in_reward(torch.nan_to_num(inputs.rewards, nan=0.0), kl, mask, inputs.kl_beta, per_token=True)
+    rewards = standardized_rewards(inputs.rewards) if normalize_rewards else inputs.rewards
+    token_rewards = kl_in_reward(torch.nan_to_num(rewards, nan=0.0), kl, mask, inputs.kl_beta, per_token=True)
     advantages, returns = gae(token_rewards, values, mask, gamma, lam)
     if whiten:
         advantages = whiten_tokens(advantages, mask)

@@ -45,6 +45,10 @@ class GaeAdvantage:
     """GAE's lambda."""
     whiten: bool = True
     """Normalise advantages to zero mean, unit std over the batch's response tokens."""
+    normalize_rewards: bool = False
+    """Standardise the sequence rewards over the batch's scored rows (mean 0, population std 1) before the KL and GAE: a learned
+    reward model's scale is arbitrary, and it would set the critic's targets and the reward-to-KL trade-off (OpenRLHF's
+    normalize_reward, per batch here; TRL's whiten_rewards whitens per-token rewards)."""
 
 
 @dataclass

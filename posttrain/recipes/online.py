@@ -311,11 +311,12 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     state.step, state.stream.position = saved["step"], saved.get("stream_position", 0)
     state.reference_refreshed_at = saved.get("reference_refreshed_at", [])
     alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []),
-                            rings=saved.get("alarm_rings", []))
+                            rings=saved.get("alarm_rings", []), reward_spread=saved.get("alarm_reward_spread"))
     signal = TrainingSignal(stop_after=config.acceptance.signal_stop_after, window=config.acceptance.signal_window,
                             verify=None if reward is not None else config.reward if config.reward != "auto" else state.verifier.name,
                             **saved.get("training_signal", {}))
     card = make_card(config, state, reward, changes)
+    card["links"]["acceptance"]["divergence_alarm_threshold"] = alarm.describe()
     card["training_signal"] = signal.card()
 
     write_card = card_writer(run_dir, card, world)
@@ -368,6 +369,9 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
             metrics = step(state, batch, timer)  # 3-4
         done = state.step
         card["run"]["reference_refreshed_at"] = state.reference_refreshed_at
+        if not alarm.reward_spread and not alarm.history:  # the first scored step sets the alarm's scale
+            alarm.calibrate(batch.scores.rewards[batch.valid].tolist())
+            card["links"]["acceptance"]["divergence_alarm_threshold"] = alarm.describe()
         # 5. Log, evaluate, checkpoint.
         metrics.update(batch.metrics(timer.seconds))
         metrics["seconds/step"] = time.perf_counter() - started  # the whole step before evaluation and logging
@@ -384,6 +388,7 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
         loop.end_step(done, metrics, save=lambda: save_training(
             run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
             extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
+                         "alarm_reward_spread": alarm.reward_spread,
                          "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state()}),
             after_log=plot if "heldout/pass@1" in metrics and world.main else None,
             reward="n/a" if metrics["reward/mean"] is None else f"{metrics['reward/mean']:.3f}")
