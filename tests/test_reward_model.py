@@ -256,3 +256,50 @@ def test_margin_without_the_column_names_the_pair(tmp_path):
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2 and "pair p3" in result.stderr and "margin" in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_truncated_completions_follow_the_policy():
+    """reward_options.truncated: penalty:1 turns a truncated 0.7 into -0.3 (TRL's missing_eos_penalty
+    subtracts); exclude makes it a counted data_error; an untruncated row and a row that is not ok stay."""
+    from posttrain.rewards import Verdict
+    from posttrain.rewards.scores import truncation_policy
+
+    verdicts = [Verdict.ok(0.7, "r"), Verdict.ok(0.7, "r"), Verdict.infra_error("down")]
+    penalised = truncation_policy(verdicts, [True, False, True], "penalty:1")
+    assert penalised[0].reward == pytest.approx(-0.3) and penalised[0].details["unpenalised"] == 0.7
+    assert penalised[1] is verdicts[1] and penalised[2] is verdicts[2]
+    excluded = truncation_policy(verdicts, [True, False, True], "exclude")
+    assert excluded[0].status == "data_error" and excluded[0].details["unexcluded"] == 0.7 and excluded[1].reward == 0.7
+    with pytest.raises(UserError, match="reward_options.truncated"):
+        RewardOptions(truncated="penalty:x")
+    with pytest.raises(UserError, match="reward_options.offload"):
+        RewardOptions(offload="disk")
+
+
+def test_offload_keeps_the_model_on_the_cpu_between_calls(exported):
+    verifier = as_verifier(None, f"rm:{exported}", RewardOptions(offload="cpu"))
+    moves = []
+    original = verifier.model.to
+    verifier.model.to = lambda device: (moves.append(str(device)), original(device))[1]
+    verdict = verifier("4", {"prompt": "2+2="})
+    assert verdict.status == "ok" and moves == ["cpu", "cpu"]  # to the run's device (the CPU here), then back
+    assert next(verifier.model.parameters()).device.type == "cpu"
+
+
+def test_grpo_on_a_reward_model_with_a_truncation_penalty(tmp_path, exported):
+    """`posttrain grpo --reward rm:DIR`: the reward link is the reward model (its card entry), the
+    held-out checker `integer` is independent of it, the divergence alarm's threshold is relative to
+    the reward's spread (an RM's rewards are not on [0, 1]), and truncated completions pay the penalty."""
+    run = tmp_path / "grpo"
+    result = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--reward", f"rm:{exported}", "--max-steps", "2",
+                             "--data.prompts_per_step", "4", "--data.group_size", "4", "--data.eval_size", "8",
+                             "--sampling.max_new_tokens", "4", "--acceptance.max_new_tokens", "4", "--acceptance.sets", "[]",
+                             "--reward_options.truncated", "penalty:5", "--output-dir", str(run)], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    card = json.loads((run / "run_card.json").read_text())
+    assert card["links"]["reward"]["verifier"] == f"rm:{exported}" and card["links"]["reward"]["kind"] == "learned reward model"
+    assert card["links"]["acceptance"]["independent"] is True
+    assert card["links"]["acceptance"]["divergence_alarm_threshold"].startswith("relative")
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    truncated = [row for row in samples if row["truncated"]]
+    assert truncated and all("truncated: -5" in row["reason"] for row in truncated)

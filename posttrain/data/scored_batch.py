@@ -132,12 +132,13 @@ class ScoredBatch:
 def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier, *, prompts: int, group_size: int,
                      sampling: SamplingConfig, seed: int, step: int, timer, system_prompt: str | None = None,
                      refill_rounds: int | None = None, world: World | None = None,
-                     sampler: Sampler = single_turn) -> ScoredBatch:
+                     sampler: Sampler = single_turn, truncated: str = "score") -> ScoredBatch:
     """Sample (with `sampler`: one turn by default) and score `prompts` (B) x `group_size` (G) rows. With `refill_rounds` (DAPO dynamic
     sampling), groups without signal are dropped and replaced by fresh prompts for up to that many
     extra rounds (the batch may stay short). Under torchrun each rank samples and scores its block
     of each round's prompts and the results are gathered, so every rank returns the same global
-    batch (the one a single process would sample) and takes the same refill decisions."""
+    batch (the one a single process would sample) and takes the same refill decisions. `truncated`:
+    what a completion that hit max_new_tokens without stopping gets (`rewards.scores.truncation_policy`)."""
     world = world or World()
     B, G = prompts, group_size
     dynamic = refill_rounds is not None
@@ -158,7 +159,7 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
                                   sampling=sampling, seed=round_seed, shard=(mine.start, len(examples)) if world.active else None)
             with timer("scoring"):
                 rows = [verifier_input(e, r) for e, r in zip(examples[mine.start:mine.stop], rendered[mine.start:mine.stop])]
-                scores = score_rows(verifier, rollout.texts, rows, rollout.prompt_index.tolist())
+                scores = score_rows(verifier, rollout.texts, rows, rollout.prompt_index.tolist(), rollout.truncated.tolist(), truncated)
         owners = torch.arange(world.size).repeat_interleave(torch.tensor([len(b) for b in world.blocks(len(examples))]) * G)
         if world.active:  # every rank gets the whole round, in global row order (through the CPU: a pickled
             # CUDA tensor would unpickle onto the sender's GPU index)

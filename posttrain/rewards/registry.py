@@ -101,6 +101,8 @@ class RewardContext:
     """rm:: stored | batch | none (`RewardOptions.normalisation`)."""
     clip: float | None = None
     """rm:: clamp the normalised reward to [-clip, clip]; None: no clamp."""
+    offload: str | None = None
+    """rm:, judge:: `cpu` keeps the scoring model on the CPU between calls."""
 
 
 RewardFactory = Callable[[str, RewardContext], Verifier]
@@ -122,7 +124,7 @@ def _reward_model(directory: str, context: RewardContext) -> Verifier:
     from posttrain.rewards.reward_model import RewardModelVerifier
 
     return RewardModelVerifier(directory, context.placement, batch_size=context.batch_size, normalisation=context.normalisation,
-                               clip=context.clip)
+                               clip=context.clip, offload=context.offload)
 
 
 PREFIXED_KINDS: dict[str, tuple[RewardFactory, str]] = {
@@ -203,6 +205,11 @@ class RewardOptions:
     """rm:: stored ((r - mean) / population std, as stored with the reward model at export) | batch (over each batch's rows) | none."""
     clip: float | None = None
     """rm:: clamp the normalised reward to [-clip, clip] (None: no clamp)."""
+    truncated: str = "score"
+    """Online training: a completion that reached max_new_tokens without stopping is scored as is (`score`), scored minus x
+    (`penalty:<x>`, TRL's missing_eos_penalty), or left out of the baselines and the loss (`exclude`, counted as a data error)."""
+    offload: str | None = None
+    """rm: and judge:: `cpu` keeps the scoring model on the CPU between scoring calls (moved to the run's device for each), freeing GPU memory for training."""
 
     def __post_init__(self):
         if self.tests not in CODE_TESTS:
@@ -211,6 +218,10 @@ class RewardOptions:
             raise UserError(f"reward_options: timeout_s must be > 0 and memory_mb >= 64, got {self.timeout_s}, {self.memory_mb}")
         if self.normalisation not in ("stored", "batch", "none"):
             raise UserError(f"reward_options.normalisation: one of stored, batch, none, got {self.normalisation!r}")
+        if self.truncated not in ("score", "exclude") and not _is_penalty(self.truncated):
+            raise UserError(f"reward_options.truncated: score, exclude or penalty:<number>, got {self.truncated!r}")
+        if self.offload not in (None, "cpu"):
+            raise UserError(f"reward_options.offload: cpu or unset, got {self.offload!r}")
         if self.batch_size < 1 or (self.clip is not None and self.clip <= 0):
             raise UserError(f"reward_options: batch_size must be >= 1 and clip > 0, got {self.batch_size}, {self.clip}")
 
@@ -238,7 +249,8 @@ def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str,
         verifier = build_reward(name, RewardContext(
             sandbox=options.sandbox(unsafe_no_sandbox), fraction=options.partial_credit and not for_checker,
             extraction=None if _is_code(name) else options.extraction, tests="all" if for_checker else options.tests,
-            placement=placement, world=world, batch_size=options.batch_size, normalisation=options.normalisation, clip=options.clip))
+            placement=placement, world=world, batch_size=options.batch_size, normalisation=options.normalisation, clip=options.clip,
+            offload=options.offload))
     except (ValueError, TypeError) as error:
         raise UserError(f"{setting or ('acceptance.checker' if for_checker else 'reward')}: {error}") from None
     if options.extraction and _is_code(name):
@@ -246,6 +258,13 @@ def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str,
             raise UserError(f"reward_options.extraction {options.extraction!r}: a code verifier takes one of {', '.join(CODE_POLICIES)}")
         verifier.code_policy = options.extraction
     return verifier
+
+
+def _is_penalty(policy: str) -> bool:
+    try:
+        return policy.startswith("penalty:") and float(policy.removeprefix("penalty:")) >= 0
+    except ValueError:
+        return False
 
 
 def _is_code(name: str) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from posttrain.data.tokenize import encode_prompt, encode_response
+from posttrain.errors import UserError
 from posttrain.hardware import cpu_placement
 from posttrain.models.reward_model import load_reward_model, weights_hash
 from posttrain.rewards.base import Verifier
@@ -42,13 +43,14 @@ class RewardModelVerifier(Verifier):
     in_worker = False
 
     def __init__(self, directory: str, placement=None, batch_size: int = 16, normalisation: str = "stored",
-                 clip: float | None = None):
+                 clip: float | None = None, offload: str | None = None):
         if normalisation not in NORMALISATIONS:
             raise ValueError(f"rm:{directory}: reward_options.normalisation must be one of {', '.join(NORMALISATIONS)}, got {normalisation!r}")
         self.directory, self.placement = directory, placement or cpu_placement()
         self.name = f"rm:{directory}"
-        self.batch_size, self.normalisation, self.clip = batch_size, normalisation, clip
-        self.model, self.tokenizer, self.meta = load_reward_model(directory, dtype=self.placement.param_dtype, device=self.placement.device)
+        self.batch_size, self.normalisation, self.clip, self.offload = batch_size, normalisation, clip, offload
+        self.model, self.tokenizer, self.meta = load_reward_model(directory, dtype=self.placement.param_dtype,
+                                                                  device="cpu" if offload else self.placement.device)
         if normalisation == "stored" and not self.meta.get("reward_std_population"):
             raise ValueError(f"rm:{directory}: its reward_model.json stores no reward scale; use reward_options.normalisation batch or none")
         self.max_tokens = getattr(self.model.config, "max_position_embeddings", None)
@@ -75,12 +77,26 @@ class RewardModelVerifier(Verifier):
                 response_ids = response_ids[: self.max_tokens - 1] + [self.tokenizer.eos_token_id]
         return prompt_ids + response_ids, cut
 
-    @torch.no_grad()
     def raw_rewards(self, sequences: list[list[int]]) -> torch.Tensor:
         """(n,) float32 rewards of token id lists, `batch_size` at a time, right-padded (pooling
-        reads the attention mask, so the padding's ids never matter)."""
-        out = []
+        reads the attention mask, so the padding's ids never matter). With `offload` the model visits
+        the run's device for the call only. Out of memory is one line naming the scoring knobs."""
         device = self.placement.device
+        if self.offload:
+            self.model.to(device)
+        try:
+            return self._raw_rewards(sequences, device)
+        except torch.OutOfMemoryError as error:
+            raise UserError(f"{self.name}: out of memory while scoring {len(sequences)} completions, {self.batch_size} per forward "
+                            f"({str(error).splitlines()[0]}); lower reward_options.batch_size, or set reward_options.offload cpu to keep "
+                            "the reward model off the GPU between scoring calls") from None
+        finally:
+            if self.offload:
+                self.model.to("cpu")
+
+    @torch.no_grad()
+    def _raw_rewards(self, sequences: list[list[int]], device) -> torch.Tensor:
+        out = []
         for start in range(0, len(sequences), self.batch_size):
             chunk = sequences[start : start + self.batch_size]
             width = max(len(ids) for ids in chunk)
@@ -130,7 +146,7 @@ class RewardModelVerifier(Verifier):
 
     def describe(self) -> dict[str, Any]:
         return {"verifier": self.name, "kind": "learned reward model", "normalisation": self.normalisation, "clip": self.clip,
-                "batch_size": self.batch_size, "stored_mean": self.meta.get("reward_mean"),
+                "batch_size": self.batch_size, "offload": self.offload, "stored_mean": self.meta.get("reward_mean"),
                 "stored_std_population": self.meta.get("reward_std_population"), "heldout_accuracy": self.meta.get("heldout_accuracy"),
                 "base_model": self.meta.get("base_model"), "rendering": "the reward model's own tokenizer and chat template, one EOS",
                 "device": str(self.placement.device)}

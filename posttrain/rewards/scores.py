@@ -42,6 +42,33 @@ class Scores:
         )
 
 
-def score_rows(verifier: Verifier, texts: Sequence[str], rows: Sequence[Mapping[str, Any]], prompt_index: Sequence[int]) -> Scores:
-    """Score completion `texts[i]` against `rows[prompt_index[i]]` (row b*G+g -> rows[b])."""
-    return Scores.of(verifier.batch(list(texts), [rows[b] for b in prompt_index]))
+def score_rows(verifier: Verifier, texts: Sequence[str], rows: Sequence[Mapping[str, Any]], prompt_index: Sequence[int],
+               truncated: Sequence[bool] | None = None, policy: str = "score") -> Scores:
+    """Score completion `texts[i]` against `rows[prompt_index[i]]` (row b*G+g -> rows[b]); the
+    completions that reached max_new_tokens without stopping (`truncated`) then follow `policy`
+    (`truncation_policy`)."""
+    verdicts = verifier.batch(list(texts), [rows[b] for b in prompt_index])
+    if truncated is not None and policy != "score":
+        verdicts = truncation_policy(verdicts, truncated, policy)
+    return Scores.of(verdicts)
+
+
+def truncation_policy(verdicts: Sequence[Verdict], truncated: Sequence[bool], policy: str) -> list[Verdict]:
+    """`reward_options.truncated` for the completions that hit max_new_tokens without an EOS:
+    `score` (as scored) | `penalty:<x>` (an ok reward minus x: TRL's missing_eos_penalty) | `exclude`
+    (data_error: out of the group baselines and the loss, counted). Verdicts that are not ok stay.
+    Example: penalty:1 turns a truncated reward 0.7 into -0.3."""
+    if policy == "score":
+        return list(verdicts)
+    penalty = float(policy.removeprefix("penalty:")) if policy.startswith("penalty:") else None
+    out = []
+    for verdict, cut in zip(verdicts, truncated):
+        if not cut or verdict.status != "ok":
+            out.append(verdict)
+        elif penalty is not None:
+            out.append(Verdict.ok(verdict.reward - penalty, f"{verdict.reason}; truncated: -{penalty:g} (reward_options.truncated)",
+                                  **verdict.details, unpenalised=verdict.reward))
+        else:
+            out.append(Verdict.data_error("truncated at max_new_tokens: excluded (reward_options.truncated exclude)",
+                                          **verdict.details, unexcluded=verdict.reward))
+    return out
