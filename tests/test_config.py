@@ -187,18 +187,18 @@ def test_every_shipped_preset_builds_its_recipes_config(tmp_path):
     import json
 
     from posttrain.config import PRESETS
-    from posttrain.recipes import dpo_config, iterative_dpo, online_config, sft
+    from posttrain.recipes import dpo_config, iterative_dpo, online_config, rm, sft
 
-    recipes = {"sft": sft.Config, "grpo": online_config.grpo_config, "rloo": online_config.grpo_config,
-               "ppo": online_config.ppo_config, "dpo": dpo_config.Config, "orpo": dpo_config.Config,
-               "iterative": iterative_dpo.Config}
+    online = {name: online_config.grpo_config for name in ("grpo", "rloo", "reinforce", "gspo", "cispo")}
+    offline = {name: dpo_config.Config for name in ("dpo", "orpo", "kto", "simpo", "cpo")}
+    recipes = {"sft": sft.Config, **online, "ppo": online_config.ppo_config, **offline, "iterative": iterative_dpo.Config, "rm": rm.Config}
     names = sorted(path.stem for path in PRESETS.glob("*.yaml"))
     assert {name.split("-")[1] for name in names} <= set(recipes), names
     pairs = tmp_path / "one_pair.jsonl"
     pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "3"}) + "\n")
     for name in names:
         kind = name.split("-")[1]
-        overrides = {"model": "tiny", **({"data": {"pairs": str(pairs)}} if kind in ("dpo", "orpo") else {})}
+        overrides = {"model": "tiny", **({"data": {"pairs": str(pairs)}} if kind in (*offline, "rm") else {})}
         config = build_config(recipes[kind], PRESETS / f"{name}.yaml", overrides)
         if kind == "rloo":
             assert config.loss.advantage == "rloo" and config.loss.kl.placement == "reward"

@@ -22,30 +22,42 @@ from posttrain.recipes import demo
 
 @pytest.mark.timeout(3600)
 def test_shortened_demo_end_to_end(tmp_path):
-    config = build_config(demo.Config, None, {"output_dir": str(tmp_path / "demo"), "grpo_steps": 12})
+    config = build_config(demo.Config, None, {"output_dir": str(tmp_path / "demo"), "grpo_steps": 12, "rm_steps": 20})
     out = demo.run(config)
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"heldout_before", "heldout_after_grpo", "heldout_after_dpo", "heldout_after_dpo_plain", "n_heldout",
-                            "gain_grpo_ci95", "gain_dpo_ci95", "gain_dpo_plain_ci95", "sets", "checker", "seconds_after_install"}
+    report = (out / "report.md").read_text()
+    assert set(summary) == {"heldout_before", "heldout_after_grpo", "heldout_after_dpo", "heldout_after_dpo_plain", "heldout_after_grpo_rm",
+                            "n_heldout", "gain_grpo_ci95", "gain_dpo_ci95", "gain_dpo_plain_ci95", "gain_grpo_rm_ci95", "sets", "checker",
+                            "reward_model", "seconds_after_install"}
     assert summary["n_heldout"] == 500
     assert all(0 <= summary[key] <= 1 for key in ("heldout_before", "heldout_after_grpo", "heldout_after_dpo"))
     assert summary["heldout_after_grpo"] > summary["heldout_before"]
     assert summary["gain_grpo_ci95"][0] > 0, summary
     assert summary["heldout_after_dpo"] > summary["heldout_after_dpo_plain"], summary  # RPO's NLL term against displacement
     assert set(summary["sets"]) == {"in_distribution", "digits_3", "words", "question"}
-    assert set(summary["sets"]["words"]) == {"sft", "grpo", "dpo", "dpo_plain"}
+    assert set(summary["sets"]["words"]) == {"sft", "grpo", "dpo", "dpo_plain", "grpo_rm"}
+    # Only the reward link changed: the reward model's held-out accuracy, and GRPO on it read from its own figures.
+    model = summary["reward_model"]
+    assert model["steps"] == 20 and 0 <= model["heldout_pair_accuracy"] <= 1
+    assert model["heldout_pair_accuracy_ci95"][0] <= model["heldout_pair_accuracy"] <= model["heldout_pair_accuracy_ci95"][1]
+    low, high = summary["gain_grpo_rm_ci95"]
+    said = "rose" if low > 0 else "fell" if high < 0 else "did not clearly change"
+    assert "**Only the reward link changed" in report and f"its held-out accuracy {said} (" in report
+    grpo_rm_card = json.loads((out / "grpo_rm" / "run_card.json").read_text())
+    assert grpo_rm_card["links"]["reward"]["kind"] == "learned reward model"
+    assert ("divergence alarm" in report) and ("rang" in report or "did not ring" in report)
     assert summary["checker"]["name"] == "integer" and summary["checker"]["independent"] is True
-    report = (out / "report.md").read_text()
-    assert "| SFT start" in report and "| GRPO" in report and "| DPO" in report and "## The four links" in report
+    assert "| SFT start" in report and "| GRPO" in report and "| GRPO on a reward model" in report and "| DPO" in report and "## The four links" in report
     assert "| digits_3 [95% CI] |" in report
     for stage in ("dpo", "dpo_plain"):  # the report reads each DPO run's change from its interval, never assumes it
         (low, high), gain = summary[f"gain_{stage}_ci95"], summary[f"heldout_after_{stage}"] - summary["heldout_before"]
         said = "rose" if low > 0 else "fell" if high < 0 else "did not clearly change"
         assert f"held-out accuracy {said} ({gain:+.3f} [" in report, (stage, low, high)
-    for image in ("heldout.png", "grpo_reward.png", "grpo_heldout.png", "grpo_kl.png", "dpo_loss.png", "dpo_chosen.png"):
+    for image in ("heldout.png", "grpo_reward.png", "grpo_heldout.png", "grpo_kl.png", "dpo_loss.png", "dpo_chosen.png",
+                  "rm_accuracy.png", "grpo_rm_reward.png", "grpo_rm_heldout.png"):
         assert (out / "plots" / image).is_file(), image
         assert f"plots/{image}" in report
-    for stage in ("sft", "grpo", "dpo", "dpo_plain"):
+    for stage in ("sft", "grpo", "dpo", "dpo_plain", "rm", "grpo_rm"):
         card = json.loads((out / stage / "run_card.json").read_text())
         assert set(card["links"]) == {"data", "reward", "loss", "acceptance"}
 
@@ -69,3 +81,7 @@ def test_stage_configs_are_presets_plus_the_demos_overrides(tmp_path):
         assert (dpo.data.heldout_pairs, dpo.data.pairs, dpo.acceptance.max_new_tokens) == (0, "p.jsonl", 7)
     assert rpo.loss.nll_weight > 0 and plain.loss.nll_weight == 0.0
     assert demo.DPO.overrides["data"] == {"heldout_pairs": 0} and "model" not in demo.GRPO.overrides
+    reward_model = demo.stage_config(demo.RM, config, starts, {"data": {"pairs": "p.jsonl", "heldout_pairs": 12}})
+    assert (reward_model.model, reward_model.max_steps, reward_model.data.heldout_pairs) == (starts["sft"], config.rm_steps, 12)
+    on_rm = demo.stage_config(demo.GRPO_RM, config, starts, {"reward": "rm:x/final"})
+    assert on_rm.reward == "rm:x/final" and on_rm.max_steps == grpo.max_steps and on_rm.model == grpo.model

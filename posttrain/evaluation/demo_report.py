@@ -22,15 +22,17 @@ from posttrain.evaluation.stats import paired_difference_ci  # noqa: E402
 from posttrain.runs import read_jsonl  # noqa: E402
 from posttrain.runs.plots import save_figure  # noqa: E402
 
-LABELS = {"sft": "SFT start", "grpo": "after GRPO", "dpo": "after DPO (RPO)", "dpo_plain": "plain DPO"}
+LABELS = {"sft": "SFT start", "grpo": "after GRPO", "dpo": "after DPO (RPO)", "dpo_plain": "plain DPO", "grpo_rm": "GRPO on the RM"}
 """The demo's stages in report order, with their labels in the held-out figure."""
-TRAINED = ("grpo", "dpo", "dpo_plain")
+TRAINED = ("grpo", "dpo", "dpo_plain", "grpo_rm")
 """The stages trained from the SFT start, each compared with it."""
 FIGURES = [
     "![held-out accuracy](plots/heldout.png)", "",
     "![GRPO reward](plots/grpo_reward.png) ![GRPO held-out](plots/grpo_heldout.png)", "",
     "![GRPO KL](plots/grpo_kl.png) ![DPO loss](plots/dpo_loss.png) ![DPO accuracy](plots/dpo_accuracy.png)", "",
     "![DPO chosen log-ratio](plots/dpo_chosen.png)", "",
+    "![RM held-out pair accuracy](plots/rm_accuracy.png) ![GRPO on the RM: its reward](plots/grpo_rm_reward.png) "
+    "![held-out accuracy, GRPO on the program vs on the RM](plots/grpo_rm_heldout.png)", "",
 ]
 """The report's figures, in the order it shows them (`_plot` draws them)."""
 
@@ -46,7 +48,9 @@ class DemoResult:
     """The SFT start's steps: the first round whose held-out pass@1 reached `sft_target` (or the most)."""
     sft_target: float
     grpo_steps: int
-    """GRPO's steps, and each DPO run's."""
+    """GRPO's steps, and each DPO run's, and GRPO's on the reward model."""
+    rm_steps: int
+    """The reward model's training steps."""
     samples_per_step: int
     """GRPO's sampled answers per step (prompts per step x group size)."""
     samples_shown: int
@@ -72,11 +76,11 @@ class DemoResult:
 def write_report(result: DemoResult) -> None:
     """summary.json, then report.md and its plots."""
     write_text_atomically(result.out / "summary.json", json.dumps(summary(result), indent=1) + "\n")
-    rows = {stage: read_jsonl(result.run_dirs[stage] / "metrics.jsonl") for stage in TRAINED}
+    rows = {stage: read_jsonl(result.run_dirs[stage] / "metrics.jsonl") for stage in (*TRAINED, "rm")}
     cards = {name: json.loads((path / "run_card.json").read_text()) for name, path in result.run_dirs.items()}
     _plot(result, rows)
     lines = (_introduction(result) + _stage_table(result, rows) + _reading(result, rows, cards["dpo_plain"].get("alarms") or [])
-             + FIGURES + _links(result, cards) + _samples(result))
+             + [_learned_reward(result, rows, cards), ""] + FIGURES + _links(result, cards) + _samples(result))
     write_text_atomically(result.out / "report.md", "\n".join(lines) + "\n")
 
 
@@ -90,8 +94,18 @@ def summary(result: DemoResult) -> dict[str, Any]:
         "n_heldout": held_out["sft"]["n"], **{f"gain_{stage}_ci95": list(result.gain(stage)[1:]) for stage in TRAINED},
         "sets": {name: {stage: result.results[stage][name]["pass@1"] for stage in LABELS} for name in result.results["sft"]},
         "checker": {"name": "integer", "independent": independent, "independence_reason": why},
+        "reward_model": _reward_model(result),
         "seconds_after_install": result.seconds,
     }
+
+
+def _reward_model(result: DemoResult) -> dict[str, Any]:
+    """The reward model's held-out pair accuracy (with its interval) at its last step, from its run's metrics."""
+    rows = [row for row in read_jsonl(result.run_dirs["rm"] / "metrics.jsonl") if row.get("heldout/preference_accuracy") is not None]
+    last = rows[-1] if rows else {}
+    return {"steps": result.rm_steps, "heldout_pair_accuracy": last.get("heldout/preference_accuracy"),
+            "heldout_pair_accuracy_ci95": [last.get("heldout/preference_accuracy_low"), last.get("heldout/preference_accuracy_high")],
+            "reward_length_correlation": last.get("heldout/reward_length_correlation")}
 
 
 def _plot(result: DemoResult, rows: dict[str, list[dict]]) -> None:
@@ -110,6 +124,10 @@ def _plot(result: DemoResult, rows: dict[str, list[dict]]) -> None:
         _curve(plots / name, [(key, metrics) for key in keys], title)
     _curve(plots / "dpo_chosen.png", [("RPO", rows["dpo"]), ("plain DPO", rows["dpo_plain"])],
            "log pi(chosen) - log pi_ref(chosen)", key="logratio/chosen")
+    _curve(plots / "rm_accuracy.png", [("heldout/preference_accuracy", rows["rm"])], "Reward model: held-out pair accuracy")
+    _curve(plots / "grpo_rm_reward.png", [("reward/mean", rows["grpo_rm"])], "GRPO on the RM: training reward (the RM's, normalised)")
+    _curve(plots / "grpo_rm_heldout.png", [("GRPO, program reward", rows["grpo"]), ("GRPO, reward model", rows["grpo_rm"])],
+           "Held-out accuracy (in distribution, integer checker)", key="heldout/pass@1")
 
 
 def _heldout_bars(path: Path, results: dict[str, dict[str, dict[str, Any]]]) -> None:
@@ -170,15 +188,20 @@ def _introduction(result: DemoResult) -> list[str]:
 def _stage_table(result: DemoResult, rows: dict[str, list[dict]]) -> list[str]:
     """One row per stage: pass@1 [95% CI] on every set, its training signal, length and wall time."""
     names, timings, pairs = list(result.results["sft"]), result.timings, result.provenance["pairs"]
+    model = _reward_model(result)
     titles = {"sft": f"SFT start ({result.sft_steps} steps)",
               "grpo": f"GRPO ({result.grpo_steps} steps x {result.samples_per_step} samples)",
               "dpo": f"DPO with RPO's NLL term ({result.grpo_steps} steps on {pairs} pairs)",
-              "dpo_plain": "plain DPO (the same, without the NLL term)"}
+              "dpo_plain": "plain DPO (the same, without the NLL term)",
+              "grpo_rm": f"GRPO on a reward model trained {result.rm_steps} steps on the same pairs (held-out pair accuracy "
+                         f"{_accuracy_text(model)})"}
     signals = {"sft": "n/a", "grpo": f"{_last(rows['grpo'], 'reward/mean')} (reward)",
                "dpo": f"{_last(rows['dpo'], 'rewards/accuracy')} (pair accuracy)",
-               "dpo_plain": f"{_last(rows['dpo_plain'], 'rewards/accuracy')} (pair accuracy)"}
+               "dpo_plain": f"{_last(rows['dpo_plain'], 'rewards/accuracy')} (pair accuracy)",
+               "grpo_rm": f"{_last(rows['grpo_rm'], 'reward/mean')} (RM reward, normalised)"}
     walls = {"sft": f"{timings['sft']:.0f} s", "grpo": f"{timings['grpo']:.0f} s",
-             "dpo": f"{timings['pairs'] + timings['dpo']:.0f} s (pairs {timings['pairs']:.0f} s, both DPO runs)", "dpo_plain": "(above)"}
+             "dpo": f"{timings['pairs'] + timings['dpo']:.0f} s (pairs {timings['pairs']:.0f} s, both DPO runs)", "dpo_plain": "(above)",
+             "grpo_rm": f"{timings['rm'] + timings['grpo_rm']:.0f} s (RM {timings['rm']:.0f} s)"}
     lines = ["| stage | " + " | ".join(f"{name} [95% CI]" for name in names) + " | training signal (last step) | mean length | wall time |",
              "|---|" + "---|" * (len(names) + 3)]
     for stage in LABELS:
@@ -190,7 +213,7 @@ def _stage_table(result: DemoResult, rows: dict[str, list[dict]]) -> list[str]:
 
 def _reading(result: DemoResult, rows: dict[str, list[dict]], alarms: list[str]) -> list[str]:
     """The in-distribution gains, how to read them with the shifted sets, and why plain DPO falls."""
-    grpo, rpo, plain = (result.gain(stage) for stage in TRAINED)
+    grpo, rpo, plain = (result.gain(stage) for stage in ("grpo", "dpo", "dpo_plain"))
     return [
         "",
         f"Gains over the start on `in_distribution` (paired over the same problems): GRPO {grpo[0]:+.3f} [{grpo[1]:+.3f}, {grpo[2]:+.3f}]; "
@@ -207,7 +230,7 @@ def _reading(result: DemoResult, rows: dict[str, list[dict]], alarms: list[str])
 def _shift_reading(result: DemoResult) -> str:
     """One sentence per shifted set: each stage's change from the SFT start with its paired 95%
     interval (same problems), and whether any stage moved it at all."""
-    sentences, labels = [], {"grpo": "GRPO", "dpo": "RPO", "dpo_plain": "plain DPO"}
+    sentences, labels = [], {"grpo": "GRPO", "dpo": "RPO", "dpo_plain": "plain DPO", "grpo_rm": "GRPO on the RM"}
     stages = result.results
     for name in stages["sft"]:
         if name == IN_DISTRIBUTION:
@@ -252,25 +275,59 @@ def _two_dpo_runs(result: DemoResult, rpo_rows: list[dict], plain_rows: list[dic
     )
 
 
+def _accuracy_text(model: dict[str, Any]) -> str:
+    accuracy, (low, high) = model["heldout_pair_accuracy"], model["heldout_pair_accuracy_ci95"]
+    return "n/a" if accuracy is None else f"{accuracy:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def _learned_reward(result: DemoResult, rows: dict[str, list[dict]], cards: dict[str, dict[str, Any]]) -> str:
+    """GRPO on the reward model beside GRPO on the program, read from the runs' own figures: the
+    RM's held-out pair accuracy, its reward's course, held-out accuracy, and the divergence alarm."""
+    model, alarms = _reward_model(result), cards["grpo_rm"].get("alarms") or []
+    reward = [row["reward/mean"] for row in rows["grpo_rm"] if row.get("reward/mean") is not None]
+    divergence = [alarm for alarm in alarms if alarm.startswith("divergence")]
+    threshold = cards["grpo_rm"]["links"]["acceptance"].get("divergence_alarm_threshold", "n/a")
+    program, learned = result.gain("grpo"), result.gain("grpo_rm")
+    apart = learned[2] < program[1]  # the RM run's interval lies wholly below the program run's
+    return (
+        "**Only the reward link changed: GRPO on a learned reward model.** The reward model was trained "
+        f"{result.rm_steps} steps (Bradley-Terry) from the SFT start on the same {result.provenance['pairs']} pairs DPO used, "
+        f"{cards['rm']['links']['acceptance']['heldout_pairs']} of them held out by prompt: held-out pair accuracy {_accuracy_text(model)}, reward-length correlation "
+        f"{model['reward_length_correlation'] if model['reward_length_correlation'] is None else format(model['reward_length_correlation'], '+.3f')}. "
+        f"GRPO then ran from the same start with the same settings, rewarded by that model (`rm:`, normalised by its stored scale) "
+        f"instead of the program: its training reward went from {reward[0]:+.3f} to {reward[-1]:+.3f}"
+        f" and its held-out accuracy {_change(result, 'grpo_rm')}, against {_change(result, 'grpo')} for GRPO on the program. "
+        + (f"The divergence alarm ({threshold}) rang: \"{divergence[0]}\". " if divergence
+           else f"The divergence alarm ({threshold}) did not ring. ")
+        + ("The learned reward and the real goal came apart: GRPO on the reward model gained less on problems never trained on, "
+           "by the integer checker, than GRPO on the program did from the same start (the two paired intervals do not overlap); "
+           f"what the policy optimised is what a model with {_accuracy_text(model)} held-out pair accuracy prefers."
+           if apart else
+           "Here the learned reward and the real goal did not measurably come apart: the two runs' held-out intervals overlap "
+           "(one seed, one task; a reward model is only as good as its held-out pair accuracy says).")
+    ) if reward else "**GRPO on a learned reward model**: no training reward was logged."
+
+
 def _links(result: DemoResult, cards: dict[str, dict[str, Any]]) -> list[str]:
     """The four links of SFT, GRPO and DPO side by side, where the pairs came from, the run cards."""
     provenance = result.provenance
-    lines = ["## The four links, side by side", "", "| link | SFT | GRPO | DPO (RPO) |", "|---|---|---|---|"]
+    lines = ["## The four links, side by side", "", "| link | SFT | GRPO | DPO (RPO) | GRPO on the RM |", "|---|---|---|---|---|"]
     for link in ("data", "reward", "loss", "acceptance"):
-        row = [summarise(cards[name]["links"][link]) for name in ("sft", "grpo", "dpo")]
+        row = [summarise(cards[name]["links"][link]) for name in ("sft", "grpo", "dpo", "grpo_rm")]
         lines.append(f"| {link} | " + " | ".join(row) + " |")
     return lines + [
         "", f"The DPO pairs: {provenance['pairs']} (correct, incorrect) pairs from {provenance['prompts']} prompts, "
         f"labelled by verifier `{provenance['verifier']}` on samples of the SFT model; "
         f"{provenance['prompts_skipped_all_correct']} prompts skipped as all-correct, "
         f"{provenance['prompts_skipped_all_incorrect']} as all-incorrect.", "",
-        "Full run cards: [SFT](sft/run_card.md), [GRPO](grpo/run_card.md), [DPO](dpo/run_card.md), [plain DPO](dpo_plain/run_card.md).", "",
+        "Full run cards: [SFT](sft/run_card.md), [GRPO](grpo/run_card.md), [DPO](dpo/run_card.md), [plain DPO](dpo_plain/run_card.md), "
+        "[the reward model](rm/run_card.md), [GRPO on the RM](grpo_rm/run_card.md).", "",
     ]
 
 
 def _samples(result: DemoResult) -> list[str]:
     """The first `samples_shown` held-out problems with every stage's completion and its verdict."""
-    lines = ["## Sample held-out completions", "", "| problem | SFT start | after GRPO | after DPO (RPO) | plain DPO |", "|---|---|---|---|---|"]
+    lines = ["## Sample held-out completions", "", "| problem | " + " | ".join(LABELS.values()) + " |", "|---|" + "---|" * len(LABELS)]
     rows = [json.loads((result.out / f"eval_{stage}.json").read_text())["rows"] for stage in LABELS]
     for index in range(min(result.samples_shown, len(rows[0]))):
         problem = rows[0][index]["prompt"].split("user\n")[-1].split("<|im_end|>")[0]

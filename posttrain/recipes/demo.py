@@ -9,12 +9,15 @@
 4. `pairs` from the SFT model (verifier-labelled) and DPO on them, from the same start, with a
    comparable budget (as many sampled answers as GRPO generated): RPO (DPO plus the chosen answers'
    NLL), and plain DPO beside it, whose fall the report explains (likelihood displacement).
-5. Acceptance again for each, on the same held-out sets (in distribution, one more digit, the sums
+5. Only the reward link changed: a reward model (`posttrain rm`, presets/tiny-rm.yaml) trained on
+   those same pairs from the SFT start, then GRPO from the same start against it (`rm:`) instead of
+   the program: where a learned reward and the real goal come apart, this run shows it.
+6. Acceptance again for each, on the same held-out sets (in distribution, one more digit, the sums
    in words, asked as a question; paired confidence intervals), with the `integer` checker written apart from the
    `exact` reward.
-6. A report (`report.md`, `summary.json`, plots) next to the stages' run directories.
+7. A report (`report.md`, `summary.json`, plots) next to the stages' run directories.
 
-Each training stage is a preset (presets/tiny-sft.yaml, tiny-grpo.yaml, tiny-dpo.yaml) plus the few
+Each training stage is a preset (presets/tiny-sft.yaml, tiny-grpo.yaml, tiny-dpo.yaml, tiny-rm.yaml) plus the few
 overrides written below: the demo's numbers are the presets' numbers.
 
 The seed's point, made concrete: GRPO and DPO changed different links (online vs offline data, the
@@ -37,7 +40,7 @@ from posttrain.data.examples import Task
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_shifts, evaluate_task, heldout_split, independence, shifted_sets
 from posttrain.models import load_model
-from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, sft
+from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, rm, sft
 from posttrain.evaluation.demo_report import DemoResult, write_report
 from posttrain.rewards import get_verifier
 from posttrain.runs import read_jsonl
@@ -69,7 +72,9 @@ class Config:
     groups right and some wrong, room for GRPO and DPO to gain. Chosen on the held-out split the
     stages are compared on, the start's own score is if anything flattered, so gains are understated."""
     grpo_steps: int = 50
-    """GRPO steps (presets/tiny-grpo.yaml), and DPO steps."""
+    """GRPO steps (presets/tiny-grpo.yaml), and DPO steps, and the steps of GRPO on the reward model."""
+    rm_steps: int = 50
+    """Reward-model steps (presets/tiny-rm.yaml) on the DPO stage's pairs, a quarter of them (at most 64) held out by prompt."""
     samples_shown: int = 6
     """Completions quoted in the report."""
     threads: int = 1
@@ -81,7 +86,7 @@ class Config:
     """Unused (the stages have their own step counts); accepted for the common flags."""
 
     def validate(self) -> None:
-        for name in ("eval_size", "sft_steps", "sft_round", "grpo_steps"):
+        for name in ("eval_size", "sft_steps", "sft_round", "grpo_steps", "rm_steps"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.sft_target <= 1:
@@ -111,7 +116,11 @@ SFT = Stage("sft", sft.Config, "tiny-sft", "sft_steps",
 GRPO = Stage("grpo", online_config.grpo_config, "tiny-grpo", "grpo_steps", starts_from="sft")
 DPO = Stage("dpo", dpo_config.Config, "tiny-dpo", "grpo_steps", starts_from="sft", overrides=DPO_STAGE)
 DPO_PLAIN = Stage("dpo_plain", dpo_config.Config, "tiny-dpo", "grpo_steps", starts_from="sft", overrides={**DPO_STAGE, **PLAIN_DPO})
-STAGES = (SFT, GRPO, DPO, DPO_PLAIN)
+RM = Stage("rm", rm.Config, "tiny-rm", "rm_steps", starts_from="sft")
+"""presets/tiny-rm.yaml on the DPO stage's pairs; a quarter of them, at most 64, held out by prompt (given where it is built)."""
+GRPO_RM = Stage("grpo_rm", online_config.grpo_config, "tiny-grpo", "grpo_steps", starts_from="sft")
+"""GRPO as the GRPO stage, from the same start, its reward the reward model (`reward: rm:<rm>/final`, given where it is built)."""
+STAGES = (SFT, GRPO, DPO, DPO_PLAIN, RM, GRPO_RM)
 """The training stages, in the order they run (the report's order)."""
 
 
@@ -165,14 +174,22 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
             run_dirs[stage.name] = dpo.run(stage_config(stage, config, starts, {"data": {"pairs": str(pairs_file)}},
                                                         {"acceptance": {"max_new_tokens": budget}}))
 
-    # 5. Acceptance for each on the same problems.
-    for stage in (GRPO, DPO, DPO_PLAIN):
+    # 5. Only the reward link changes: a reward model on the same pairs, then GRPO against it.
+    with _timed(timings, "rm"):
+        held_pairs = min(64, max(1, provenance["pairs"] // 4))
+        run_dirs["rm"] = rm.run(stage_config(RM, config, starts, {"data": {"pairs": str(pairs_file), "heldout_pairs": held_pairs}}))
+    with _timed(timings, "grpo_rm"):
+        run_dirs["grpo_rm"] = online.run(stage_config(GRPO_RM, config, starts, held_out_size, {
+            "reward": f"rm:{run_dirs['rm'] / rm.FINAL}", "acceptance": {"eval_every": max(1, config.grpo_steps // 4)}}))
+
+    # 6. Acceptance for each on the same problems.
+    for stage in (GRPO, DPO, DPO_PLAIN, GRPO_RM):
         results[stage.name] = acceptance(_last_checkpoint(run_dirs[stage.name], config.grpo_steps), sets, budget, config.seed, out, stage.name)
 
-    # 6. Report: summary.json, report.md, plots.
+    # 7. Report: summary.json, report.md, plots.
     checked = independence(get_verifier(provenance["verifier"]), _checker(None, sets[IN_DISTRIBUTION]))
     write_report(DemoResult(
-        out=out, seed=config.seed, sft_steps=sft_steps, sft_target=config.sft_target, grpo_steps=config.grpo_steps,
+        out=out, seed=config.seed, sft_steps=sft_steps, sft_target=config.sft_target, grpo_steps=config.grpo_steps, rm_steps=config.rm_steps,
         samples_per_step=grpo_config.data.prompts_per_step * grpo_config.data.group_size, samples_shown=config.samples_shown,
         results=results, run_dirs=run_dirs, provenance=provenance, independence=checked, timings=timings,
         seconds=time.perf_counter() - started))
