@@ -28,8 +28,8 @@ test-all: install
 demo: install
 	$(VENV)/bin/posttrain demo --output-dir runs/demo
 
-# Every method from one SFT start, the same budget each, one table (docs/algorithms.md §3e). With
-# --steps 2 every row took 7.2 min on the 2-core VM (the SFT start 2.6 of them); the 12-step default is not yet timed.
+# Every method from one SFT start, the same budget each, one table (docs/algorithms.md §3e): 16.0 min
+# on the 2-core AMD VM (the SFT start 4.3 of them), 12 steps per row.
 compare: install
 	$(VENV)/bin/posttrain compare --output-dir runs/compare
 

@@ -408,7 +408,8 @@ def markdown(table: dict[str, Any]) -> str:
               "| start (pass@1) | " + " | ".join(_cell(start["sets"][name]) for name in names) + " |"]
     lines += [f"| {row['label']} | " + " | ".join(_gain_text(row["sets"][name]["gain"]) for name in names) + " |"
               for row in table["rows"] if row["status"] == "ok"]
-    lines += ["", ("Every row's command is in comparison.json (START, PAIRS and DIR: the start, the pairs file, this directory); "
+    lines += ["", ("Every row's command is in comparison.json (START, PAIRS, UNPAIRED and DIR: the start, the pairs file, the "
+                   "unpaired rows, this directory); "
                    "its run directory and log (logs/) are here."), "", f"What this cannot conclude: {table['footer']}",
               "", f"Wall time of the whole comparison: {table['seconds']:.0f} s (the start: {start['seconds']:.0f} s)."]
     return "\n".join(lines)
