@@ -201,6 +201,40 @@ def test_dpo_two_processes_equal_one(tmp_path, strategy, extra):
             assert row_b[key] == pytest.approx(row_a[key], rel=1e-6, abs=1e-5), (row_a["step"], key)
 
 
+def test_kto_two_processes_equal_one(tmp_path):
+    """KTO under DDP: the reference point z0 is all-reduced over the ranks' mismatched rows, so blocks of
+    3 and 2 rows give the one-process step."""
+    args = [*dpo_args(tmp_path), "--loss.type", "kto", "--loss.nll_weight", "0", "--batch_size", "5", "--micro_batch_size", "2",
+            "--max-steps", "3"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    run([*args, "--output-dir", str(tmp_path / "two")], 2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", 3)
+    for row_a, row_b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two")):
+        for key in ("kl", "rewards/accuracy"):
+            if row_a.get(key) is not None:
+                assert row_b[key] == pytest.approx(row_a[key], rel=1e-6, abs=1e-5), (row_a["step"], key)
+
+
+def test_reward_model_two_processes_equal_one(tmp_path):
+    """`posttrain rm` under DDP, blocks of 3 and 2 pairs with micro-batches of 2: the same losses, held-out
+    accuracy, backbone and head (score.pt) as one process; one export, by rank 0."""
+    from tests.test_reward_model import pairs_file
+
+    pairs = pairs_file(tmp_path / "pairs.jsonl", 24)
+    args = ["rm", "--data.pairs", str(pairs), "--data.heldout_pairs", "4", "--optim.lr", str(LR), "--seed", "2", "--batch_size", "5",
+            "--micro_batch_size", "2", "--acceptance.eval_every", "2", "--max-steps", "3", "--parallel.timeout_seconds", "120"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    run([*args, "--output-dir", str(tmp_path / "two")], 2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", 3)
+    heads = [torch.load(tmp_path / name / "checkpoints" / "step-000003" / "score.pt") for name in ("one", "two")]
+    assert torch.allclose(heads[0]["weight"], heads[1]["weight"], atol=5e-5)
+    for row_a, row_b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two")):
+        for key in ("accuracy", "margin", "heldout/preference_accuracy", "heldout/margin"):
+            if row_a.get(key) is not None:
+                assert row_b[key] == pytest.approx(row_a[key], rel=1e-5, abs=1e-5), (row_a["step"], key)
+    assert (tmp_path / "two" / "final" / "reward_model.json").is_file()
+
+
 PPO = ["ppo", *GRPO[1:], "--critic.warmup_steps", "1"]
 
 
