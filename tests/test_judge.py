@@ -223,3 +223,34 @@ def test_independence_tells_judges_apart(judge):
     generating = JudgeVerifier("tiny", mode="generate", loaded=(judge.model, judge.tokenizer))
     assert independence(judge, generating)[0] is False
     assert independence(judge, get_verifier("integer"))[0] is True
+
+
+def test_pairs_labelled_by_a_judge_both_orders(tmp_path):
+    """`posttrain pairs --labeller judge:tiny`: each prompt's distinct answers paired in order, the
+    judge's preferred one chosen (p_chosen >= 1/2 + margin), both orders recorded with the position
+    bias; the sidecar names the judge as the labeller; --labeller with --unpaired or a non-judge is one line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    base = [sys.executable, "-m", "posttrain", "pairs", "--model", "tiny", "--data.task", "arithmetic", "--group-size", "4",
+            "--data.max_prompts", "6", "--data.eval_size", "8", "--max-new-tokens", "6", "--seed", "3"]
+    out = tmp_path / "judged.jsonl"
+    result = subprocess.run([*base, "--labeller", "judge:tiny", "--preference-margin", "0.0", "--pairs-per-prompt", "2", "--out", str(out)],
+                            capture_output=True, text=True, cwd=root)
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((tmp_path / "judged.meta.json").read_text())
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert meta["verifier"] == "judge:tiny" and meta["labeller"].startswith("judge, pairwise") and meta["pairs"] == len(rows) > 0
+    for row in rows:
+        m = row["metadata"]
+        p = 0.5 * (m["p_ab"] + 1 - m["p_ba"])
+        assert m["p_chosen"] == pytest.approx(max(p, 1 - p), abs=1e-6) and m["p_chosen"] >= 0.5
+        assert m["position_bias"] == pytest.approx(0.5 * (m["p_ab"] + m["p_ba"]) - 0.5, abs=1e-6)
+        assert row["chosen"] != row["rejected"] and m["labelled_by"] == "judge:tiny"
+    assert meta["position_bias_mean"] == pytest.approx(sum(r["metadata"]["position_bias"] for r in rows) / len(rows), abs=1e-6)
+    for extra, message in ((["--labeller", "exact"], "give judge:MODEL"), (["--labeller", "judge:tiny", "--unpaired"], "does not apply with --unpaired")):
+        refused = subprocess.run([*base, *extra, "--out", str(tmp_path / "no.jsonl")], capture_output=True, text=True, cwd=root)
+        assert refused.returncode == 2 and message in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr

@@ -67,12 +67,21 @@ def handle(args) -> int:
             f"{result['rows_from_all_incorrect_groups']}; {result['duplicates_dropped']} repeated answers dropped; "
             f"verdict errors: {result['verdict_errors']})"
         )
+    elif result.get("labeller"):
+        print(f"{result['pairs']} pairs from {result['prompts_paired']} of {result['prompts']} prompts, labelled by {result['verifier']} "
+              f"({result['prompts_skipped_unscored']} prompts without a decided pair)")
     else:
         print(
             f"{result['pairs']} pairs from {result['prompts_paired']} of {result['prompts']} prompts "
             f"(skipped: {result['prompts_skipped_all_correct']} all correct, {result['prompts_skipped_all_incorrect']} all incorrect, "
             f"{result['prompts_skipped_unscored']} unscored; verdict errors: {result['verdict_errors']})"
         )
-    print(f"labels: verifier {result['verifier']} on samples of model {result['model']} (G={result['group_size']}, seed {result['seed']})")
+    if result.get("labeller"):
+        bias = result["position_bias_mean"]
+        print(f"labels: {result['labeller']}: {result['verifier']} on samples of model {result['model']} (G={result['group_size']}, "
+              f"seed {result['seed']}); {result['pairs_undecided']} pairs undecided (|P - 1/2| < {result['preference_margin']:g}), "
+              f"mean position bias {'n/a' if bias is None else format(bias, '+.3f')}")
+    else:
+        print(f"labels: verifier {result['verifier']} on samples of model {result['model']} (G={result['group_size']}, seed {result['seed']})")
     print(f"wrote {settings.out} and {provenance_path(settings.out)}")
     return 0

@@ -12,6 +12,12 @@ With `--unpaired`, the file holds KTO's unpaired rows instead (`{"id", "prompt",
 desirable when correct, the groups that pairing skips (all correct, all incorrect) included and
 counted; `posttrain dpo --loss.type kto` trains on it.
 
+With `--labeller judge:MODEL`, a judge labels instead of the verifier: each prompt's distinct
+answers are paired in sampling order ((0, 1), (2, 3), ...: each answer once), the judge compares each
+pair in both orders (P(A > B) = 1/2 [P_AB + 1 - P_BA], `algorithms.judge.pairwise_preference`), the
+preferred answer is chosen, and pairs within `preference_margin` of 1/2 are skipped (counted). The
+sidecar records the judge as the labeller and its mean position bias.
+
 The prompts come from the *training* split of `load_splits(data.task, eval_size=E, seed=S)`, so a DPO run
 that evaluates on the held-out split with the same (task, E, S) never trained on its problems.
 """
@@ -77,6 +83,10 @@ class PairSettings:
     """Run model-written code WITHOUT the bubblewrap sandbox (resource limits only): a machine you can lose."""
     pairs_per_prompt: int = 1
     """At most this many (correct, incorrect) pairs per prompt, from distinct answers."""
+    labeller: str | None = None
+    """A judge that labels pairs instead of the verifier: judge:MODEL (both presentation orders, its position bias recorded); None: the verifier's correctness."""
+    preference_margin: float = 0.1
+    """With a labeller: a pair is kept when |P(A > B) - 1/2| >= this (the judge prefers one answer clearly)."""
     unpaired: bool = False
     """Write KTO's unpaired rows (prompt, completion, label) instead of pairs: every distinct scored answer, desirable when correct,
     the all-correct and all-incorrect groups included (`posttrain dpo --loss.type kto` reads the file)."""
@@ -103,6 +113,12 @@ class PairSettings:
                 raise UserError(f"--{name} must be at least 1, got {value}")
         if not self.out.endswith(".jsonl"):
             raise UserError(f"--out {self.out}: the pairs file must end in .jsonl")
+        if self.labeller is not None and not self.labeller.strip().startswith("judge:"):
+            raise UserError(f"--labeller {self.labeller}: a labeller compares two answers: give judge:MODEL (or leave it unset to label by --verifier)")
+        if self.labeller is not None and self.unpaired:
+            raise UserError("--labeller does not apply with --unpaired (unpaired rows are labelled by the verifier's correctness)")
+        if not 0 <= self.preference_margin < 0.5:
+            raise UserError(f"--preference-margin must be in [0, 0.5), got {self.preference_margin}")
         if self.unpaired and self.pairs_per_prompt != 1:
             raise UserError("--pairs-per-prompt does not apply with --unpaired (every distinct scored answer is a row); leave it unset")
 
@@ -129,6 +145,8 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     if name is None:
         raise UserError(f"data.task {data.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")
     verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier", placement=placement)
+    judge = (as_verifier(None, settings.labeller, settings.reward_options, setting="--labeller", placement=placement)
+             if settings.labeller else None)
     warn_if_unsafe(settings.unsafe_no_sandbox)
     verifier.prepare()
     if model is None:
@@ -139,7 +157,8 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     errors = {"infra_error": 0, "data_error": 0}
     from_group = {"paired": 0, "all_correct": 0, "all_incorrect": 0}  # unpaired rows by their group's outcome
     duplicates = 0
-    origin = {"labelled_by": verifier.name, "sampled_from": settings.model}
+    judged = {"undecided": 0, "position_bias": []}  # with a labeller: pairs skipped as too close, the judge's position bias
+    origin = {"labelled_by": judge.name if judge else verifier.name, "sampled_from": settings.model}
     for start in range(0, len(examples), settings.batch_size):
         chunk = examples[start : start + settings.batch_size]
         prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=data.system_prompt) for e in chunk]
@@ -159,6 +178,11 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
                 new = unpaired_rows(example, texts, group, labelled, origin)
                 if labelled.outcome in from_group:
                     from_group[labelled.outcome] += len(new)
+                rows += new
+                continue
+            if judge is not None:
+                new = judged_pairs(judge, example, prompts[b], texts, settings, judged, origin)
+                outcomes["paired" if new else "unscored"] += 1  # unscored here: no pair the judge decided
                 rows += new
                 continue
             pairs, outcome = pair_up(texts, group, settings.correct_threshold, settings.pairs_per_prompt)
@@ -183,6 +207,13 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
         "sampling": asdict(settings.sampling), "hardware": placement.describe(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "posttrain": _version(),
     }
+    if judge is not None:
+        bias = judged["position_bias"]
+        provenance.update({
+            "verifier": judge.name, "verifier_settings": judge.describe(), "labeller": "judge, pairwise, both presentation orders",
+            "preference_margin": settings.preference_margin, "pairs_undecided": judged["undecided"],
+            "position_bias_mean": sum(bias) / len(bias) if bias else None,
+        })
     if settings.unpaired:
         desirable = sum(row["label"] for row in rows)
         provenance.update({
@@ -210,6 +241,30 @@ def pair_rows(example, texts: list[str], verdicts: list, pairs: list[tuple[int, 
              "metadata": {"example": example.id, "chosen_reward": verdicts[chosen].reward, "rejected_reward": verdicts[rejected].reward,
                           "rejected_reason": verdicts[rejected].reason, **origin}}
             for number, (chosen, rejected) in enumerate(pairs)]
+
+
+def judged_pairs(judge, example, rendered: str, texts: list[str], settings: PairSettings, judged: dict, origin: dict[str, str]) -> list[dict]:
+    """The pairs file's rows of one prompt labelled by `judge`: its distinct answers paired in order
+    ((0, 1), (2, 3), ...; at most `pairs_per_prompt`), each compared in both orders, the preferred one
+    chosen; a pair within `preference_margin` of 1/2, or one the judge cannot render, is skipped and
+    counted in `judged["undecided"]`, whose `position_bias` list gets each pair's bias."""
+    distinct = list(dict.fromkeys(texts))
+    candidates = [(distinct[i], distinct[i + 1]) for i in range(0, len(distinct) - 1, 2)][: settings.pairs_per_prompt]
+    if not candidates:
+        return []
+    row = verifier_input(example, rendered)
+    labels = judge.prefer([row] * len(candidates), [a for a, _ in candidates], [b for _, b in candidates])
+    out = []
+    for number, ((a, b), label) in enumerate(zip(candidates, labels)):
+        if label["p"] is None or abs(label["p"] - 0.5) < settings.preference_margin:
+            judged["undecided"] += 1
+            continue
+        judged["position_bias"].append(label["position_bias"])
+        chosen, rejected = (a, b) if label["p"] > 0.5 else (b, a)
+        out.append({"id": f"{example.id}/{number}", "prompt": example.prompt_input, "chosen": chosen, "rejected": rejected,
+                    "metadata": {"example": example.id, "p_chosen": max(label["p"], 1 - label["p"]), "p_ab": label["p_ab"],
+                                 "p_ba": label["p_ba"], "position_bias": label["position_bias"], **origin}})
+    return out
 
 
 def unpaired_rows(example, texts: list[str], verdicts: list, labelled, origin: dict[str, str]) -> list[dict]:
