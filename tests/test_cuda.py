@@ -130,6 +130,45 @@ def test_dpo_on_cuda_fp32_equals_cpu(tmp_path, reference):
     assert all(math.isfinite(x) for x in losses(go(DEVICE, "bf16", "bf16-mixed")))
 
 
+@pytest.mark.parametrize("loss_type", ["kto", "simpo"])
+def test_kto_and_reference_free_on_cuda_fp32_equal_cpu(tmp_path, loss_type):
+    pairs = write_pairs(tmp_path / "pairs.jsonl", arithmetic_pairs())
+
+    def go(device, name):
+        overrides = ["--data.pairs", str(pairs), "--data.heldout_pairs", "4", "--batch_size", "4", "--micro_batch_size", "2",
+                     "--optim.lr", "1e-3", "--max-steps", "2", "--loss.type", loss_type, "--hardware.device", device, "--output-dir",
+                     str(tmp_path / name)]
+        return dpo.run(build_config(dpo_config.Config, None, parse_overrides(overrides)))
+
+    assert losses(go(DEVICE, "gpu")) == pytest.approx(losses(go("cpu", "cpu")), abs=1e-4)
+
+
+def test_reward_model_on_cuda_fp32_equals_cpu_and_scores_there(tmp_path):
+    """`posttrain rm` trains on the GPU as on the CPU; `rm:` scores on the GPU (and with offload cpu)
+    what it scores on the CPU."""
+    from posttrain.hardware import Hardware, resolve
+    from posttrain.recipes import rm
+    from posttrain.rewards import RewardOptions, as_verifier
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", arithmetic_pairs(16))
+
+    def go(device, name, precision="fp32"):
+        overrides = ["--data.pairs", str(pairs), "--data.heldout_pairs", "4", "--batch_size", "4", "--micro_batch_size", "2",
+                     "--max-steps", "2", "--hardware.device", device, "--hardware.precision", precision, "--output-dir", str(tmp_path / name)]
+        return rm.run(build_config(rm.Config, None, parse_overrides(overrides)))
+
+    gpu, cpu = go(DEVICE, "gpu"), go("cpu", "cpu")
+    assert losses(gpu) == pytest.approx(losses(cpu), abs=1e-4)
+    assert all(math.isfinite(x) for x in losses(go(DEVICE, "bf16", "bf16-mixed")))
+    rows = [{"prompt": f"{a}+{b}="} for a, b in ((1, 2), (12, 34), (50, 7))]
+    completions = ["<answer>3</answer>", "46", "no"]
+    on_cpu = [v.details["raw"] for v in as_verifier(None, f"rm:{cpu / 'final'}").batch(completions, rows)]
+    placement = resolve(Hardware(device=DEVICE, precision="fp32"))
+    for options in (RewardOptions(), RewardOptions(offload="cpu")):
+        on_gpu = [v.details["raw"] for v in as_verifier(None, f"rm:{cpu / 'final'}", options, placement=placement).batch(completions, rows)]
+        assert on_gpu == pytest.approx(on_cpu, abs=1e-4)
+
+
 def test_generation_on_cuda_equals_model_generate_greedy_and_the_cpu_seeded():
     model, tokenizer = load_model("tiny", device=DEVICE)
     prompts = ["12+34=", "7+8=", "99+1="]
