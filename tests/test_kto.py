@@ -126,6 +126,18 @@ def test_heldout_rows_are_whole_prompts_and_counted(tmp_path):
     assert splits.stats["layout"] == "unpaired"
 
 
+def test_heldout_rows_of_one_prompt_borrow_mismatched_completions(tmp_path):
+    """A held-out split that is one prompt's rows (6 sampled answers to it) still has a reference point:
+    its rows' mismatched completions come from the other rows of the file, never from their own prompt."""
+    _, tokenizer = load_model("tiny")
+    rows = [{"prompt": "1+1=", "completion": f"answer {k}", "label": k % 2 == 0} for k in range(6)]
+    rows += [{"prompt": f"{a}+2=", "completion": str(a + 2), "label": True} for a in range(2, 8)]
+    splits = load_unpaired(write_rows(tmp_path / "rows.jsonl", rows), tokenizer, heldout_pairs=4, split_seed=2)
+    assert {prompt_key(p.prompt) for p in splits.heldout} == {"1+1="}, "seed 2's split holds out the 6-row prompt"
+    own = {r["completion"] for r in rows if r["prompt"] == "1+1="}
+    assert len(splits.heldout) == 6 and all(p.rejected not in own for p in splits.heldout)
+
+
 def naive_sum(model, batch, row: int, side: str) -> torch.Tensor:
     """One row's summed response log-probs, unpadded, full log-softmax (with gradient)."""
     tokens = getattr(batch, side)

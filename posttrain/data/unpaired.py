@@ -121,22 +121,26 @@ def unpair(pairs: list[PreferencePair]) -> list[UnpairedRow]:
     return rows
 
 
-def with_mismatched(rows: list[UnpairedRow], seed: int, name: str) -> list[PreferencePair]:
+def with_mismatched(rows: list[UnpairedRow], seed: int, name: str, pool: list[UnpairedRow] | None = None) -> list[PreferencePair]:
     """Each row as a `PreferencePair` (chosen = its completion, rejected = a mismatched completion:
-    the next row with a different prompt in a cycle seeded by `seed`; metadata label and
-    mismatched_from). Fewer than two distinct prompts is a UserError naming `name`."""
+    the next row of `pool` (default `rows`) with a different prompt, in a cycle seeded by `seed`;
+    metadata label and mismatched_from). A pool of fewer than two distinct prompts is a UserError
+    naming `name`. (The held-out rows of one prompt take their mismatched completions from every row:
+    they only estimate the reference point, and carry no label into it.)"""
     if not rows:
         return []
-    if len({prompt_key(row.prompt) for row in rows}) < 2:
+    pool = rows if pool is None else pool
+    if len({prompt_key(row.prompt) for row in pool}) < 2:
         raise UserError(f"{name}: KTO needs rows of at least two different prompts (its reference point pairs each prompt with "
-                        f"another prompt's completion); these {len(rows)} rows share one")
-    cycle = sorted(range(len(rows)), key=lambda i: derived_seed(seed, "kto-mismatch", rows[i].id, str(i)))
+                        f"another prompt's completion); these {len(pool)} rows share one")
+    cycle = sorted(range(len(pool)), key=lambda i: derived_seed(seed, "kto-mismatch", pool[i].id, str(i)))
     position = {index: k for k, index in enumerate(cycle)}
     pairs = []
     for index, row in enumerate(rows):
-        key, k = prompt_key(row.prompt), position[index]
-        other = next(rows[cycle[(k + step) % len(cycle)]] for step in range(1, len(cycle))
-                     if prompt_key(rows[cycle[(k + step) % len(cycle)]].prompt) != key)
+        key = prompt_key(row.prompt)
+        start = position[index] if pool is rows else derived_seed(seed, "kto-start", row.id, str(index)) % len(cycle)
+        other = next(pool[cycle[(start + step) % len(cycle)]] for step in range(1, len(cycle) + 1)
+                     if prompt_key(pool[cycle[(start + step) % len(cycle)]].prompt) != key)
         pairs.append(PreferencePair(id=row.id, prompt=row.prompt, chosen=row.completion, rejected=other.completion,
                                     metadata={**row.metadata, "label": row.label, "mismatched_from": other.id}))
     return pairs
@@ -205,7 +209,8 @@ def load_unpaired(
     stats: dict[str, Any] = {"rows_bad": rows_bad, "layout": layout if layout == "unpaired" else
                              "pairs, unpaired: each chosen answer desirable, each rejected undesirable"}
     splits = truncated_splits(tokenizer, with_mismatched(train, split_seed, f"{path}: the training rows"),
-                              with_mismatched(held, split_seed, "the held-out rows (data.heldout_pairs / data.heldout_file)"),
+                              with_mismatched(held, split_seed, "the held-out rows (data.heldout_pairs / data.heldout_file)",
+                                              pool=held if len({prompt_key(row.prompt) for row in held}) > 1 else held + train),
                               stats, truncation=truncation, system_prompt=system_prompt, use_chat_template=use_chat_template)
     for name, kept in (("train", splits.train), ("heldout", splits.heldout)):
         desirable = int(labels(kept).sum()) if kept else 0
