@@ -326,3 +326,35 @@ def test_a_reward_model_on_verifier_labelled_pairs_beats_chance(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     last = [json.loads(line) for line in (tmp_path / "rm" / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["heldout/preference_accuracy_low"] > 0.5, last
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_shared_prompt_rewards_equal_the_plain_forward_in_value_and_gradient(padding_side):
+    """Pairs sharing their prompt (and one pair with another prompt): rewards and every parameter's
+    gradient through the shared-prompt path equal the plain (2n, L) forward's."""
+    from posttrain.data import PreferencePair, tokenize_preference_pairs
+    from posttrain.models.reward_model import batch_rewards
+
+    policy, tokenizer = load_model("tiny")
+    tokenizer.padding_side = padding_side
+    torch.manual_seed(0)
+    model = RewardModel.from_policy(policy, seed=1)
+    pairs = [PreferencePair("a", "12+34=", "<answer>46</answer>", "I do not know"),
+             PreferencePair("b", "7+5=", "<answer>12</answer>", "<answer>13</answer>"),
+             PreferencePair("c", "123+4=", "127", "<answer>128 or so</answer>")]
+    batch = tokenize_preference_pairs(tokenizer, pairs)
+    results = []
+    for shared in (True, False):
+        model.zero_grad(set_to_none=True)
+        chosen, rejected = batch_rewards(model, batch, shared_prompt=shared)
+        (chosen.sum() - 2 * rejected.sum()).backward()
+        results.append((torch.cat([chosen, rejected]).detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (shared_rewards, shared_grads), (plain_rewards, plain_grads) = results
+    from posttrain.models.reward_model import shared_prompt_rewards
+
+    rows = torch.cat([batch.chosen.input_ids, batch.rejected.input_ids]), torch.cat([batch.chosen.attention_mask, batch.rejected.attention_mask])
+    assert shared_prompt_rewards(model, *rows, torch.cat([batch.chosen.mask, batch.rejected.mask])) is not None, "the shared path ran"
+    assert torch.allclose(shared_rewards, plain_rewards, atol=1e-5)
+    assert set(shared_grads) == set(plain_grads)
+    for name, grad in plain_grads.items():
+        assert torch.allclose(shared_grads[name], grad, atol=1e-5), name

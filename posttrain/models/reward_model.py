@@ -88,9 +88,10 @@ class RewardModel(torch.nn.Module):
         return self.score(pooled.to(self.score.weight.dtype)).squeeze(-1).float()
 
 
-def batch_rewards(model: torch.nn.Module, batch, rows=slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_rewards(model: RewardModel, batch, rows=slice(None), shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(n,) chosen and (n,) rejected rewards of `rows` of a `PreferenceBatch` (tokenised pairs),
-    in one forward of the 2n sequences: the trainer's function of `posttrain rm`."""
+    in one forward of the 2n sequences, each pair's prompt computed once for both responses
+    (`shared_prompt_rewards`) where the model allows: the trainer's function of `posttrain rm`."""
     chosen, rejected = batch.chosen, batch.rejected
     width = max(chosen.input_ids.shape[1], rejected.input_ids.shape[1])
 
@@ -99,9 +100,42 @@ def batch_rewards(model: torch.nn.Module, batch, rows=slice(None)) -> tuple[torc
 
     input_ids = torch.cat([pad(chosen.input_ids), pad(rejected.input_ids)])
     attention = torch.cat([pad(chosen.attention_mask), pad(rejected.attention_mask)])
-    rewards = model(input_ids, attention)
+    rewards = shared_prompt_rewards(model, input_ids, attention, torch.cat([pad(chosen.mask), pad(rejected.mask)])) if shared_prompt else None
+    if rewards is None:
+        rewards = model(input_ids, attention)
     n = rewards.shape[0] // 2
     return rewards[:n], rewards[n:]
+
+
+def shared_prompt_rewards(model: RewardModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor | None:
+    """(N,) rewards of (N, L) rows (prompt then response; `mask` True on response tokens) with each
+    distinct prompt computed once: a pair's chosen and rejected rows share theirs, and with short
+    answers the prompt is most of each row. The rows are re-laid as [left-padded prompt |
+    right-padded response | one pad column] (width P + T + 1) and run through
+    `forward.shared_prefix_logits` for T + 1 positions, whose hidden state t is the state after the
+    prompt's last token plus t response tokens: t = the response's length pools its EOS. None (the
+    caller runs the plain forward) for a model that path does not support, or a row without a prompt
+    or a response token. Equal to `model(input_ids, attention_mask)` in value and gradient (tested)."""
+    from posttrain.models.forward import shared_prefix_logits  # here: forward.py imports the data package's batches
+
+    real = attention_mask.bool()
+    prompt_lengths, response_lengths = (real & ~mask.bool()).sum(-1), mask.bool().sum(-1)  # (N,)
+    if int(prompt_lengths.min()) < 1 or int(response_lengths.min()) < 1:
+        return None
+    P, T = int(prompt_lengths.max()), int(response_lengths.max())
+    rows, columns = real.nonzero(as_tuple=True)
+    targets = P - prompt_lengths[rows] + (real.long().cumsum(-1) - 1)[rows, columns]  # the prompt ends at column P - 1
+    laid_ids = input_ids.new_zeros(input_ids.shape[0], P + T + 1)
+    laid_ids[rows, targets] = input_ids[rows, columns]
+    laid_mask = torch.zeros_like(laid_ids)
+    laid_mask[rows, targets] = 1
+    inputs = {"input_ids": laid_ids, "attention_mask": laid_mask, "position_ids": position_ids_from_attention_mask(laid_mask)}
+    hidden = shared_prefix_logits(model.backbone, inputs, slice(None), P, T + 1, hidden_states=True)  # (N, T + 1, H)
+    if hidden is None:
+        return None
+    pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), response_lengths]  # (N, H): the state after the EOS
+    return model.score(pooled.to(model.score.weight.dtype)).squeeze(-1).float()
 
 
 def weights_hash(model: torch.nn.Module) -> str:
