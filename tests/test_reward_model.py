@@ -358,3 +358,41 @@ def test_shared_prompt_rewards_equal_the_plain_forward_in_value_and_gradient(pad
     assert set(shared_grads) == set(plain_grads)
     for name, grad in plain_grads.items():
         assert torch.allclose(shared_grads[name], grad, atol=1e-5), name
+
+
+def test_out_of_memory_while_scoring_names_the_scoring_knobs(exported, monkeypatch):
+    verifier = get_verifier(f"rm:{exported}")
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(verifier, "_raw_rewards", no_memory)
+    with pytest.raises(UserError) as error:
+        verifier("4", {"prompt": "2+2="})
+    message = str(error.value)
+    assert "out of memory while scoring 1 completions" in message and "reward_options.batch_size" in message
+    assert "reward_options.offload cpu" in message and "\n" not in message
+
+
+def test_rm_composes_with_a_program_in_a_weighted_sum(exported):
+    """`0.8*rm:DIR+0.2*format`: the sum of the weighted parts, each kept in the verdict's components."""
+    verifier = get_verifier(f"0.8*rm:{exported}+0.2*format")
+    row = {"prompt": "2+2=", "answer": "4"}
+    verdict = verifier("<answer>4</answer>", row)
+    parts = verdict.details["components"]
+    assert verdict.status == "ok" and verdict.reward == pytest.approx(0.8 * parts[f"rm:{exported}"] + 0.2 * parts["format"], abs=1e-6)
+    assert parts[f"rm:{exported}"] == pytest.approx(get_verifier(f"rm:{exported}")("<answer>4</answer>", row).reward, abs=1e-6)
+
+
+def test_lora_reward_model_trains_and_exports_merged(tmp_path):
+    """--lora_rank 4: only the adapters and the head train; the checkpoint keeps the adapter; the export
+    is a plain sequence-classification directory (adapters merged) that rm: loads."""
+    pairs = pairs_file(tmp_path / "pairs.jsonl", 24)
+    run = tmp_path / "run"
+    result = subprocess.run(rm_command(pairs, run, "--lora_rank", "4"), capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    checkpoint = run / "checkpoints" / "step-000004"
+    assert (checkpoint / "model" / "adapter_config.json").is_file() and (checkpoint / "score.pt").is_file()
+    assert not list((run / "final").glob("adapter_*")) and (run / "final" / "model.safetensors").is_file()
+    verdict = get_verifier(f"rm:{run / 'final'}")("<answer>46</answer>", {"prompt": "12+34="})
+    assert verdict.status == "ok" and math.isfinite(verdict.reward)
