@@ -254,3 +254,23 @@ def test_pairs_labelled_by_a_judge_both_orders(tmp_path):
     for extra, message in ((["--labeller", "exact"], "give judge:MODEL"), (["--labeller", "judge:tiny", "--unpaired"], "does not apply with --unpaired")):
         refused = subprocess.run([*base, *extra, "--out", str(tmp_path / "no.jsonl")], capture_output=True, text=True, cwd=root)
         assert refused.returncode == 2 and message in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+
+def test_a_judge_as_held_out_checker_passes_at_its_threshold(monkeypatch):
+    """`acceptance.checker: judge:MODEL`: a completion passes when the judge's reward reaches its
+    pass_threshold (default 0.5, the scale's middle), not the programs' 1.0; the spec can set it."""
+    from posttrain.evaluation.acceptance import evaluate_task
+    from posttrain.data.examples import Example, Task
+    from posttrain.models import load_model
+    from posttrain.rewards import Verdict, get_verifier
+
+    judge = get_verifier("judge:tiny,pass_threshold=0.6")
+    assert judge.pass_threshold == 0.6 and judge.describe()["pass_threshold"] == 0.6
+    rewards = iter([0.7, 0.55, 0.2])
+    monkeypatch.setattr(type(judge), "batch", lambda self, completions, examples, workers=None: [Verdict.ok(next(rewards), "stub") for _ in completions])
+    model, tokenizer = load_model("tiny")
+    task = Task("t", "heldout", [Example(id=str(i), prompt=f"{i}+1=", answer=str(i + 1)) for i in range(3)], "number")
+    result = evaluate_task(model, tokenizer, task, checker=judge, max_new_tokens=2, seed=0)
+    assert result["correct"] == [1, 0, 0] and result["pass@1"] == pytest.approx(1 / 3)
+    with pytest.raises(Exception, match="pass_threshold"):
+        get_verifier("judge:tiny,pass_threshold=2")

@@ -129,7 +129,8 @@ def evaluate_task(
         lengths += rollout.mask.sum(dim=1).tolist()
     verdicts = score_completions(verifier, texts, examples)
     # A problem the checker could not score (infra or data error) is left out of n, never a silent 0.
-    correct = [None if v.status != "ok" else int(v.reward is not None and v.reward >= 1.0) for v in verdicts]
+    threshold = getattr(verifier, "pass_threshold", 1.0)  # a program's pass is reward 1; a judge's, its own threshold
+    correct = [None if v.status != "ok" else int(v.reward is not None and v.reward >= threshold) for v in verdicts]
     scored = [c for c in correct if c is not None]
     n = len(scored)
     summary: dict[str, Any] = {

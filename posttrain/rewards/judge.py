@@ -75,7 +75,7 @@ PAIRWISE_TEMPLATE = (
 TEMPLATE_FIELDS = ("conversation", "completion", "answer", "max_score")
 REPLY = re.compile(r"\s*([0-9]+)\b(?![.,][0-9])")
 """A generated reply's score: an integer at its start (after spaces), not the start of a decimal."""
-SPEC_OPTIONS: dict[str, Callable[[str], Any]] = {"mode": str, "max_score": int, "batch_size": int}
+SPEC_OPTIONS: dict[str, Callable[[str], Any]] = {"mode": str, "max_score": int, "batch_size": int, "pass_threshold": float}
 """What `judge:MODEL,key=value,...` may set."""
 
 
@@ -164,7 +164,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, separator, value = part.partition("=")
         if not separator or key.strip() not in SPEC_OPTIONS:
             raise ValueError(f"judge:{spec}: cannot read option {part!r}; options are mode=logits|generate, "
-                             "max_score=K, batch_size=N")
+                             "max_score=K, batch_size=N, pass_threshold=X")
         try:
             options[key.strip()] = SPEC_OPTIONS[key.strip()](value.strip())
         except ValueError:
@@ -188,6 +188,7 @@ class JudgeVerifier(Verifier):
         max_score: K, the top of the scale 1..K (>= 2; each score must be one token).
         template: the rubric with {conversation}, {completion}, optional {answer}, {max_score}.
         batch_size: rows per forward (or per generation call).
+        pass_threshold: as a held-out checker, the reward at or above which a completion passes.
         placement: device and precision (default: the CPU in float32); the judge is loaded in its
             parameter dtype and runs under its autocast.
         loaded: an already loaded (model, tokenizer) to use instead of loading `model`.
@@ -197,8 +198,13 @@ class JudgeVerifier(Verifier):
 
     def __init__(self, model: str, *, mode: str = "logits", max_score: int = DEFAULT_MAX_SCORE,
                  template: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-                 placement: Placement | None = None, loaded: tuple[Any, Any] | None = None):
+                 placement: Placement | None = None, loaded: tuple[Any, Any] | None = None, pass_threshold: float = 0.5):
         self.name = f"judge:{model}"
+        if not 0 < pass_threshold <= 1:
+            raise UserError(f"{self.name}: pass_threshold must be in (0, 1], got {pass_threshold!r}")
+        self.pass_threshold = pass_threshold
+        """As a held-out checker: a completion passes when its reward (E[k] - 1)/(K - 1) is at least
+        this (0.5: the judge's expected score at the middle of its scale or above)."""
         if mode not in MODES:
             raise UserError(f"{self.name}: mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not isinstance(max_score, int) or max_score < 2:
@@ -406,4 +412,4 @@ class JudgeVerifier(Verifier):
                 "template_sha256": hashlib.sha256(self.template.encode()).hexdigest()[:16],
                 "prompt_suffix": self.score_tokens.prompt_suffix, "score_token_ids": list(self.score_tokens.ids),
                 "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
-                "batch_size": self.batch_size, "device": str(self.device)}
+                "batch_size": self.batch_size, "device": str(self.device), "pass_threshold": self.pass_threshold}
