@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Two workers, a test file each at a time (a file's tests share fixtures and order: test_readme's
-# commands use what earlier ones trained): 14.2 min on a 2-core Intel VM, 19.4 in one process.
+# commands use what earlier ones trained): 21.9 min on the 2-core AMD VM on 2026-12-03 with other jobs
+# beside it (1,124 tests); three workers took 24.9 min for 1,134 tests on that VM, so two it stays.
 test: install
 	$(PY) -m pytest -n 2 --dist loadfile
 
