@@ -24,6 +24,7 @@ from posttrain.distributed import World
 from posttrain.rewards import Verdict, Verifier
 from posttrain.rewards.scores import Scores, score_rows
 from posttrain.rollout import Rollout, SamplingConfig
+from posttrain.rollout.episodes import episode_metrics, episode_verdicts, transcript_text
 from posttrain.rollout.sampler import Sampler, single_turn
 
 
@@ -100,13 +101,14 @@ class ScoredBatch:
             **{f"seconds/{phase}": value for phase, value in seconds.items()},
             "tokens_per_second": float(lengths.sum()) / max(1e-9, sum(seconds.values())),
             **self._throughput(seconds),
+            **episode_metrics(self.rollout),
         }
 
     def _throughput(self, seconds: dict[str, float]) -> dict[str, float]:
         """Generation: sampled tokens per second of generation. Training: real (prompt + completion)
         positions of the batch per second of the training forwards and backwards (logprobs + update)."""
         generated = float(self.rollout.mask.sum())
-        positions = float(self.rollout.prompt_attention_mask.sum()) + generated
+        positions = float(self.rollout.prompt_attention_mask.sum()) + float(self.rollout.completion_attention_mask.sum())
         rates = {}
         if seconds.get("generation"):
             rates["tokens_per_second/generation"] = generated / seconds["generation"]
@@ -125,6 +127,8 @@ class ScoredBatch:
                 "example": self.examples[b].id, "prompt": self.rendered[b], "completion": self.rollout.texts[row],
                 "reward": verdict.reward, "status": verdict.status, "reason": verdict.reason,
                 "truncated": bool(self.rollout.truncated[row]),
+                **({"transcript": transcript_text(self.rollout.episodes[row]),
+                    "turns": self.rollout.episodes[row]["turns"]} if self.rollout.episodes else {}),
             })
         return rows
 
@@ -149,7 +153,7 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     policy.eval()
     while wanted > 0:
         examples = stream.take(wanted)
-        rendered = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt) for e in examples]
+        rendered = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt, tools=sampler.tools) for e in examples]
         mine = world.block(len(examples))
         round_seed = derived_seed(seed, "rollout", str(step), str(rounds))
         rollout = scores = None
@@ -160,6 +164,8 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
             with timer("scoring"):
                 rows = [verifier_input(e, r) for e, r in zip(examples[mine.start:mine.stop], rendered[mine.start:mine.stop])]
                 scores = score_rows(verifier, rollout.texts, rows, rollout.prompt_index.tolist(), rollout.truncated.tolist(), truncated)
+                if rollout.episodes is not None:  # a row whose tool broke is infra_error, whatever it answered
+                    scores = Scores.of(episode_verdicts(rollout, scores.verdicts))
         owners = torch.arange(world.size).repeat_interleave(torch.tensor([len(b) for b in world.blocks(len(examples))]) * G)
         if world.active:  # every rank gets the whole round, in global row order (through the CPU: a pickled
             # CUDA tensor would unpickle onto the sender's GPU index)

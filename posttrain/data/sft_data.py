@@ -160,19 +160,23 @@ def sft_prompt(row: SFTRow):
     return row.messages[:first]
 
 
-def chat_token_mask(tokenizer, messages: list[dict], loss_on: str = "assistant", train_from: int = 0) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and, per token, whether it carries the loss."""
+def chat_token_mask(tokenizer, messages: list[dict], loss_on: str = "assistant", train_from: int = 0,
+                    tools: list[dict] | None = None) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per token, whether it carries the loss. A tool
+    transcript (assistant `tool_calls`, `tool` messages) trains on the assistant turns, calls
+    included, never on the tools' results; `tools` (JSON schemas) go to the template's tools=."""
     if not has_chat_template(tokenizer):
         raise UserError("chat SFT rows need a tokenizer with a chat template (this model has none); "
                         "use prompt/completion string rows")
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
     if loss_on == "completion":
         assistant = assistant[-1:]
     spans = []
     for i in assistant:
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **extra) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **extra)
         if not (text.startswith(through) and through.startswith(before)):
             raise UserError("this chat template renders earlier turns differently once later ones follow; "
                             "train on prompt/completion rows (or loss_on: all) instead")
@@ -186,8 +190,10 @@ def chat_token_mask(tokenizer, messages: list[dict], loss_on: str = "assistant",
     return ids, mask
 
 
-def tokenize_sft(tokenizer, rows: list[SFTRow], *, loss_on: str = "assistant", system_prompt: str | None = None) -> TokenizedBatch:
+def tokenize_sft(tokenizer, rows: list[SFTRow], *, loss_on: str = "assistant", system_prompt: str | None = None,
+                 tools: list[dict] | None = None) -> TokenizedBatch:
     """A right-padded `TokenizedBatch` of SFT rows with the loss mask `loss_on` asks for (module doc).
+    `tools`: the JSON schemas every conversation is rendered with (a row's own `tools` field wins).
     prompt_lengths: tokens before the first loss token of each row."""
     if loss_on not in LOSS_ON:
         raise UserError(f"sft loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
@@ -199,7 +205,8 @@ def tokenize_sft(tokenizer, rows: list[SFTRow], *, loss_on: str = "assistant", s
             offset = 0
             if system_prompt and messages[0]["role"] != "system":
                 messages, offset = [{"role": "system", "content": system_prompt}] + messages, 1
-            pieces.append(chat_token_mask(tokenizer, messages, loss_on, row.train_from + offset))
+            pieces.append(chat_token_mask(tokenizer, messages, loss_on, row.train_from + offset,
+                                          tools=row.metadata.get("tools") or tools))
         else:
             batch = tokenize_prompt_response(tokenizer, [row.prompt], [row.completion], system_prompt=system_prompt)
             length = int(batch.attention_mask[0].sum())
@@ -237,6 +244,8 @@ class Data(TaskSource):
     """Held-out rows or problems, disjoint from training (a seeded draw); None: 200, or one in ten of a file under 2,000 rows (logged; the run card records it)."""
     train_size: int | None = None
     """Training examples; None: 20000 for a generated task (arithmetic, rg:), every row not held out for a file (more than it has is refused)."""
+    tools: list[str] = field(default_factory=list)
+    """SFT rows that are tool transcripts: the tools whose schemas the chat template renders (`tools.names` of an online run: python, calculator, add, module:function); a row's own `tools` field (JSON schemas) wins."""
 
     def validate(self) -> None:
         super().validate()
@@ -290,15 +299,23 @@ def _load_rows(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
     end = None if data.train_size is None else eval_size + data.train_size
     held, train = rows.take(order[:eval_size]), rows.take(order[eval_size:end])
 
+    schemas = None
+    if data.tools:
+        from posttrain.rollout.tools import tool_schemas  # the schemas only: nothing is started
+
+        schemas = tool_schemas(data.tools)
+
     def encode(items):
-        return tokenize_sft(tokenizer, items, loss_on=data.loss_on, system_prompt=data.system_prompt)
+        return tokenize_sft(tokenizer, items, loss_on=data.loss_on, system_prompt=data.system_prompt, tools=schemas)
 
     encode([*train[:1], *held[:1]])  # a template that cannot mask fails here, before the run directory exists
     chats = sum(row.is_chat for row in train)
     card = {"task": data.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
             "heldout_size_from": heldout_size_from(data.eval_size), "conversations": chats,
             "prompt_completion_rows": len(train) - chats, "loss_on": data.loss_on,
-            "rows_bad": report.rows_bad}
+            "rows_bad": report.rows_bad,
+            "tool_transcripts": sum(any(m["role"] == "tool" for m in row.messages) for row in train if row.is_chat),
+            **({"tools": list(data.tools)} if data.tools else {})}
     return SFTData(train, held, encode, None, card)
 
 

@@ -88,6 +88,7 @@ def render_prompt(
     *,
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """The text a model sees before its response.
 
@@ -96,6 +97,10 @@ def render_prompt(
     the template opens the assistant turn. Without a template a string prompt is used as is
     (after `system_prompt` and a blank line), and messages become `Role: content` lines ending
     with `Assistant:`.
+
+    `tools` (JSON schemas in the OpenAI function form, a tool episode's): passed to the template's
+    `tools=`; a template that ignores them (its rendering is the same without) gets them as a
+    system message instead (`describe_tools`, the Hermes form), so the model is always told.
     """
     if use_chat_template is None:
         use_chat_template = has_chat_template(tokenizer)
@@ -103,11 +108,40 @@ def render_prompt(
     if system_prompt and (not messages or messages[0].get("role") != "system"):
         messages = [{"role": "system", "content": system_prompt}] + messages
     if use_chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if tools:
+            with_tools = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            if with_tools != text:
+                return with_tools
+            messages = _with_tool_description(messages, tools)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text
+    if tools:
+        messages = _with_tool_description(messages, tools)
+        system_prompt = messages[0]["content"]
     if isinstance(prompt, str):
         return f"{system_prompt}\n\n{prompt}" if system_prompt else prompt
     lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
     return "\n".join(lines + ["Assistant:"])
+
+
+def describe_tools(tools: list[dict]) -> str:
+    """The tools' schemas as a system text in the Hermes form (Qwen2.5's and NousResearch's
+    convention): one JSON schema per line inside <tools></tools>, and how a call is written."""
+    import json
+
+    schemas = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("You may call tools. Their signatures are inside <tools></tools>:\n<tools>\n" + schemas + "\n</tools>\n"
+            'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments as a JSON object>}</tool_call>; '
+            "its result comes back in the next message.")
+
+
+def _with_tool_description(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` whose system message (added when absent) starts with `describe_tools(tools)`."""
+    description = describe_tools(tools)
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": description + "\n\n" + messages[0]["content"]}] + messages[1:]
+    return [{"role": "system", "content": description}] + messages
 
 
 def tokenize_prompt_response(

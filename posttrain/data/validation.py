@@ -122,7 +122,44 @@ def check_messages(report: ValidationReport, line: int, name: str, value, *, rol
         if message.get("role") not in roles:
             report.add(line, f"{where}.role", f"expected one of {', '.join(roles)}, got {message.get('role')!r}")
             ok = False
+        if message.get("tool_calls") is not None:
+            ok = check_tool_calls(report, line, f"{where}.tool_calls", message["tool_calls"], message.get("role")) and ok
+            if message.get("content") in (None, ""):
+                continue  # a turn of tool calls only
         ok = check_text(report, line, f"{where}.content", message.get("content")) and ok
+    return ok
+
+
+def check_tool_calls(report: ValidationReport, line: int, name: str, value, role) -> bool:
+    """An assistant message's `tool_calls` (the transformers / TRL chat format): a non-empty list of
+    `{"type": "function", "function": {"name": str, "arguments": object or JSON object text}}`
+    (the `function` level may be left out)."""
+    import json
+
+    if role != "assistant":
+        report.add(line, name, f"only assistant messages make tool calls, this one is {role!r}")
+        return False
+    if not isinstance(value, list) or not value:
+        report.add(line, name, f"wrong type: expected a non-empty list of calls, got {type_name(value)}")
+        return False
+    ok = True
+    for index, call in enumerate(value):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            report.add(line, f"{name}[{index}]", "expected {\"function\": {\"name\": ..., \"arguments\": {...}}}")
+            ok = False
+            continue
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as error:
+                report.add(line, f"{name}[{index}].arguments", f"not JSON: {error}")
+                ok = False
+                continue
+        if not isinstance(arguments, dict):
+            report.add(line, f"{name}[{index}].arguments", f"wrong type: expected an object, got {type_name(arguments)}")
+            ok = False
     return ok
 
 

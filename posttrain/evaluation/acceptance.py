@@ -27,7 +27,9 @@ from posttrain.errors import UserError
 from posttrain.evaluation.heldout_rows import check_extraction, heldout_rows
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
 from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, defaults
-from posttrain.rollout import SamplingConfig, generate
+from posttrain.rollout import SamplingConfig
+from posttrain.rollout.episodes import episode_summary, episode_verdicts, transcript_text
+from posttrain.rollout.sampler import Sampler, single_turn
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ def evaluate_task(
     batch_size: int = 64,
     output_path: str | Path | None = None,
     label: str | None = None,
+    sampler: Sampler = single_turn,
 ) -> dict[str, Any]:
     """Held-out accuracy of `model` on `task`.
 
@@ -108,6 +111,8 @@ def evaluate_task(
         batch_size: prompts per generation call.
         output_path: write the summary and per-problem rows as JSON there.
         label: the held-out set's name in the log line (None: the task's name alone).
+        sampler: how each answer is sampled (`rollout/sampler.py`): one turn, or tool episodes
+            (the checker reads the last assistant turn; a row whose tool broke is an infra error).
 
     Returns:
         a summary dict: `pass@1`, `pass@1_ci95`, `n` (problems scored), `problems`, `correct` (per
@@ -120,14 +125,20 @@ def evaluate_task(
     started = time.perf_counter()
     verifier = checker if isinstance(checker, Verifier) else as_verifier(None, checker or default_checker(task), for_checker=True)
     examples = task.examples
-    prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt) for e in examples]
+    prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt, tools=sampler.tools) for e in examples]
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
-    texts, lengths = [], []
+    texts, lengths, rollouts = [], [], []
     for start in range(0, len(prompts), batch_size):
-        rollout = generate(model, tokenizer, prompts[start : start + batch_size], group_size=1, sampling=greedy, seed=seed)
+        rollout = sampler(model, tokenizer, examples[start : start + batch_size], prompts[start : start + batch_size],
+                          group_size=1, sampling=greedy, seed=seed)
         texts += rollout.texts
         lengths += rollout.mask.sum(dim=1).tolist()
+        rollouts.append(rollout)
+    episodes = [episode for rollout in rollouts for episode in (rollout.episodes or [])]
     verdicts = score_completions(verifier, texts, examples)
+    if episodes:
+        verdicts = [verdict for rollout, first in zip(rollouts, range(0, len(prompts), batch_size))
+                    for verdict in episode_verdicts(rollout, verdicts[first:first + len(rollout.texts)])]
     # A problem the checker could not score (infra or data error) is left out of n, never a silent 0.
     threshold = getattr(verifier, "pass_threshold", 1.0)  # a program's pass is reward 1; a judge's, its own threshold
     correct = [None if v.status != "ok" else int(v.reward is not None and v.reward >= threshold) for v in verdicts]
@@ -147,13 +158,16 @@ def evaluate_task(
         "unextracted": check_extraction(f"{label} ({task.name})" if label else task.name, texts, verdicts),
         "correct": correct,
     }
+    if episodes:
+        summary["episodes"] = episode_summary(episodes)
     if k > 1:
         sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
         per_problem = []
         for start in range(0, len(prompts), batch_size):
             chunk = examples[start : start + batch_size]
-            rollout = generate(model, tokenizer, prompts[start : start + batch_size], group_size=k, sampling=sampled, seed=seed + start)
-            sample_verdicts = score_completions(verifier, rollout.texts, [e for e in chunk for _ in range(k)])
+            rollout = sampler(model, tokenizer, chunk, prompts[start : start + batch_size], group_size=k, sampling=sampled,
+                              seed=seed + start)
+            sample_verdicts = episode_verdicts(rollout, score_completions(verifier, rollout.texts, [e for e in chunk for _ in range(k)]))
             for index in range(len(chunk)):
                 group = sample_verdicts[index * k : (index + 1) * k]
                 if any(v.status != "ok" for v in group):
@@ -167,6 +181,8 @@ def evaluate_task(
     summary["seconds"] = time.perf_counter() - started
     if output_path is not None:
         rows = heldout_rows(examples, prompts, texts, verdicts)
+        for row, episode in zip(rows, episodes):  # the whole transcript, the model's and the tools' spans marked
+            row.update(transcript=transcript_text(episode), turns=episode["turns"], tool_calls=episode["tool_calls"])
         write_text_atomically(output_path, json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")  # whole or not at all
     low, high = summary["pass@1_ci95"]
     logger.info("held-out %s: pass@1 %s [%.3f, %.3f] (n=%d)", f"{label} ({task.name})" if label else task.name,
@@ -276,7 +292,7 @@ def set_metrics(name: str, result: dict[str, Any], k: int = 1) -> dict[str, Any]
 
 def evaluate_sets(model, tokenizer, held_out: Task, checker, shifted: list[HeldOutSet], *, step: int, eval_dir: Path,
                   seed: int, k: int = 1, temperature: float = 1.0, max_new_tokens: int = 64, system_prompt: str | None = None,
-                  in_distribution_file: str = "step") -> tuple[dict[str, Any], dict[str, Any]]:
+                  in_distribution_file: str = "step", sampler: Sampler = single_turn) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every held-out set of a run at one step: the in-distribution split (`held_out`, scored by
     `checker`) and each shifted set (its own checker), each written to `eval_dir`
     (`<in_distribution_file>-<step>.json`, `<set>-step-<step>.json`), sampled with a seed derived
@@ -284,7 +300,8 @@ def evaluate_sets(model, tokenizer, held_out: Task, checker, shifted: list[HeldO
     heldout/pass@1 with its interval (and pass@k when k > 1), and heldout/<set>/... for every set."""
     result = evaluate_task(model, tokenizer, held_out, checker=checker, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
                            seed=derived_seed(seed, "eval", str(step)), system_prompt=system_prompt,
-                           output_path=eval_dir / f"{in_distribution_file}-{step:06d}.json", label=f"{IN_DISTRIBUTION} at step {step}")
+                           output_path=eval_dir / f"{in_distribution_file}-{step:06d}.json", label=f"{IN_DISTRIBUTION} at step {step}",
+                           sampler=sampler)
     low, high = result["pass@1_ci95"]
     metrics = {"heldout/pass@1": result["pass@1"], "heldout/pass@1_low": low, "heldout/pass@1_high": high}
     if k > 1:
@@ -294,7 +311,7 @@ def evaluate_sets(model, tokenizer, held_out: Task, checker, shifted: list[HeldO
         metrics.update(set_metrics(held.name, evaluate_task(
             model, tokenizer, held.task, checker=held.checker, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
             seed=derived_seed(seed, "eval", held.name, str(step)), system_prompt=system_prompt,
-            output_path=eval_dir / f"{held.name}-step-{step:06d}.json", label=f"{held.name} at step {step}"), k))
+            output_path=eval_dir / f"{held.name}-step-{step:06d}.json", label=f"{held.name} at step {step}", sampler=sampler), k))
     return result, metrics
 
 

@@ -23,10 +23,22 @@ SPECIAL_TOKENS = [PAD_TOKEN, UNK_TOKEN, EOS_TOKEN, CHAT_START_TOKEN]
 # string.printable minus the rare vertical whitespace (\x0b \x0c \r): 97 characters.
 CHARACTERS = [c for c in string.printable if c not in "\x0b\x0c\r"]
 
-# ChatML; `add_generation_prompt` opens the assistant turn, whose text the model then writes.
+# ChatML; `add_generation_prompt` opens the assistant turn, whose text the model then writes. An
+# assistant message's `tool_calls` (the transformers / TRL chat format: {"type": "function",
+# "function": {"name", "arguments"}}) are written after its content in the Hermes form,
+# `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and a `tool` message is a turn of
+# role `tool`: the ChatML-style fallback the tiny model's tool episodes and SFT transcripts use
+# (its generation stops at `<|im_end|>`, so a turn of tool calls ends as any other turn).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\": \"' + function['name'] + '\", \"arguments\": ' }}"
+    "{{ function['arguments'] if function['arguments'] is string else function['arguments'] | tojson }}"
+    "{{ '}</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

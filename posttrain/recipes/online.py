@@ -147,6 +147,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
 
     shifted = shifted_sets(config.acceptance.sets, train, config.data.task, config.data.load_options(), config.seed,
                            len(held_out), config.reward_options, config.unsafe_no_sandbox)
+    sampler = tool_sampler(config, tokenizer)
     reference = make_reference(policy) if config.loss.kl.beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy
@@ -167,7 +168,20 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
                  critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
                  stream=PromptStream(train, config.seed), train=train, held_out=held_out, shifted=shifted, screening=screening,
-                 placement=placement)
+                 placement=placement, sampler=sampler)
+
+
+def tool_sampler(config: Config, tokenizer) -> Sampler:
+    """One turn per row, or, with `config.tools.names`, tool episodes (`rollout/episodes.py`) whose
+    tools run with the run's sandbox settings (`reward_options`: timeout, memory, unsafe flag)."""
+    if not config.tools.enabled:
+        return single_turn
+    from posttrain.rollout.episodes import EpisodeSampler
+    from posttrain.rollout.tools import resolve_tools
+
+    sandbox = config.reward_options.sandbox(config.unsafe_no_sandbox)
+    toolbox = resolve_tools(config.tools.names, timeout_s=config.tools.timeout_s, sandbox=sandbox)
+    return EpisodeSampler(tokenizer, toolbox, config.tools)
 
 
 def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
@@ -421,7 +435,7 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
                 policy, state.tokenizer, state.held_out, state.checker, state.shifted, step=state.step, eval_dir=run_dir.eval_dir,
                 seed=config.seed, k=config.acceptance.k, temperature=config.sampling.temperature,
                 max_new_tokens=config.acceptance.max_new_tokens or config.sampling.max_new_tokens,
-                system_prompt=config.data.system_prompt)
+                system_prompt=config.data.system_prompt, sampler=state.sampler)
             policy.train(was_training)
             if train_reward is not None and result["pass@1"] is not None:
                 # The alarm compares held-out accuracy with the mean training reward since the previous
@@ -444,6 +458,10 @@ def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
     card["links"]["data"] = online_data_card(config.data, state.train, state.held_out, config.sampling,
                                              grouped=estimator.min_group_size > 1, screening=state.screening)
+    if config.tools.enabled:
+        from posttrain.rollout.episodes import tools_card
+
+        card["links"]["data"]["episodes"] = tools_card(config.tools, state.sampler.toolbox)
     card["links"]["reward"] = reward_link(config, state, reward)
     card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference)
     acceptance = card["links"]["acceptance"] = acceptance_card(dataclasses.asdict(config.acceptance), config.data.task,

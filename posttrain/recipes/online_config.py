@@ -19,6 +19,7 @@ from posttrain.evaluation import settings as evaluation_settings
 from posttrain.losses.policy_gradient_config import KL, MOVED, Critic, Loss, Update  # the loss link's sections
 from posttrain.optim import Optimization
 from posttrain.rollout import SamplingConfig
+from posttrain.rollout.episodes import ToolSettings
 
 
 Data = PromptSource
@@ -63,6 +64,8 @@ class Config(PolicyFields):
     """Link 1: prompts and groups."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
     """Rollout sampling settings (the training log-probs use the same temperature)."""
+    tools: ToolSettings = field(default_factory=ToolSettings)
+    """Tool-calling episodes (`rollout/episodes.py`): the tools the model may call between turns, max_turns, the observation cap; no tools: one turn per row."""
     reward: str = "auto"
     """Link 2: the training verifier (posttrain.rewards name, weighted sum, or callable:<path>); auto: the task's gold format decides (exact for arithmetic, math for math/GSM8K/MATH golds, humaneval for code), the same one the held-out checker defaults to."""
     loss: Loss = field(default_factory=Loss)
@@ -95,6 +98,7 @@ class Config(PolicyFields):
             raise UserError(f"data.group_size must be at least {estimator.min_group_size}"
                             + (" (a group of one has no relative signal)" if estimator.min_group_size > 1 else "") + f", got {data.group_size}")
         data.validate()  # sizes, format and columns (`data/source.TaskSource`)
+        self.tools.validate()
         if loss.sampler_correction == "tis" and self.sampling.greedy:
             raise UserError("loss.sampler_correction tis needs sampled rollouts (sampling.greedy is true: there is no sampler distribution)")
         if data.dynamic_sampling and data.group_size < 2:

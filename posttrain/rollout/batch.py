@@ -52,6 +52,10 @@ class Rollout:
     """(N, T) bool, the ATTENTION mask of the completion: True = a real token the model sees (what
     it generated and, in a multi-turn episode, a tool's output, which is seen but never trained:
     attention True, ``mask`` False). None: the same as ``mask`` (a single-turn rollout)."""
+    episodes: list[dict] | None = None
+    """N records of multi-turn episodes (`rollout/episodes.py`: turns, tool calls, failures, parse
+    errors, observation tokens, infra error, the transcript with the model's and the tools' spans);
+    ``texts`` then holds each row's last assistant turn. None: single-turn rows."""
 
     @property
     def completion_attention_mask(self) -> torch.Tensor:
@@ -97,6 +101,7 @@ class Rollout:
             texts=[self.texts[i] for i in rows.tolist()],
             prompt_index=torch.arange(len(rows) // G, device=self.prompt_index.device).repeat_interleave(G),
             attention=None if self.attention is None else self.attention[rows],
+            episodes=None if self.episodes is None else [self.episodes[i] for i in rows.tolist()],
         )
 
     @classmethod
@@ -133,6 +138,8 @@ class Rollout:
             pad_token_id=first.pad_token_id,
             attention=None if all(r.attention is None for r, _ in pick)
             else _pad([r.completion_attention_mask[i] for r, i in pick], T, False, left=False),
+            episodes=None if all(r.episodes is None for r, _ in pick)
+            else [r.episodes[j] if r.episodes is not None else None for r, i in pick for j in i.tolist()],
         )
 
     def to(self, device: torch.device | str) -> Rollout:

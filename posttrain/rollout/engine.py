@@ -167,7 +167,8 @@ def _run_chunk(decoder, id_lists, first, count, sampling, uniforms, eos_ids, sto
 
 def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
              seed: int = 0, max_batch_size: int = 64, backend: str = "auto",
-             add_special_tokens: bool = False, shard: tuple[int, int] | None = None) -> Rollout:
+             add_special_tokens: bool = False, shard: tuple[int, int] | None = None,
+             draws: tuple[Sequence[int], int] | None = None) -> Rollout:
     """Sample ``group_size`` completions for every prompt with a KV cache; return them as a ``Rollout``.
 
     Args:
@@ -188,6 +189,9 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
         shard: ``(first, total)``: these prompts are prompts ``first ..`` of a batch of ``total``
             prompts drawn with ``seed`` (one rank's share under torchrun); each row then samples
             exactly what it would in the whole batch.
+        draws: ``(indices, total)``: prompt i is prompt ``indices[i]`` of a batch of ``total`` drawn
+            with ``seed`` (any subset, in any order: the rows of an episode still going after a tool
+            call); each row then samples what it would in that whole batch. Exclusive with ``shard``.
 
     Returns:
         a ``Rollout`` with N = B * G rows on the model's device; see its field docs for shapes and
@@ -209,11 +213,20 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     stops = _StopStrings(tokenizer, sampling.stop_strings) if sampling.stop_strings else None
     B, G, T = len(id_lists), group_size, sampling.max_new_tokens
     generator = torch.Generator().manual_seed(seed)
-    first, total = shard if shard is not None else (0, B)
-    if first < 0 or first + B > total:
-        raise UserError(f"shard {shard} does not hold {B} prompts")
+    if draws is not None:
+        if shard is not None:
+            raise UserError("generate: pass shard or draws, not both")
+        indices, total = list(draws[0]), draws[1]
+        if len(indices) != B or any(not 0 <= i < total for i in indices):
+            raise UserError(f"draws: {B} prompts need {B} indices below {total}")
+    else:
+        first, total = shard if shard is not None else (0, B)
+        if first < 0 or first + B > total:
+            raise UserError(f"shard {shard} does not hold {B} prompts")
+        indices = range(first, first + B)
     uniforms = torch.rand(total * G, T, generator=generator, dtype=torch.float64)  # (N, T), row-owned
-    uniforms = uniforms[first * G:(first + B) * G].to(device)  # drawn on the CPU: the same draws on every device
+    rows = torch.tensor([i * G + g for i in indices for g in range(G)], dtype=torch.long)
+    uniforms = uniforms[rows].to(device)  # drawn on the CPU: the same draws on every device
     prompts_per_chunk = max(1, max_batch_size // G)
     started = time.perf_counter()
     was_training = model.training

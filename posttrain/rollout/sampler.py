@@ -2,8 +2,8 @@
 
 A sampler is any callable with `Sampler`'s signature that returns a `Rollout` (group-contiguous
 rows, the log-probs of what was sampled, a loss mask and, where it differs, an attention mask).
-`single_turn` (one completion per row, `generate`) is the first; a multi-turn episode sampler that
-runs tools between turns is another, and is one new module here.
+`single_turn` (one completion per row, `generate`) is the first; `episodes.EpisodeSampler` (tool
+calls run between turns, their results appended as attended, untrained tokens) is the second.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from posttrain.rollout.sampling import SamplingConfig
 
 
 class Sampler(Protocol):
+    tools: list[dict] | None
+    """The JSON schemas the prompts are rendered with (`data.tokenize.render_prompt`'s tools=): a tool
+    episode sampler's tools; None: none (one turn)."""
+
     def __call__(self, policy, tokenizer, examples: Sequence[Any], prompts: Sequence[str], *, group_size: int,
                  sampling: SamplingConfig, seed: int, shard: tuple[int, int] | None) -> Rollout:
         """B x G rows for the B `examples` (their data records: an episode's environment resets from
@@ -29,3 +33,6 @@ def single_turn(policy, tokenizer, examples: Sequence[Any], prompts: Sequence[st
                 sampling: SamplingConfig, seed: int, shard: tuple[int, int] | None = None) -> Rollout:
     """One completion per row: `generate` on the rendered prompts (the examples are not read)."""
     return generate(policy, tokenizer, list(prompts), group_size=group_size, sampling=sampling, seed=seed, shard=shard)
+
+
+single_turn.tools = None

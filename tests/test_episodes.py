@@ -1,0 +1,281 @@
+"""Tool episodes (`rollout/episodes.py`): a scripted policy emits a tool call and then an answer, so
+every mask, observation, count and gradient is known by hand, without any learning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from posttrain.algorithms.logprobs import token_logprobs
+from posttrain.algorithms.policy import aggregate, clipped_surrogate
+from posttrain.errors import UserError
+from posttrain.models.forward import completion_logits
+from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
+from posttrain.rewards.verdict import Verdict
+from posttrain.rollout import Rollout, SamplingConfig, generate
+from posttrain.rollout.episodes import (
+    TRUNCATION_MARKER,
+    EpisodeSampler,
+    ObservationFormat,
+    ToolSettings,
+    episode_metrics,
+    episode_verdicts,
+    truncate_middle,
+)
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+ANSWER = "The answer is 5."
+PROMPT = "What is 2+3?"
+
+
+@dataclass
+class Result:
+    content: str
+    status: str = "ok"
+    reason: str = ""
+
+
+class FakeToolbox:
+    """Answers every call with `content` (or per-call results from `results`), recording the calls."""
+
+    def __init__(self, content="5", status="ok"):
+        self.content, self.status, self.calls = content, status, []
+
+    def schemas(self):
+        return [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {"type": "object", "properties": {}}}}]
+
+    def execute(self, calls):
+        self.calls += list(calls)
+        out = []
+        for call in calls:
+            if call.error:
+                out.append(Result(f"error: {call.error}", "parse_error"))
+            else:
+                out.append(Result(self.content, self.status, "sandbox died" if self.status == "infra_error" else ""))
+        return out
+
+
+def scripted(script, eos=True):
+    """A `generate` stand-in: row text = script(context text, row); each turn ends with the EOS.
+    Log-prob of the t-th token of a turn: -(t + 1) / 100, so placements can be checked."""
+
+    def fake_generate(policy, tokenizer, prompts, *, group_size=1, sampling=None, seed=0, shard=None, draws=None):
+        contexts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        prompt_lists = [tokenizer(c, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+                        for c, p in zip(contexts, prompts)]
+        rows, texts = [], []
+        for index, context in enumerate(contexts):
+            for g in range(group_size):
+                text = script(context, index * group_size + g)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
+                rows.append(ids)
+                texts.append(text)
+        N, T = len(rows), max(len(r) for r in rows)
+        P = max(len(p) for p in prompt_lists)
+        pad = tokenizer.pad_token_id
+        prompt_ids = torch.full((N, P), pad)
+        prompt_mask = torch.zeros((N, P), dtype=torch.bool)
+        completion = torch.full((N, T), pad)
+        mask = torch.zeros((N, T), dtype=torch.bool)
+        logprobs = torch.zeros(N, T)
+        for i, ids in enumerate(rows):
+            p = prompt_lists[i // group_size]
+            prompt_ids[i, P - len(p):] = torch.tensor(p)
+            prompt_mask[i, P - len(p):] = True
+            completion[i, :len(ids)] = torch.tensor(ids)
+            mask[i, :len(ids)] = True
+            logprobs[i, :len(ids)] = -torch.arange(1, len(ids) + 1) / 100
+        return Rollout(prompt_ids=prompt_ids, prompt_attention_mask=prompt_mask, completion_ids=completion, mask=mask,
+                       sampler_logprobs=logprobs.clone(), logprobs=logprobs, finished=torch.full((N,), eos),
+                       truncated=torch.full((N,), not eos), texts=texts,
+                       prompt_index=torch.arange(len(contexts)).repeat_interleave(group_size), group_size=group_size,
+                       sampling=sampling or SamplingConfig(), pad_token_id=pad)
+
+    return fake_generate
+
+
+def call_then_answer(context, row):
+    return ANSWER if "<|im_start|>tool" in context else CALL
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model()[0]
+
+
+def rendered(tokenizer, prompt=PROMPT):
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+
+
+def run(tokenizer, model, script=call_then_answer, toolbox=None, group_size=1, prompts=(PROMPT,), **settings):
+    toolbox = toolbox or FakeToolbox()
+    sampler = EpisodeSampler(tokenizer, toolbox, ToolSettings(names=["add"], **settings), generate_fn=scripted(script))
+    return sampler(model, tokenizer, [None] * len(prompts), [rendered(tokenizer, p) for p in prompts], group_size=group_size,
+                   sampling=SamplingConfig(max_new_tokens=96), seed=0)
+
+
+def encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_loss_mask_is_the_models_tokens_then_the_observation_masked_then_the_answer(tokenizer, model):
+    rollout = run(tokenizer, model)
+    k = len(encode(tokenizer, CALL)) + 1  # the call and the EOS that closed the turn
+    observation = "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"  # the template's glue after the EOS
+    m = len(encode(tokenizer, observation))
+    j = len(encode(tokenizer, ANSWER)) + 1
+    assert m == 1 + 1 + 5 + 1 + 1 + 1 + 1 + 10  # \n, <|im_start|>, "tool\n", "5", <|im_end|>, \n, <|im_start|>, "assistant\n"
+    assert rollout.mask[0].tolist() == [True] * k + [False] * m + [True] * j
+    assert rollout.attention[0].tolist() == [True] * (k + m + j)
+    assert rollout.completion_ids[0, k:k + m].tolist() == encode(tokenizer, observation)
+    # log-probs: the model's, where it wrote; 0 on the observation
+    expected = [-(t + 1) / 100 for t in range(k)] + [0.0] * m + [-(t + 1) / 100 for t in range(j)]
+    assert rollout.logprobs[0].tolist() == pytest.approx(expected)
+    assert rollout.texts == [ANSWER]
+    episode = rollout.episodes[0]
+    assert (episode["turns"], episode["tool_calls"], episode["tool_failures"], episode["parse_errors"]) == (2, 1, 0, 0)
+    assert [entry["role"] for entry in episode["transcript"]] == ["assistant", "tool", "assistant"]
+    metrics = episode_metrics(rollout)
+    assert metrics["turns/mean"] == 2 and metrics["tools/calls"] == 1
+    assert metrics["tokens/observation_fraction"] == pytest.approx(m / (k + m + j))
+
+
+def test_the_concatenated_ids_are_the_chat_template_of_the_whole_conversation(tokenizer, model):
+    rollout = run(tokenizer, model)
+    ids = rollout.prompt_ids[0][rollout.prompt_attention_mask[0]].tolist() + rollout.completion_ids[0][rollout.attention[0]].tolist()
+    whole = tokenizer.apply_chat_template([
+        {"role": "user", "content": PROMPT}, {"role": "assistant", "content": CALL},
+        {"role": "tool", "name": "add", "content": "5"}, {"role": "assistant", "content": ANSWER}], tokenize=False)
+    assert whole.endswith("<|im_end|>\n")
+    assert ids == encode(tokenizer, whole[:-1])  # the template's last newline follows the model's final EOS
+
+
+def test_max_turns_one_ends_after_the_first_call_and_counts_it(tokenizer, model):
+    toolbox = FakeToolbox()
+    rollout = run(tokenizer, model, toolbox=toolbox, max_turns=1)
+    assert toolbox.calls == []  # the call of the last turn is not run
+    assert rollout.mask[0].all() and rollout.texts == [CALL]
+    assert rollout.episodes[0]["max_turns_hit"] and episode_metrics(rollout)["episodes/max_turns_hit"] == 1
+    assert not rollout.truncated[0]
+
+
+def test_a_malformed_call_is_an_error_observation_and_the_episode_goes_on(tokenizer, model):
+    bad = '<tool_call>{"name": "add", "arguments": {"a": 2,}}</tool_call>'
+    rollout = run(tokenizer, model, script=lambda context, row: ANSWER if "<|im_start|>tool" in context else bad)
+    episode = rollout.episodes[0]
+    assert episode["parse_errors"] == 1 and episode["turns"] == 2
+    tool = episode["transcript"][1]
+    assert tool["status"] == "parse_error" and tool["content"].startswith("error:")
+    assert rollout.texts == [ANSWER]
+    assert episode_metrics(rollout)["tools/parse_errors"] == 1
+
+
+def test_a_dying_sandbox_makes_the_row_infra_error_with_advantage_zero(tokenizer, model):
+    from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
+    from posttrain.rewards.scores import Scores
+
+    toolbox = FakeToolbox(status="infra_error")
+    # row 0 calls the broken tool; rows 1-3 answer at once
+    rollout = run(tokenizer, model, script=lambda context, row: CALL if row == 0 and "<|im_start|>tool" not in context else ANSWER,
+                  toolbox=toolbox, group_size=4)
+    assert rollout.episodes[0]["infra_error"] == "tool sandbox died"
+    verdicts = episode_verdicts(rollout, [Verdict.ok(r, "scripted") for r in (1.0, 1.0, 0.0, 0.0)])
+    assert verdicts[0].status == "infra_error" and verdicts[1].reward == 1.0
+    scores = Scores.of(verdicts)
+    assert scores.infra_errors == 1
+    mask = rollout.mask & ~torch.isnan(scores.rewards)[:, None]
+    from posttrain.losses.policy_gradient_config import Loss
+
+    estimate = ADVANTAGE_ESTIMATORS["group"].estimate(StepRewards(scores.rewards, mask, rollout.mask, 4),
+                                                      **Loss().estimator_settings())
+    assert float(estimate.advantages[0].abs().max()) == 0.0
+    assert episode_metrics(rollout)["episodes/infra_errors"] == 1
+
+
+def test_a_long_observation_keeps_exactly_the_cap_with_head_tail_and_marker(tokenizer, model):
+    content = "".join(str(i % 10) for i in range(1000))
+    assert len(encode(tokenizer, content)) == 1000
+    rollout = run(tokenizer, model, toolbox=FakeToolbox(content=content), max_observation_tokens=256)
+    glue = len(encode(tokenizer, "\n<|im_start|>tool\n")), len(encode(tokenizer, "<|im_end|>\n<|im_start|>assistant\n"))
+    k = len(encode(tokenizer, CALL)) + 1
+    observation = ~rollout.mask[0] & rollout.attention[0]
+    assert int(observation.sum()) == glue[0] + 256 + glue[1]
+    kept = tokenizer.decode(rollout.completion_ids[0, k + glue[0]:k + glue[0] + 256].tolist())
+    marker = TRUNCATION_MARKER
+    head = (256 - len(marker) + 1) // 2
+    assert kept == content[:head] + marker + content[1000 - (256 - len(marker) - head):]
+    assert rollout.episodes[0]["observations_truncated"] == 1
+    ids, cut = truncate_middle(list(range(10)), 10, [99])
+    assert ids == list(range(10)) and not cut
+
+
+def test_the_observation_gets_exactly_zero_gradient_and_the_models_tokens_the_single_turn_gradient(tokenizer, model):
+    rollout = run(tokenizer, model)
+    inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    _, logits = completion_logits(model, inputs, slice(0, 1), P, T, shared_prefix=False)
+    logits.retain_grad()
+    logprobs = token_logprobs(logits, rollout.completion_ids, 1.0)
+    old, advantages = logprobs.detach(), torch.tensor([0.7])
+    per_token, _ = clipped_surrogate(logprobs, old, advantages[:, None].expand_as(logprobs))
+    aggregate(per_token, rollout.mask).backward()
+    observation = rollout.attention[0] & ~rollout.mask[0]
+    assert logits.grad[0, observation].abs().max().item() == 0.0
+    # The same loss computed naively on the model's tokens alone, packed into one single-turn row.
+    packed = logprobs.detach()[0, rollout.mask[0]].clone().requires_grad_(True)
+    naive, _ = clipped_surrogate(packed[None], packed.detach()[None], torch.full((1, packed.numel()), 0.7))
+    naive.mean().backward()
+    probs = torch.softmax(logits.detach()[0, rollout.mask[0]], -1)
+    one_hot = torch.nn.functional.one_hot(rollout.completion_ids[0, rollout.mask[0]], probs.shape[-1]).float()
+    expected = packed.grad[:, None] * (one_hot - probs)  # d logp / d logits = onehot - softmax
+    torch.testing.assert_close(logits.grad[0, rollout.mask[0]], expected, rtol=1e-5, atol=1e-8)
+
+
+def test_a_row_without_a_tool_call_is_the_single_turn_rollout(tokenizer, model):
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0)
+    prompts = [rendered(tokenizer, "1+1="), rendered(tokenizer, "2+2=")]
+    single = generate(model, tokenizer, prompts, group_size=2, sampling=sampling, seed=3)
+    sampler = EpisodeSampler(tokenizer, FakeToolbox(), ToolSettings(names=["add"]))
+    episodes = sampler(model, tokenizer, [None, None], prompts, group_size=2, sampling=sampling, seed=3)
+    width = single.completion_ids.shape[1]
+    assert torch.equal(episodes.completion_ids[:, :width], single.completion_ids)
+    assert torch.equal(episodes.mask[:, :width], single.mask) and torch.equal(episodes.attention, episodes.mask)
+    assert torch.equal(episodes.logprobs[:, :width], single.logprobs)
+    assert episodes.texts == single.texts and all(e["turns"] == 1 for e in episodes.episodes)
+
+
+def test_generate_draws_give_a_row_the_same_tokens_in_any_subset(tokenizer, model):
+    sampling = SamplingConfig(max_new_tokens=10, temperature=1.0)
+    prompts = [rendered(tokenizer, f"{i}+1=") for i in range(5)]
+    whole = generate(model, tokenizer, prompts, sampling=sampling, seed=11, draws=(range(5), 5))
+    part = generate(model, tokenizer, [prompts[3], prompts[1]], sampling=sampling, seed=11, draws=([3, 1], 5))
+    assert part.texts == [whole.texts[3], whole.texts[1]]
+    assert whole.texts == generate(model, tokenizer, prompts, sampling=sampling, seed=11).texts
+    with pytest.raises(UserError, match="draws"):
+        generate(model, tokenizer, prompts[:2], sampling=sampling, seed=11, draws=([0, 7], 5))
+
+
+def test_templates_that_rewrite_earlier_turns_are_refused_in_one_line():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = (  # drops every earlier assistant turn once a tool message follows (prefix not kept)
+        "{% for m in messages %}{% if not (m['role'] == 'assistant' and not loop.last and messages[-1]['role'] == 'tool') %}"
+        "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    with pytest.raises(UserError, match="preserves prefixes"):
+        ObservationFormat(tokenizer)
+    tokenizer.chat_template = None
+    with pytest.raises(UserError, match="chat template"):
+        ObservationFormat(tokenizer)
+
+
+def test_settings_are_checked_in_one_line():
+    with pytest.raises(UserError, match="tools.max_turns"):
+        ToolSettings(names=["add"], max_turns=0).validate()
+    with pytest.raises(UserError, match="twice"):
+        ToolSettings(names=["add", "add"]).validate()
