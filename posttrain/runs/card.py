@@ -84,6 +84,10 @@ def render_markdown(card: dict[str, Any]) -> str:
         lines += ["## Alarms", ""] + [f"- **{alarm}**" for alarm in card["alarms"]] + [""]
     if card.get("notes"):
         lines += ["## Notes", ""] + [f"- {note}" for note in card["notes"]] + [""]
+    if card.get("checklist"):  # evaluation.checklist.card_section
+        lines += ["## Checklist", "", "| question | answer | the run's number and its source |", "|---|---|---|"]
+        lines += [f"| {a['question']} | {a['answer']} | {str(a['detail']).replace('|', chr(92) + '|')} |" for a in card["checklist"]["answers"]]
+        lines += ["", f"**Verdict.** {card['checklist']['verdict']}", ""]
     lines += ["## Versions", "", "| package | version |", "|---|---|"]
     lines += [f"| {name} | {version} |" for name, version in run.get("versions", {}).items()]
     return "\n".join(lines) + "\n"

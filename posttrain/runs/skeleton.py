@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from posttrain.config import save_yaml
 from posttrain.distributed import World, init_world
+from posttrain.evaluation.checklist import card_section
 from posttrain.hardware import Placement, resolve
 from posttrain.runs.card import write_run_card
 from posttrain.runs.checkpoint import seed_everything
@@ -99,13 +100,19 @@ def card_writer(run_dir: RunDirectory, card: dict[str, Any], world: World) -> Ca
 @contextlib.contextmanager
 def closing(run_dir: RunDirectory, card: dict[str, Any], write_card: Callable[[], None]) -> Iterator[None]:
     """The epilogue: the card, with its results section (`runs.results`: each held-out set from
-    its first evaluation to its last), written when the loop ends (at max_steps, or early by a stop
+    its first evaluation to its last) and its checklist (`evaluation.checklist`: the seed's
+    questions answered from the run's own files, and the verdict), written when the loop ends (at max_steps, or early by a stop
     signal), and the run directory closed whatever happens. The world is the caller's to close after
     its wrapped models are gone (DDP's destructors talk to the process group), and only on success:
     on a failure a barrier would pair with another rank's pending collective, and torchrun ends the job."""
     def finish() -> None:
         if run_dir.writer:
             card["results"] = results(run_dir.path)
+            try:  # a run that trained is never failed by its epilogue: a checklist that cannot be read is said, not raised
+                card["checklist"] = card_section(run_dir.path, card)
+                logger.info("checklist: %s", card["checklist"]["verdict"])
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                logger.warning("the run card's checklist was not written: %s", error)
         write_card()
 
     try:
