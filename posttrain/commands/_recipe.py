@@ -34,6 +34,9 @@ def resolve_config(config_cls, args: argparse.Namespace, command: str | None = N
     from posttrain.config import build_config, parse_overrides  # here: posttrain.config imports torch (hardware)
 
     overrides = parse_overrides(list(getattr(args, "overrides", []) or []), once=True)
+    for name, value in vars(args).items():  # a recipe's bare switches (`posttrain demo --tools`)
+        if name.startswith("switch_") and value:
+            overrides[name.removeprefix("switch_")] = True
     for flag in ("output_dir", "max_steps", "seed"):
         if getattr(args, flag, None) is not None:
             if flag in overrides:  # `--max-steps 2 --max_steps 1`: argparse took the one, the overrides the other
@@ -144,6 +147,8 @@ class Recipe:
     new_directory: bool = True
     """A new run needs a new or empty --output-dir (`runs/directory.check_new_run`), checked before
     any work; False: the command replaces its own earlier output (the demo) and checks only the kind."""
+    switches: tuple[str, ...] = ()
+    """Boolean config fields that are also bare flags: `--tools` is `--tools true`."""
 
     def register(self, subparsers) -> None:
         """Add `posttrain <command>` with the common flags; other `--key value` pairs override config fields."""
@@ -154,6 +159,9 @@ class Recipe:
         parser.add_argument("--resume", action=Once, metavar="DIR", help="continue the run in DIR from its newest complete checkpoint")
         parser.add_argument("--resume-changed-config", action="store_true",
                             help="with --resume: accept --key value changes that alter the data order or the loss (recorded in the run card)")
+        for switch in self.switches:
+            parser.add_argument(f"--{switch.replace('_', '-')}", dest=f"switch_{switch}", action="store_true",
+                                help=f"--{switch} true")
         parser.set_defaults(func=self.run)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -190,8 +198,9 @@ class Recipe:
 
 RECIPES = (
     Recipe("demo", "posttrain.recipes.demo",
-           "the main job: SFT -> GRPO vs pairs+DPO on the tiny model, with held-out acceptance and a report",
-           new_directory=False),
+           "the main job: SFT -> GRPO vs pairs+DPO on the tiny model, with held-out acceptance and a report "
+           "(--tools: SFT on tool transcripts, then GRPO with a calculator tool)",
+           new_directory=False, switches=("tools",)),
     Recipe("dpo", "posttrain.recipes.dpo", "DPO family: pairwise preference loss against a frozen reference",
            settings="posttrain.recipes.dpo_config:Config"),
     Recipe("grpo", "posttrain.recipes.online", "GRPO: group-relative advantages, clipped surrogate, no critic",

@@ -26,24 +26,28 @@ same program as reward), and only held-out problems with a separate checker say 
 
 from __future__ import annotations
 
-import contextlib
-import shutil
+import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from posttrain.config import PRESETS, build_config
+from posttrain.config import build_config
 from posttrain.data.examples import Task
 from posttrain.errors import UserError
-from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_shifts, evaluate_task, heldout_split, independence, shifted_sets
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, evaluate_task, independence
 from posttrain.models import load_model
-from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, rm, sft
+from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, rm
+from posttrain.recipes.stages import SFT, Stage, heldout_sets, preset, stage_config, train_sft  # noqa: F401 (demo.preset: the tests)
+from posttrain.recipes.stages import checker as _checker
+from posttrain.recipes.stages import fresh_directory as _fresh_directory
+from posttrain.recipes.stages import last_checkpoint as _last_checkpoint
+from posttrain.recipes.stages import newest_step as _newest_step
+from posttrain.recipes.stages import timed as _timed
 from posttrain.evaluation.demo_report import DemoResult, write_report
 from posttrain.rewards import get_verifier
-from posttrain.runs import read_jsonl
 
 
 DPO_STAGE = {"batch_size": 16, "micro_batch_size": 16, "data": {"heldout_pairs": 0}}
@@ -51,6 +55,10 @@ DPO_STAGE = {"batch_size": 16, "micro_batch_size": 16, "data": {"heldout_pairs":
 on every pair with as many steps as GRPO: "same reward link, different data link"."""
 PLAIN_DPO = {"loss": {"nll_weight": 0.0}}
 """The comparison the report explains: the same stage without the NLL term (plain DPO)."""
+
+
+TOOL_DEMO_DIR = "runs/demo-tools"
+"""`posttrain demo --tools`'s default output directory."""
 
 
 @dataclass
@@ -84,35 +92,24 @@ class Config:
     """Reuse this finished SFT run directory (its newest checkpoint) instead of training one."""
     max_steps: int | None = None
     """Unused (the stages have their own step counts); accepted for the common flags."""
+    tools: bool = False
+    """Run the tool demo instead (`posttrain demo --tools`, recipes/tool_demo.py): SFT on tool transcripts, then GRPO with the `add` tool, against the start without it; default output runs/demo-tools."""
+    tool_transcripts: int = 400
+    """The tool demo's SFT transcripts (half 2-digit, half 3-digit sums); as many GRPO prompts again."""
+    tool_sft_steps: int = 150
+    """The tool demo's SFT steps on the transcripts."""
+    tool_grpo_steps: int = 20
+    """The tool demo's GRPO steps with the tool."""
 
     def validate(self) -> None:
-        for name in ("eval_size", "sft_steps", "sft_round", "grpo_steps", "rm_steps"):
+        for name in ("eval_size", "sft_steps", "sft_round", "grpo_steps", "rm_steps", "tool_transcripts", "tool_sft_steps",
+                     "tool_grpo_steps"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.sft_target <= 1:
             raise UserError(f"sft_target is a held-out pass@1, in [0, 1]; got {self.sft_target}")
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One training stage: a recipe's config from a preset plus the demo's overrides."""
-
-    name: str
-    """Its run directory under the demo's, and its key in summary.json and the report."""
-    settings: Callable[[], Any]
-    """The recipe's config class (or defaults function)."""
-    preset: str
-    """presets/<preset>.yaml."""
-    steps: str
-    """The demo Config field with its step count (it checkpoints once, at the last step)."""
-    starts_from: str | None = None
-    """The stage whose last checkpoint it starts from (None: from scratch)."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """Its fixed overrides; those that depend on the run are passed where it is built (`stage_config`)."""
-
-
-SFT = Stage("sft", sft.Config, "tiny-sft", "sft_steps",
-            overrides={"acceptance": {"eval_every": 0, "sets": []}})  # every stage's sets are evaluated below, once
 GRPO = Stage("grpo", online_config.grpo_config, "tiny-grpo", "grpo_steps", starts_from="sft")
 DPO = Stage("dpo", dpo_config.Config, "tiny-dpo", "grpo_steps", starts_from="sft", overrides=DPO_STAGE)
 DPO_PLAIN = Stage("dpo_plain", dpo_config.Config, "tiny-dpo", "grpo_steps", starts_from="sft", overrides={**DPO_STAGE, **PLAIN_DPO})
@@ -124,14 +121,6 @@ STAGES = (SFT, GRPO, DPO, DPO_PLAIN, RM, GRPO_RM)
 """The training stages, in the order they run (the report's order)."""
 
 
-def preset(name: str) -> Path:
-    """The shipped preset <name>.yaml (`config.PRESETS`): each demo stage is one of them plus the overrides below."""
-    path = PRESETS / f"{name}.yaml"
-    if not path.is_file():
-        raise UserError(f"{path}: the demo's preset is missing (posttrain installed without its package data?)")
-    return path
-
-
 def run(config: Config, resume: bool = False, resume_changed_config: bool = False) -> Path:
     """Run every stage; returns the demo directory (with report.md and summary.json). It always
     starts over: `resume` (and so `resume_changed_config`) is refused."""
@@ -139,6 +128,12 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
         raise UserError("the demo always starts over; run it again without --resume")
     started = time.perf_counter()
     torch.set_num_threads(config.threads)
+    if config.tools:
+        from posttrain.recipes import tool_demo
+
+        if config.output_dir == Config.output_dir:  # never over the main demo's directory
+            config = dataclasses.replace(config, output_dir=TOOL_DEMO_DIR)
+        return tool_demo.run(config, _fresh_directory(Path(config.output_dir)), started)
     out = _fresh_directory(Path(config.output_dir))
     timings: dict[str, float] = {}
     held_out_size = {"data": {"eval_size": config.eval_size}}
@@ -196,51 +191,6 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     return out
 
 
-def train_sft(config: Config, held_out_size: dict[str, Any]) -> Path:
-    """SFT from scratch in rounds of `sft_round` steps, each a resume of the one run (checkpointed
-    and evaluated at its end), until held-out pass@1 reaches `sft_target` or `sft_steps` are done;
-    returns the run directory (its newest checkpoint is the start)."""
-    steps = 0
-    while steps < config.sft_steps:
-        steps = min(steps + config.sft_round, config.sft_steps)
-        round_config = stage_config(SFT, config, {}, held_out_size, {"max_steps": steps, "checkpoint_every": config.sft_round})
-        run_dir = sft.run(round_config, resume=steps > config.sft_round)
-        reading = [row for row in read_jsonl(run_dir / "metrics.jsonl") if row["step"] == steps and "heldout/pass@1" in row]
-        if reading and reading[-1]["heldout/pass@1"] is not None and reading[-1]["heldout/pass@1"] >= config.sft_target:
-            break
-    return run_dir
-
-
-def stage_config(stage: Stage, config: Config, starts: dict[str, str], *overrides: dict[str, Any]) -> Any:
-    """`stage`'s recipe config: its preset < the demo's seed, the stage's run directory, step count
-    and single checkpoint, its start (`starts[stage.starts_from]`) < its own overrides < `overrides`
-    (merged section by section)."""
-    steps = getattr(config, stage.steps)
-    merged: dict[str, Any] = {"seed": config.seed, "output_dir": str(Path(config.output_dir) / stage.name),
-                              "max_steps": steps, "checkpoint_every": steps}
-    if stage.starts_from is not None:
-        merged["model"] = starts[stage.starts_from]
-    for extra in (stage.overrides, *overrides):
-        for key, value in extra.items():
-            merged[key] = {**merged[key], **value} if isinstance(value, dict) and key in merged else value
-    return build_config(stage.settings, preset(stage.preset), merged)
-
-
-def heldout_sets(task: str, options: dict, seed: int, size: int) -> dict[str, Task]:
-    """The held-out sets every stage is scored on: the in-distribution split and the shifted ones
-    (the task's defaults: one more digit, the sums in words; and the sums asked as a question, a
-    shift the tiny model partly manages), all scored by the independent checker."""
-    held_out = heldout_split(task, size, seed, options)
-    shifts = default_shifts(task, options) + [{"name": "question", "task": task, "task_options": {**options, "phrasing": "question"}}]
-    return {IN_DISTRIBUTION: held_out, **{held.name: held.task for held in shifted_sets(
-        shifts, Task("demo", "train", [], held_out.reward_kind), task, options, seed, size)}}
-
-
-def _checker(name: str | None, task: Task):
-    """Every held-out set's checker: `integer`, written apart from the `exact` reward and labeller."""
-    return get_verifier(name or "integer")
-
-
 def acceptance(model_dir: str, sets: dict[str, Task], budget: int, seed: int, out: Path, stage: str) -> dict[str, dict[str, Any]]:
     """Greedy pass@1 of one stage's model on every held-out set (eval_<stage>.json for the
     in-distribution set, eval_<stage>_<set>.json for the others)."""
@@ -250,32 +200,3 @@ def acceptance(model_dir: str, sets: dict[str, Task], budget: int, seed: int, ou
             for name, task in sets.items()}
 
 
-def _fresh_directory(out: Path) -> Path:
-    """`out`, created empty; an earlier demo there (it has summary.json) is replaced, anything else refused."""
-    if out.exists():
-        if not (out / "summary.json").exists() and any(out.iterdir()):
-            raise UserError(f"{out}: holds something other than a finished demo; choose another --output-dir")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    return out
-
-
-def _newest_step(run_dir: Path) -> int:
-    """The step of the newest checkpoint in a run directory (one line when there is none)."""
-    steps = sorted(int(path.name.removeprefix("step-")) for path in (run_dir / "checkpoints").glob("step-*") if (path / "model").is_dir())
-    if not steps:
-        raise UserError(f"{run_dir}: no SFT checkpoint with a model (checkpoints/step-N/model)")
-    return steps[-1]
-
-
-def _last_checkpoint(run_dir: Path, steps: int) -> str:
-    """The model directory a stage of `steps` steps saved at its last step."""
-    return str(run_dir / "checkpoints" / f"step-{steps:06d}" / "model")
-
-
-@contextlib.contextmanager
-def _timed(timings: dict[str, float], name: str):
-    """timings[name]: the wall seconds of the block."""
-    clock = time.perf_counter()
-    yield
-    timings[name] = time.perf_counter() - clock
