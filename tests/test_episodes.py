@@ -279,3 +279,92 @@ def test_settings_are_checked_in_one_line():
         ToolSettings(names=["add"], max_turns=0).validate()
     with pytest.raises(UserError, match="twice"):
         ToolSettings(names=["add", "add"]).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the online recipe: a real GRPO / PPO step on scripted episodes, with the real `add` tool.
+SMALL = {
+    "model": "tiny", "reward": "exact",
+    "data": {"eval_size": 8, "train_size": 200, "prompts_per_step": 2, "group_size": 4},
+    "sampling": {"max_new_tokens": 96}, "update": {"micro_batch_size": 8},
+    "tools": {"names": ["add"], "max_turns": 3},
+}
+
+
+def _answer_with_the_tool(context, row):
+    """Call add on the prompt's numbers, then answer with what the tool said (rows of odd index answer wrong)."""
+    import re
+
+    if "<|im_start|>tool" not in context:
+        a, b = re.findall(r"(\d+)\+(\d+)=", context)[-1]
+        return f'<tool_call>{{"name": "add", "arguments": {{"a": {int(a)}, "b": {int(b)}}}}}</tool_call>'
+    result = re.findall(r"<\|im_start\|>tool\n(-?\d+)<\|im_end\|>", context)[-1]
+    return f"<answer>{result}</answer>" if row % 2 == 0 else "<answer>0</answer>"
+
+
+@pytest.mark.parametrize("advantage", ["group", "gae"])
+def test_an_online_step_trains_on_tool_episodes_with_the_real_tool(tmp_path, advantage):
+    from posttrain.config import build_config
+    from posttrain.recipes import online, online_config
+
+    overrides = {**SMALL, "output_dir": str(tmp_path / "run"), "loss": {"advantage": advantage}}
+    if advantage == "gae":
+        overrides["data"] = {**SMALL["data"], "group_size": 1, "prompts_per_step": 4}
+    config = build_config(online_config.Config, None, overrides)
+    state = online.setup(config)
+    assert isinstance(state.sampler, EpisodeSampler) and state.sampler.toolbox.names == ["add"]
+    state.sampler.generate = scripted(_answer_with_the_tool)
+    batch = online.sample(state)
+    episodes = batch.rollout.episodes
+    assert all(e["turns"] == 2 and e["tool_calls"] == 1 and e["tool_failures"] == 0 for e in episodes)
+    assert all(e["transcript"][1]["status"] == "ok" for e in episodes)
+    assert "<|im_start|>tool" not in batch.rendered[0]  # the tiny template ignores tools= ...
+    assert batch.rendered[0].startswith("<|im_start|>system\nYou may call tools.")  # ... so they are described in a system message
+    even = torch.arange(len(episodes)) % 2 == 0
+    assert batch.scores.rewards[even].eq(1).all() and batch.scores.rewards[~even].eq(0).all()
+    metrics = {**batch.metrics({}), **online.step(state, batch)}
+    assert metrics["turns/mean"] == 2 and metrics["tools/calls"] == 1
+    assert 0 < metrics["tokens/observation_fraction"] < 1
+    assert all(torch.isfinite(torch.tensor(value)) for key, value in metrics.items() if key.startswith("loss") and value is not None)
+    assert metrics["mismatch/logprob_abs_mean"] > 0  # on the model's tokens only: the scripted log-probs are not the model's
+    rows = batch.sample_rows(2)
+    assert rows[0]["turns"] == 2 and "[tool add ok]" in rows[0]["transcript"] and rows[0]["transcript"].startswith("[model] <tool_call>")
+
+
+def test_sft_on_a_tool_transcript_trains_the_assistant_turns_and_never_the_tool_result():
+    from posttrain.data.examples import Example
+    from posttrain.data.sft_data import SFTRow, tokenize_sft
+    from posttrain.recipes.tool_demo import tool_transcripts
+    from posttrain.rollout.tools import tool_schemas
+
+    tokenizer = build_tiny_tokenizer()
+    row = tool_transcripts([Example(id="x", prompt="12+345=", answer="357")])[0]
+    batch = tokenize_sft(tokenizer, [SFTRow("x", messages=row["messages"])], tools=tool_schemas(["add"]))
+    ids, mask = batch.input_ids[0].tolist(), batch.mask[0].tolist()
+    trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    untrained = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+    assert trained == '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 345}}</tool_call><|im_end|><answer>357</answer><|im_end|>'
+    assert untrained == "<|im_start|>user\n12+345=<|im_end|>\n<|im_start|>assistant\n\n<|im_start|>tool\n357<|im_end|>\n<|im_start|>assistant\n\n"
+    # The episode sampler's observation for the same turn is exactly the untrained span between the two turns.
+    observation = ObservationFormat(tokenizer).ids(["357"], ["add"], after_eos=True, cap=256)[0]
+    assert tokenizer.decode(observation) == "\n<|im_start|>tool\n357<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_bad_tool_calls_in_sft_rows_are_one_line_each():
+    from posttrain.data.sft_data import parse_sft_row
+    from posttrain.data.validation import ValidationReport
+
+    def problems(messages):
+        report = ValidationReport("t.jsonl")
+        parse_sft_row(report, 1, {"messages": messages}, "t.jsonl")
+        return [f"{problem.field}: {problem.reason}" for problem in report.problems]
+
+    user = {"role": "user", "content": "1+2="}
+    assert problems([user, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1}}}]},
+                     {"role": "tool", "content": "3"}, {"role": "assistant", "content": "3"}]) == []
+    assert problems([user, {"role": "user", "content": "", "tool_calls": [{"function": {"name": "add"}}]},
+                     {"role": "assistant", "content": "3"}]) == ["messages[1].tool_calls: only assistant messages make tool calls, this one is 'user'"]
+    assert problems([user, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": "{bad"}}]}])[0].startswith(
+        "messages[1].tool_calls[0].arguments: not JSON")
+    assert problems([user, {"role": "assistant", "content": "", "tool_calls": []}]) == [
+        "messages[1].tool_calls: wrong type: expected a non-empty list of calls, got list"]
