@@ -368,3 +368,54 @@ def test_bad_tool_calls_in_sft_rows_are_one_line_each():
         "messages[1].tool_calls[0].arguments: not JSON")
     assert problems([user, {"role": "assistant", "content": "", "tool_calls": []}]) == [
         "messages[1].tool_calls: wrong type: expected a non-empty list of calls, got list"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line: eval and grpo with tools on the tiny model (random weights: whatever it writes).
+def test_eval_with_tools_keeps_each_transcript_and_counts(tmp_path, capsys):
+    import json
+
+    from posttrain.cli import main
+
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4", "--max-new-tokens", "8",
+                 "--tools", "[add, calculator]", "--max-turns", "2", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "tools add, calculator: 1.00 turns and 0.00 calls per problem" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tools"] == {"names": ["add", "calculator"], "max_turns": 2}
+    assert summary["episodes"]["turns/mean"] == 1.0 and summary["episodes"]["episodes/infra_errors"] == 0
+    rows = json.loads((out / "eval.json").read_text())["rows"]
+    assert len(rows) == 4 and all(row["transcript"].startswith("[model] ") and row["turns"] == 1 for row in rows)
+    assert "<tools>" in rows[0]["prompt"]  # the tiny template ignores tools=: they are described in a system message
+
+
+def test_grpo_with_tools_runs_from_the_command_line_and_its_card_names_them(tmp_path, capsys):
+    import json
+
+    from posttrain.cli import main
+
+    out = tmp_path / "grpo"
+    assert main(["grpo", "--model", "tiny", "--max-steps", "1", "--output-dir", str(out), "--reward", "exact",
+                 "--data.eval_size", "4", "--data.prompts_per_step", "2", "--data.group_size", "2",
+                 "--sampling.max_new_tokens", "8", "--tools.names", "[add]", "--tools.max_turns", "2"]) == 0
+    card = json.loads((out / "run_card.json").read_text())
+    episodes = card["links"]["data"]["episodes"]
+    assert episodes["tools"]["add"]["kind"] and episodes["max_turns"] == 2
+    assert episodes["observation_tokens"] == "attended, never trained (loss mask False)"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("turns/mean" in row for row in metrics)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tools.names", "[nope]"], "nope"),
+    (["--tools.names", "[add]", "--tools.max_turns", "0"], "tools.max_turns must be at least 1"),
+])
+def test_tool_mistakes_are_one_line(tmp_path, capsys, argv, message):
+    from posttrain.cli import main
+
+    code = main(["grpo", "--model", "tiny", "--max-steps", "1", "--output-dir", str(tmp_path / "x"), "--reward", "exact", *argv])
+    assert code != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "x").exists()

@@ -30,6 +30,7 @@ def handle(args) -> int:
     from posttrain.runs.skeleton import warn_if_unsafe
     from posttrain.hardware import resolve
     from posttrain.models import load_model
+    from posttrain.rollout.episodes import make_sampler
 
     overrides = nest_flags(parse_overrides(list(args.overrides or []), once=True), EvalConfig.FLAGS)
     if args.unsafe_no_sandbox:
@@ -52,14 +53,17 @@ def handle(args) -> int:
     warn_if_unsafe(config.unsafe_no_sandbox)
     placement = resolve(config.hardware)
     model, tokenizer = load_model(config.model, dtype=placement.param_dtype, device=placement.device)
+    sampler = make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox))
     output_dir.mkdir(parents=True, exist_ok=True)
     with placement.autocast():
         summary = evaluate_task(
             model, tokenizer, held_out, checker=checker, k=acceptance.k, temperature=acceptance.temperature,
             max_new_tokens=acceptance.max_new_tokens, seed=config.seed, system_prompt=data.system_prompt,
-            output_path=output_dir / "eval.json",
+            output_path=output_dir / "eval.json", sampler=sampler,
         )
     summary["hardware"] = placement.describe()
+    if config.tools.enabled:
+        summary["tools"] = {"names": list(config.tools.names), "max_turns": config.tools.max_turns}
     summary["unsafe_no_sandbox"] = config.unsafe_no_sandbox
     convention = convention_record(held_out)  # a data file's: how its answers were read, what its prompts said of it
     if convention:
@@ -69,7 +73,9 @@ def handle(args) -> int:
     if config.unsafe_no_sandbox:
         print("UNSAFE: model-written code ran WITHOUT the bubblewrap sandbox (--unsafe-no-sandbox)")
     print(f"{config.model} on {data.task} held-out ({summary['n']} problems, checker {summary['checker'].get('verifier')}):")
-    print(f"  pass@1 {summary['pass@1']:.3f}  95% CI [{low:.3f}, {high:.3f}]  (greedy)")
+    print(f"  pass@1 {summary['pass@1']:.3f}  95% CI [{low:.3f}, {high:.3f}]  (greedy"
+          + (f", tools {', '.join(config.tools.names)}: {summary['episodes']['turns/mean']:.2f} turns and "
+             f"{summary['episodes']['tools/calls']:.2f} calls per problem)" if config.tools.enabled else ")"))
     if acceptance.k > 1:
         low, high = summary[f"pass@{acceptance.k}_ci95"]
         print(f"  pass@{acceptance.k} {summary[f'pass@{acceptance.k}']:.3f}  95% CI [{low:.3f}, {high:.3f}]  (temperature {acceptance.temperature})")

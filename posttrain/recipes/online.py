@@ -174,14 +174,9 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
 def tool_sampler(config: Config, tokenizer) -> Sampler:
     """One turn per row, or, with `config.tools.names`, tool episodes (`rollout/episodes.py`) whose
     tools run with the run's sandbox settings (`reward_options`: timeout, memory, unsafe flag)."""
-    if not config.tools.enabled:
-        return single_turn
-    from posttrain.rollout.episodes import EpisodeSampler
-    from posttrain.rollout.tools import resolve_tools
+    from posttrain.rollout.episodes import make_sampler
 
-    sandbox = config.reward_options.sandbox(config.unsafe_no_sandbox)
-    toolbox = resolve_tools(config.tools.names, timeout_s=config.tools.timeout_s, sandbox=sandbox)
-    return EpisodeSampler(tokenizer, toolbox, config.tools)
+    return make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox))
 
 
 def sample(state: State, timer: Timer | None = None) -> ScoredBatch:

@@ -17,6 +17,7 @@ Stage settings are tiny-sft.yaml / tiny-grpo.yaml plus the overrides below (`TOO
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -75,7 +76,7 @@ def training_sums(seed: int, size: int, held_out: set[str]) -> list[Example]:
     halves = []
     for digits in (2, 3):
         train, _ = load_splits("arithmetic", train_size=size, eval_size=1, seed=seed + digits, options={"digits": digits})
-        halves.append([e for e in train.examples if e.prompt not in held_out][: size // 2])
+        halves.append([dataclasses.replace(e, id=f"digits{digits}-{e.id}") for e in train.examples if e.prompt not in held_out][: size // 2])
     return [e for pair in zip(*halves) for e in pair]
 
 

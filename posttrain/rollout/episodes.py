@@ -329,6 +329,19 @@ def _assemble(first_turn: Rollout, rows: list[_Row]) -> Rollout:
         episodes=[row.record() for row in rows])
 
 
+def make_sampler(settings: ToolSettings, tokenizer, sandbox=None):
+    """The sampler `settings` ask for: `sampler.single_turn` without tools, else an `EpisodeSampler`
+    over `tools.resolve_tools(settings.names)`, its python tool under `sandbox` (a
+    `rewards.sandbox.SandboxConfig`: the run's limits and unsafe flag). Bad tool names, and a
+    python tool without isolation, are one line here, at set-up."""
+    from posttrain.rollout.sampler import single_turn
+    from posttrain.rollout.tools import resolve_tools
+
+    if not settings.enabled:
+        return single_turn
+    return EpisodeSampler(tokenizer, resolve_tools(settings.names, timeout_s=settings.timeout_s, sandbox=sandbox), settings)
+
+
 # ---------------------------------------------------------------------------------------------
 # What the rest of a step reads of the episodes.
 def episode_verdicts(rollout: Rollout, verdicts: Sequence[Verdict]) -> list[Verdict]:
@@ -386,5 +399,5 @@ def transcript_text(episode: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["EpisodeSampler", "ObservationFormat", "ToolSettings", "episode_metrics", "episode_summary", "episode_verdicts",
+__all__ = ["EpisodeSampler", "make_sampler", "ObservationFormat", "ToolSettings", "episode_metrics", "episode_summary", "episode_verdicts",
            "tools_card", "transcript_text", "truncate_middle"]
