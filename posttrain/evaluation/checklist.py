@@ -288,7 +288,7 @@ def interval_answer(run: Run) -> Answer:
         return Answer("interval", YES, source, change.numbers())
     if change.direction == "unknown":
         return Answer("interval", NOT_MEASURED, source, change.numbers())
-    said = "the held-out score fell" if change.direction == "reversed" else "the interval spans zero"
+    said = "the held-out score fell" if change.direction == "reversed" else "no gain beyond noise"
     return Answer("interval", NO, f"{said}: {source}", change.numbers())
 
 
@@ -651,7 +651,7 @@ def compare(base: Run, other: Run) -> Comparison:
 def _acceptance_summary(run: Run) -> str:
     """The checker and the held-out sets of a run, from its card."""
     acceptance = run.link("acceptance")
-    checker = acceptance.get("checker_resolved") or acceptance.get("checker") or (acceptance.get("checker_settings") or {}).get("verifier")
+    checker = acceptance.get("checker_resolved") or (acceptance.get("checker_settings") or {}).get("verifier") or acceptance.get("checker")
     return f"checker {checker}; sets: {', '.join(run.results.get('sets', {})) or 'none'}"
 
 

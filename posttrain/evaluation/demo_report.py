@@ -1,7 +1,7 @@
 """The demo's report, from one record of what it measured (`DemoResult`): summary.json, and
 report.md with its plots (every stage on every held-out set, the curves, why plain DPO falls where
-RPO gains, the run cards side by side, and samples): the acceptance of several runs compared with
-their common start. Only the demo (`recipes/demo.py`) writes it today.
+RPO gains, the run cards side by side, samples, and the seed's checklist for each stage and for
+GRPO against DPO): the acceptance of several runs compared with their common start. Only the demo (`recipes/demo.py`) writes it today.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from posttrain.atomic import write_text_atomically  # noqa: E402
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION  # noqa: E402
+from posttrain.evaluation.checklist import checklist, compare, comparison_markdown, markdown, read_run  # noqa: E402
 from posttrain.evaluation.stats import paired_difference_ci  # noqa: E402
 from posttrain.runs import read_jsonl  # noqa: E402
 from posttrain.runs.plots import save_figure  # noqa: E402
@@ -80,7 +81,8 @@ def write_report(result: DemoResult) -> None:
     cards = {name: json.loads((path / "run_card.json").read_text()) for name, path in result.run_dirs.items()}
     _plot(result, rows)
     lines = (_introduction(result) + _stage_table(result, rows) + _reading(result, rows, cards["dpo_plain"].get("alarms") or [])
-             + [_learned_reward(result, rows, cards), ""] + FIGURES + _links(result, cards) + _samples(result))
+             + [_learned_reward(result, rows, cards), ""] + FIGURES + _links(result, cards) + _samples(result)
+             + [""] + checklist_section(result.run_dirs))
     write_text_atomically(result.out / "report.md", "\n".join(lines) + "\n")
 
 
@@ -333,6 +335,26 @@ def _samples(result: DemoResult) -> list[str]:
         problem = rows[0][index]["prompt"].split("user\n")[-1].split("<|im_end|>")[0]
         cells = [f"`{r[index]['completion']}` ({r[index]['reason']})" for r in rows]
         lines.append(f"| `{problem}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+STAGE_TITLES = {"sft": "SFT start", "grpo": "GRPO", "dpo": "DPO (RPO)", "dpo_plain": "plain DPO", "rm": "the reward model",
+                "grpo_rm": "GRPO on the reward model"}
+"""Each stage's heading in the checklist section, in the order it is shown."""
+
+
+def checklist_section(run_dirs: dict[str, Path]) -> list[str]:
+    """The report's last section: the seed's checklist (`evaluation/checklist.py`) answered for
+    each stage's run, then GRPO against DPO (RPO): their links side by side, the same held-out
+    problems and checker, the paired difference of their gains, and what it can be attributed to."""
+    runs = {stage: read_run(run_dirs[stage]) for stage in STAGE_TITLES if stage in run_dirs}
+    lines = ["## The checklist before any conclusion", "",
+             "Each question answered from the stage's own run directory: yes, no, or not measured (with the command that "
+             "measures it). `posttrain checklist RUN_DIR ...` prints the same; docs/checklist.md says what each answer reads.", ""]
+    for stage, run in runs.items():
+        lines += [f"### {STAGE_TITLES[stage]} (`{run.path.name}`)", ""] + markdown(checklist(run))
+    if "grpo" in runs and "dpo" in runs:
+        lines += ["### GRPO against DPO (RPO)", ""] + comparison_markdown(compare(runs["grpo"], runs["dpo"]))
     return lines
 
 
