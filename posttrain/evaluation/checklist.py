@@ -37,7 +37,7 @@ from typing import Any
 
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION
-from posttrain.evaluation.stats import Z95, paired_difference_ci
+from posttrain.evaluation.stats import paired_difference_ci
 from posttrain.runs.card import OTHER, span_text
 from posttrain.runs.directory import read_jsonl
 from posttrain.runs.results import IN_DISTRIBUTION_FILES, results
@@ -200,11 +200,13 @@ class Change:
         return "carried" if self.low > 0 else "reversed" if self.high < 0 else "flat"
 
     def text(self) -> str:
+        """'+0.300 [+0.256, +0.344] paired over 500 problems, pass@1 0.656 (step 0) -> 0.956 (step 50)'."""
         interval = "" if self.low is None else f" [{self.low:+.3f}, {self.high:+.3f}]"
         return (f"{self.value:+.3f}{interval} {self.method}, pass@1 {self.start['pass@1']:.3f} (step {self.start['step']}) "
                 f"-> {self.end['pass@1']:.3f} (step {self.end['step']})")
 
     def numbers(self) -> dict[str, Any]:
+        """The change as JSON."""
         return {"change": self.value, "ci95": None if self.low is None else [self.low, self.high], "method": self.method,
                 "start": self.start["pass@1"], "end": self.end["pass@1"], "start_step": self.start["step"], "end_step": self.end["step"]}
 
@@ -352,7 +354,8 @@ def alarms_answer(run: Run) -> Answer:
         rang = [alarm for alarm in alarms if alarm.startswith("likelihood displacement")]
         window = 2  # DisplacementAlarm compares once it has two steps
         seen = sum(1 for row in run.rows if row.get("logratio/chosen") is not None)
-        kind, what = "likelihood-displacement", f"likelihood-displacement alarm (threshold {acceptance['displacement_threshold']} nats, window {acceptance.get('alarm_window')} steps)"
+        kind, what = "likelihood-displacement", (f"likelihood-displacement alarm (threshold {acceptance['displacement_threshold']} nats, "
+                                                 f"window {acceptance.get('alarm_window')} steps)")
     else:
         return Answer("alarms", NOT_MEASURED, f"{run.recipe} has no divergence or displacement alarm (no training reward to watch)")
     numbers = {"alarm": kind, "settings": what, "observations": seen, "rang": rang}
@@ -607,6 +610,7 @@ class Comparison:
     verdict: str
 
     def record(self) -> dict[str, Any]:
+        """The comparison as JSON (--json)."""
         return {"base": str(self.base.path), "other": str(self.other.path),
                 "links": [{"link": row.link, "base": row.base, "other": row.other, "same": row.same, "changes": row.changes}
                           for row in self.links],
