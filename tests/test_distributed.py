@@ -275,3 +275,17 @@ def test_fsdp2_code_reads_no_private_fsdp_state():
     for method in ("set_modules_to_backward_prefetch", "set_reshard_after_forward", "unshard", "reshard", "_get_fsdp_state"):
         assert callable(getattr(FSDPModule, method)), method
     assert callable(FSDPState._lazy_init)
+
+
+def test_grpo_with_tool_episodes_two_processes_equal_one(tmp_path):
+    """The episode sampler under torchrun: each rank runs its prompts' episodes (turn 2 onwards drawn
+    by each row's place in the whole batch), the gather carries the episode records; the same steps
+    and samples (with their transcripts) as one process."""
+    args = [*with_flags(GRPO, "--sampling.max_new_tokens", "12"), "--tools.names", "[add, calculator]", "--tools.max_turns", "2",
+            "--max-steps", "2"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    run([*args, "--output-dir", str(tmp_path / "two")], 2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", 2)
+    samples = lambda d: (d / "samples.jsonl").read_text()  # noqa: E731
+    assert samples(tmp_path / "one") == samples(tmp_path / "two") and '"transcript": "[model] ' in samples(tmp_path / "one")
+    assert any("turns/mean" in row for row in metrics(tmp_path / "two"))

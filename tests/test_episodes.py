@@ -419,3 +419,44 @@ def test_tool_mistakes_are_one_line(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "x").exists()
+
+
+def drawn():
+    """A `generate` stand-in whose rows depend on their draws, as the real engine's do: a row's
+    uniform number (from the table `generate` would draw for (seed, its place in the whole batch))
+    decides whether it calls the tool (u < 0.6) and with which numbers."""
+    def fake_generate(policy, tok, prompts, *, group_size=1, sampling=None, seed=0, shard=None, draws=None):
+        if draws is not None:
+            indices, total = list(draws[0]), draws[1]
+        else:
+            first, total = shard if shard is not None else (0, len(prompts))
+            indices = range(first, first + len(prompts))
+        table = torch.rand(total * group_size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        u = [float(table[i * group_size + g]) for i in indices for g in range(group_size)]
+
+        def script(context, row):
+            if u[row] < 0.6 and "<|im_start|>tool" not in context:
+                return f'<tool_call>{{"name": "add", "arguments": {{"a": {int(u[row] * 1000)}, "b": {int(u[row] * 37) % 10}}}}}</tool_call>'
+            return f"<answer>{int(u[row] * 100)}</answer>"
+
+        return scripted(script)(policy, tok, prompts, group_size=group_size, sampling=sampling, seed=seed, shard=shard, draws=draws)
+
+    return fake_generate
+
+
+def test_a_shard_of_the_prompts_samples_exactly_its_rows_of_the_whole_batch(tokenizer, model):
+    """What torchrun's ranks rely on: each rank's episodes are the whole batch's rows, turn after turn."""
+    from posttrain.rollout.tools import resolve_tools
+
+    sampler = EpisodeSampler(tokenizer, resolve_tools(["add"]), ToolSettings(names=["add"], max_turns=3), generate_fn=drawn())
+    prompts = [rendered(tokenizer, f"{i}+{i}=") for i in range(4)]
+    sampling = SamplingConfig(max_new_tokens=96)
+    whole = sampler(model, tokenizer, [None] * 4, prompts, group_size=2, sampling=sampling, seed=9)
+    parts = [sampler(model, tokenizer, [None] * 2, prompts[s:s + 2], group_size=2, sampling=sampling, seed=9, shard=(s, 4))
+             for s in (0, 2)]
+    assert 0 < sum(e["tool_calls"] for e in whole.episodes) < 8  # some rows called the tool, some did not
+    assert [t for part in parts for t in part.texts] == whole.texts
+    assert [e for part in parts for e in part.episodes] == whole.episodes
+    merged = Rollout.concat([(part, [0, 1]) for part in parts])
+    assert torch.equal(merged.completion_ids, whole.completion_ids) and torch.equal(merged.mask, whole.mask)
+    assert torch.equal(merged.attention, whole.attention)
