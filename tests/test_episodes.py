@@ -334,17 +334,26 @@ def test_an_online_step_trains_on_tool_episodes_with_the_real_tool(tmp_path, adv
 def test_sft_on_a_tool_transcript_trains_the_assistant_turns_and_never_the_tool_result():
     from posttrain.data.examples import Example
     from posttrain.data.sft_data import SFTRow, tokenize_sft
+    from posttrain.data.tokenize import render_prompt
     from posttrain.recipes.tool_demo import tool_transcripts
     from posttrain.rollout.tools import tool_schemas
 
     tokenizer = build_tiny_tokenizer()
     row = tool_transcripts([Example(id="x", prompt="12+345=", answer="357")])[0]
-    batch = tokenize_sft(tokenizer, [SFTRow("x", messages=row["messages"])], tools=tool_schemas(["add"]))
-    ids, mask = batch.input_ids[0].tolist(), batch.mask[0].tolist()
-    trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
-    untrained = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+    def spans(tools):
+        batch = tokenize_sft(tokenizer, [SFTRow("x", messages=row["messages"])], tools=tools)
+        ids, mask = batch.input_ids[0].tolist(), batch.mask[0].tolist()
+        return tokenizer.decode([i for i, m in zip(ids, mask) if m]), tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+
+    trained, untrained = spans(None)
     assert trained == '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 345}}</tool_call><|im_end|><answer>357</answer><|im_end|>'
     assert untrained == "<|im_start|>user\n12+345=<|im_end|>\n<|im_start|>assistant\n\n<|im_start|>tool\n357<|im_end|>\n<|im_start|>assistant\n\n"
+    # With the tools' schemas the transcript is told of them exactly as an episode's prompt is (the tiny
+    # template ignores tools=: a system message), and still trains on the assistant turns only.
+    schemas = tool_schemas(["add"])
+    told_trained, told_untrained = spans(schemas)
+    assert told_trained == trained
+    assert told_untrained == render_prompt(tokenizer, "12+345=", tools=schemas) + "\n<|im_start|>tool\n357<|im_end|>\n<|im_start|>assistant\n\n"
     # The episode sampler's observation for the same turn is exactly the untrained span between the two turns.
     observation = ObservationFormat(tokenizer).ids(["357"], ["add"], after_eos=True, cap=256)[0]
     assert tokenizer.decode(observation) == "\n<|im_start|>tool\n357<|im_end|>\n<|im_start|>assistant\n"

@@ -41,7 +41,7 @@ from posttrain.data.examples import Task, derived_seed
 from posttrain.data.files import RowTable, RowView, check_columns, is_data_source, map_row, read_rows, resolve_columns
 from posttrain.data.source import TaskSource
 from posttrain.data.tasks import default_eval_size, heldout_size_from, load_splits
-from posttrain.data.tokenize import TokenizedBatch, has_chat_template, tokenize_prompt_response
+from posttrain.data.tokenize import TokenizedBatch, has_chat_template, tokenize_prompt_response, with_tools
 from posttrain.data.validation import ValidationReport, check_messages, check_prompt_length, check_text, type_name
 from posttrain.errors import UserError
 from posttrain.rewards import Verifier
@@ -168,7 +168,9 @@ def chat_token_mask(tokenizer, messages: list[dict], loss_on: str = "assistant",
     if not has_chat_template(tokenizer):
         raise UserError("chat SFT rows need a tokenizer with a chat template (this model has none); "
                         "use prompt/completion string rows")
-    extra = {"tools": tools} if tools else {}
+    told, extra = with_tools(tokenizer, messages, tools)  # told of the tools as the prompts of tool episodes are
+    train_from += len(told) - len(messages)  # a system message that describes them may come first
+    messages = told
     text = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= train_from]
     if loss_on == "completion":

@@ -108,14 +108,8 @@ def render_prompt(
     if system_prompt and (not messages or messages[0].get("role") != "system"):
         messages = [{"role": "system", "content": system_prompt}] + messages
     if use_chat_template:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if tools:
-            with_tools = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-            if with_tools != text:
-                return with_tools
-            messages = _with_tool_description(messages, tools)
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return text
+        messages, extra = with_tools(tokenizer, messages, tools)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     if tools:
         messages = _with_tool_description(messages, tools)
         system_prompt = messages[0]["content"]
@@ -134,6 +128,19 @@ def describe_tools(tools: list[dict]) -> str:
     return ("You may call tools. Their signatures are inside <tools></tools>:\n<tools>\n" + schemas + "\n</tools>\n"
             'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments as a JSON object>}</tool_call>; '
             "its result comes back in the next message.")
+
+
+def with_tools(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], dict]:
+    """How a conversation is told about `tools` (JSON schemas), the same way for prompts
+    (`render_prompt`) and SFT transcripts (`sft_data.chat_token_mask`): `(messages, {"tools": tools})`
+    when the chat template renders them, else `(messages with describe_tools(tools) as the system
+    message, {})`; no tools: `(messages, {})`."""
+    if not tools:
+        return messages, {}
+    plain = tokenizer.apply_chat_template(messages, tokenize=False)
+    if tokenizer.apply_chat_template(messages, tools=tools, tokenize=False) != plain:
+        return messages, {"tools": tools}
+    return _with_tool_description(messages, tools), {}
 
 
 def _with_tool_description(messages: list[dict], tools: list[dict]) -> list[dict]:

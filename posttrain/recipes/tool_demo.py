@@ -33,21 +33,25 @@ from posttrain.recipes import online, online_config, sft, stages
 from posttrain.rollout.episodes import EpisodeSampler, ToolSettings
 from posttrain.rollout.tools import resolve_tools
 
-TOOLS = ToolSettings(names=["add"], max_turns=3, max_observation_tokens=64)
-"""The episodes of the GRPO stage and of acceptance: the `add` tool, at most 3 model turns."""
+TOOLS = ToolSettings(names=["add"], max_turns=3, max_observation_tokens=64, describe="none")
+"""The episodes of the GRPO stage and of acceptance: the `add` tool, at most 3 model turns. The
+tiny model learns the tool from the transcripts, told nothing in its prompts (`describe: none`, and
+no `data.tools` in its SFT): its template ignores tools=, and the Hermes description would be 600
+characters of its tokenizer in front of every 7-character sum."""
 TURN_TOKENS = 96
 """Tokens per turn: a call of `add` on two 3-digit numbers is 66 characters of the tiny tokenizer."""
 SETS = (IN_DISTRIBUTION, "digits_3")
 """The held-out sets compared (the main demo's, scored by the same `integer` checker)."""
 
 TOOL_SFT = stages.Stage("tool_sft", sft.Config, "tiny-sft", "tool_sft_steps", starts_from="sft", overrides={
-    "data": {"task_options": {}, "train_size": None, "loss_on": "assistant", "eval_size": 64, "tools": ["add"]},
+    "data": {"task_options": {}, "train_size": None, "loss_on": "assistant", "eval_size": 64},
     "optim": {"lr": 5.0e-4, "warmup_steps": 10},
     "acceptance": {"eval_every": 0, "sets": []},
 })
 """SFT on the transcripts file (given where it is built), from the demo's SFT start."""
 TOOL_GRPO = stages.Stage("tool_grpo", online_config.grpo_config, "tiny-grpo", "tool_grpo_steps", starts_from="tool_sft", overrides={
-    "tools": {"names": TOOLS.names, "max_turns": TOOLS.max_turns, "max_observation_tokens": TOOLS.max_observation_tokens},
+    "tools": {"names": TOOLS.names, "max_turns": TOOLS.max_turns, "max_observation_tokens": TOOLS.max_observation_tokens,
+              "describe": TOOLS.describe},
     "sampling": {"max_new_tokens": TURN_TOKENS},
     "data": {"task_options": {}, "eval_size": 64},
     "acceptance": {"eval_every": 0, "sets": [], "max_new_tokens": TURN_TOKENS},
