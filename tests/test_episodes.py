@@ -469,3 +469,71 @@ def test_a_shard_of_the_prompts_samples_exactly_its_rows_of_the_whole_batch(toke
     merged = Rollout.concat([(part, [0, 1]) for part in parts])
     assert torch.equal(merged.completion_ids, whole.completion_ids) and torch.equal(merged.mask, whole.mask)
     assert torch.equal(merged.attention, whole.attention)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environments: one per episode, reset from the row's example, rewards from its steps.
+def _guesses(*guesses):
+    """Row r guesses guesses[turn] on each turn (the turn read from how many tool results it has seen)."""
+    def script(context, row):
+        turn = context.count("<|im_start|>tool")
+        return f'<tool_call>{{"name": "guess", "arguments": {{"n": {guesses[turn]}}}}}</tool_call>' if turn < len(guesses) else "done"
+    return script
+
+
+def test_an_environment_is_one_instance_per_episode_reset_from_its_example_and_gives_the_reward(tokenizer, model):
+    from posttrain.data.examples import Example
+    from posttrain.rollout.environments import environment_factory
+    from tests.environment_fixtures import Guess
+
+    Guess.resets.clear()
+    settings = ToolSettings(environment="tests.environment_fixtures:Guess", reward="environment", step_rewards="sum", max_turns=4)
+    sampler = EpisodeSampler(tokenizer, None, settings, generate_fn=scripted(_guesses(50, 20, 30)),
+                             environment=environment_factory(settings.environment))
+    assert sampler.tools[0]["function"]["name"] == "guess"
+    examples = [Example(id="a", prompt="guess", answer="30"), Example(id="b", prompt="guess", answer="7")]
+    rollout = sampler(model, tokenizer, examples, [rendered(tokenizer, "guess")] * 2, group_size=2,
+                      sampling=SamplingConfig(max_new_tokens=96), seed=0)
+    assert len({instance for instance, _ in Guess.resets}) == 4  # one instance per row ...
+    assert [answer for _, answer in Guess.resets] == ["30", "30", "7", "7"]  # ... the G rows of a group from the same reset
+    first = rollout.episodes[0]
+    # 50 -> lower (-0.1), 20 -> higher (-0.1), 30 -> correct (+1, done: its observation is not appended)
+    assert [e["content"] for e in first["transcript"] if e["role"] == "tool"] == ["lower", "higher", "correct"]
+    assert first["environment_done"] and first["turns"] == 3 and first["reward"] == pytest.approx(0.8)
+    assert rollout.mask[0].sum() == int(rollout.attention[0].sum()) - first["observation_tokens"]
+    last = int(rollout.attention[0].sum()) - 1
+    assert rollout.mask[0, last] and rollout.completion_ids[0, last] == tokenizer.eos_token_id  # "correct" was not appended
+    # the other group: 50, 20, 30 all wrong for 7, then "done" without a call: four model turns, three rewards
+    second = rollout.episodes[2]
+    assert second["turns"] == 4 and not second["environment_done"] and second["reward"] == pytest.approx(-0.3)
+    verdicts = episode_verdicts(rollout, [Verdict.ok(0.0, "verifier")] * 4)
+    assert [v.reward for v in verdicts] == pytest.approx([0.8, 0.8, -0.3, -0.3])
+    assert verdicts[0].details["verifier_reward"] == 0.0
+
+
+def test_an_environment_step_that_raises_is_an_error_observation_and_no_reward_is_a_data_error(tokenizer, model):
+    from posttrain.data.examples import Example
+    from posttrain.rollout.environments import environment_factory
+
+    settings = ToolSettings(environment="tests.environment_fixtures:Guess", reward="environment", step_rewards="last", max_turns=2)
+    script = lambda context, row: '<tool_call>{"name": "nope", "arguments": {}}</tool_call>' if "tool" not in context else "ok"  # noqa: E731
+    sampler = EpisodeSampler(tokenizer, None, settings, generate_fn=scripted(script), environment=environment_factory(settings.environment))
+    rollout = sampler(model, tokenizer, [Example(id="a", prompt="g", answer="3")], [rendered(tokenizer, "g")], group_size=1,
+                      sampling=SamplingConfig(max_new_tokens=96), seed=0)
+    episode = rollout.episodes[0]
+    assert episode["tool_failures"] == 1 and episode["transcript"][1]["content"] == "error: ValueError: no tool nope"
+    assert episode["reward"] is None
+    assert episode_verdicts(rollout, [Verdict.ok(1.0, "")])[0].status == "data_error"
+
+
+def test_environment_mistakes_are_one_line():
+    from posttrain.rollout.environments import environment_factory
+
+    with pytest.raises(UserError, match="step missing"):
+        environment_factory("tests.environment_fixtures:NoStep")
+    with pytest.raises(UserError, match="cannot import"):
+        environment_factory("tests.environment_fixtures:Nothing")
+    with pytest.raises(UserError, match="not both"):
+        ToolSettings(names=["add"], environment="x:Y").validate()
+    with pytest.raises(UserError, match="needs tools.environment"):
+        ToolSettings(names=["add"], reward="environment").validate()

@@ -36,6 +36,7 @@ from posttrain.errors import UserError
 from posttrain.rewards.verdict import Verdict
 from posttrain.rollout.batch import Rollout
 from posttrain.rollout.engine import generate, stop_token_ids
+from posttrain.rollout.environments import Step, environment_factory, environment_schemas, environment_step
 from posttrain.rollout.sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,16 @@ class ToolSettings:
     """Wall-clock deadline of one tool call (the python tool: of one program run)."""
     describe: Literal["auto", "none"] = "auto"
     """auto: the prompts carry the tools' schemas (through the chat template's tools=, or a system message when the template ignores them); none: the model is not told (it learned the tools from SFT transcripts)."""
+    environment: str | None = None
+    """Instead of names: a stateful environment `module:Class` (rollout/environments.py: tools(), reset(example), step(call) -> Step), one instance per episode, reset from the row's example."""
+    reward: Literal["verifier", "environment"] = "verifier"
+    """Who gives a row's reward: the run's verifier on the last assistant turn, or the environment's step rewards."""
+    step_rewards: Literal["last", "sum"] = "last"
+    """reward environment: the last reward a step gave, or their sum."""
 
     @property
     def enabled(self) -> bool:
-        return bool(self.names)
+        return bool(self.names) or self.environment is not None
 
     def validate(self, prefix: str = "tools.") -> None:
         if self.max_turns < 1:
@@ -80,6 +87,13 @@ class ToolSettings:
             raise UserError(f"{prefix}describe must be auto or none, got {self.describe!r}")
         if len(set(self.names)) != len(self.names):
             raise UserError(f"{prefix}names lists a tool twice: {self.names}")
+        if self.names and self.environment:
+            raise UserError(f"give {prefix}names (stateless tools) or {prefix}environment (whose tools() the model calls), not both")
+        if self.reward not in ("verifier", "environment") or self.step_rewards not in ("last", "sum"):
+            raise UserError(f"{prefix}reward must be verifier or environment and {prefix}step_rewards last or sum, "
+                            f"got {self.reward!r} and {self.step_rewards!r}")
+        if self.reward == "environment" and not self.environment:
+            raise UserError(f"{prefix}reward environment needs {prefix}environment (module:Class)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +202,8 @@ class _Row:
     truncated: bool = False
     max_turns_hit: bool = False
     infra_error: str | None = None
+    done: bool = False
+    rewards: list[float] = field(default_factory=list)
 
     def add(self, ids: list[int], trained: bool, logprobs: list[float] | None = None, sampler: list[float] | None = None):
         self.ids += ids
@@ -204,7 +220,8 @@ class _Row:
         return {"turns": self.turns, "tool_calls": self.calls, "tool_failures": self.failures,
                 "parse_errors": self.parse_errors, "observation_tokens": self.observation_tokens,
                 "observations_truncated": self.observations_cut, "max_turns_hit": self.max_turns_hit,
-                "infra_error": self.infra_error, "transcript": self.transcript}
+                "infra_error": self.infra_error, "environment_rewards": self.rewards, "environment_done": self.done,
+                "transcript": self.transcript}
 
 
 def _turn_seed(seed: int, turn: int) -> int:
@@ -222,10 +239,12 @@ class EpisodeSampler:
         generate_fn: the turn generator, `rollout.generate`'s signature (tests script it).
     """
 
-    def __init__(self, tokenizer, toolbox, settings: ToolSettings, generate_fn: Callable[..., Rollout] = generate):
-        self.toolbox, self.settings, self.generate = toolbox, settings, generate_fn
+    def __init__(self, tokenizer, toolbox, settings: ToolSettings, generate_fn: Callable[..., Rollout] = generate,
+                 environment: Callable[[], Any] | None = None):
+        self.toolbox, self.settings, self.generate, self.environment = toolbox, settings, generate_fn, environment
         self.observations = ObservationFormat(tokenizer)
-        self.tools = toolbox.schemas() if settings.describe == "auto" else None
+        schemas = environment_schemas(environment) if environment is not None else toolbox.schemas()
+        self.tools = schemas if settings.describe == "auto" else None
         """The schemas the prompts are rendered with (`data.tokenize.render_prompt`'s tools=); None: not described."""
 
     def __call__(self, policy, tokenizer, examples: Sequence[Any], prompts: Sequence[str], *, group_size: int,
@@ -242,6 +261,11 @@ class EpisodeSampler:
         prompt_ids = [ids[keep].tolist() for ids, keep in zip(turn_rollout.prompt_ids.cpu(), turn_rollout.prompt_attention_mask.cpu())]
         first_turn, rows, active, turn = turn_rollout, [_Row() for _ in range(N)], list(range(N)), 1
         budget = settings.max_episode_tokens
+        environments = None
+        if self.environment is not None:  # one per episode, the G rows of a group reset from the same example
+            environments = [self.environment() for _ in range(N)]
+            for r, environment in enumerate(environments):
+                environment.reset(examples[r // G])
         while True:
             pending = []  # (row, its calls, the turn ended with the EOS)
             lengths = turn_rollout.mask.sum(-1).tolist()
@@ -270,7 +294,10 @@ class EpisodeSampler:
                 pending.append((r, calls, bool(ids) and ids[-1] in eos_ids))
             if not pending:
                 break
-            results = self.toolbox.execute([call for _, calls, _ in pending for call in calls])
+            if environments is None:
+                results = self.toolbox.execute([call for _, calls, _ in pending for call in calls])
+            else:
+                results = [_EnvironmentResult.of(*environment_step(environments[r], call)) for r, calls, _ in pending for call in calls]
             still, at = [], 0
             for r, calls, after_eos in pending:
                 row, mine = rows[r], results[at:at + len(calls)]
@@ -283,6 +310,10 @@ class EpisodeSampler:
                 broken = [result for result in mine if result.status == "infra_error"]
                 if broken:
                     row.infra_error = f"tool {broken[0].reason or broken[0].content}"
+                    continue
+                row.rewards += [result.reward for result in mine if getattr(result, "reward", None) is not None]
+                if any(getattr(result, "done", False) for result in mine):
+                    row.done = True  # the environment ended the episode: its last words are not appended
                     continue
                 names = [call.name or "tool" for call in calls]
                 ids, cut = self.observations.ids([result.content for result in mine], names, after_eos,
@@ -302,7 +333,26 @@ class EpisodeSampler:
             turn_rollout = self.generate(policy, tokenizer, contexts, group_size=1, sampling=sampling,
                                          seed=_turn_seed(seed, turn), draws=([first * G + r for r in still], total * G))
             active = still
-        return _assemble(first_turn, rows)
+        rollout = _assemble(first_turn, rows)
+        if settings.reward == "environment":
+            for episode, row in zip(rollout.episodes, rows):
+                episode["reward"] = (row.rewards[-1] if settings.step_rewards == "last" else sum(row.rewards)) if row.rewards else None
+        return rollout
+
+
+@dataclass(frozen=True)
+class _EnvironmentResult:
+    """An environment step as a tool result (content, status) with its reward and end."""
+
+    content: str
+    status: str
+    reward: float | None = None
+    done: bool = False
+    reason: str = ""
+
+    @classmethod
+    def of(cls, step: Step, status: str) -> _EnvironmentResult:
+        return cls(step.observation, status, step.reward, step.done)
 
 
 def _assemble(first_turn: Rollout, rows: list[_Row]) -> Rollout:
@@ -339,6 +389,8 @@ def make_sampler(settings: ToolSettings, tokenizer, sandbox=None):
 
     if not settings.enabled:
         return single_turn
+    if settings.environment:
+        return EpisodeSampler(tokenizer, None, settings, environment=environment_factory(settings.environment))
     return EpisodeSampler(tokenizer, resolve_tools(settings.names, timeout_s=settings.timeout_s, sandbox=sandbox), settings)
 
 
@@ -346,11 +398,22 @@ def make_sampler(settings: ToolSettings, tokenizer, sandbox=None):
 # What the rest of a step reads of the episodes.
 def episode_verdicts(rollout: Rollout, verdicts: Sequence[Verdict]) -> list[Verdict]:
     """`verdicts` with the rows whose tools broke (a sandbox or worker failure) as `infra_error`:
-    never scored as if the model had failed, out of the baselines and the loss, counted."""
+    never scored as if the model had failed, out of the baselines and the loss, counted; with
+    `tools.reward: environment`, the environment's reward (the verifier's kept in the details; an
+    episode whose environment gave none is a data_error, never a silent 0)."""
     if rollout.episodes is None:
         return list(verdicts)
-    return [Verdict.infra_error(episode["infra_error"]) if episode["infra_error"] else verdict
-            for verdict, episode in zip(verdicts, rollout.episodes)]
+    return [_verdict(verdict, episode) for verdict, episode in zip(verdicts, rollout.episodes)]
+
+
+def _verdict(verdict: Verdict, episode: dict[str, Any]) -> Verdict:
+    if episode["infra_error"]:
+        return Verdict.infra_error(episode["infra_error"])
+    if "reward" not in episode:  # the verifier's
+        return verdict
+    if episode["reward"] is None:
+        return Verdict.data_error("the environment gave this episode no reward (tools.reward environment)")
+    return Verdict.ok(float(episode["reward"]), "the environment's reward", verifier_reward=verdict.reward)
 
 
 def episode_summary(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -382,7 +445,10 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
 
 def tools_card(settings: ToolSettings, toolbox) -> dict[str, Any]:
     """The run card's account of the tools (the data link: how each row's episode was sampled)."""
-    return {"tools": toolbox.describe(), "max_turns": settings.max_turns,
+    tools = toolbox.describe() if toolbox is not None else {
+        "environment": settings.environment, "reward": settings.reward, "step_rewards": settings.step_rewards,
+        "runs": "in the trainer's process, one instance per episode (trusted code)"}
+    return {"tools": tools, "max_turns": settings.max_turns,
             "max_observation_tokens": settings.max_observation_tokens, "max_episode_tokens": settings.max_episode_tokens,
             "timeout_s": settings.timeout_s, "described_to_model": settings.describe,
             "observation_tokens": "attended, never trained (loss mask False)"}
