@@ -537,3 +537,18 @@ def test_environment_mistakes_are_one_line():
         ToolSettings(names=["add"], environment="x:Y").validate()
     with pytest.raises(UserError, match="needs tools.environment"):
         ToolSettings(names=["add"], reward="environment").validate()
+
+
+def test_sft_refuses_a_template_that_drops_tool_calls_in_one_line():
+    """What a model saved with the tiny model's pre-tools template did: its calls rendered as an empty
+    assistant turn, so SFT taught it to end the turn at once."""
+    from posttrain.data.examples import Example
+    from posttrain.data.sft_data import SFTRow, tokenize_sft
+    from posttrain.recipes.tool_demo import tool_transcripts
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+                               "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    row = tool_transcripts([Example(id="x", prompt="1+2=", answer="3")])[0]
+    with pytest.raises(UserError, match="does not render an assistant message's tool_calls"):
+        tokenize_sft(tokenizer, [SFTRow("x", messages=row["messages"])])

@@ -168,6 +168,15 @@ def chat_token_mask(tokenizer, messages: list[dict], loss_on: str = "assistant",
     if not has_chat_template(tokenizer):
         raise UserError("chat SFT rows need a tokenizer with a chat template (this model has none); "
                         "use prompt/completion string rows")
+    for index, message in enumerate(messages):
+        if message.get("tool_calls"):
+            bare = {key: value for key, value in message.items() if key != "tool_calls"}
+            if (tokenizer.apply_chat_template(messages[:index] + [message], tokenize=False)
+                    == tokenizer.apply_chat_template(messages[:index] + [bare], tokenize=False)):
+                raise UserError(f"this chat template does not render an assistant message's tool_calls ({tokenizer.name_or_path}: "
+                                "a model saved with an older template?); the calls would be trained as an empty turn. Use a template "
+                                "that writes them, or write each call in the message's content as <tool_call>{...}</tool_call>")
+            break
     told, extra = with_tools(tokenizer, messages, tools)  # told of the tools as the prompts of tool episodes are
     train_from += len(told) - len(messages)  # a system message that describes them may come first
     messages = told
