@@ -111,7 +111,7 @@ def test_a_sound_run_answers_yes_with_its_own_numbers(tmp_path):
     assert "+0.400 [+0.180, +0.620] paired over 20 problems" in gain.detail
     assert "20 held-out problems; the overlap check removed 3 training prompts" in found.answers["heldout"].detail
     assert "stayed silent over 3 observations" in found.answers["alarms"].detail
-    assert "`posttrain audit --verifier exact`" in found.answers["audit"].detail
+    assert f"`posttrain audit --verifier exact --record {run}`" in found.answers["audit"].detail
     assert found.answers["review"].detail.startswith(f"not done: `posttrain review {run}`")
     assert "one seed (0)" in found.answers["seeds"].detail
     assert found.verdict.startswith("Supported on this task: the held-out gain +0.400 [+0.180, +0.620]")
@@ -326,3 +326,23 @@ def test_the_demos_stages_get_their_expected_answers():
     by_other = {comparison.other.path.name: comparison.answers for comparison in comparisons}
     assert by_other["dpo"]["comparable"].answer == "yes" and by_other["dpo"]["attributable"].answer == "no"
     assert by_other["grpo_rm"]["attributable"].answer == "yes" and by_other["grpo_rm"]["attributable"].detail == "only the reward link differs"
+
+
+def test_an_audit_recorded_in_the_run_answers_the_audit_question(tmp_path, capsys):
+    """`posttrain audit --verifier exact --record RUN` runs the real suite and leaves audit.json: yes,
+    with its counts; a recorded failure is a no naming the case; --record on a non-run is one line."""
+    run = make_run(tmp_path / "run")
+    assert main(["audit", "--verifier", "exact", "--record", str(run), "--workers", "1"]) == 0
+    assert f"recorded: {run / 'audit.json'}" in capsys.readouterr().out
+    record = json.loads((run / "audit.json").read_text())
+    assert record["verifier"] == "exact" and record["passed"] == record["cases"] > 0 and record["failures"] == []
+    audit = answers(run)["audit"]
+    assert audit.answer == "yes" and f"{record['passed']} of {record['cases']} cases passed" in audit.detail
+    (run / "audit.json").write_text(json.dumps({**record, "passed": record["cases"] - 1, "failures": [
+        {"kind": "exploit", "name": "answer in a comment", "status": "ok", "reward": 1.0, "reason": "matched"}]}))
+    audit = answers(run)["audit"]
+    assert audit.answer == "no" and "failed: exploit 'answer in a comment'" in audit.detail
+    (run / "audit.json").write_text(json.dumps({**record, "verifier": "math"}))  # another verifier's audit does not count
+    assert answers(run)["audit"].answer == "not measured"
+    assert main(["audit", "--verifier", "exact", "--record", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--record {tmp_path}: not a run directory (no run_card.json)")

@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     parser.add_argument("--show-tests", default=None,
                         help="--data --format mbpp: which tests the prompts show, as task_options.show_tests in training "
                              "(first, the format's default, or none); the programs read what is shown")
+    parser.add_argument("--record", metavar="RUN_DIR", default=None,
+                        help="--verifier: also write the outcome to RUN_DIR/audit.json, where `posttrain checklist` reads it "
+                             "(the run's training reward audited: passed or not)")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPUs)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="per-sample budget of code verifiers in seconds (default 3; 10 with --data)")
@@ -50,7 +53,11 @@ def handle(args) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise UserError("--timeout must be positive")
     if args.data is not None:
+        if args.record:
+            raise UserError("--record goes with --verifier (a run's training reward), not --data")
         return audit_data(args)
+    if args.record and not (Path(args.record) / "run_card.json").is_file():
+        raise UserError(f"--record {args.record}: not a run directory (no run_card.json)")
     if args.format or args.columns or args.split or args.show_tests:
         raise UserError("--format, --columns, --split and --show-tests go with --data, not --verifier")
     return audit_verifier(args)
@@ -79,7 +86,29 @@ def audit_verifier(args) -> int:
     for outcome in failed:
         print(f"FAILED: {outcome.case.kind} {outcome.case.name!r} -> {outcome.verdict.status} "
               f"{outcome.verdict.reward} ({outcome.verdict.reason})")
+    if args.record:
+        record_audit(Path(args.record), args.verifier, outcomes, counts, seconds, args.unsafe_no_sandbox)
     return 1 if failed else 0
+
+
+AUDIT_RECORD = "audit.json"
+"""The file `posttrain audit --verifier X --record RUN_DIR` writes in a run directory."""
+
+
+def record_audit(run_dir: Path, verifier: str, outcomes, counts: dict, seconds: float, unsafe: bool) -> None:
+    """RUN_DIR/audit.json: which verifier's suite ran, when, how many cases passed, each failure."""
+    import datetime
+
+    from posttrain.atomic import write_text_atomically
+
+    failed = [o for o in outcomes if not o.passed]
+    record = {"verifier": verifier, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "cases": len(outcomes), "passed": len(outcomes) - len(failed), **counts, "seconds": round(seconds, 1),
+              "unsafe_no_sandbox": unsafe,
+              "failures": [{"kind": o.case.kind, "name": o.case.name, "status": o.verdict.status, "reward": o.verdict.reward,
+                            "reason": o.verdict.reason} for o in failed]}
+    write_text_atomically(run_dir / AUDIT_RECORD, json.dumps(record, indent=1) + "\n")
+    print(f"recorded: {run_dir / AUDIT_RECORD}")
 
 
 def audit_data(args) -> int:

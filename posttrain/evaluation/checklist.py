@@ -318,7 +318,8 @@ def _reward_verifier(run: Run) -> str | None:
 
 def audit_answer(run: Run) -> Answer:
     """5. The training reward audited, and for code data the dataset's weak tests found and excluded.
-    `posttrain audit` leaves no record in a run directory, so its part is "not measured" with the
+    `posttrain audit --verifier X --record RUN_DIR` leaves RUN_DIR/audit.json: yes when every case of
+    the run's reward's suite passed in the sandbox, no otherwise; without it, "not measured" with the
     command that measures it."""
     from posttrain.rewards.audit import SUITES
 
@@ -334,9 +335,28 @@ def audit_answer(run: Run) -> Answer:
         return Answer("audit", NOT_MEASURED, f"no training reward to audit ({run.link('reward').get('kind') or run.recipe}){weak_text}",
                       numbers)
     name = verifier.split(":", 1)[0] if ":" in verifier else verifier
-    how = (f"run `posttrain audit --verifier {name}`" if name in SUITES
+    record = _audit_record(run)
+    if record is not None and record.get("verifier") == name:
+        numbers["audit"] = {key: record.get(key) for key in ("cases", "passed", "exploit", "date", "unsafe_no_sandbox")}
+        detail = (f"`posttrain audit --verifier {name}`: {record['passed']} of {record['cases']} cases passed "
+                  f"({record.get('exploit', '?')} exploits; {record.get('date', '?')}; audit.json){weak_text}")
+        if record["passed"] == record["cases"] and not record.get("unsafe_no_sandbox"):
+            return Answer("audit", YES, detail, numbers)
+        failures = ", ".join(f"{f['kind']} {f['name']!r}" for f in record.get("failures", [])[:3])
+        return Answer("audit", NO, detail + (f"; failed: {failures}" if failures else "; ran without the sandbox"), numbers)
+    how = (f"run `posttrain audit --verifier {name} --record {run.path}`" if name in SUITES
            else f"`posttrain audit` has no suite for {verifier} (suites: {', '.join(SUITES)})")
     return Answer("audit", NOT_MEASURED, f"the run records no audit of its reward {verifier}: {how}{weak_text}", numbers)
+
+
+def _audit_record(run: Run) -> dict[str, Any] | None:
+    """The run's audit.json (`posttrain audit --verifier X --record RUN_DIR`), None when absent or unreadable."""
+    path = run.path / "audit.json"
+    try:
+        record = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and "passed" in record and "cases" in record else None
 
 
 def alarms_answer(run: Run) -> Answer:
