@@ -332,12 +332,17 @@ def test_an_audit_recorded_in_the_run_answers_the_audit_question(tmp_path, capsy
     """`posttrain audit --verifier exact --record RUN` runs the real suite and leaves audit.json: yes,
     with its counts; a recorded failure is a no naming the case; --record on a non-run is one line."""
     run = make_run(tmp_path / "run")
+    card = json.loads((run / "run_card.json").read_text())
+    (run / "run_card.json").write_text(json.dumps({**card, "checklist": {"answers": [], "verdict": "written when the run ended"}}))
     assert main(["audit", "--verifier", "exact", "--record", str(run), "--workers", "1"]) == 0
     assert f"recorded: {run / 'audit.json'}" in capsys.readouterr().out
     record = json.loads((run / "audit.json").read_text())
     assert record["verifier"] == "exact" and record["passed"] == record["cases"] > 0 and record["failures"] == []
     audit = answers(run)["audit"]
     assert audit.answer == "yes" and f"{record['passed']} of {record['cases']} cases passed" in audit.detail
+    section = json.loads((run / "run_card.json").read_text())["checklist"]  # the card's section answered again
+    assert [a["answer"] for a in section["answers"] if a["name"] == "audit"] == ["yes"]
+    assert "audit" in (run / "run_card.md").read_text()
     (run / "audit.json").write_text(json.dumps({**record, "passed": record["cases"] - 1, "failures": [
         {"kind": "exploit", "name": "answer in a comment", "status": "ok", "reward": 1.0, "reason": "matched"}]}))
     audit = answers(run)["audit"]

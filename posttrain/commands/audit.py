@@ -109,6 +109,22 @@ def record_audit(run_dir: Path, verifier: str, outcomes, counts: dict, seconds: 
                             "reason": o.verdict.reason} for o in failed]}
     write_text_atomically(run_dir / AUDIT_RECORD, json.dumps(record, indent=1) + "\n")
     print(f"recorded: {run_dir / AUDIT_RECORD}")
+    refresh_checklist(run_dir)
+
+
+def refresh_checklist(run_dir: Path) -> None:
+    """The run card's checklist section (written when the run ended) answered again from what the
+    run directory holds now, when the card has one."""
+    from posttrain.atomic import write_text_atomically
+    from posttrain.evaluation.checklist import card_section
+    from posttrain.runs.card import render_markdown
+
+    card_path = run_dir / "run_card.json"
+    card = json.loads(card_path.read_text())
+    if "checklist" in card:
+        card["checklist"] = card_section(run_dir, card)
+        write_text_atomically(card_path, json.dumps(card, indent=2, default=str) + "\n")
+        write_text_atomically(run_dir / "run_card.md", render_markdown(card))
 
 
 def audit_data(args) -> int:

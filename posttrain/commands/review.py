@@ -112,6 +112,10 @@ def score(run_dir: Path, marks_path: Path) -> int:
         if not isinstance(card["links"].setdefault("acceptance", {}), dict):
             raise UserError(f"{card_path}: links.acceptance is not an object")
         card["links"]["acceptance"]["human_review"] = entry
+        if "checklist" in card:  # the card's checklist, written when the run ended, answers the review question again
+            from posttrain.evaluation.checklist import card_section
+
+            card["checklist"] = card_section(run_dir, card)
         files[card_path] = json.dumps(card, indent=2, default=str) + "\n"
         files[run_dir / "run_card.md"] = render_markdown(card)
     _write(files)
