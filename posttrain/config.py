@@ -167,12 +167,19 @@ def _replaced(section, values: dict[str, Any], source: str, prefix: str, moved: 
 
 
 def _nest(dotted: dict[str, Any]) -> dict[str, Any]:
+    """{"a.b": 1, "c": 2} -> {"a": {"b": 1}, "c": 2}; a key given a value and also used as a section
+    (`--tools [add] --tools.describe none`) is one UserError line."""
     nested: dict[str, Any] = {}
     for key, value in dotted.items():
         node = nested
         *parents, leaf = key.split(".")
-        for parent in parents:
+        for depth, parent in enumerate(parents):
             node = node.setdefault(parent, {})
+            if not isinstance(node, dict):
+                section = ".".join(parents[:depth + 1])
+                raise UserError(f"--{section} is given a value and --{key} uses it as a section; set the section's keys one by one")
+        if isinstance(node.get(leaf), dict) and not isinstance(value, dict):
+            raise UserError(f"--{key} is given a value and also used as a section (--{key}.…); set the section's keys one by one")
         node[leaf] = value
     return nested
 

@@ -388,7 +388,7 @@ def test_eval_with_tools_keeps_each_transcript_and_counts(tmp_path, capsys):
 
     out = tmp_path / "eval"
     assert main(["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4", "--max-new-tokens", "8",
-                 "--tools", "[add, calculator]", "--max-turns", "2", "--output-dir", str(out)]) == 0
+                 "--tools.names", "[add, calculator]", "--tools.max_turns", "2", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "tools add, calculator: 1.00 turns and 0.00 calls per problem" in printed
     summary = json.loads((out / "summary.json").read_text())
@@ -552,3 +552,12 @@ def test_sft_refuses_a_template_that_drops_tool_calls_in_one_line():
     row = tool_transcripts([Example(id="x", prompt="1+2=", answer="3")])[0]
     with pytest.raises(UserError, match="does not render an assistant message's tool_calls"):
         tokenize_sft(tokenizer, [SFTRow("x", messages=row["messages"])])
+
+
+def test_a_key_given_a_value_and_used_as_a_section_is_one_line(tmp_path, capsys):
+    from posttrain.cli import main
+
+    code = main(["eval", "--model", "tiny", "--task", "arithmetic", "--tools", "[add]", "--tools.describe", "none",
+                 "--output-dir", str(tmp_path / "e")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "--tools is given a value and --tools.describe uses it as a section" in err[0]

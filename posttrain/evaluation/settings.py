@@ -90,7 +90,6 @@ class EvalConfig:
         "checker": "acceptance.checker", "k": "acceptance.k", "temperature": "acceptance.temperature",
         "max_new_tokens": "acceptance.max_new_tokens", "timeout": "reward_options.timeout_s",
         "memory_mb": "reward_options.memory_mb", "extraction": "reward_options.extraction",
-        "tools": "tools.names", "max_turns": "tools.max_turns",
     }
     """The short flags (`--task`, `--k`, `--timeout` ...) and the key each one sets."""
 
@@ -107,7 +106,7 @@ class EvalConfig:
     reward_options: RewardOptions = field(default_factory=RewardOptions)
     """The checker's settings: timeout_s and memory_mb (code sandbox), extraction."""
     tools: ToolSettings = field(default_factory=ToolSettings)
-    """Held-out answers as tool episodes (`--tools [add]`, `--max-turns 3`): the checker reads the last assistant turn; eval.json keeps each transcript."""
+    """Held-out answers as tool episodes (`--tools.names [add]`, `--tools.max_turns 3`): the checker reads the last assistant turn; eval.json keeps each transcript."""
     unsafe_no_sandbox: bool = False
     """Run model-written code WITHOUT the bubblewrap sandbox (rlimits only). Never the default; the output and the summary say so."""
     hardware: Hardware = field(default_factory=Hardware)
