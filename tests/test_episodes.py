@@ -561,3 +561,16 @@ def test_a_key_given_a_value_and_used_as_a_section_is_one_line(tmp_path, capsys)
                  "--output-dir", str(tmp_path / "e")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "--tools is given a value and --tools.describe uses it as a section" in err[0]
+
+
+def test_the_review_sheet_shows_a_tool_episodes_whole_transcript_escaped():
+    from posttrain.evaluation.review import marks_rows, render_sheet, sample_rows
+
+    rows = [{"id": "a", "prompt": "1+2=", "gold": "3", "completion": "<answer>3</answer>", "extracted": "3", "reward": 1.0,
+             "status": "ok", "reason": "match", "transcript": '[model] <tool_call>{"name": "add"}</tool_call>\n[tool add ok] 3\n[model] <answer>3</answer>'},
+            {"id": "b", "prompt": "2+2=", "gold": "4", "completion": "4", "extracted": "4", "reward": 1.0, "status": "ok", "reason": "match"}]
+    sample = sample_rows(rows, 2, seed=0)
+    assert sample[0]["transcript"].startswith("[model] <tool_call>") and "transcript" not in sample[1]
+    html = render_sheet(sample, marks_rows(sample), "t")
+    assert html.count('<pre class="transcript">') == 1
+    assert "[tool add ok] 3" in html and "&lt;tool_call&gt;" in html and "<tool_call>" not in html

@@ -57,13 +57,14 @@ def checker_verdict(row: dict[str, Any]) -> str:
 def sample_rows(rows: Sequence[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
     """`min(n, len(rows))` rows drawn without replacement by `random.Random(seed)`, kept in the eval
     file's order, each as {id, prompt, gold, completion, extracted, reward, status, reason, verdict}
-    (without gold and extracted from an eval file written before its rows kept them).
+    (without gold and extracted from an eval file written before its rows kept them), and a tool
+    episode's `transcript` (the whole episode, the model's and the tools' spans marked).
 
     Raises UserError when the drawn ids are not unique (marks are keyed by id).
     """
     indices = sorted(random.Random(seed).sample(range(len(rows)), min(n, len(rows))))
-    sample = [{key: rows[i].get(key) for key in ("id", "prompt", "gold", "completion", "extracted", "reward", "status", "reason")
-               if key in rows[i] or key not in ("gold", "extracted")}
+    sample = [{key: rows[i].get(key) for key in ("id", "prompt", "gold", "completion", "extracted", "reward", "status", "reason", "transcript")
+               if key in rows[i] or key not in ("gold", "extracted", "transcript")}
               | {"verdict": checker_verdict(rows[i])} for i in indices]
     ids = [row["id"] for row in sample]
     if len(set(map(json.dumps, ids))) != len(ids):
@@ -230,7 +231,9 @@ def render_sheet(sample: Sequence[dict[str, Any]], marks: Sequence[dict[str, Any
             f'<p class="answers"><span>gold: <code>{escape(_shown(row, "gold", "none (the tests decide)"))}</code></span>'
             f'<span>checker read: <code>{escape(_shown(row, "extracted", "none read"))}</code></span></p>\n'
             f"<p>completion</p><pre>{escape(str(row['completion'] or ''))}</pre>\n"
-            f"<p>{radios}</p>\n</div>"
+            + (f"<p>the whole episode ([model]: what the model wrote; [tool ...]: what the tools answered)</p>"
+               f"<pre class=\"transcript\">{escape(str(row['transcript']))}</pre>\n" if row.get("transcript") else "")
+            + f"<p>{radios}</p>\n</div>"
         )
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
