@@ -574,3 +574,21 @@ def test_the_review_sheet_shows_a_tool_episodes_whole_transcript_escaped():
     html = render_sheet(sample, marks_rows(sample), "t")
     assert html.count('<pre class="transcript">') == 1
     assert "[tool add ok] 3" in html and "&lt;tool_call&gt;" in html and "<tool_call>" not in html
+
+
+def test_a_reward_function_sees_the_whole_episode_in_its_row(tmp_path):
+    from posttrain.config import build_config
+    from posttrain.recipes import online, online_config
+
+    seen = []
+
+    def used_the_tool(completion, example):
+        seen.append(example["transcript"])
+        return 1.0 if any(entry["role"] == "tool" and entry["status"] == "ok" for entry in example["transcript"]) else 0.0
+
+    config = build_config(online_config.Config, None, {**SMALL, "output_dir": str(tmp_path / "run")})
+    state = online.setup(config, reward=used_the_tool)
+    state.sampler.generate = scripted(lambda context, row: _answer_with_the_tool(context, row) if row < 4 else "<answer>1</answer>")
+    batch = online.sample(state)
+    assert batch.scores.rewards.tolist() == [1.0] * 4 + [0.0] * 4  # group 1 called add; group 2 answered at once
+    assert [len(t) for t in seen] == [3] * 4 + [1] * 4

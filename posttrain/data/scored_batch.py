@@ -163,7 +163,11 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
                                   sampling=sampling, seed=round_seed, shard=(mine.start, len(examples)) if world.active else None)
             with timer("scoring"):
                 rows = [verifier_input(e, r) for e, r in zip(examples[mine.start:mine.stop], rendered[mine.start:mine.stop])]
-                scores = score_rows(verifier, rollout.texts, rows, rollout.prompt_index.tolist(), rollout.truncated.tolist(), truncated)
+                index = rollout.prompt_index.tolist()
+                if rollout.episodes is not None:  # the verifier reads the last turn and, in its row, the whole episode
+                    rows = [{**rows[b], "transcript": episode["transcript"]} for b, episode in zip(index, rollout.episodes)]
+                    index = list(range(len(rows)))
+                scores = score_rows(verifier, rollout.texts, rows, index, rollout.truncated.tolist(), truncated)
                 if rollout.episodes is not None:  # a row whose tool broke is infra_error, whatever it answered
                     scores = Scores.of(episode_verdicts(rollout, scores.verdicts))
         owners = torch.arange(world.size).repeat_interleave(torch.tensor([len(b) for b in world.blocks(len(examples))]) * G)
