@@ -144,6 +144,27 @@ def step_done() -> None:
     print("@@done", flush=True)
 
 
+def gated_clock(starts: list[float], marks: list[float], total: int):
+    """A transformers TrainerCallback timing a peer trainer's steps between the gates: each step
+    from the parent's `go` (appended to `starts`) to on_step_end (to `marks`: the next batch's
+    loading included), `total` steps in all. bench/grpo.py, rloo.py and rm.py time TRL with it."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            step_gate()
+            starts.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            marks.append(time.perf_counter())
+            step_done()
+            if len(marks) < total:
+                step_gate()
+                starts.append(time.perf_counter())
+
+    return Clock()
+
+
 def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | None = None) -> dict:
     import torch
 
@@ -189,7 +210,6 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
     import datasets
     import torch
     import trl
-    from transformers import TrainerCallback
 
     from posttrain.data import render_prompt
     from posttrain.models import load_model
@@ -216,18 +236,6 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
 
     starts: list[float] = []
 
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            step_gate()
-            starts.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            marks.append(time.perf_counter())
-            step_done()
-            if len(marks) < total:
-                step_gate()
-                starts.append(time.perf_counter())
-
     def reward(prompts, completions, answer, **kwargs):
         return [numeric_reward(c, a) for c, a in zip(completions, answer)]
 
@@ -240,7 +248,7 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=SEED, log_completions=False,
     )
     trainer = trl.GRPOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[Clock()])
+                              processing_class=tokenizer, callbacks=[gated_clock(starts, marks, total)])
 
     def timed(name, function, phase_of=lambda *a, **k: None):
         def wrapper(*a, **k):

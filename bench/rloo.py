@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo  # noqa: E402  bench/grpo.py: its setting, helpers and the step gate between the sides
 from grpo import (  # noqa: E402
     GROUP_SIZE, LR, MAX_NEW_TOKENS, PROMPTS_PER_STEP, ROOT, SEED, TASK, TEMPERATURE, EVAL_SIZE, TRAIN_SIZE,
-    examples_in_order, floor_flops, matmul_rate, memory_available_mb, model_shape, numeric_reward, step_done, step_gate,
+    examples_in_order, floor_flops, gated_clock, matmul_rate, memory_available_mb, model_shape, numeric_reward, step_done, step_gate,
     summarise,
 )
 
@@ -99,7 +99,6 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
     import datasets
     import torch
     import trl
-    from transformers import TrainerCallback
 
     from posttrain.data import render_prompt
     from posttrain.models import load_model
@@ -126,18 +125,6 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
     used: list[list[str]] = []
     shape = model_shape(policy)
 
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            step_gate()
-            starts.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            marks.append(time.perf_counter())
-            step_done()
-            if len(marks) < total:
-                step_gate()
-                starts.append(time.perf_counter())
-
     def reward(prompts, completions, answer, **kwargs):
         return [numeric_reward(c, a) for c, a in zip(completions, answer)]
 
@@ -154,7 +141,7 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
         logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=SEED, log_completions=False,
     )
     trainer = trl.RLOOTrainer(model=policy, reward_funcs=reward, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[Clock()])
+                              processing_class=tokenizer, callbacks=[gated_clock(starts, marks, total)])
 
     def timed(name, function, phase_of=lambda *a, **k: None):
         def wrapper(*a, **k):

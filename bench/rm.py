@@ -59,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo  # noqa: E402  bench/grpo.py: the step gate between the sides, its process per side
-from grpo import memory_available_mb, step_done, step_gate  # noqa: E402
+from grpo import gated_clock, memory_available_mb, step_done, step_gate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8
@@ -156,7 +156,7 @@ def run_trl(steps: int, warmup: int, workdir: Path) -> dict:
     import datasets
     import torch
     import trl
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     total = steps + warmup
     order = json.loads((workdir / "order.json").read_text())
@@ -168,18 +168,6 @@ def run_trl(steps: int, warmup: int, workdir: Path) -> dict:
     starts: list[float] = []
     marks: list[float] = []
 
-    class Clock(TrainerCallback):  # a step: from the gate's go to on_step_end (the next batch's loading included)
-        def on_train_begin(self, args, state, control, **kwargs):
-            step_gate()
-            starts.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            marks.append(time.perf_counter())
-            step_done()
-            if len(marks) < total:
-                step_gate()
-                starts.append(time.perf_counter())
-
     args = trl.RewardConfig(
         output_dir=str(workdir / "trl"), learning_rate=LR, max_steps=total, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=1, max_length=None, center_rewards_coefficient=None, bf16=False, use_cpu=True,
@@ -187,7 +175,7 @@ def run_trl(steps: int, warmup: int, workdir: Path) -> dict:
         train_sampling_strategy="sequential", report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, seed=0, dataset_num_proc=None,
     )
-    trainer = trl.RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()])
+    trainer = trl.RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[gated_clock(starts, marks, total)])
     setup_seconds = time.perf_counter() - started
     losses, tokens = [], []
     compute_loss = trainer.compute_loss
