@@ -299,6 +299,16 @@ class PairSource:
     response_truncation: Literal["right", "drop", "error"] = "right"
     """Over-long response: keep its first tokens, drop the pair, or error."""
 
+    def validate(self, prefix: str = "data.") -> None:
+        """The checks every pair recipe (dpo, rm) makes of its data section: pairs given, the format
+        and column map known, heldout_pairs not negative (one UserError line each)."""
+        if not self.pairs:
+            raise UserError(f"{prefix}pairs: give the preference JSONL to train on (--{prefix}pairs FILE; posttrain pairs makes one)")
+        if self.format is not None or self.columns:
+            resolve_columns(self.format, self.columns)
+        if self.heldout_pairs < 0:
+            raise UserError(f"{prefix}heldout_pairs must be at least 0, got {self.heldout_pairs}")
+
     def truncation(self) -> TruncationPolicy:
         """The four truncation settings as the tokeniser's `TruncationPolicy`."""
         return TruncationPolicy(self.max_prompt_tokens, self.max_response_tokens, self.prompt_truncation, self.response_truncation)

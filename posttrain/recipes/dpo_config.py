@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.config import PolicyFields
-from posttrain.data.files import resolve_columns
 from posttrain.data.preference import PairSource
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
@@ -71,14 +70,9 @@ class Config(PolicyFields):
         super().validate()
         self.optim.validate()
         self.parallel.validate()
-        if not self.data.pairs:
-            raise UserError("data.pairs: give the preference JSONL to train on (--data.pairs FILE)")
-        if self.data.format is not None or self.data.columns:
-            resolve_columns(self.data.format, self.data.columns)
+        self.data.validate()  # pairs given, format and columns known, heldout_pairs >= 0 (data/preference.PairSource)
         self.loss.validate(self.lora_rank)
         for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.data.heldout_pairs < 0:
-            raise UserError(f"data.heldout_pairs must be at least 0, got {self.data.heldout_pairs}")
         self.acceptance.validate()

@@ -33,7 +33,6 @@ import torch
 
 from posttrain.config import PolicyFields, to_dict
 from posttrain.data import PreferencePair, tokenize_preference_pairs
-from posttrain.data.files import resolve_columns
 from posttrain.data.preference import PairSource, PairSplits, load_pairs, preference_data_card
 from posttrain.data.provenance import read_provenance, reward_card
 from posttrain.data.stream import data_order
@@ -101,16 +100,11 @@ class Config(PolicyFields):
         self.parallel.validate()
         if self.parallel.strategy == "fsdp2":
             raise UserError("parallel.strategy fsdp2: posttrain rm supports ddp under torchrun, not yet fsdp2")
-        if not self.data.pairs:
-            raise UserError("data.pairs: give the preference pairs to train on (--data.pairs FILE; posttrain pairs makes one)")
-        if self.data.format is not None or self.data.columns:
-            resolve_columns(self.data.format, self.data.columns)
+        self.data.validate()  # pairs given, format and columns known, heldout_pairs >= 0 (data/preference.PairSource)
         self.loss.validate()
         for name in ("batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.data.heldout_pairs < 0:
-            raise UserError(f"data.heldout_pairs must be at least 0, got {self.data.heldout_pairs}")
         self.acceptance.validate()
 
 
