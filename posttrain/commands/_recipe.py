@@ -161,7 +161,7 @@ class Recipe:
                             help="with --resume: accept --key value changes that alter the data order or the loss (recorded in the run card)")
         for switch in self.switches:
             parser.add_argument(f"--{switch.replace('_', '-')}", dest=f"switch_{switch}", action="store_true",
-                                help=f"--{switch} true")
+                                help=f"the same as --{switch} true")
         parser.set_defaults(func=self.run)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -199,7 +199,7 @@ class Recipe:
 RECIPES = (
     Recipe("demo", "posttrain.recipes.demo",
            "the main job: SFT -> GRPO vs pairs+DPO on the tiny model, with held-out acceptance and a report "
-           "(--tools: SFT on tool transcripts, then GRPO with a calculator tool)",
+           "(--tools: SFT on tool transcripts, then GRPO with an add tool)",
            new_directory=False, switches=("tools",)),
     Recipe("dpo", "posttrain.recipes.dpo", "DPO family: pairwise preference loss against a frozen reference",
            settings="posttrain.recipes.dpo_config:Config"),
