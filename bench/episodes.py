@@ -1,0 +1,127 @@
+"""Tool episodes: what a tool turn costs, and the python tool's calls per second.
+
+1. Episode overhead. The built-in tiny model, B = 8 prompts x G = 4 rows. An episode batch
+   (`rollout.episodes.EpisodeSampler`, the library's own sampler): turn 1 generates `--turn-tokens`
+   tokens per row (EOS banned until then, so every row has the same length), every row calls the
+   `python` tool (the bubblewrap sandbox: a real round trip per row), the result is appended as
+   observation tokens, and turn 2 generates `--turn-tokens` more (re-prefilling prompt + turn 1 +
+   observation). The random tiny model writes no tool call, so turn 1's TEXT (never its ids) is
+   replaced by a fixed call before the sampler parses it: the tokens, the tool run and the re-prefill
+   are all real. Beside it, the floor: one `generate` call producing the same 2 x `--turn-tokens`
+   generated tokens per row in a single turn. ratio = floor / episode (1.0: tool turns cost nothing).
+2. The python tool's calls/s (`rollout.tools.python_tool_rate`: a batch of `--calls` programs through
+   the worker pool's sandbox slots) vs the unsandboxed way peers run a tool's code: a fresh
+   `python -c` subprocess per call, `--workers` at a time.
+
+Usage: .venv/bin/python bench/episodes.py [--turn-tokens 32] [--calls 64] [--rounds 3]
+Ends with: RESULT episode_overhead: ... and RESULT python_tool: ... (R > 1: ours is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from posttrain.models.tiny import build_tiny_model
+from posttrain.rollout import SamplingConfig, generate
+from posttrain.rollout.episodes import EpisodeSampler, ToolSettings
+from posttrain.rollout.tools import python_tool_rate, resolve_tools
+
+CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(sum(range(100)))"}}</tool_call>'
+CODE = "print(sum(range(1000)))"
+
+
+def first_turn_calls(turn: list[int]):
+    """`generate` whose turn-1 texts say CALL and count as finished (ids and log-probs untouched: the
+    EOS is banned so every row has the same length); later turns as sampled."""
+
+    def wrapped(*args, **kwargs):
+        rollout = generate(*args, **kwargs)
+        turn[0] += 1
+        if turn[0] > 1:
+            return rollout
+        done = torch.ones_like(rollout.finished)
+        return dataclasses.replace(rollout, texts=[CALL] * len(rollout.texts), finished=done, truncated=~done)
+
+    return wrapped
+
+
+def episode_seconds(model, tokenizer, prompts, group_size, sampling, rounds) -> tuple[float, dict]:
+    """Best wall seconds of one episode batch, and the last batch's episode counts."""
+    best, counts = float("inf"), {}
+    toolbox = resolve_tools(["python"])
+    for _ in range(rounds + 1):  # the first round starts the sandbox slots and packs the weights
+        turn = [0]
+        sampler = EpisodeSampler(tokenizer, toolbox, ToolSettings(names=["python"], max_turns=2), generate_fn=first_turn_calls(turn))
+        started = time.perf_counter()
+        rollout = sampler(model, tokenizer, [None] * len(prompts), prompts, group_size=group_size, sampling=sampling, seed=1)
+        elapsed = time.perf_counter() - started
+        best = min(best, elapsed) if turn[0] else best
+        counts = {"turns": sum(e["turns"] for e in rollout.episodes), "calls": sum(e["tool_calls"] for e in rollout.episodes),
+                  "observation_tokens": sum(e["observation_tokens"] for e in rollout.episodes),
+                  "generated": int(rollout.mask.sum())}
+    return best, counts
+
+
+def single_turn_seconds(model, tokenizer, prompts, group_size, sampling, rounds) -> float:
+    best = float("inf")
+    for _ in range(rounds + 1):
+        started = time.perf_counter()
+        generate(model, tokenizer, prompts, group_size=group_size, sampling=sampling, seed=1)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def subprocess_rate(calls: int, workers: int) -> float:
+    """Calls/s of a fresh unsandboxed `python -c CODE` per call, `workers` at a time."""
+    def one(_):
+        return subprocess.run([sys.executable, "-c", CODE], capture_output=True, timeout=30).returncode
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, range(workers)))  # warm the page cache
+        started = time.perf_counter()
+        codes = list(pool.map(one, range(calls)))
+    assert all(code == 0 for code in codes)
+    return calls / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turn-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"{datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
+    model, tokenizer = build_tiny_model()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{i}+{2 * i}="}], add_generation_prompt=True, tokenize=False)
+               for i in range(args.prompts)]
+    turn = SamplingConfig(max_new_tokens=args.turn_tokens, min_new_tokens=args.turn_tokens, temperature=1.0)
+    whole = dataclasses.replace(turn, max_new_tokens=2 * args.turn_tokens, min_new_tokens=2 * args.turn_tokens)
+    episode, counts = episode_seconds(model, tokenizer, prompts, args.group_size, turn, args.rounds)
+    floor = single_turn_seconds(model, tokenizer, prompts, args.group_size, whole, args.rounds)
+    rows = args.prompts * args.group_size
+    print(f"episode batch: {rows} rows, {counts['turns']} turns, {counts['calls']} python calls, {counts['generated']} generated "
+          f"+ {counts['observation_tokens']} observation tokens: best {episode:.3f} s")
+    print(f"single turn, the same {rows} x {2 * args.turn_tokens} generated tokens: best {floor:.3f} s")
+    print(f"RESULT episode_overhead: ours={episode:.3f} peer={floor:.3f} unit=s ratio={floor / episode:.2f}")
+    ours = python_tool_rate(args.calls, code=CODE, workers=args.workers)
+    peer = subprocess_rate(args.calls, args.workers)
+    print(f"python tool, {args.calls} calls, {args.workers} workers: sandboxed {ours:.1f} calls/s, fresh unsandboxed subprocess {peer:.1f} calls/s")
+    print(f"RESULT python_tool: ours={ours:.1f} peer={peer:.1f} unit=calls/s ratio={ours / peer:.2f}")
+
+
+if __name__ == "__main__":
+    main()
