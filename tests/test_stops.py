@@ -124,7 +124,13 @@ def test_out_of_memory_in_each_online_phase_is_one_line(tmp_path, monkeypatch, c
     step, the phase and the settings that shrink it; no traceback; the run directory resumable."""
     from posttrain.cli import main
 
-    monkeypatch.setattr(target, _oom)
+    if phase == "generation":  # the held-out evaluation samples through the same engine, one answer per problem
+        from posttrain.rollout import sampler
+
+        real = sampler.generate
+        monkeypatch.setattr(target, lambda *a, **k: _oom() if k.get("group_size", 1) > 1 else real(*a, **k))
+    else:
+        monkeypatch.setattr(target, _oom)
     code = main(["grpo", "--model", "tiny", "--output-dir", str(tmp_path / "run"), "--max-steps", "1", "--data.prompts_per_step", "2",
                  "--data.group_size", "2", "--data.eval_size", "4", "--sampling.max_new_tokens", "4", "--acceptance.sets", "[]", *extra])
     err = capsys.readouterr().err.strip().splitlines()

@@ -153,7 +153,7 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     policy.eval()
     while wanted > 0:
         examples = stream.take(wanted)
-        rendered = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt, tools=sampler.tools) for e in examples]
+        rendered = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt, tools=getattr(sampler, "tools", None)) for e in examples]
         mine = world.block(len(examples))
         round_seed = derived_seed(seed, "rollout", str(step), str(rounds))
         rollout = scores = None

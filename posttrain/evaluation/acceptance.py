@@ -125,7 +125,7 @@ def evaluate_task(
     started = time.perf_counter()
     verifier = checker if isinstance(checker, Verifier) else as_verifier(None, checker or default_checker(task), for_checker=True)
     examples = task.examples
-    prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt, tools=sampler.tools) for e in examples]
+    prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt, tools=getattr(sampler, "tools", None)) for e in examples]
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
     texts, lengths, rollouts = [], [], []
     for start in range(0, len(prompts), batch_size):

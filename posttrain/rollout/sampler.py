@@ -19,7 +19,7 @@ from posttrain.rollout.sampling import SamplingConfig
 class Sampler(Protocol):
     tools: list[dict] | None
     """The JSON schemas the prompts are rendered with (`data.tokenize.render_prompt`'s tools=): a tool
-    episode sampler's tools; None: none (one turn)."""
+    episode sampler's tools; None: none (one turn). Optional: a plain function is a sampler too."""
 
     def __call__(self, policy, tokenizer, examples: Sequence[Any], prompts: Sequence[str], *, group_size: int,
                  sampling: SamplingConfig, seed: int, shard: tuple[int, int] | None) -> Rollout:
