@@ -84,4 +84,4 @@ def test_stage_configs_are_presets_plus_the_demos_overrides(tmp_path):
     reward_model = demo.stage_config(demo.RM, config, starts, {"data": {"pairs": "p.jsonl", "heldout_pairs": 12}})
     assert (reward_model.model, reward_model.max_steps, reward_model.data.heldout_pairs) == (starts["sft"], config.rm_steps, 12)
     on_rm = demo.stage_config(demo.GRPO_RM, config, starts, {"reward": "rm:x/final"})
-    assert on_rm.reward == "rm:x/final" and on_rm.max_steps == config.rm_grpo_steps == 25 and on_rm.model == grpo.model
+    assert on_rm.reward == "rm:x/final" and on_rm.max_steps == grpo.max_steps and on_rm.model == grpo.model

@@ -49,11 +49,9 @@ class DemoResult:
     """The SFT start's steps: the first round whose held-out pass@1 reached `sft_target` (or the most)."""
     sft_target: float
     grpo_steps: int
-    """GRPO's steps, and each DPO run's."""
+    """GRPO's steps, and each DPO run's, and GRPO's on the reward model."""
     rm_steps: int
     """The reward model's training steps."""
-    rm_grpo_steps: int
-    """GRPO's steps on the reward model."""
     samples_per_step: int
     """GRPO's sampled answers per step (prompts per step x group size)."""
     samples_shown: int
@@ -197,7 +195,7 @@ def _stage_table(result: DemoResult, rows: dict[str, list[dict]]) -> list[str]:
               "grpo": f"GRPO ({result.grpo_steps} steps x {result.samples_per_step} samples)",
               "dpo": f"DPO with RPO's NLL term ({result.grpo_steps} steps on {pairs} pairs)",
               "dpo_plain": "plain DPO (the same, without the NLL term)",
-              "grpo_rm": f"GRPO ({result.rm_grpo_steps} steps) on a reward model trained {result.rm_steps} steps on the same pairs (held-out pair accuracy "
+              "grpo_rm": f"GRPO on a reward model trained {result.rm_steps} steps on the same pairs (held-out pair accuracy "
                          f"{_accuracy_text(model)})"}
     signals = {"sft": "n/a", "grpo": f"{_last(rows['grpo'], 'reward/mean')} (reward)",
                "dpo": f"{_last(rows['dpo'], 'rewards/accuracy')} (pair accuracy)",
@@ -298,7 +296,7 @@ def _learned_reward(result: DemoResult, rows: dict[str, list[dict]], cards: dict
         f"{result.rm_steps} steps (Bradley-Terry) from the SFT start on the same {result.provenance['pairs']} pairs DPO used, "
         f"{cards['rm']['links']['acceptance']['heldout_pairs']} of them held out by prompt: held-out pair accuracy {_accuracy_text(model)}, reward-length correlation "
         f"{model['reward_length_correlation'] if model['reward_length_correlation'] is None else format(model['reward_length_correlation'], '+.3f')}. "
-        f"GRPO then ran {result.rm_grpo_steps} steps from the same start with the same settings, rewarded by that model (`rm:`, normalised by its stored scale) "
+        f"GRPO then ran from the same start with the same settings, rewarded by that model (`rm:`, normalised by its stored scale) "
         f"instead of the program: its training reward went from {reward[0]:+.3f} to {reward[-1]:+.3f}"
         f" and its held-out accuracy {_change(result, 'grpo_rm')}, against {_change(result, 'grpo')} for GRPO on the program. "
         + (f"The divergence alarm ({threshold}) rang: \"{divergence[0]}\". " if divergence
