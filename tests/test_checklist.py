@@ -12,6 +12,7 @@ import pytest
 
 from posttrain.cli import main
 from posttrain.evaluation import checklist as cl
+from posttrain.evaluation import run_comparison as rc
 from posttrain.evaluation.demo_report import checklist_section
 from posttrain.evaluation.stats import wilson_interval
 from posttrain.runs import new_card, write_run_card
@@ -196,7 +197,7 @@ def test_two_runs_differing_in_two_links_cannot_attribute_the_difference(tmp_pat
     a = make_run(tmp_path / "a", sets={"in_distribution": (HALF, HALF)})
     b = make_run(tmp_path / "b", reward={"verifier": "math", "extraction": "boxed"},
                  loss={**GRPO_LOSS, "group": {"scale": "none"}, "aggregation": "seq_mean_token_sum_norm"})
-    comparison = cl.compare(cl.read_run(a), cl.read_run(b))
+    comparison = rc.compare(cl.read_run(a), cl.read_run(b))
     states = {row.link: row.state() for row in comparison.links}
     assert states["data"] == "same" and states["reward"] == "changed" and states["acceptance"] == "same"
     assert states["loss"] == "changed: aggregation: token_mean -> seq_mean_token_sum_norm; group.scale: group -> none"
@@ -207,27 +208,32 @@ def test_two_runs_differing_in_two_links_cannot_attribute_the_difference(tmp_pat
     assert comparison.verdict.startswith("The reward link and loss link differ: b - a in gain (end - start) on in_distribution: "
                                          "+0.400 [+0.180, +0.620] paired over 20 problems (higher)")
     assert "cannot attribute it to one of them" in comparison.verdict
-    one = cl.compare(cl.read_run(a), cl.read_run(make_run(tmp_path / "c", reward={"verifier": "math", "extraction": "boxed"})))
+    one = rc.compare(cl.read_run(a), cl.read_run(make_run(tmp_path / "c", reward={"verifier": "math", "extraction": "boxed"})))
     assert one.answers["attributable"].answer == "yes" and one.verdict.startswith("Only the reward link changed: c - a")
-    lr = cl.compare(cl.read_run(a), cl.read_run(make_run(tmp_path / "d", lr=3e-4)))
+    lr = rc.compare(cl.read_run(a), cl.read_run(make_run(tmp_path / "d", lr=3e-4)))
     assert lr.answers["attributable"].detail == "other settings (optim.lr: 0.0001 -> 0.0003) differ"
+    assert "| in_distribution | +0.400 [+0.180, +0.620] | gain (end - start), paired over 20 problems |" in rc.comparison_markdown(comparison)
+    assert "  held-out in_distribution: +0.400 [+0.180, +0.620] (gain (end - start), paired over 20 problems)\n" in rc.text([], [comparison])
 
 
 def test_two_runs_on_different_heldout_sets_or_checkers_are_refused(tmp_path):
     a = make_run(tmp_path / "a")
     other_problems = make_run(tmp_path / "b", prompt="{i}*{i}=")
-    refused = cl.compare(cl.read_run(a), cl.read_run(other_problems))
+    refused = rc.compare(cl.read_run(a), cl.read_run(other_problems))
     assert refused.answers["comparable"].answer == "no" and "in_distribution: different problems (20 vs 20" in refused.answers["comparable"].detail
     assert refused.verdict.startswith("Refused: the two runs' held-out numbers cannot be compared")
     other_checker = make_run(tmp_path / "c", checker={"verifier": "exact", "extraction": "auto"})
-    refused = cl.compare(cl.read_run(a), cl.read_run(other_checker))
+    refused = rc.compare(cl.read_run(a), cl.read_run(other_checker))
     assert "in_distribution: scored by different checkers" in refused.answers["comparable"].detail
     assert {row.link: row.same for row in refused.links}["acceptance"] is False
+    reason = refused.sets[0].reason  # both checkers described, no pipe in them
+    assert f"| in_distribution | refused | {reason} |" in rc.comparison_markdown(refused)
+    assert f"  held-out in_distribution: refused ({reason})\n" in rc.text([], [refused])
 
 
 def test_seeds_of_the_same_links_are_counted_and_compared_as_noise(tmp_path):
     a, b = make_run(tmp_path / "s0", seed=0), make_run(tmp_path / "s1", seed=1)
-    checklists, comparisons = cl.check_runs([a, b])
+    checklists, comparisons = rc.check_runs([a, b])
     assert [entry.answers["seeds"].answer for entry in checklists] == ["yes", "yes"]
     assert checklists[0].answers["seeds"].detail.startswith("2 seeds (0, 1)")
     assert comparisons[0].answers["attributable"].detail == "nothing differs but the seed: the difference measures run-to-run noise"
@@ -316,7 +322,7 @@ def test_the_demos_stages_get_their_expected_answers():
     """On the demo's own run directories (when `make demo` has run here): GRPO gains by an independent
     checker with no alarm; plain DPO and GRPO on the RM fall and their alarms rang; GRPO vs DPO on the
     same problems changed more than one link; GRPO on the RM vs on the program changed the reward alone."""
-    checklists, comparisons = cl.check_runs([DEMO / stage for stage in ("grpo", "dpo", "dpo_plain", "grpo_rm")])
+    checklists, comparisons = rc.check_runs([DEMO / stage for stage in ("grpo", "dpo", "dpo_plain", "grpo_rm")])
     said = {entry.run.path.name: {name: answer.answer for name, answer in entry.answers.items()} for entry in checklists}
     assert said["grpo"]["interval"] == said["dpo"]["interval"] == "yes" and said["grpo"]["independent"] == "yes"
     assert said["grpo"]["alarms"] == said["dpo"]["alarms"] == "yes"

@@ -31,7 +31,7 @@ def required_names(text: str | None) -> list[str]:
 def handle(args) -> int:
     """Print every run's checklist and the comparisons (text or --json); 1 when a --require'd
     answer is not yes."""
-    from posttrain.evaluation.checklist import check_runs, text, unmet
+    from posttrain.evaluation.run_comparison import check_runs, text, unmet
 
     required = required_names(args.require)
     checklists, comparisons = check_runs(args.run_dirs)

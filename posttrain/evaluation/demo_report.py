@@ -18,7 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from posttrain.atomic import write_text_atomically  # noqa: E402
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION  # noqa: E402
-from posttrain.evaluation.checklist import checklist, compare, comparison_markdown, markdown, read_run  # noqa: E402
+from posttrain.evaluation.checklist import checklist, markdown, read_run  # noqa: E402
+from posttrain.evaluation.run_comparison import compare, comparison_markdown  # noqa: E402
 from posttrain.evaluation.stats import paired_difference_ci  # noqa: E402
 from posttrain.runs import read_jsonl  # noqa: E402
 from posttrain.runs.plots import save_figure  # noqa: E402
@@ -345,8 +346,9 @@ STAGE_TITLES = {"sft": "SFT start", "grpo": "GRPO", "dpo": "DPO (RPO)", "dpo_pla
 
 def checklist_section(run_dirs: dict[str, Path]) -> list[str]:
     """The report's last section: the seed's checklist (`evaluation/checklist.py`) answered for
-    each stage's run, then GRPO against DPO (RPO): their links side by side, the same held-out
-    problems and checker, the paired difference of their gains, and what it can be attributed to."""
+    each stage's run, then GRPO against DPO (RPO) (`evaluation/run_comparison.py`): their links side
+    by side, the same held-out problems and checker, the paired difference of their gains, and what
+    it can be attributed to."""
     runs = {stage: read_run(run_dirs[stage]) for stage in STAGE_TITLES if stage in run_dirs}
     lines = ["## The checklist before any conclusion", "",
              "Each question answered from the stage's own run directory: yes, no, or not measured (with the command that "
