@@ -162,6 +162,34 @@ def test_rm_batched_equals_row_by_row_and_normalisations(exported):
     assert [v.reward for v in plain] == pytest.approx(batched, abs=1e-6)
 
 
+def test_rm_scores_a_group_sharing_its_prompt_once_and_as_the_plain_forward(exported, monkeypatch):
+    """GRPO's rows come in groups sharing a prompt: the scoring forward computes each prompt once
+    (the shared path ran, with fewer prompt rows than rows) and gives the plain forward's rewards."""
+    import posttrain.rewards.reward_model as scoring
+
+    rows = [{"prompt": prompt} for prompt in ("12+34=", "7+8=", "500+500=") for _ in range(4)]
+    completions = ["<answer>46</answer>", "46", "<answer>45</answer>", "", "15", "<answer>15</answer>", "x" * 30, "16",
+                   "1000", "<answer>1000</answer>", "<answer>100</answer>", "ok"]
+    verifier = get_verifier(f"rm:{exported}")
+    verifier.batch_size = 8  # two chunks, the second across a group's boundary
+    calls = []
+    shared = scoring.shared_prompt_rewards
+
+    def spy(model, input_ids, attention, mask):
+        rewards = shared(model, input_ids, attention, mask)
+        calls.append((input_ids.shape[0], rewards is not None))
+        return rewards
+
+    monkeypatch.setattr(scoring, "shared_prompt_rewards", spy)
+    batched = [v.details["raw"] for v in verifier.batch(completions, rows)]
+    assert calls == [(8, True), (4, True)]
+    sequences = [verifier.render(c, r)[0] for c, r in zip(completions, rows)]
+    width = max(map(len, sequences))
+    plain = verifier.model(torch.tensor([ids + [0] * (width - len(ids)) for ids in sequences]),
+                           torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in sequences]))
+    assert batched == pytest.approx(plain.tolist(), abs=1e-5)
+
+
 def test_rm_identity_is_its_weights(exported, tmp_path, tiny_reward_model):
     """The same reward model as reward and checker is not independent; against the integer checker it is;
     another export of the same weights is the same model."""

@@ -24,6 +24,7 @@ from posttrain.data.examples import Example, Task, derived_seed, require_example
 from posttrain.data.files import pick
 from posttrain.atomic import write_text_atomically
 from posttrain.errors import UserError
+from posttrain.evaluation import reuse
 from posttrain.evaluation.heldout_rows import check_extraction, heldout_rows
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
 from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, defaults
@@ -127,15 +128,23 @@ def evaluate_task(
     examples = task.examples
     prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt, tools=getattr(sampler, "tools", None)) for e in examples]
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
+    name = f"{label} ({task.name})" if label else task.name
+    memo_key = reuse.key(model, tokenizer, examples, prompts, verifier, max_new_tokens, batch_size) if (
+        reuse.active() and k == 1 and sampler is single_turn) else None
     texts, lengths, rollouts = [], [], []
-    for start in range(0, len(prompts), batch_size):
-        rollout = sampler(model, tokenizer, examples[start : start + batch_size], prompts[start : start + batch_size],
-                          group_size=1, sampling=greedy, seed=seed)
-        texts += rollout.texts
-        lengths += rollout.mask.sum(dim=1).tolist()
-        rollouts.append(rollout)
+    if (found := reuse.lookup(memo_key)) is not None:  # an exact repeat (evaluation/reuse.py)
+        texts, lengths, verdicts, first_label = found
+        logger.info("held-out %s: the same weights, problems and checker as %s: its answers reused", name, first_label)
+    else:
+        for start in range(0, len(prompts), batch_size):
+            rollout = sampler(model, tokenizer, examples[start : start + batch_size], prompts[start : start + batch_size],
+                              group_size=1, sampling=greedy, seed=seed)
+            texts += rollout.texts
+            lengths += rollout.mask.sum(dim=1).tolist()
+            rollouts.append(rollout)
+        verdicts = score_completions(verifier, texts, examples)
+        reuse.store(memo_key, texts, lengths, verdicts, name)
     episodes = [episode for rollout in rollouts for episode in (rollout.episodes or [])]
-    verdicts = score_completions(verifier, texts, examples)
     if episodes:
         verdicts = [verdict for rollout, first in zip(rollouts, range(0, len(prompts), batch_size))
                     for verdict in episode_verdicts(rollout, verdicts[first:first + len(rollout.texts)])]
@@ -155,7 +164,7 @@ def evaluate_task(
         "infra_errors": sum(v.status == "infra_error" for v in verdicts),
         "data_errors": sum(v.status == "data_error" for v in verdicts),
         "mean_length": sum(lengths) / max(1, n),
-        "unextracted": check_extraction(f"{label} ({task.name})" if label else task.name, texts, verdicts),
+        "unextracted": check_extraction(name, texts, verdicts),
         "correct": correct,
     }
     if episodes:
@@ -185,7 +194,7 @@ def evaluate_task(
             row.update(transcript=transcript_text(episode), turns=episode["turns"], tool_calls=episode["tool_calls"])
         write_text_atomically(output_path, json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")  # whole or not at all
     low, high = summary["pass@1_ci95"]
-    logger.info("held-out %s: pass@1 %s [%.3f, %.3f] (n=%d)", f"{label} ({task.name})" if label else task.name,
+    logger.info("held-out %s: pass@1 %s [%.3f, %.3f] (n=%d)", name,
                 "n/a" if summary["pass@1"] is None else f"{summary['pass@1']:.3f}", low, high, n)
     return summary
 

@@ -52,17 +52,27 @@ def _transformers_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _cache_argument(model) -> str | None:
+def _decoder(model):
+    """The decoder stack of a causal LM or sequence classifier (PEFT-wrapped or not): its `get_decoder()`,
+    else its base model attribute."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix)
+
+
+def _cache_argument(model, hidden_states: bool = False) -> str | None:
     """The forward's KV-cache keyword (`cache` since transformers 5, else `past_key_values`), or
-    None if `model` is not a supported architecture taking that and `logits_to_keep`."""
+    None if `model` is not a supported architecture taking that and `logits_to_keep` (with
+    `hidden_states`: its decoder taking the cache, the head being the caller's, as a reward model's)."""
     inner = _transformers_model(model)
     if getattr(getattr(inner, "config", None), "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return None
     if checkpointing(inner):
         return None
-    parameters = inspect.signature(inner.forward).parameters
-    if "logits_to_keep" not in parameters:
-        return None
+    if hidden_states:
+        parameters = inspect.signature(_decoder(model).forward).parameters
+    else:
+        parameters = inspect.signature(inner.forward).parameters
+        if "logits_to_keep" not in parameters:
+            return None
     return "cache" if "cache" in parameters else "past_key_values" if "past_key_values" in parameters else None
 
 
@@ -92,11 +102,11 @@ def shared_prefix_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_wi
             (`model.get_decoder()`; not a `ReferenceModel`), for a caller that runs the LM head on
             the few positions it needs: the (n, T, V) logits are most of a small model's memory.
     """
-    cache_argument = _cache_argument(model)
+    cache_argument = _cache_argument(model, hidden_states)
     if cache_argument is None or T < 1:
         return None
     if hidden_states:
-        decoder = model.get_decoder()
+        decoder = _decoder(model)
 
         def forward(keep: int, **kwargs) -> torch.Tensor:  # the last `keep` positions (0: all), like logits_to_keep
             return decoder(**kwargs).last_hidden_state[:, -keep:]

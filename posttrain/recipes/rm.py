@@ -153,8 +153,9 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
             metrics = step(state, done)
             if loop.evaluates(done):
                 metrics.update(evaluate(state))
+            plot = world.main and (loop.evaluates(done) or done % config.checkpoint_every == 0)  # matplotlib at every step cost more than the steps
             loop.end_step(done, metrics, save=lambda: save(state, run_dir),
-                          after_log=(lambda: plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)) if world.main else None,
+                          after_log=(lambda: plot_metrics(run_dir.read_metrics(), PLOTTED, run_dir.plots)) if plot else None,
                           loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['accuracy']:.2f}")
         if world.main:
             card["export"] = export_final(state, run_dir)

@@ -28,7 +28,7 @@ import torch
 from posttrain.data.tokenize import encode_prompt, encode_response
 from posttrain.errors import UserError
 from posttrain.hardware import cpu_placement
-from posttrain.models.reward_model import load_reward_model, weights_hash
+from posttrain.models.reward_model import load_reward_model, shared_prompt_rewards, weights_hash
 from posttrain.rewards.base import Verifier
 from posttrain.rewards.verdict import Verdict
 
@@ -61,6 +61,12 @@ class RewardModelVerifier(Verifier):
         """The token ids the reward model scores for one row (prompt from `messages` or `prompt`,
         the model's system prompt and template, the completion, one EOS), truncated to its context;
         None when the row has no prompt."""
+        parts = self.render_parts(completion, example)
+        return None if parts is None else (parts[0] + parts[1], parts[2])
+
+    def render_parts(self, completion: str, example: Mapping[str, Any]) -> tuple[list[int], list[int], dict[str, int]] | None:
+        """`render`'s prompt ids and response ids apart (the scoring forward computes a prompt shared
+        by several rows once), and the truncation counts; None when the row has no prompt."""
         prompt = example.get("messages") or example.get("prompt")
         if not prompt:
             return None
@@ -75,17 +81,20 @@ class RewardModelVerifier(Verifier):
             if len(response_ids) > self.max_tokens:
                 cut["response"] = len(response_ids) - self.max_tokens
                 response_ids = response_ids[: self.max_tokens - 1] + [self.tokenizer.eos_token_id]
-        return prompt_ids + response_ids, cut
+        return prompt_ids, response_ids, cut
 
-    def raw_rewards(self, sequences: list[list[int]]) -> torch.Tensor:
+    def raw_rewards(self, sequences: list[list[int]], prompt_lengths: Sequence[int] | None = None) -> torch.Tensor:
         """(n,) float32 rewards of token id lists, `batch_size` at a time, right-padded (pooling
-        reads the attention mask, so the padding's ids never matter). With `offload` the model visits
-        the run's device for the call only. Out of memory is one line naming the scoring knobs."""
+        reads the attention mask, so the padding's ids never matter). Given each sequence's
+        `prompt_lengths`, rows of a batch that share a prompt (a group's samples) compute it once
+        (`models.reward_model.shared_prompt_rewards`, equal to the plain forward up to float
+        rounding). With `offload` the model visits the run's device for the call only. Out of
+        memory is one line naming the scoring knobs."""
         device = self.placement.device
         if self.offload:
             self.model.to(device)
         try:
-            return self._raw_rewards(sequences, device)
+            return self._raw_rewards(sequences, device, prompt_lengths)
         except torch.OutOfMemoryError as error:
             raise UserError(f"{self.name}: out of memory while scoring {len(sequences)} completions, {self.batch_size} per forward "
                             f"({str(error).splitlines()[0]}); lower reward_options.batch_size, or set reward_options.offload cpu to keep "
@@ -95,18 +104,25 @@ class RewardModelVerifier(Verifier):
                 self.model.to("cpu")
 
     @torch.no_grad()
-    def _raw_rewards(self, sequences: list[list[int]], device) -> torch.Tensor:
+    def _raw_rewards(self, sequences: list[list[int]], device, prompt_lengths: Sequence[int] | None = None) -> torch.Tensor:
         out = []
         for start in range(0, len(sequences), self.batch_size):
             chunk = sequences[start : start + self.batch_size]
             width = max(len(ids) for ids in chunk)
             input_ids = torch.zeros(len(chunk), width, dtype=torch.long)
             attention = torch.zeros(len(chunk), width, dtype=torch.long)
+            response = torch.zeros(len(chunk), width, dtype=torch.bool)
             for row, ids in enumerate(chunk):
                 input_ids[row, : len(ids)] = torch.tensor(ids)
                 attention[row, : len(ids)] = 1
+                if prompt_lengths is not None:
+                    response[row, prompt_lengths[start + row] : len(ids)] = True
+            input_ids, attention = input_ids.to(device), attention.to(device)
             with self.placement.autocast():
-                out.append(self.model(input_ids.to(device), attention.to(device)).float().cpu())
+                rewards = shared_prompt_rewards(self.model, input_ids, attention, response.to(device)) if prompt_lengths is not None else None
+                if rewards is None:
+                    rewards = self.model(input_ids, attention)
+            out.append(rewards.float().cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
     def normalise(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -121,14 +137,15 @@ class RewardModelVerifier(Verifier):
         data_error for a row without a prompt."""
         if len(completions) != len(examples):
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
-        rendered = [self.render(completion, example) if isinstance(completion, str) else None
+        rendered = [self.render_parts(completion, example) if isinstance(completion, str) else None
                     for completion, example in zip(completions, examples)]
         scored = [index for index, item in enumerate(rendered) if item is not None]
-        raw = self.raw_rewards([rendered[index][0] for index in scored])
+        raw = self.raw_rewards([rendered[index][0] + rendered[index][1] for index in scored],
+                               prompt_lengths=[len(rendered[index][0]) for index in scored])
         rewards = self.normalise(raw)
         verdicts = [Verdict.data_error("rm: the row has no prompt or messages to render") for _ in completions]
         for position, index in enumerate(scored):
-            cut = rendered[index][1]
+            cut = rendered[index][2]
             for side in cut:
                 self.truncated[side] += bool(cut[side])
             verdicts[index] = Verdict.ok(float(rewards[position]), f"reward model ({self.normalisation})", raw=float(raw[position]),
