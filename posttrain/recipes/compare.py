@@ -143,7 +143,9 @@ class Config:
     """Reuse this pairs file (its .meta.json sidecar read if there) instead of sampling one from the
     start: the same offline inputs again (a rerun of one row), or a start too weak to yield pairs (the tests)."""
     threads: int = 1
-    """torch threads here and OMP_NUM_THREADS of every row (1: the demo's reason, recipes/demo.py)."""
+    """torch threads here and OMP_NUM_THREADS of every row. 1: the table in docs/algorithms.md was
+    measured at 1 (the numbers depend on the count); 2 is faster on an idle 2-core machine, as the
+    demo runs (recipes/demo.py), and slower beside another busy job."""
 
     def validate(self) -> None:
         names = [row.name for row in ROWS]
