@@ -592,3 +592,36 @@ def test_a_reward_function_sees_the_whole_episode_in_its_row(tmp_path):
     batch = online.sample(state)
     assert batch.scores.rewards.tolist() == [1.0] * 4 + [0.0] * 4  # group 1 called add; group 2 answered at once
     assert [len(t) for t in seen] == [3] * 4 + [1] * 4
+
+
+def test_the_tool_demo_runs_end_to_end_from_the_command_line(tmp_path, capsys):
+    """`posttrain demo --tools`, shortened (an SFT start of 2 steps, a few transcripts and steps):
+    every stage runs, the report's table has the three rows with intervals and changes, the plot is
+    written, and the start is evaluated without the tool, the tool stages with it."""
+    import json
+
+    from posttrain.cli import main
+
+    start = tmp_path / "sft"
+    assert main(["sft", "--config", "tiny-sft", "--max-steps", "2", "--checkpoint-every", "2", "--output-dir", str(start),
+                 "--data.eval_size", "8", "--acceptance.eval_every", "0"]) == 0
+    out = tmp_path / "demo-tools"
+    assert main(["demo", "--tools", "--sft-run", str(start), "--output-dir", str(out), "--threads", "1", "--tool-threads", "1",
+                 "--eval-size", "8", "--tool-eval-size", "4", "--tool-transcripts", "32", "--tool-sft-steps", "2",
+                 "--tool-grpo-steps", "1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kind"] == "tool demo" and summary["tool_sft_steps"] == 2 and summary["tool_grpo_steps"] == 1
+    assert set(summary["results"]) == {"sft", "tool_sft", "tool_grpo"}
+    for stage, entries in summary["results"].items():
+        assert set(entries) == {"in_distribution", "digits_3"}
+        for entry in entries.values():
+            assert entry["n"] <= 4 and entry["ci95"][0] <= entry["pass@1"] <= entry["ci95"][1]
+            assert ("episodes" in entry) == (stage != "sft") and ("change" in entry) == (stage != "sft")
+    rows = json.loads((out / "eval_tool_sft_digits_3.json").read_text())["rows"]
+    assert len(rows) == 4 and all(row["transcript"].startswith("[model] ") for row in rows)
+    report = (out / "report.md").read_text()
+    assert "| SFT start, no tool |" in report and "| then GRPO with the tool |" in report
+    assert (out / "tool_demo.png").is_file()
+    assert len((out / "transcripts.jsonl").read_text().splitlines()) == 32
+    assert main(["demo", "--tools", "--tool-transcripts", "31"]) == 2
+    assert "tool_transcripts must be at least 32" in capsys.readouterr().err

@@ -114,6 +114,8 @@ class Config:
                      "tool_grpo_steps", "tool_eval_size", "tool_threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.tool_transcripts < 32:
+            raise UserError(f"tool_transcripts must be at least 32 (an eighth is held out, and a tool SFT step takes 16), got {self.tool_transcripts}")
         if not 0 <= self.sft_target <= 1:
             raise UserError(f"sft_target is a held-out pass@1, in [0, 1]; got {self.sft_target}")
 

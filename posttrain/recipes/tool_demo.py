@@ -42,11 +42,14 @@ no `data.tools` in its SFT): its template ignores tools=, and the Hermes descrip
 characters of its tokenizer in front of every 7-character sum."""
 TURN_TOKENS = 96
 """Tokens per turn: a call of `add` on two 3-digit numbers is 66 characters of the tiny tokenizer."""
+HELD_ROWS = 64
+"""Rows of the transcripts (and of the prompts) that the tool stages' own held-out splits keep apart
+(an eighth of them when there are fewer than 512)."""
 SETS = (IN_DISTRIBUTION, "digits_3")
 """The held-out sets compared (the main demo's, scored by the same `integer` checker)."""
 
 TOOL_SFT = stages.Stage("tool_sft", sft.Config, "tiny-sft", "tool_sft_steps", starts_from="sft", overrides={
-    "data": {"task_options": {}, "train_size": None, "loss_on": "assistant", "eval_size": 64},
+    "data": {"task_options": {}, "train_size": None, "loss_on": "assistant"},
     "batch_size": 16, "micro_batch_size": 16,
     "optim": {"lr": 1.0e-3, "warmup_steps": 10, "schedule": "cosine"},
     "acceptance": {"eval_every": 0, "sets": []},
@@ -56,7 +59,7 @@ TOOL_GRPO = stages.Stage("tool_grpo", online_config.grpo_config, "tiny-grpo", "t
     "tools": {"names": TOOLS.names, "max_turns": TOOLS.max_turns, "max_observation_tokens": TOOLS.max_observation_tokens,
               "describe": TOOLS.describe},
     "sampling": {"max_new_tokens": TURN_TOKENS},
-    "data": {"task_options": {}, "eval_size": 64, "prompts_per_step": 8},
+    "data": {"task_options": {}, "prompts_per_step": 8},
     "acceptance": {"eval_every": 0, "sets": [], "max_new_tokens": TURN_TOKENS},
 })
 """GRPO with the tool on the 2- and 3-digit prompts file (given where it is built)."""
@@ -109,11 +112,12 @@ def run(config: Any, out: Path, started: float) -> Path:
                                            for e in sums[config.tool_transcripts:]))
 
     run_dirs = {"sft": sft_dir}
+    held = min(HELD_ROWS, max(1, config.tool_transcripts // 8))  # each file's rows the stage's own held-out split keeps apart
     with stages.timed(timings, "tool_sft"):
-        run_dirs["tool_sft"] = sft.run(stages.stage_config(TOOL_SFT, config, starts, {"data": {"task": str(transcripts)}}))
+        run_dirs["tool_sft"] = sft.run(stages.stage_config(TOOL_SFT, config, starts, {"data": {"task": str(transcripts), "eval_size": held}}))
         starts["tool_sft"] = stages.last_checkpoint(run_dirs["tool_sft"], config.tool_sft_steps)
     with stages.timed(timings, "tool_grpo"):
-        run_dirs["tool_grpo"] = online.run(stages.stage_config(TOOL_GRPO, config, starts, {"data": {"task": str(prompts)}}))
+        run_dirs["tool_grpo"] = online.run(stages.stage_config(TOOL_GRPO, config, starts, {"data": {"task": str(prompts), "eval_size": held}}))
     with stages.timed(timings, "acceptance"):
         results = {
             "sft": acceptance(starts["sft"], sets, config, out, "sft", tools=False),
