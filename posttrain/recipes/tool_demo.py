@@ -51,7 +51,7 @@ SETS = (IN_DISTRIBUTION, "digits_3")
 TOOL_SFT = stages.Stage("tool_sft", sft.Config, "tiny-sft", "tool_sft_steps", starts_from="sft", overrides={
     "data": {"task_options": {}, "train_size": None, "loss_on": "assistant"},
     "batch_size": 16, "micro_batch_size": 16,
-    "optim": {"lr": 1.0e-3, "warmup_steps": 10, "schedule": "cosine"},
+    "optim": {"lr": 1.0e-3, "warmup_steps": 10, "schedule": "constant"},
     "acceptance": {"eval_every": 0, "sets": []},
 })
 """SFT on the transcripts file (given where it is built), from the demo's SFT start."""
