@@ -87,7 +87,8 @@ def key(model, tokenizer, examples: Sequence[Any], prompts: Sequence[str], check
     weights = weights_fingerprint(model)
     if weights is None:
         return None
-    config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+    config = getattr(model, "config", None)
+    config = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"} if hasattr(config, "to_dict") else repr(config)
     device = next(model.parameters()).device
     parts = {
         "weights": weights, "config": config, "training": model.training, "tokenizer": tokenizer_fingerprint(tokenizer),
