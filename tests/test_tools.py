@@ -15,7 +15,9 @@ from posttrain.rewards.pool import WorkerGone
 from posttrain.rewards.sandbox import SandboxConfig, SandboxSlot, SandboxUnavailable, check_isolation
 from posttrain.rewards.sandbox_io import ProgramResult, SlotBroken
 from posttrain.rollout import tools
-from posttrain.rollout.tools import ToolCall, ToolResult, calculator, parse_tool_calls, resolve_tools
+from posttrain.rollout import tool_calls
+from posttrain.rollout.tool_calls import ToolCall, ToolResult, parse_tool_calls
+from posttrain.rollout.tools import calculator, resolve_tools
 
 pytestmark = pytest.mark.timeout(180)
 WORKERS = 1  # one worker: this machine's two cores are shared
@@ -186,17 +188,17 @@ def test_argument_types_of_nested_schemas():
                                  "x": {"type": "number", "nullable": True},
                                  "mode": {"type": "string", "enum": ["a", "b"]},
                                  "u": {"type": ["integer", "string"]}}}
-    assert tools.argument_problem({"names": ["a"], "x": None, "mode": "a", "u": "s"}, parameters) is None
-    assert tools.argument_problem({"names": ["a", 2]}, parameters) == "argument 'names' item 1 must be string, got integer"
-    assert tools.argument_problem({"mode": "c"}, parameters) == "argument 'mode' must be one of ['a', 'b'], got 'c'"
-    assert tools.argument_problem({"u": 1.5}, parameters) == "argument 'u' must be integer or string, got number"
+    assert tool_calls.argument_problem({"names": ["a"], "x": None, "mode": "a", "u": "s"}, parameters) is None
+    assert tool_calls.argument_problem({"names": ["a", 2]}, parameters) == "argument 'names' item 1 must be string, got integer"
+    assert tool_calls.argument_problem({"mode": "c"}, parameters) == "argument 'mode' must be one of ['a', 'b'], got 'c'"
+    assert tool_calls.argument_problem({"u": 1.5}, parameters) == "argument 'u' must be integer or string, got number"
 
 
 def test_result_text():
-    assert [tools.result_text(value) for value in ("text", None, 3, 2.5, True, [1, "a"], {"k": {"v": 1}}, (1, 2), {1, 2})] == [
+    assert [tool_calls.result_text(value) for value in ("text", None, 3, 2.5, True, [1, "a"], {"k": {"v": 1}}, (1, 2), {1, 2})] == [
         "text", "null", "3", "2.5", "true", '[1,"a"]', '{"k":{"v":1}}', "[1,2]", "{1, 2}"]
-    long = tools.result_text("x" * 20000)
-    assert len(long) == tools.MAX_CONTENT_CHARS and "...[cut]..." in long
+    long = tool_calls.result_text("x" * 20000)
+    assert len(long) == tool_calls.MAX_CONTENT_CHARS and "...[cut]..." in long
 
 
 # ---------------------------------------------------------------------------------------------

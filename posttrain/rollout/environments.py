@@ -13,7 +13,7 @@ conversation with a simulated user) and may give rewards as it goes. Write a cla
         def reset(self, example) -> None:   # a new episode: the row's data record (Example)
             self.target, self.tries = int(example.answer), 0
 
-        def step(self, call) -> Step:       # one tool call (`tools.ToolCall`): what the model reads
+        def step(self, call) -> Step:       # one tool call (`tool_calls.ToolCall`): what the model reads
             ...
             return Step(observation="lower", reward=None, done=False)
 

@@ -1,6 +1,6 @@
 """Multi-turn episodes: the sampler that lets the model call tools and read their results.
 
-One episode per row: generate a turn; when the turn holds tool calls (`tools.parse_tool_calls`, the
+One episode per row: generate a turn; when the turn holds tool calls (`tool_calls.parse_tool_calls`, the
 Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` form), run them
 (`tools.Toolbox.execute`, every row's calls of the turn in one batch), append the observation
 tokens and generate the next turn; until a turn without a tool call, `tools.max_turns` model turns
@@ -38,6 +38,7 @@ from posttrain.rollout.batch import Rollout
 from posttrain.rollout.engine import generate, stop_token_ids
 from posttrain.rollout.environments import Step, environment_factory, environment_schemas, environment_step
 from posttrain.rollout.sampling import SamplingConfig
+from posttrain.rollout.tool_calls import parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -251,8 +252,6 @@ class EpisodeSampler:
                  sampling: SamplingConfig, seed: int, shard: tuple[int, int] | None = None) -> Rollout:
         """B x G episodes for the B rendered `prompts` (a `Rollout` whose `episodes` holds each row's
         transcript and counts); `seed` and `shard` as in `generate`."""
-        from posttrain.rollout.tools import parse_tool_calls  # the tools layer (sandbox, workers) only when used
-
         settings, G = self.settings, group_size
         first, total = shard if shard is not None else (0, len(prompts))
         turn_rollout = self.generate(policy, tokenizer, list(prompts), group_size=G, sampling=sampling, seed=seed, shard=shard)

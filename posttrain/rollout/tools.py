@@ -1,7 +1,7 @@
-"""The tools a model may call in an episode: parsing its calls, running them, their observations.
+"""The tools a model may call in an episode: resolving them, running their calls, their observations.
 
     toolbox = resolve_tools(["python", "calculator", "my_tools:lookup"], timeout_s=10.0)
-    calls = parse_tool_calls(turn_text)           # every <tool_call>{...}</tool_call> of one turn
+    calls = parse_tool_calls(turn_text)           # rollout/tool_calls.py: every <tool_call>{...}</tool_call> of a turn
     results = toolbox.execute(calls)              # one ToolResult per call, never raises for a model mistake
 
 A model's mistake is an observation it can learn from, never an exception: a malformed block is
@@ -26,7 +26,6 @@ A callable's schema comes from its signature and Google-style docstring through 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 import signal
@@ -39,201 +38,19 @@ from typing import Any
 from posttrain.errors import UserError
 from posttrain.rewards.custom import load_error, resolve
 from posttrain.rollout.calculator import CalculatorError, calculator
+from posttrain.rollout.tool_calls import (ToolCall, ToolResult, argument_problem, cap_text, error_result, exception_text,
+                                          result_text, timed_out_result)
 from posttrain.rewards.pool import WorkerGone, get_pool
 from posttrain.rewards.sandbox import SandboxConfig, SandboxUnavailable, check_isolation
 from posttrain.rewards.sandbox_io import ProgramResult
 
 logger = logging.getLogger(__name__)
 
-TOOL_STATUSES = ("ok", "parse_error", "error", "infra_error")
-MAX_CONTENT_CHARS = 8192
-"""An observation longer than this keeps its head and tail (the sampler cuts it again, in tokens)."""
-MAX_ERROR_CHARS = 300
-"""An exception's `<ExceptionType>: <message>` is cut to this."""
 MAX_TRACEBACK_CHARS = 1500
 """The python tool shows at most this much of the end of stderr when the program fails."""
 WORKER_MARGIN_S = 30.0
 """A worker's hard deadline is the tool's deadline plus this: a fresh worker first imports this
 module (and the user's), and a python call may first start its sandbox slot."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Parsing one assistant turn.
-@dataclass(frozen=True)
-class ToolCall:
-    """One `<tool_call>` block of a turn: `name` None (and `error` set) when it could not be parsed."""
-
-    name: str | None
-    arguments: dict
-    error: str | None = None
-
-
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every `<tool_call>...</tool_call>` block of ONE assistant turn's text, in order.
-
-    The Hermes / Qwen2.5 form, `<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>`,
-    whitespace and newlines inside allowed; "arguments" may also be a JSON string holding an object
-    (as some templates emit) or absent (no arguments). An opened block never closed is one ToolCall
-    with an error; no block: [].
-
-    >>> parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
-    [ToolCall(name='add', arguments={'a': 1, 'b': 2}, error=None)]
-    >>> parse_tool_calls('<tool_call>{"name": "add"')[0].error
-    'block never closed (no </tool_call>)'
-    """
-    calls, position = [], 0
-    while (start := text.find(_OPEN, position)) != -1:
-        end = text.find(_CLOSE, start + len(_OPEN))
-        if end == -1:
-            calls.append(ToolCall(None, {}, f"block never closed (no {_CLOSE})"))
-            break
-        calls.append(_parse_block(text[start + len(_OPEN):end]))
-        position = end + len(_CLOSE)
-    return calls
-
-
-def _parse_block(body: str) -> ToolCall:
-    try:
-        call = json.loads(body)
-    except (ValueError, RecursionError) as error:
-        return ToolCall(None, {}, f"invalid JSON: {error}")
-    if not isinstance(call, dict):
-        return ToolCall(None, {}, f'expected a JSON object {{"name": ..., "arguments": {{...}}}}, got {type(call).__name__}')
-    name = call.get("name")
-    if not isinstance(name, str) or not name:
-        return ToolCall(None, {}, 'missing "name" (a non-empty string)')
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except (ValueError, RecursionError) as error:
-            return ToolCall(None, {}, f'"arguments" is a string that is not JSON: {error}')
-    if not isinstance(arguments, dict):
-        return ToolCall(None, {}, f'"arguments" must be a JSON object, got {type(arguments).__name__}')
-    return ToolCall(name, arguments)
-
-
-# ---------------------------------------------------------------------------------------------
-# Results.
-@dataclass(frozen=True)
-class ToolResult:
-    """What one call gave: `content` is the observation the model sees (for a failure, a short
-    error text it can learn from); `status` one of TOOL_STATUSES; `reason` for logs and counts."""
-
-    content: str
-    status: str
-    reason: str = ""
-
-    def __post_init__(self):
-        if self.status not in TOOL_STATUSES:
-            raise ValueError(f"status must be one of {TOOL_STATUSES}, got {self.status!r}")
-
-
-def _error(message: str, reason: str = "") -> ToolResult:
-    return ToolResult(f"error: {message}", "error", reason or message)
-
-
-def _timed_out(timeout_s: float) -> ToolResult:
-    return _error(f"timed out after {timeout_s:g}s", "timed out")
-
-
-def cap_text(text: str, limit: int = MAX_CONTENT_CHARS) -> str:
-    """`text` if at most `limit` characters, else its head and tail around a marker (`limit` in all).
-
-    >>> cap_text("abcdefghij" * 3, 24)
-    'abcdef\\n...[cut]...\\nfghij'
-    """
-    if len(text) <= limit:
-        return text
-    marker = "\n...[cut]...\n"
-    room = max(limit - len(marker), 2)
-    head = (room + 1) // 2
-    return text[:head] + marker + text[len(text) - (room - head):]
-
-
-def exception_text(error: BaseException) -> str:
-    """`<ExceptionType>: <message>`, cut to MAX_ERROR_CHARS."""
-    message = str(error)
-    text = f"{type(error).__name__}: {message}" if message else type(error).__name__
-    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
-
-
-def result_text(value: Any) -> str:
-    """A tool's return value as the text the model sees: a str as is, None as "null", JSON
-    (compact) for numbers, bools, lists and dicts, `str()` for anything else.
-
-    >>> result_text("hi"), result_text(None), result_text({"a": [1, 2.5]}), result_text(3)
-    ('hi', 'null', '{"a":[1,2.5]}', '3')
-    """
-    if isinstance(value, str):
-        return cap_text(value)
-    if value is None or isinstance(value, (bool, int, float, list, tuple, dict)):
-        try:
-            return cap_text(json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str))
-        except (TypeError, ValueError, RecursionError):
-            pass
-    return cap_text(str(value))
-
-
-# ---------------------------------------------------------------------------------------------
-# Arguments against the schema.
-_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "array": lambda v: isinstance(v, list),
-    "object": lambda v: isinstance(v, dict),
-    "null": lambda v: v is None,
-}
-
-
-def _type_problem(value: Any, schema: dict) -> str | None:
-    """Why `value` does not fit `schema` (type, nullable, enum, array items), or None."""
-    if value is None and schema.get("nullable"):
-        return None
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else list(types or [])
-    if types and not any(_JSON_TYPES.get(name, lambda v: True)(value) for name in types):
-        return f"must be {' or '.join(types)}, got {_json_type(value)}"
-    if "enum" in schema and value not in schema["enum"]:
-        return f"must be one of {schema['enum']}, got {value!r}"
-    if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for index, item in enumerate(value):
-            problem = _type_problem(item, schema["items"])
-            if problem:
-                return f"item {index} {problem}"
-    return None
-
-
-def _json_type(value: Any) -> str:
-    return next((name for name in ("boolean", "integer", "number", "string", "array", "object", "null")
-                 if _JSON_TYPES[name](value)), type(value).__name__)
-
-
-def argument_problem(arguments: dict, parameters: dict) -> str | None:
-    """Why `arguments` do not fit a function schema's `parameters`, naming the argument, or None.
-
-    >>> argument_problem({"a": 1}, {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]})
-    "missing required argument 'b'"
-    >>> argument_problem({"a": "1"}, {"properties": {"a": {"type": "integer"}}})
-    "argument 'a' must be integer, got string"
-    """
-    properties = parameters.get("properties", {})
-    for name in arguments:
-        if name not in properties:
-            return f"unknown argument {name!r} (arguments: {', '.join(properties) or 'none'})"
-    for name in parameters.get("required", []):
-        if name not in arguments:
-            return f"missing required argument {name!r}"
-    for name, value in arguments.items():
-        problem = _type_problem(value, properties[name])
-        if problem:
-            return f"argument {name!r} {problem}"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,12 +90,12 @@ def _call_in_thread(function: Callable, arguments: dict, timeout_s: float) -> To
         try:
             outcome.append(ToolResult(result_text(function(**arguments)), "ok"))
         except BaseException as error:  # noqa: BLE001 - the tool's failure is the model's observation
-            outcome.append(_error(exception_text(error), "the tool raised"))
+            outcome.append(error_result(exception_text(error), "the tool raised"))
 
     thread = threading.Thread(target=target, daemon=True, name="posttrain-tool")
     thread.start()
     thread.join(timeout_s)
-    return outcome[0] if outcome else _timed_out(timeout_s)
+    return outcome[0] if outcome else timed_out_result(timeout_s)
 
 
 def _on_alarm(signum, frame) -> None:
@@ -299,9 +116,9 @@ def _call_with_alarm(function: Callable, arguments: dict, timeout_s: float) -> T
             signal.setitimer(signal.ITIMER_REAL, 0)
         return ToolResult(result_text(value), "ok")
     except _Deadline:
-        return _timed_out(timeout_s)
+        return timed_out_result(timeout_s)
     except BaseException as error:  # noqa: BLE001 - the tool's failure is the model's observation
-        return _error(exception_text(error), "the tool raised")
+        return error_result(exception_text(error), "the tool raised")
     finally:
         signal.signal(signal.SIGALRM, previous)
 
@@ -326,10 +143,10 @@ def program_observation(result: ProgramResult, timeout_s: float) -> ToolResult:
     stdout = result.stdout.decode(errors="replace")
     printed = stdout if not stdout or stdout.endswith("\n") else stdout + "\n"  # what follows starts a line
     if result.reason.startswith("timed out"):
-        timed_out = _timed_out(timeout_s)
+        timed_out = timed_out_result(timeout_s)
         return dataclasses.replace(timed_out, content=cap_text(printed + timed_out.content))
     if result.reason:
-        return _error(result.reason)
+        return error_result(result.reason)
     if result.status == 0:
         return ToolResult(cap_text(stdout) if stdout else "(no output)", "ok")
     stderr = _TRACEBACK_FRAME.sub("", result.stderr.decode(errors="replace")).strip()
@@ -407,7 +224,7 @@ class WorkerTool(Tool):
 
     def _failure(self, error: Exception) -> ToolResult:
         if isinstance(error, WorkerGone) and error.timed_out:
-            return _timed_out(self.timeout_s)  # ignored SIGALRM (stuck in C code): the pool killed it
+            return timed_out_result(self.timeout_s)  # ignored SIGALRM (stuck in C code): the pool killed it
         return ToolResult("error: the tool's worker failed", "infra_error", f"tool {self.name}: {error}")
 
 
@@ -470,9 +287,9 @@ class Toolbox:
             return ToolResult(f"error: malformed tool call: {call.error}", "parse_error", call.error or "")
         tool = self.tools.get(call.name)
         if tool is None:
-            return _error(f"unknown tool {call.name!r}; the tools are: {', '.join(self.names)}", "unknown tool")
+            return error_result(f"unknown tool {call.name!r}; the tools are: {', '.join(self.names)}", "unknown tool")
         problem = argument_problem(call.arguments, tool.parameters)
-        return _error(f"{call.name}: {problem}", "bad arguments") if problem else None
+        return error_result(f"{call.name}: {problem}", "bad arguments") if problem else None
 
     def describe(self) -> dict[str, Any]:
         """For the run card: each tool's kind, source, timeout and isolation, by name."""
