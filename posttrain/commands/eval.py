@@ -30,6 +30,7 @@ def handle(args) -> int:
     from posttrain.runs.skeleton import warn_if_unsafe
     from posttrain.hardware import resolve
     from posttrain.models import load_model
+    from posttrain.rollout.engines import engine_card, make_engine
     from posttrain.rollout.episodes import make_sampler
 
     overrides = nest_flags(parse_overrides(list(args.overrides or []), once=True), EvalConfig.FLAGS)
@@ -53,7 +54,7 @@ def handle(args) -> int:
     warn_if_unsafe(config.unsafe_no_sandbox)
     placement = resolve(config.hardware)
     model, tokenizer = load_model(config.model, dtype=placement.param_dtype, device=placement.device)
-    sampler = make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox))
+    sampler = make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox), make_engine(config.rollout))
     output_dir.mkdir(parents=True, exist_ok=True)
     with placement.autocast():
         summary = evaluate_task(
@@ -62,6 +63,7 @@ def handle(args) -> int:
             output_path=output_dir / "eval.json", sampler=sampler,
         )
     summary["hardware"] = placement.describe()
+    summary["engine"] = engine_card(config.rollout)
     if config.tools.enabled:
         summary["tools"] = {"names": list(config.tools.names), "max_turns": config.tools.max_turns}
     summary["unsafe_no_sandbox"] = config.unsafe_no_sandbox

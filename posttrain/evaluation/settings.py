@@ -18,7 +18,9 @@ from posttrain.data.source import TaskSource
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware
 from posttrain.rewards.registry import RewardOptions
+from posttrain.rollout.engines import RolloutSettings
 from posttrain.rollout.episodes import ToolSettings
+from posttrain.rollout.sampling import SamplingConfig
 
 
 @dataclass
@@ -105,6 +107,8 @@ class EvalConfig:
     """How they are scored: checker, generation budget, pass@k."""
     reward_options: RewardOptions = field(default_factory=RewardOptions)
     """The checker's settings: timeout_s and memory_mb (code sandbox), extraction."""
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    """The engine that samples the answers (`rollout/engines.py`): builtin, or vllm (--rollout.engine vllm)."""
     tools: ToolSettings = field(default_factory=ToolSettings)
     """Held-out answers as tool episodes (`--tools.names [add]`, `--tools.max_turns 3`): the checker reads the last assistant turn; eval.json keeps each transcript."""
     unsafe_no_sandbox: bool = False
@@ -120,4 +124,5 @@ class EvalConfig:
         self.data.validate()
         self.acceptance.validate()
         self.tools.validate()
+        self.rollout.validate(SamplingConfig(temperature=self.acceptance.temperature) if self.acceptance.k > 1 else None)
 

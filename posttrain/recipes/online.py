@@ -68,7 +68,9 @@ from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.timer import Timer
-from posttrain.rollout.sampler import Sampler, single_turn
+from posttrain.rollout.engines import engine_card
+from posttrain.rollout.sampler import Sampler, engine_of, single_turn
+from posttrain.rollout.vllm_engine import EngineUnavailable
 from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
@@ -173,10 +175,12 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
 
 def tool_sampler(config: Config, tokenizer) -> Sampler:
     """One turn per row, or, with `config.tools.names`, tool episodes (`rollout/episodes.py`) whose
-    tools run with the run's sandbox settings (`reward_options`: timeout, memory, unsafe flag)."""
+    tools run with the run's sandbox settings (`reward_options`: timeout, memory, unsafe flag); each
+    drawn by the engine `config.rollout` names (`rollout/engines.py`)."""
+    from posttrain.rollout.engines import make_engine
     from posttrain.rollout.episodes import make_sampler
 
-    return make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox))
+    return make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox), make_engine(config.rollout))
 
 
 def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
@@ -371,13 +375,26 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
         plot_metrics(run_dir.read_metrics(), list(ADVANTAGE_ESTIMATORS[config.loss.advantage].plotted), run_dir.plots)
         plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
 
+    def save(done: int) -> None:
+        save_training(
+            run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
+            extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
+                         "alarm_reward_spread": alarm.reward_spread,
+                         "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state()})
+
+    engine = engine_of(state.sampler)
     for _ in loop:
         timer, started = Timer(placement.synchronize), time.perf_counter()
         placement.reset_peak_memory()
         with memory_guard(state.step + 1, MEMORY_KNOBS, timer):
-            batch = sample(state, timer)  # 1-2
+            try:
+                batch = sample(state, timer)  # 1-2
+            except EngineUnavailable as lost:
+                raise engine_lost(state, run_dir, save, lost) from lost
             metrics = step(state, batch, timer)  # 3-4
         done = state.step
+        if hasattr(engine, "last_sync_s"):  # an engine with weights of its own (vLLM): the step's sync
+            metrics["rollout/sync_s"] = engine.last_sync_s or 0.0
         card["run"]["reference_refreshed_at"] = state.reference_refreshed_at
         if not alarm.reward_spread and not alarm.history:  # the first scored step sets the alarm's scale
             alarm.calibrate(batch.scores.rewards[batch.valid].tolist())
@@ -395,11 +412,7 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
             write_card()
         signal.observe(done, step_signal(batch, metrics))
         card["training_signal"], card["alarms"] = signal.card(), list(alarm.rings) + signal.rings
-        loop.end_step(done, metrics, save=lambda: save_training(
-            run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
-            extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
-                         "alarm_reward_spread": alarm.reward_spread,
-                         "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state()}),
+        loop.end_step(done, metrics, save=lambda: save(done),
             after_log=plot if "heldout/pass@1" in metrics and world.main else None,
             reward="n/a" if metrics["reward/mean"] is None else f"{metrics['reward/mean']:.3f}")
         try:
@@ -408,6 +421,17 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
             card["notes"].append(str(lost))
             write_card()
             raise
+
+
+def engine_lost(state: State, run_dir: RunDirectory, save: Callable[[int], None], lost: EngineUnavailable) -> UserError:
+    """The engine's server stopped answering before step `state.step + 1` sampled: checkpoint the
+    steps done (nothing of the failed step had changed the state) and say how to resume."""
+    done = state.step
+    if done > 0:
+        save(done)
+    resume = f"posttrain {ADVANTAGE_ESTIMATORS[state.config.loss.advantage].command} --resume {run_dir.path}"
+    kept = f"checkpoint step-{done} written" if done > 0 else "no step had finished"
+    return UserError(f"{lost} (while sampling step {done + 1}; {kept}); once it is back: {resume}")
 
 
 def step_signal(batch: ScoredBatch, metrics: dict[str, Any]) -> StepSignal:
@@ -453,6 +477,7 @@ def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
     card["links"]["data"] = online_data_card(config.data, state.train, state.held_out, config.sampling,
                                              grouped=estimator.min_group_size > 1, screening=state.screening)
+    card["links"]["data"]["engine"] = engine_card(config.rollout)
     if config.tools.enabled:
         from posttrain.rollout.episodes import tools_card
 

@@ -19,6 +19,7 @@ from posttrain.evaluation import settings as evaluation_settings
 from posttrain.losses.policy_gradient_config import KL, MOVED, Critic, Loss, Update  # the loss link's sections
 from posttrain.optim import Optimization
 from posttrain.rollout import SamplingConfig
+from posttrain.rollout.engines import RolloutSettings
 from posttrain.rollout.episodes import ToolSettings
 
 
@@ -64,6 +65,8 @@ class Config(PolicyFields):
     """Link 1: prompts and groups."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
     """Rollout sampling settings (the training log-probs use the same temperature)."""
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    """The engine that samples rollouts and held-out answers (`rollout/engines.py`): builtin, or vllm (in this process, or a `posttrain vllm-serve` server at rollout.vllm.url), its weights synced after every update."""
     tools: ToolSettings = field(default_factory=ToolSettings)
     """Tool-calling episodes (`rollout/episodes.py`): the tools the model may call between turns, max_turns, the observation cap; no tools: one turn per row."""
     reward: str = "auto"
@@ -99,6 +102,7 @@ class Config(PolicyFields):
                             + (" (a group of one has no relative signal)" if estimator.min_group_size > 1 else "") + f", got {data.group_size}")
         data.validate()  # sizes, format and columns (`data/source.TaskSource`)
         self.tools.validate()
+        self.rollout.validate(self.sampling)
         if loss.sampler_correction == "tis" and self.sampling.greedy:
             raise UserError("loss.sampler_correction tis needs sampled rollouts (sampling.greedy is true: there is no sampler distribution)")
         if data.dynamic_sampling and data.group_size < 2:

@@ -41,7 +41,8 @@ from posttrain.errors import UserError
 from posttrain.hardware import Hardware, resolve
 from posttrain.rewards.defaults import default_reward
 from posttrain.rewards.registry import RewardOptions, as_verifier
-from posttrain.rollout import SamplingConfig, generate
+from posttrain.rollout import SamplingConfig
+from posttrain.rollout.engines import RolloutSettings, make_engine
 from posttrain.runs.skeleton import warn_if_unsafe
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class PairSettings:
     """A verdict is correct when its reward is >= this, incorrect below."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
     """How the G answers are sampled (temperature, top_p, top_k, max_new_tokens, stop_strings, ...)."""
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    """The engine that samples them (`rollout/engines.py`): builtin, or vllm (--rollout.engine vllm)."""
     batch_size: int = 16
     """Prompts per generation call."""
     seed: int = 0
@@ -119,6 +122,7 @@ class PairSettings:
             raise UserError("--labeller does not apply with --unpaired (unpaired rows are labelled by the verifier's correctness)")
         if not 0 <= self.preference_margin < 0.5:
             raise UserError(f"--preference-margin must be in [0, 0.5), got {self.preference_margin}")
+        self.rollout.validate(self.sampling, prefix="--rollout.")
         if self.unpaired and self.pairs_per_prompt != 1:
             raise UserError("--pairs-per-prompt does not apply with --unpaired (every distinct scored answer is a row); leave it unset")
 
@@ -152,6 +156,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     if model is None:
         model, tokenizer = load_model(settings.model, dtype=placement.param_dtype, device=placement.device)
     model.eval()
+    engine = make_engine(settings.rollout)
     G = settings.group_size
     rows, outcomes = [], {"paired": 0, "all_correct": 0, "all_incorrect": 0, "unscored": 0}
     errors = {"infra_error": 0, "data_error": 0}
@@ -163,7 +168,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
         chunk = examples[start : start + settings.batch_size]
         prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=data.system_prompt) for e in chunk]
         with placement.autocast():
-            rollout = generate(model, tokenizer, prompts, group_size=G, sampling=settings.sampling,
+            rollout = engine(model, tokenizer, prompts, group_size=G, sampling=settings.sampling,
                                seed=derived_seed(settings.seed, "pairs", str(start)))
         verdicts = verifier.batch(rollout.texts, [verifier_input(chunk[b], prompts[b]) for b in rollout.prompt_index.tolist()])
         for verdict in verdicts:

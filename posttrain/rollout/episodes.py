@@ -378,19 +378,20 @@ def _assemble(first_turn: Rollout, rows: list[_Row]) -> Rollout:
         episodes=[row.record() for row in rows])
 
 
-def make_sampler(settings: ToolSettings, tokenizer, sandbox=None):
+def make_sampler(settings: ToolSettings, tokenizer, sandbox=None, generate_fn: Callable[..., Rollout] = generate):
     """The sampler `settings` ask for: `sampler.single_turn` without tools, else an `EpisodeSampler`
     over `tools.resolve_tools(settings.names)`, its python tool under `sandbox` (a
     `rewards.sandbox.SandboxConfig`: the run's limits and unsafe flag). Bad tool names, and a
-    python tool without isolation, are one line here, at set-up."""
-    from posttrain.rollout.sampler import single_turn
+    python tool without isolation, are one line here, at set-up. Every turn is drawn by `generate_fn`
+    (the engine, `rollout/engines.make_engine`: the built-in `generate` or vLLM), token ids in and out."""
+    from posttrain.rollout.sampler import SingleTurn, single_turn
     from posttrain.rollout.tools import resolve_tools
 
     if not settings.enabled:
-        return single_turn
+        return single_turn if generate_fn is generate else SingleTurn(generate_fn)
     if settings.environment:
-        return EpisodeSampler(tokenizer, None, settings, environment=environment_factory(settings.environment))
-    return EpisodeSampler(tokenizer, resolve_tools(settings.names, timeout_s=settings.timeout_s, sandbox=sandbox), settings)
+        return EpisodeSampler(tokenizer, None, settings, generate_fn, environment=environment_factory(settings.environment))
+    return EpisodeSampler(tokenizer, resolve_tools(settings.names, timeout_s=settings.timeout_s, sandbox=sandbox), settings, generate_fn)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 A sampler is any callable with `Sampler`'s signature that returns a `Rollout` (group-contiguous
 rows, the log-probs of what was sampled, a loss mask and, where it differs, an attention mask).
-`single_turn` (one completion per row, `generate`) is the first; `episodes.EpisodeSampler` (tool
+`SingleTurn` (one completion per row, on an engine: `generate` or vLLM, `rollout/engines.py`) is the first; `episodes.EpisodeSampler` (tool
 calls run between turns, their results appended as attended, untrained tokens) is the second.
 """
 
@@ -29,10 +29,24 @@ class Sampler(Protocol):
         ...
 
 
-def single_turn(policy, tokenizer, examples: Sequence[Any], prompts: Sequence[str], *, group_size: int,
-                sampling: SamplingConfig, seed: int, shard: tuple[int, int] | None = None) -> Rollout:
-    """One completion per row: `generate` on the rendered prompts (the examples are not read)."""
-    return generate(policy, tokenizer, list(prompts), group_size=group_size, sampling=sampling, seed=seed, shard=shard)
+class SingleTurn:
+    """One completion per row: an engine (`rollout.engines`: `generate` or vLLM) on the rendered
+    prompts (the examples are not read)."""
+
+    tools = None
+
+    def __init__(self, generate_fn=generate):
+        self.generate = generate_fn
+
+    def __call__(self, policy, tokenizer, examples: Sequence[Any], prompts: Sequence[str], *, group_size: int,
+                 sampling: SamplingConfig, seed: int, shard: tuple[int, int] | None = None) -> Rollout:
+        return self.generate(policy, tokenizer, list(prompts), group_size=group_size, sampling=sampling, seed=seed, shard=shard)
 
 
-single_turn.tools = None
+single_turn = SingleTurn(generate)
+"""One turn on the built-in engine (the default sampler)."""
+
+
+def engine_of(sampler) -> object:
+    """The engine a sampler draws with (`SingleTurn.generate`, `EpisodeSampler.generate`); None: a plain function."""
+    return getattr(sampler, "generate", None)

@@ -1,0 +1,255 @@
+"""rollout.engine vllm on vLLM's CPU build (`make test-vllm`, in .venv-vllm): weight sync proved by
+greedy equality with the built-in engine after training steps (and a broken sync caught), the
+Rollout contract, seeds and shards, the server mode, a GRPO run and tool episodes through vLLM.
+Skipped where vLLM is not installed (the main environment)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from posttrain.config import build_config, parse_overrides  # noqa: E402
+from posttrain.data.tokenize import render_prompt  # noqa: E402
+from posttrain.errors import UserError  # noqa: E402
+from posttrain.models import load_model  # noqa: E402
+from posttrain.models.adapters import LoraSettings, apply_lora  # noqa: E402
+from posttrain.models.forward import completion_logprobs  # noqa: E402
+from posttrain.recipes import online, online_config  # noqa: E402
+from posttrain.rollout.engine import generate  # noqa: E402
+from posttrain.rollout.engines import RolloutSettings, make_engine  # noqa: E402
+from posttrain.rollout.sampling import SamplingConfig  # noqa: E402
+from posttrain.rollout.vllm_engine import EngineUnavailable, RemoteBackend, VLLMEngine, VLLMSettings  # noqa: E402
+from tests.rewards_for_tests import digits  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+SETTINGS = VLLMSettings(kv_cache_gb=0.25, max_model_len=512)
+GREEDY = SamplingConfig(greedy=True, max_new_tokens=24)
+
+
+def prompts(tokenizer, count=32):
+    return [render_prompt(tokenizer, f"What is {a} + {b}?") for a, b in zip(range(count), range(7, 7 + 3 * count, 3))]
+
+
+def train_steps(model, tokenizer, steps=3, lr=3e-3, seed=0):
+    """A few real AdamW steps (next-token NLL on answers) so the weights move away from vLLM's copy."""
+    generator = torch.Generator().manual_seed(seed)
+    texts = [f"{a} + {b} = {a + b}" for a, b in torch.randint(0, 99, (16, 2), generator=generator).tolist()]
+    ids = tokenizer(texts, return_tensors="pt", padding=True)["input_ids"]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return VLLMEngine(SETTINGS)
+
+
+def test_greedy_equals_the_builtin_engine_after_training_steps(tiny, engine):
+    """The proof of weight sync: after 3 AdamW steps (and again after 3 more), vLLM's greedy
+    completions of 32 prompts equal the built-in engine's of the same weights, token for token."""
+    model, tokenizer = tiny
+    batch = prompts(tokenizer)
+    engine(model, tokenizer, batch, sampling=GREEDY)  # loaded: the starting weights
+    for round_ in range(2):
+        train_steps(model, tokenizer, seed=round_)
+        ours = generate(model, tokenizer, batch, sampling=GREEDY)
+        theirs = engine(model, tokenizer, batch, sampling=GREEDY)
+        assert engine.last_sync_s is not None and engine.last_sync_s > 0
+        assert torch.equal(theirs.completion_ids, ours.completion_ids), f"round {round_}"
+        assert theirs.texts == ours.texts
+        assert torch.equal(theirs.finished, ours.finished)
+        assert (theirs.logprobs - ours.logprobs).abs().max() < 1e-4
+    syncs = engine.syncs
+    engine(model, tokenizer, batch[:2], sampling=GREEDY)
+    assert engine.syncs == syncs and engine.last_sync_s is None  # unchanged weights are not sent again
+
+
+def test_a_broken_sync_is_caught(tiny):
+    """The equality test above fails when the sync does nothing: vLLM keeps the old weights."""
+    model, tokenizer = load_model("tiny")
+    engine = VLLMEngine(SETTINGS)
+    batch = prompts(tokenizer)
+    engine(model, tokenizer, batch, sampling=GREEDY)
+    engine.backend.load_weights = lambda weights: None  # a sync that sends nothing
+    train_steps(model, tokenizer, steps=4, lr=1e-2)
+    ours = generate(model, tokenizer, batch, sampling=GREEDY)
+    assert not torch.equal(engine(model, tokenizer, batch, sampling=GREEDY).completion_ids, ours.completion_ids)
+
+
+def test_lora_adapters_are_folded_before_sending(tiny):
+    model, tokenizer = load_model("tiny")
+    policy = apply_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"]))
+    engine = VLLMEngine(SETTINGS)
+    batch = prompts(tokenizer, 16)
+    engine(policy, tokenizer, batch, sampling=GREEDY)
+    train_steps(policy, tokenizer, steps=3, lr=2e-2)
+    ours = generate(policy, tokenizer, batch, sampling=GREEDY)
+    assert torch.equal(engine(policy, tokenizer, batch, sampling=GREEDY).completion_ids, ours.completion_ids)
+
+
+def test_rollout_contract_sampled(tiny, engine):
+    """G rows per prompt, group-contiguous; logprobs = sampler_logprobs (nothing truncates) and
+    equal to the policy's own recomputation at the temperature; EOS in the loss mask; finished xor
+    truncated; the same seed gives the same tokens, another seed others, a shard the same rows."""
+    model, tokenizer = tiny
+    batch = prompts(tokenizer, 4)
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=16)
+    rollout = engine(model, tokenizer, batch, group_size=4, sampling=sampling, seed=3)
+    assert rollout.completion_ids.shape[0] == 16 and rollout.group_size == 4
+    assert rollout.prompt_index.tolist() == [b for b in range(4) for _ in range(4)]
+    assert torch.equal(rollout.logprobs, rollout.sampler_logprobs)
+    recomputed = completion_logprobs(model, rollout, rollout.forward_inputs(), sampling.temperature, 16)
+    assert (recomputed - rollout.logprobs).abs().max() < 1e-4
+    assert torch.equal(rollout.finished, ~rollout.truncated)
+    eos = tokenizer.eos_token_id
+    lengths = rollout.mask.sum(-1)
+    for row in range(16):
+        n = int(lengths[row])
+        if rollout.finished[row]:
+            assert rollout.completion_ids[row, n - 1] == eos
+        else:
+            assert n == sampling.max_new_tokens
+    again = engine(model, tokenizer, batch, group_size=4, sampling=sampling, seed=3)
+    assert torch.equal(again.completion_ids, rollout.completion_ids)
+    other = engine(model, tokenizer, batch, group_size=4, sampling=sampling, seed=4)
+    assert not torch.equal(other.completion_ids[:, :8], rollout.completion_ids[:, :8])
+    half = engine(model, tokenizer, batch[2:], group_size=4, sampling=sampling, seed=3, shard=(2, 4))
+    width = half.completion_ids.shape[1]
+    assert torch.equal(half.completion_ids, rollout.completion_ids[8:, :width])
+
+
+def test_stop_strings_end_a_row(tiny, engine):
+    model, tokenizer = tiny
+    free = engine(model, tokenizer, prompts(tokenizer, 8), sampling=GREEDY)
+    # A stop string taken from the middle of each row's own greedy text: the row must end there.
+    text = next(t for t in free.texts if len(t) >= 6)
+    stop = text[2:4]
+    stopped = engine(model, tokenizer, prompts(tokenizer, 8), sampling=SamplingConfig(greedy=True, max_new_tokens=24, stop_strings=(stop,)))
+    for before, after, done in zip(free.texts, stopped.texts, stopped.finished.tolist()):
+        if stop in before:
+            assert done and after == before[: before.index(stop) + len(stop)]
+
+
+def test_settings_vllm_cannot_honour_are_refused_before_any_work():
+    for sampling, named in [(SamplingConfig(top_p=0.9), "sampling.top_p"), (SamplingConfig(top_k=5), "sampling.top_k"),
+                            (SamplingConfig(min_new_tokens=2), "sampling.min_new_tokens"),
+                            (SamplingConfig(greedy=True, temperature=0.5), "sampling.greedy")]:
+        with pytest.raises(UserError, match=named):
+            RolloutSettings(engine="vllm").validate(sampling)
+    with pytest.raises(UserError, match="rollout.vllm.url is required"):
+        RolloutSettings(engine="vllm", vllm=VLLMSettings(mode="server")).validate()
+
+
+def test_a_model_vllm_cannot_load_is_one_line(tmp_path):
+    model, tokenizer = load_model("tiny")
+    model.config.architectures = ["NoSuchForCausalLM"]
+    with pytest.raises(UserError, match="vLLM could not load the model"):
+        VLLMEngine(SETTINGS)(model, tokenizer, ["hi"], sampling=GREEDY)
+    model.config.architectures = ["LlamaForCausalLM"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`posttrain vllm-serve --model tiny --port 0` in a thread of this process."""
+    from http.server import HTTPServer
+
+    from posttrain.rollout import vllm_server
+
+    started, holder = threading.Event(), {}
+    original = HTTPServer.serve_forever
+
+    def ready(url):
+        holder["url"] = url
+        started.set()
+
+    def keep(server_self, *args, **kwargs):
+        holder["server"] = server_self
+        return original(server_self, *args, **kwargs)
+
+    HTTPServer.serve_forever = keep
+    thread = threading.Thread(target=vllm_server.serve, args=("tiny", SETTINGS), kwargs={"port": 0, "ready": ready}, daemon=True)
+    thread.start()
+    assert started.wait(300), "the server did not start"
+    HTTPServer.serve_forever = original
+    yield holder
+    holder["server"].shutdown()
+
+
+def test_server_mode_syncs_and_matches_the_builtin_engine(server):
+    """A run's policy (another seed than the server's start) pushed to the server, trained, pushed
+    again: the server's greedy completions equal the built-in engine's each time."""
+    torch.manual_seed(11)
+    model, tokenizer = load_model("tiny")
+    engine = VLLMEngine(VLLMSettings(mode="server", url=server["url"]))
+    batch = prompts(tokenizer)
+    for round_ in range(2):
+        theirs = engine(model, tokenizer, batch, sampling=GREEDY)
+        assert torch.equal(theirs.completion_ids, generate(model, tokenizer, batch, sampling=GREEDY).completion_ids), f"round {round_}"
+        train_steps(model, tokenizer, seed=round_)
+    assert engine.syncs == 2
+    health = json.loads(__import__("urllib.request").request.urlopen(server["url"] + "/health").read())
+    assert health["weight_pushes"] >= 2
+
+
+def test_an_unreachable_server_is_one_line_naming_it():
+    with pytest.raises(EngineUnavailable, match=r"vLLM server http://127.0.0.1:9 is unreachable .* after 2 attempt"):
+        RemoteBackend("http://127.0.0.1:9", retries=2)
+
+
+def small_config(tmp_path, *extra) -> online_config.Config:
+    args = ["--data.eval_size", "8", "--data.train_size", "200", "--data.prompts_per_step", "2", "--data.group_size", "4",
+            "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", "1e-3",
+            "--rollout.engine", "vllm", "--rollout.vllm.kv_cache_gb", "0.25", "--rollout.vllm.max_model_len", "512", *extra]
+    config = build_config(online_config.grpo_config, None, parse_overrides(args))
+    config.output_dir = str(tmp_path / "run")
+    return config
+
+
+def test_grpo_run_on_vllm(tmp_path):
+    """Three GRPO steps sampled by vLLM: each step's sync logged, the engine on the card, the held-out
+    evaluation through the same engine, and the trainer's log-probs of vLLM's tokens within fp32 noise."""
+    run_dir = online.run(small_config(tmp_path, "--max-steps", "3", "--acceptance.eval_every", "0"), reward=digits)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "rollout/sync_s" in row]
+    assert len(steps) == 3 and all(row["rollout/sync_s"] > 0 for row in steps[1:])
+    assert all(row["mismatch/logprob_abs_max"] < 1e-3 for row in steps), [row.get("mismatch/logprob_abs_max") for row in steps]
+    card = json.loads((run_dir / "run_card.json").read_text())
+    assert card["links"]["data"]["engine"]["name"] == "vllm"
+
+
+def test_tool_episodes_on_vllm(tmp_path):
+    """Tool episodes draw every turn through vLLM, ids in and out."""
+    from posttrain.rollout.episodes import EpisodeSampler, ToolSettings
+    from posttrain.rollout.tools import resolve_tools
+
+    model, tokenizer = load_model("tiny")
+    calls = []
+    engine = VLLMEngine(SETTINGS)
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("draws"))
+        return engine(*args, **kwargs)
+
+    settings = ToolSettings(names=["add"], max_turns=2)
+    sampler = EpisodeSampler(tokenizer, resolve_tools(settings.names), settings, counted)
+    batch = [render_prompt(tokenizer, "What is 2 + 3?", tools=sampler.tools)] * 2
+    rollout = sampler(model, tokenizer, [None, None], batch, group_size=2, sampling=SamplingConfig(max_new_tokens=12), seed=1)
+    assert rollout.completion_ids.shape[0] == 4 and len(rollout.episodes) == 4 and calls
