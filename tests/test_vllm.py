@@ -6,7 +6,12 @@ Skipped where vLLM is not installed (the main environment)."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import threading
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +33,9 @@ from tests.rewards_for_tests import digits  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-SETTINGS = VLLMSettings(kv_cache_gb=0.25, max_model_len=512)
+ROOT = Path(__file__).resolve().parent.parent
+
+SETTINGS = VLLMSettings(kv_cache_gb=0.25, max_model_len=1024)
 GREEDY = SamplingConfig(greedy=True, max_new_tokens=24)
 
 
@@ -82,13 +89,13 @@ def test_greedy_equals_the_builtin_engine_after_training_steps(tiny, engine):
     assert engine.syncs == syncs and engine.last_sync_s is None  # unchanged weights are not sent again
 
 
-def test_a_broken_sync_is_caught(tiny):
+def test_a_broken_sync_is_caught(tiny, monkeypatch):
     """The equality test above fails when the sync does nothing: vLLM keeps the old weights."""
     model, tokenizer = load_model("tiny")
     engine = VLLMEngine(SETTINGS)
     batch = prompts(tokenizer)
     engine(model, tokenizer, batch, sampling=GREEDY)
-    engine.backend.load_weights = lambda weights: None  # a sync that sends nothing
+    monkeypatch.setattr(engine.backend, "load_weights", lambda weights: None)  # a sync that sends nothing
     train_steps(model, tokenizer, steps=4, lr=1e-2)
     ours = generate(model, tokenizer, batch, sampling=GREEDY)
     assert not torch.equal(engine(model, tokenizer, batch, sampling=GREEDY).completion_ids, ours.completion_ids)
@@ -168,29 +175,20 @@ def test_a_model_vllm_cannot_load_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def server():
-    """`posttrain vllm-serve --model tiny --port 0` in a thread of this process."""
-    from http.server import HTTPServer
-
-    from posttrain.rollout import vllm_server
-
-    started, holder = threading.Event(), {}
-    original = HTTPServer.serve_forever
-
-    def ready(url):
-        holder["url"] = url
-        started.set()
-
-    def keep(server_self, *args, **kwargs):
-        holder["server"] = server_self
-        return original(server_self, *args, **kwargs)
-
-    HTTPServer.serve_forever = keep
-    thread = threading.Thread(target=vllm_server.serve, args=("tiny", SETTINGS), kwargs={"port": 0, "ready": ready}, daemon=True)
-    thread.start()
-    assert started.wait(300), "the server did not start"
-    HTTPServer.serve_forever = original
-    yield holder
-    holder["server"].shutdown()
+    """`posttrain vllm-serve --model tiny --port 0`, a process of its own (as a user runs it)."""
+    command = [sys.executable, "-m", "posttrain", "vllm-serve", "--model", "tiny", "--port", "0", "--kv-cache-gb", "0.25",
+               "--max-model-len", "1024"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    match = None
+    for line in process.stdout:  # vLLM logs to stdout too; the command's own line names the URL
+        match = re.search(r"^vllm-serve: tiny at (http://\S+) ", line)
+        if match:
+            break
+    assert match, "vllm-serve ended without printing its URL"
+    threading.Thread(target=process.stdout.read, daemon=True).start()  # keep draining its log
+    yield {"url": match.group(1), "process": process}
+    process.terminate()
+    process.wait(30)
 
 
 def test_server_mode_syncs_and_matches_the_builtin_engine(server):
@@ -205,7 +203,7 @@ def test_server_mode_syncs_and_matches_the_builtin_engine(server):
         assert torch.equal(theirs.completion_ids, generate(model, tokenizer, batch, sampling=GREEDY).completion_ids), f"round {round_}"
         train_steps(model, tokenizer, seed=round_)
     assert engine.syncs == 2
-    health = json.loads(__import__("urllib.request").request.urlopen(server["url"] + "/health").read())
+    health = json.loads(urllib.request.urlopen(server["url"] + "/health").read())
     assert health["weight_pushes"] >= 2
 
 
@@ -217,7 +215,7 @@ def test_an_unreachable_server_is_one_line_naming_it():
 def small_config(tmp_path, *extra) -> online_config.Config:
     args = ["--data.eval_size", "8", "--data.train_size", "200", "--data.prompts_per_step", "2", "--data.group_size", "4",
             "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", "1e-3",
-            "--rollout.engine", "vllm", "--rollout.vllm.kv_cache_gb", "0.25", "--rollout.vllm.max_model_len", "512", *extra]
+            "--rollout.engine", "vllm", "--rollout.vllm.kv_cache_gb", "0.25", "--rollout.vllm.max_model_len", "1024", *extra]
     config = build_config(online_config.grpo_config, None, parse_overrides(args))
     config.output_dir = str(tmp_path / "run")
     return config
@@ -253,3 +251,15 @@ def test_tool_episodes_on_vllm(tmp_path):
     batch = [render_prompt(tokenizer, "What is 2 + 3?", tools=sampler.tools)] * 2
     rollout = sampler(model, tokenizer, [None, None], batch, group_size=2, sampling=SamplingConfig(max_new_tokens=12), seed=1)
     assert rollout.completion_ids.shape[0] == 4 and len(rollout.episodes) == 4 and calls
+
+
+def test_a_server_that_died_is_engine_unavailable_naming_it(server):
+    """The server gone mid-run (here: killed): the next sampling is one line naming the URL (the run
+    then checkpoints and says how to resume: tests/test_engines.py)."""
+    model, tokenizer = load_model("tiny")
+    engine = VLLMEngine(VLLMSettings(mode="server", url=server["url"], connect_retries=1))
+    engine(model, tokenizer, prompts(tokenizer, 2), sampling=GREEDY)
+    server["process"].kill()
+    server["process"].wait(30)
+    with pytest.raises(EngineUnavailable, match=re.escape(server["url"]) + r" is unreachable"):
+        engine(model, tokenizer, prompts(tokenizer, 2), sampling=GREEDY)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import dataclasses
 import json
 import tempfile
 import time
@@ -229,12 +230,29 @@ class LocalBackend:
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
-        self.cpu = cpu
+        self.cpu, self.closed = cpu, False
+        self.loaded_by: Any = None
+        """The engine whose weights it holds (engines in one process share it: `in_process_backend`)."""
         self.sleep = settings.sleep and not cpu
         self.asleep = False
         if self.sleep:
             self.llm.sleep(level=1)
             self.asleep = True
+
+    def shutdown(self) -> None:
+        """End this engine and vLLM's process-wide state, so that another can start in this process."""
+        import gc
+
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+        del self.llm
+        self.closed = True
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
 
     def _awake(self) -> None:
         if self.asleep:
@@ -335,6 +353,34 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+_IN_PROCESS: dict[str, Any] = {}
+"""This process's one vLLM engine, with the key of what it was built for and its directory. vLLM keeps
+process-wide distributed state: a second `LLM`, or the first one's clean-up once the second has
+started, breaks the other; so engines in one process (a run's sampler, `posttrain pairs` rounds,
+tests) share it, each pushing its own weights, and a different model ends it first."""
+
+
+def in_process_backend(model, tokenizer, settings: VLLMSettings) -> tuple[LocalBackend, bool]:
+    """The process's vLLM engine for `model`'s architecture and `settings`: the running one when it
+    was built for the same (False: its weights are another engine's, push before sampling), else a
+    new one loaded from `model` exported to a temporary directory (True)."""
+    config = unwrap(model).config.to_dict()
+    config.pop("_name_or_path", None)
+    key = json.dumps({"config": config, "tokenizer": [type(tokenizer).__name__, len(tokenizer), tokenizer.eos_token_id],
+                      "settings": dataclasses.asdict(settings)}, sort_keys=True, default=str)
+    if _IN_PROCESS.get("key") == key:
+        return _IN_PROCESS["backend"], False
+    if _IN_PROCESS:
+        _IN_PROCESS.pop("backend").shutdown()
+        _IN_PROCESS.pop("directory").cleanup()
+        _IN_PROCESS.clear()
+    directory = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
+    export_for_vllm(model, tokenizer, directory.name)
+    backend = LocalBackend(directory.name, settings, cpu=_device_of(model).type == "cpu")
+    _IN_PROCESS.update(key=key, backend=backend, directory=directory)
+    return backend, True
+
+
 class VLLMEngine:
     """`rollout.engine.generate`'s signature on vLLM (module docstring): `engine(model, tokenizer,
     prompts, group_size=, sampling=, seed=, shard=, draws=) -> Rollout`, the weights synced first.
@@ -350,7 +396,6 @@ class VLLMEngine:
         self.backend = backend
         self._synced: tuple | None = None
         self._synced_model: Any = None
-        self._export_dir: tempfile.TemporaryDirectory | None = None
         self.last_sync_s: float | None = None
         """Seconds the last weight sync took (None: the call before found the weights unchanged)."""
         self.syncs = 0
@@ -362,21 +407,23 @@ class VLLMEngine:
                                          retries=self.settings.connect_retries)
             return
         started = time.perf_counter()
-        self._export_dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
-        directory = export_for_vllm(model, tokenizer, self._export_dir.name)
-        self.backend = LocalBackend(directory, self.settings, cpu=_device_of(model).type == "cpu")
-        # The directory's weights are the model's now: no push before the first generation.
-        self._synced, self._synced_model = weights_fingerprint(model), model
-        self.syncs, self.last_sync_s = 1, time.perf_counter() - started
-        logger.info("rollout: vLLM loaded the policy in %.1fs (colocate)", self.last_sync_s)
+        self.backend, loaded = in_process_backend(model, tokenizer, self.settings)
+        if loaded:  # the exported directory's weights are the model's: no push before the first generation
+            self.backend.loaded_by = self
+            self._synced, self._synced_model = weights_fingerprint(model), model
+            self.syncs, self.last_sync_s = 1, time.perf_counter() - started
+            logger.info("rollout: vLLM loaded the policy in %.1fs (colocate)", self.last_sync_s)
 
     def sync(self, model) -> float | None:
         """Send `model`'s weights to vLLM if they changed since the last sync; returns the seconds it took (None: unchanged)."""
         fingerprint = weights_fingerprint(model)
-        if self._synced_model is model and fingerprint == self._synced:
+        mine = getattr(self.backend, "loaded_by", self) is self  # in-process vLLM may hold another engine's weights
+        if mine and self._synced_model is model and fingerprint == self._synced:
             return None
         started = time.perf_counter()
         self.backend.load_weights(hf_weights(model))
+        if hasattr(self.backend, "loaded_by"):
+            self.backend.loaded_by = self
         self._synced, self._synced_model = fingerprint, model
         self.syncs += 1
         return time.perf_counter() - started
@@ -405,7 +452,7 @@ class VLLMEngine:
             if first < 0 or first + B > total:
                 raise UserError(f"shard {shard} does not hold {B} prompts")
             indices = list(range(first, first + B))
-        if self.backend is None:
+        if self.backend is None or getattr(self.backend, "closed", False):
             self._start(model, tokenizer)
         else:
             self.last_sync_s = None
