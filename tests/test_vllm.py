@@ -6,6 +6,7 @@ Skipped where vLLM is not installed (the main environment)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -263,3 +264,27 @@ def test_a_server_that_died_is_engine_unavailable_naming_it(server):
     server["process"].wait(30)
     with pytest.raises(EngineUnavailable, match=re.escape(server["url"]) + r" is unreachable"):
         engine(model, tokenizer, prompts(tokenizer, 2), sampling=GREEDY)
+
+
+def run_cli(*args, cwd):
+    result = subprocess.run([sys.executable, "-m", "posttrain", *args], capture_output=True, text=True, cwd=cwd,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_every_sampling_command_runs_on_vllm_from_the_cli(tmp_path):
+    """grpo, eval and pairs with --rollout.engine vllm, as a user types them."""
+    vllm_flags = ["--rollout.engine", "vllm", "--rollout.vllm.kv_cache_gb", "0.25"]
+    run_cli("grpo", "--model", "tiny", "--data.eval_size", "4", "--data.prompts_per_step", "2", "--data.group_size", "2",
+            "--sampling.max_new_tokens", "6", "--max-steps", "2", "--acceptance.sets", "[]", "--output-dir", str(tmp_path / "grpo"),
+            *vllm_flags, cwd=tmp_path)
+    card = json.loads((tmp_path / "grpo" / "run_card.json").read_text())
+    assert card["links"]["data"]["engine"]["name"] == "vllm" and card["links"]["data"]["engine"]["version"]
+    run_cli("eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4", "--max-new-tokens", "6",
+            "--output-dir", str(tmp_path / "eval"), *vllm_flags, cwd=tmp_path)
+    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["engine"]["name"] == "vllm"
+    run_cli("pairs", "--model", "tiny", "--data.task", "arithmetic", "--data.max_prompts", "8", "--data.eval_size", "4",
+            "--group-size", "4", "--max-new-tokens", "6", "--out", str(tmp_path / "pairs.jsonl"),
+            "--verifier", "callable:rewards_for_tests.digits", *vllm_flags, cwd=tmp_path)
+    assert (tmp_path / "pairs.jsonl").read_text().count("\n") > 0
