@@ -33,6 +33,7 @@ running at a time, so bursts of outside load fall on both alike; `--sequential` 
 other (it is chosen automatically when memory is short for both processes at once).
 
     .venv/bin/python bench/grpo.py [--steps 3] [--warmup 1] [--threads 1] [--extra] [--model smollm2-135m]
+    .venv-vllm/bin/python bench/grpo.py --engine vllm     # both sides generating with vLLM (RESULT grpo_vllm)
 
 The last line is `RESULT grpo: ours=X peer=Y unit=s/step ratio=R` (R = peer/ours; > 1: we are faster).
 """
@@ -57,6 +58,7 @@ TASK = "rg:basic_arithmetic"
 PROMPTS_PER_STEP, GROUP_SIZE, MAX_NEW_TOKENS = 2, 8, 32
 TEMPERATURE, BETA, LR, SEED = 1.0, 0.04, 1e-6, 0
 TRAIN_SIZE, EVAL_SIZE = 256, 2
+VLLM_KV_CACHE_GB = 1  # --engine vllm: each side's KV cache on the CPU (vLLM's own default takes most of the memory)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -165,7 +167,7 @@ def gated_clock(starts: list[float], marks: list[float], total: int):
     return Clock()
 
 
-def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | None = None) -> dict:
+def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | None = None, engine: str = "builtin") -> dict:
     import torch
 
     from posttrain.config import build_config
@@ -182,6 +184,8 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
     }
     if exact_kl_tokens is not None:
         settings["exact_kl_tokens"] = exact_kl_tokens
+    if engine == "vllm":
+        settings["rollout"] = {"engine": "vllm", "vllm": {"kv_cache_gb": VLLM_KV_CACHE_GB}}
     config = build_config(online_config.grpo_config, None, settings)
     # The recipe's own set-up and step (what `posttrain grpo` runs), without the run directory's
     # logging, held-out evaluation and checkpoints.
@@ -206,7 +210,7 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
     return summarise(durations, phases, floors, rewards, prompts, warmup, threads=torch.get_num_threads())
 
 
-def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
+def run_trl(model_name: str, steps: int, warmup: int, workdir: str, engine: str = "builtin") -> dict:
     import datasets
     import torch
     import trl
@@ -216,6 +220,8 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
     from posttrain.models.loading import SMOLLM2_SPEC, smollm2_cache_path
 
     total = steps + warmup
+    if engine == "vllm":  # TRL's colocated vLLM on the CPU build: the same KV cache as ours (GiB)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_KV_CACHE_GB))
     torch.manual_seed(SEED)
     policy, tokenizer = load_model(model_name)
     # TRL loads its reference model from the policy's name_or_path: give it a directory.
@@ -243,7 +249,8 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
         output_dir=workdir, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP_SIZE, gradient_accumulation_steps=1,
         num_generations=GROUP_SIZE, max_completion_length=MAX_NEW_TOKENS, temperature=TEMPERATURE, top_p=1.0, top_k=0,
         beta=BETA, num_iterations=1, loss_type="dapo", scale_rewards="group", epsilon=0.2, learning_rate=LR,
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, use_vllm=False, bf16=False,
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0, bf16=False,
+        use_vllm=engine == "vllm", vllm_mode="colocate", vllm_enable_sleep_mode=False,
         use_cpu=True, gradient_checkpointing=False, shuffle_dataset=False, max_steps=total, report_to=[], logging_steps=1,
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=SEED, log_completions=False,
     )
@@ -270,7 +277,7 @@ def run_trl(model_name: str, steps: int, warmup: int, workdir: str) -> dict:
         return output
 
     trainer._generate_and_score_completions = capture
-    trainer._generate = timed("generation", trainer._generate)
+    trainer._generate = timed("generation", trainer._generate)  # with vLLM: its weight sync inside
     trainer._calculate_rewards = timed("scoring", trainer._calculate_rewards)
     trainer._get_per_token_logps_and_entropies = timed(
         "policy_forward", trainer._get_per_token_logps_and_entropies,
@@ -306,7 +313,8 @@ class Side:
         self.name = name
         self.log = tempfile.TemporaryFile(mode="w+")
         command = [sys.executable, __file__, "--side", name, "--steps", str(arguments.steps),
-                   "--warmup", str(arguments.warmup), "--model", arguments.model, "--threads", str(arguments.threads)]
+                   "--warmup", str(arguments.warmup), "--model", arguments.model, "--threads", str(arguments.threads),
+                   "--engine", arguments.engine]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                         text=True, cwd=ROOT, bufsize=1)
 
@@ -372,6 +380,9 @@ def main() -> None:
                         help="torch intra-op threads in every process (0: torch's default, 2 here); see the module docstring")
     parser.add_argument("--sequential", action="store_true", help="one side after the other instead of interleaved steps")
     parser.add_argument("--extra", action="store_true", help="also run ours with exact_kl_tokens=0 (no exact-KL metric, so no reference forward inside the update)")
+    parser.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                        help="vllm: both sides generate with vLLM in their process (ours: rollout.engine vllm; TRL: use_vllm, "
+                             "vllm_mode colocate); run with .venv-vllm/bin/python (make vllm-env)")
     parser.add_argument("--side", choices=["ours", "ours-nokl", "trl"], help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.steps < 1 or arguments.warmup < 0:
@@ -385,9 +396,10 @@ def main() -> None:
             import tempfile
 
             with tempfile.TemporaryDirectory() as workdir:
-                result = run_trl(arguments.model, arguments.steps, arguments.warmup, workdir)
+                result = run_trl(arguments.model, arguments.steps, arguments.warmup, workdir, arguments.engine)
         else:
-            result = run_ours(arguments.model, arguments.steps, arguments.warmup, 0 if arguments.side == "ours-nokl" else None)
+            result = run_ours(arguments.model, arguments.steps, arguments.warmup, 0 if arguments.side == "ours-nokl" else None,
+                              arguments.engine)
         print("@@result " + json.dumps(result), flush=True)
         return
     names = ["ours", "trl"] + (["ours-nokl"] if arguments.extra else [])
@@ -423,7 +435,8 @@ def main() -> None:
           f"policy fwd+bwd {parts['policy'] / rate:.2f} s; mean reward per step: ours {[round(r, 3) for r in ours['rewards']]}, "
           f"TRL {[round(r, 3) for r in peer['rewards']]}")
     print(f"ratio (TRL/ours): time {peer['seconds'] / ours['seconds']:.2f}x, peak RSS {peer['peak_rss_mb'] / ours['peak_rss_mb']:.2f}x")
-    print(f"RESULT grpo: ours={ours['seconds']:.2f} peer={peer['seconds']:.2f} unit=s/step ratio={peer['seconds'] / ours['seconds']:.2f}")
+    name = "grpo" if arguments.engine == "builtin" else "grpo_vllm"
+    print(f"RESULT {name}: ours={ours['seconds']:.2f} peer={peer['seconds']:.2f} unit=s/step ratio={peer['seconds'] / ours['seconds']:.2f}")
 
 
 if __name__ == "__main__":

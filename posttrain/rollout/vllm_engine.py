@@ -264,8 +264,11 @@ class LocalBackend:
         from vllm.inputs import TokensPrompt
 
         self._awake()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in id_lists],
-                                    [SamplingParams(**p) for p in params], use_tqdm=False)
+        try:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in id_lists],
+                                        [SamplingParams(**p) for p in params], use_tqdm=False)
+        except ValueError as error:  # vLLM's refusal of a request (a prompt past max_model_len ...): its reason
+            raise UserError(f"rollout.engine vllm: vLLM refused the request ({_first_line(error)})") from error
         if self.sleep:
             self.llm.sleep(level=1)
             self.asleep = True

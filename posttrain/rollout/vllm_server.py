@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from posttrain.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
@@ -76,6 +78,8 @@ def make_handler(backend, model_spec: str):
                     state["weight_pushes"] += 1
                     return self._send(200, {"seconds": time.perf_counter() - started, "tensors": len(weights)})
                 return self._send(404, {"error": f"no such endpoint {self.path}"})
+            except UserError as error:  # a request vLLM refused, in one line
+                return self._send(400, {"error": str(error)})
             except (KeyError, ValueError, TypeError) as error:
                 return self._send(400, {"error": f"bad request: {type(error).__name__}: {error}"})
             except Exception as error:  # vLLM's own failure: the client gets its reason, the server goes on
