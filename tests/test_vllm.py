@@ -288,3 +288,24 @@ def test_every_sampling_command_runs_on_vllm_from_the_cli(tmp_path):
             "--group-size", "4", "--max-new-tokens", "6", "--out", str(tmp_path / "pairs.jsonl"),
             "--verifier", "callable:rewards_for_tests.digits", *vllm_flags, cwd=tmp_path)
     assert (tmp_path / "pairs.jsonl").read_text().count("\n") > 0
+
+
+@pytest.mark.parametrize("script, arguments, name", [
+    ("vllm_rollout", ["--model", "tiny", "--rounds", "1", "--new-tokens", "4", "--prompts", "2", "--group-size", "2"], "vllm_sync"),
+])
+def test_vllm_bench_ends_with_its_result_lines(script, arguments, name):
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / f"{script}.py"), *arguments], capture_output=True, text=True,
+                            cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.match(rf"^RESULT {name}: ours=[\d.]+ peer=[\d.]+ unit=\S+ ratio=[\d.]+$", last), last
+
+
+def test_a_batch_longer_than_one_scheduler_step_samples(tiny, engine):
+    """More prompt tokens than vLLM schedules in one step (4096 by default): on the CPU build a prompt
+    split across steps crashed seeded sampling (its generator rewound); prompts prefill whole there."""
+    model, tokenizer = tiny
+    batch = [render_prompt(tokenizer, f"Add these numbers please: {a} and {a * 7} and {a * 13}.") for a in range(48)]
+    assert sum(len(tokenizer(p)["input_ids"]) for p in batch) * 4 > 4096
+    rollout = engine(model, tokenizer, batch, group_size=4, sampling=SamplingConfig(max_new_tokens=4), seed=1)
+    assert rollout.completion_ids.shape[0] == 192

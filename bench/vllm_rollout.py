@@ -10,9 +10,10 @@ through posttrain's own backend (`VLLMEngine`'s requests, `to_rollout`), the bui
 Weight sync: the policy's weights changed in place (as an optimizer step changes them), then
 `VLLMEngine.sync` (the names and tensors of `hf_weights`, vLLM's in-place reload, the prefix cache
 reset); the peer is the way round through the disk: `save_pretrained` of the policy, then vLLM's
-reload from that directory.
+reload from that directory. Also printed: the sampler-trainer mismatch on vLLM's tokens (the policy's
+own fp32 log-probs of one round's rows against vLLM's).
 
-Run in .venv-vllm (`make vllm-env`): .venv-vllm/bin/python bench/vllm.py [--rounds 3] [--model smollm2-135m]
+Run in .venv-vllm (`make vllm-env`): .venv-vllm/bin/python bench/vllm_rollout.py [--rounds 3] [--model smollm2-135m]
 Ends with: RESULT vllm_rollout: ours=<vLLM tokens/s> peer=<built-in tokens/s> unit=tokens/s ratio=R
            RESULT vllm_sync: ours=<sync s> peer=<save + reload from disk s> unit=s ratio=R
 """
@@ -28,7 +29,9 @@ import time
 
 import torch
 
+from posttrain.algorithms import sampler_mismatch
 from posttrain.data.tokenize import render_prompt
+from posttrain.models.forward import completion_logprobs
 from posttrain.models import load_model
 from posttrain.rollout import SamplingConfig, generate
 from posttrain.rollout.engine import stop_token_ids
@@ -86,6 +89,14 @@ def main() -> None:
         results["builtin"].append(tokens / seconds)
         print(f"round {round_ + 1}: vllm {results['vllm'][-1]:.1f} tokens/s, builtin {results['builtin'][-1]:.1f} tokens/s", flush=True)
 
+    # The sampler-trainer mismatch on vLLM's tokens: the policy's own log-probs of one round's rows
+    # (the training forward, fp32) against vLLM's, over every completion token.
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens)
+    rollout = engine(model, tokenizer, prompts, group_size=args.group_size, sampling=sampling, seed=99)
+    with torch.no_grad():
+        ours = completion_logprobs(model, rollout, rollout.forward_inputs(), sampling.temperature, 16)
+    mismatch = sampler_mismatch(ours, rollout.logprobs, rollout.mask)
+
     syncs, disk = [], []
     runner = engine.backend.llm.llm_engine.model_executor.driver_worker.worker.model_runner
     for _ in range(args.rounds):
@@ -105,6 +116,8 @@ def main() -> None:
     best = {name: max(values) for name, values in results.items()}
     print(f"tokens/s best of {args.rounds}: vllm {best['vllm']:.1f}, builtin {best['builtin']:.1f}")
     print(f"weight sync: {min(syncs):.3f} s (in place), save + reload from disk {min(disk):.3f} s")
+    print(f"mismatch |trainer - vLLM| log-prob over {int(rollout.mask.sum())} tokens: mean {float(mismatch['logprob_abs_mean']):.2e}, "
+          f"max {float(mismatch['logprob_abs_max']):.2e}, largest sequence ratio {float(mismatch['seq_ratio_max']):.6f}")
     print(f"RESULT vllm_rollout: ours={best['vllm']:.1f} peer={best['builtin']:.1f} unit=tokens/s ratio={best['vllm'] / best['builtin']:.2f}")
     print(f"RESULT vllm_sync: ours={min(syncs):.3f} peer={min(disk):.3f} unit=s ratio={min(disk) / min(syncs):.2f}")
 
