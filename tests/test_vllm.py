@@ -309,3 +309,16 @@ def test_a_batch_longer_than_one_scheduler_step_samples(tiny, engine):
     assert sum(len(tokenizer(p)["input_ids"]) for p in batch) * 4 > 4096
     rollout = engine(model, tokenizer, batch, group_size=4, sampling=SamplingConfig(max_new_tokens=4), seed=1)
     assert rollout.completion_ids.shape[0] == 192
+
+
+def test_two_torchrun_processes_sample_what_one_does(tmp_path):
+    """GRPO on vLLM under torchrun: each rank's own vLLM engine (in a process of its own: the job's
+    process group is not vLLM's) samples its shard with the prompts' global seeds, so 2 processes
+    give the samples, rewards, losses and weights of 1."""
+    from tests.test_distributed import GRPO, assert_same_run, run
+
+    args = [*GRPO, "--acceptance.sets", "[]", "--max-steps", "3", "--rollout.engine", "vllm", "--rollout.vllm.kv_cache_gb", "0.25"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    run([*args, "--output-dir", str(tmp_path / "two")], 2)
+    assert (tmp_path / "one" / "samples.jsonl").read_text() == (tmp_path / "two" / "samples.jsonl").read_text()
+    assert_same_run(tmp_path / "one", tmp_path / "two", 3)

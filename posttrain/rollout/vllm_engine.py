@@ -227,6 +227,20 @@ class LocalBackend:
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         if cpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # Under torchrun the job's process group is initialised, and an in-process vLLM would take it
+        # as its own world (measured: rank 0's vLLM waited on rank 1 forever). Its engine then runs in
+        # a process of its own, spawned (a forked child would inherit the group), weights sent by RPC.
+        self.separate = torch.distributed.is_available() and torch.distributed.is_initialized()
+        # The reload runs as a function on the worker (`reload_on_worker`), which vLLM sends to a
+        # process by pickle only when allowed; the engine's processes are this job's own children, and
+        # both sides must agree for the engine's life (a reply pickled by one side and refused by the
+        # other leaves the client waiting forever: measured), so it stays set in this process.
+        names = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")
+        saved = {name: os.environ.get(name) for name in names}
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.separate else "0"
+        if self.separate:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         try:
             self.llm = vllm.LLM(**engine_kwargs(settings, model_dir, cpu=cpu))
         except Exception as error:  # vLLM's reasons are many: one line with its first
@@ -234,6 +248,11 @@ class LocalBackend:
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         self.cpu, self.closed = cpu, False
         self.loaded_by: Any = None
         """The engine whose weights it holds (engines in one process share it: `in_process_backend`)."""
@@ -280,12 +299,11 @@ class LocalBackend:
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         self._awake()
-        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        # The runner's in-place reload: the model's own load_weights fails on vLLM's CPU build once its
-        # linear layers are repacked; this path works there and on CUDA.
-        runner.reload_weights(weights_iterator=weights)
-        if self.cpu:
-            _repack_cpu_heads(runner.get_model())
+        if self.separate:  # to the engine's process: one safetensors body
+            from safetensors.torch import save
+
+            weights = save({name: tensor.detach().to("cpu").contiguous() for name, tensor in weights})
+        self.llm.collective_rpc(reload_on_worker, args=(weights, self.cpu))
         self.llm.reset_prefix_cache()
 
     def describe(self) -> dict[str, Any]:
@@ -340,6 +358,21 @@ class RemoteBackend:
 
     def describe(self) -> dict[str, Any]:
         return {"vllm": self.info.get("vllm"), "mode": "server", "url": self.url, "model": self.info.get("model")}
+
+
+def reload_on_worker(worker, weights, cpu: bool) -> None:
+    """Run on vLLM's worker (`LLM.collective_rpc`): the model runner's in-place reload of `weights`
+    ((name, tensor) pairs under Hugging Face names, or those as one safetensors body when they cross
+    to another process). The model's own `load_weights` fails on vLLM's CPU build once its linear
+    layers are repacked; the runner's reload works there and on CUDA."""
+    if isinstance(weights, (bytes, bytearray)):
+        from safetensors.torch import load
+
+        weights = load(bytes(weights)).items()
+    runner = worker.model_runner
+    runner.reload_weights(weights_iterator=iter(weights))
+    if cpu:
+        _repack_cpu_heads(runner.get_model())
 
 
 def _repack_cpu_heads(model) -> None:
