@@ -165,6 +165,23 @@ def _run_chunk(decoder, id_lists, first, count, sampling, uniforms, eos_ids, sto
                            pad_id)
 
 
+def batch_places(count: int, shard: tuple[int, int] | None, draws: tuple[Sequence[int], int] | None) -> tuple[list[int], int]:
+    """Where `count` prompts sit in the batch their randomness is drawn for: (their indices, the
+    batch's size), from `generate`'s `shard` (a contiguous share) or `draws` (any indices); neither:
+    the prompts are the whole batch. Every engine seeds a prompt's rows by its index there."""
+    if draws is not None:
+        if shard is not None:
+            raise UserError("generate: pass shard or draws, not both")
+        indices, total = list(draws[0]), draws[1]
+        if len(indices) != count or any(not 0 <= i < total for i in indices):
+            raise UserError(f"draws: {count} prompts need {count} indices below {total}")
+        return indices, total
+    first, total = shard if shard is not None else (0, count)
+    if first < 0 or first + count > total:
+        raise UserError(f"shard {shard} does not hold {count} prompts")
+    return list(range(first, first + count)), total
+
+
 def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
              seed: int = 0, max_batch_size: int = 64, backend: str = "auto",
              add_special_tokens: bool = False, shard: tuple[int, int] | None = None,
@@ -213,17 +230,7 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     stops = _StopStrings(tokenizer, sampling.stop_strings) if sampling.stop_strings else None
     B, G, T = len(id_lists), group_size, sampling.max_new_tokens
     generator = torch.Generator().manual_seed(seed)
-    if draws is not None:
-        if shard is not None:
-            raise UserError("generate: pass shard or draws, not both")
-        indices, total = list(draws[0]), draws[1]
-        if len(indices) != B or any(not 0 <= i < total for i in indices):
-            raise UserError(f"draws: {B} prompts need {B} indices below {total}")
-    else:
-        first, total = shard if shard is not None else (0, B)
-        if first < 0 or first + B > total:
-            raise UserError(f"shard {shard} does not hold {B} prompts")
-        indices = range(first, first + B)
+    indices, total = batch_places(B, shard, draws)
     uniforms = torch.rand(total * G, T, generator=generator, dtype=torch.float64)  # (N, T), row-owned
     rows = torch.tensor([i * G + g for i in indices for g in range(G)], dtype=torch.long)
     uniforms = uniforms[rows].to(device)  # drawn on the CPU: the same draws on every device

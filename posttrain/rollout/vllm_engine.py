@@ -53,7 +53,7 @@ from posttrain.data.examples import derived_seed
 from posttrain.errors import UserError
 from posttrain.rollout.batch import Rollout
 from posttrain.rollout.decoder_weights import linear_problem, linear_weights, unwrap, weights_fingerprint
-from posttrain.rollout.engine import _as_id_lists, _device_of, _left_pad, _StopStrings, stop_token_ids
+from posttrain.rollout.engine import _as_id_lists, _device_of, _left_pad, _StopStrings, batch_places, stop_token_ids
 from posttrain.rollout.sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -481,17 +481,7 @@ class VLLMEngine:
             raise UserError(f"group_size must be >= 1, got {group_size}")
         id_lists = _as_id_lists(tokenizer, prompts, add_special_tokens)
         B, G = len(id_lists), group_size
-        if draws is not None:
-            if shard is not None:
-                raise UserError("generate: pass shard or draws, not both")
-            indices, total = list(draws[0]), draws[1]
-            if len(indices) != B or any(not 0 <= i < total for i in indices):
-                raise UserError(f"draws: {B} prompts need {B} indices below {total}")
-        else:
-            first, total = shard if shard is not None else (0, B)
-            if first < 0 or first + B > total:
-                raise UserError(f"shard {shard} does not hold {B} prompts")
-            indices = list(range(first, first + B))
+        indices, _ = batch_places(B, shard, draws)
         if self.backend is None or getattr(self.backend, "closed", False):
             self._start(model, tokenizer)
         else:
