@@ -21,7 +21,9 @@
 #   4. versions: every import posttrain needs, and `pip check` again with the wheels in;
 #   5. tests: python3 -m pytest -m cuda tests/test_cuda.py -v --durations=0  -> $OUT/test_cuda.log
 #      (-v: a timeout still shows which tests ran);
-#   6. bench: python3 bench/gpu.py (generation first, then GRPO and DPO, ours vs TRL) -> $OUT/gpu_bench.log
+#   6. vllm: where vLLM imports, tests/test_vllm.py on the GPU and a 3-step GRPO with rollout.engine vllm
+#      -> $OUT/gpu_vllm.log (else one line: vLLM is absent);
+#   7. bench: python3 bench/gpu.py (generation first, then GRPO and DPO, ours vs TRL) -> $OUT/gpu_bench.log
 # and writes a markdown summary (which posttrain, every stage's exit status and time, the versions,
 # the tests, the benchmark's table and RESULT lines, each RESULT line with the commit) to
 # $OUT/gpu_results.md ($OUT unset: bench/gpu_results.md, logs beside it).
@@ -188,6 +190,24 @@ cuda_tests() {
   "$PY" -m pytest -m cuda tests/test_cuda.py -v --durations=0 -p no:cacheprovider
 }
 
+vllm_check() {
+  if ! "$PY" -c "import vllm" > /dev/null 2>&1; then
+    echo "vLLM is absent on this machine: the vLLM sampler (rollout.engine vllm) was not checked"
+    return 99
+  fi
+  if ! has_gpu; then
+    echo "no GPU: torch sees no CUDA device, the vLLM sampler was not checked on one"
+    return 99
+  fi
+  # The vLLM tests with the models on the GPU (weight sync by greedy equality, LoRA, the contract),
+  # then a short GRPO run sampled by vLLM in colocate mode.
+  POSTTRAIN_TEST_DEVICE=cuda "$PY" -m pytest -m vllm tests/test_vllm.py -v -p no:cacheprovider \
+    -k "greedy_equals or lora or contract or broken" || return $?
+  "$PY" -m posttrain grpo --model tiny --hardware.device cuda --data.eval_size 8 --data.prompts_per_step 2 \
+    --data.group_size 4 --sampling.max_new_tokens 8 --acceptance.sets '[]' --max-steps 3 --rollout.engine vllm \
+    --rollout.vllm.gpu_memory_utilization 0.2 --output-dir /tmp/gpu-check-vllm-grpo
+}
+
 bench() {
   if ! has_gpu && [[ " ${GPU_BENCH_ARGS:-} " != *" --device cpu "* ]]; then
     echo "no GPU: torch sees no CUDA device, bench/gpu.py was not run"
@@ -199,13 +219,14 @@ bench() {
 IDENTITY=$("$PY" bench/tree_hash.py "$WHEEL_DIR/STAMP" --describe 2> /dev/null || echo "posttrain at ?")
 POSTTRAIN_COMMIT=$("$PY" bench/tree_hash.py "$WHEEL_DIR/STAMP" --short 2> /dev/null || echo "?")
 export PY WHEEL_DIR SITE IDENTITY POSTTRAIN_COMMIT GPU_BENCH_ARGS
-export -f has_gpu environment install_wheels build_pycosat versions cuda_tests bench
+export -f has_gpu environment install_wheels build_pycosat versions cuda_tests vllm_check bench
 stage environment 60 "$LOGS/gpu_environment.log" environment
 stage install 90 "$LOGS/gpu_install.log" install_wheels
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 stage pycosat 60 "$LOGS/gpu_pycosat.log" build_pycosat
 stage versions 60 "$LOGS/gpu_versions.log" versions
 stage tests 120 "$LOGS/test_cuda.log" cuda_tests
+stage vllm 120 "$LOGS/gpu_vllm.log" vllm_check
 # The benchmark gets what is left; its own --budget (for its sides) leaves time for building the
 # model (~15 s) and its table, so it ends with its RESULT lines before the stage's timeout.
 bench_limit=$(( $(left) - 5 ))
@@ -234,6 +255,12 @@ stage bench "$bench_limit" "$LOGS/gpu_bench.log" bench --budget $(( bench_limit 
   echo
   echo '```'
   grep -E "^no GPU|passed|failed|error|skipped|no tests ran|FAILED|ERROR|PASSED|SKIPPED" "$LOGS/test_cuda.log" 2>/dev/null | tail -30
+  echo '```'
+  echo
+  echo "## vLLM sampler (tests/test_vllm.py on the GPU, a 3-step GRPO with rollout.engine vllm)"
+  echo
+  echo '```'
+  grep -E "^vLLM is absent|^no GPU|passed|failed|FAILED|ERROR|PASSED|results:" "$LOGS/gpu_vllm.log" 2>/dev/null | tail -15
   echo '```'
   echo
   echo "## Benchmark (\`python3 bench/gpu.py\`)"

@@ -36,7 +36,14 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SETTINGS = VLLMSettings(kv_cache_gb=0.25, max_model_len=1024)
+SETTINGS = VLLMSettings(kv_cache_gb=0.25, max_model_len=1024, dtype="float32", gpu_memory_utilization=0.2)
+DEVICE = os.environ.get("POSTTRAIN_TEST_DEVICE", "cpu")
+"""Where the weight-sync and contract tests put the policy (bench/gpu_check.sh sets cuda on a GPU machine)."""
+
+
+def tiny_model():
+    model, tokenizer = load_model("tiny")
+    return model.to(DEVICE), tokenizer
 GREEDY = SamplingConfig(greedy=True, max_new_tokens=24)
 
 
@@ -48,7 +55,7 @@ def train_steps(model, tokenizer, steps=3, lr=3e-3, seed=0):
     """A few real AdamW steps (next-token NLL on answers) so the weights move away from vLLM's copy."""
     generator = torch.Generator().manual_seed(seed)
     texts = [f"{a} + {b} = {a + b}" for a, b in torch.randint(0, 99, (16, 2), generator=generator).tolist()]
-    ids = tokenizer(texts, return_tensors="pt", padding=True)["input_ids"]
+    ids = tokenizer(texts, return_tensors="pt", padding=True)["input_ids"].to(next(model.parameters()).device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     for _ in range(steps):
@@ -62,7 +69,7 @@ def train_steps(model, tokenizer, steps=3, lr=3e-3, seed=0):
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    return load_model("tiny")
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +99,7 @@ def test_greedy_equals_the_builtin_engine_after_training_steps(tiny, engine):
 
 def test_a_broken_sync_is_caught(tiny, monkeypatch):
     """The equality test above fails when the sync does nothing: vLLM keeps the old weights."""
-    model, tokenizer = load_model("tiny")
+    model, tokenizer = tiny_model()
     engine = VLLMEngine(SETTINGS)
     batch = prompts(tokenizer)
     engine(model, tokenizer, batch, sampling=GREEDY)
@@ -103,7 +110,7 @@ def test_a_broken_sync_is_caught(tiny, monkeypatch):
 
 
 def test_lora_adapters_are_folded_before_sending(tiny):
-    model, tokenizer = load_model("tiny")
+    model, tokenizer = tiny_model()
     policy = apply_lora(model, LoraSettings(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"]))
     engine = VLLMEngine(SETTINGS)
     batch = prompts(tokenizer, 16)
