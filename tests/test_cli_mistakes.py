@@ -81,7 +81,7 @@ def no_sampling(monkeypatch):
     """Sampling fails the test: an output path is refused before any."""
     def sampled(*args, **kwargs):
         raise AssertionError("sampled before refusing the output path")
-    monkeypatch.setattr("posttrain.recipes.pairs.generate", sampled)
+    monkeypatch.setattr("posttrain.recipes.pairs.make_engine", lambda settings: sampled)
 
 
 @pytest.mark.parametrize("argv", [["grpo", *SMALL_ONLINE], ["sft", "--max-steps", "1"], ["demo"],
@@ -126,7 +126,7 @@ def test_pairs_out_onto_an_existing_file_is_refused_unless_overwrite(tmp_path, m
     capsys.readouterr()
     first = {name: Path(name).read_bytes() for name in ("pairs.jsonl", "pairs.meta.json")}
     with monkeypatch.context() as patch:
-        patch.setattr("posttrain.recipes.pairs.generate", lambda *a, **k: pytest.fail("sampled before refusing --out"))
+        patch.setattr("posttrain.recipes.pairs.make_engine", lambda settings: lambda *a, **k: pytest.fail("sampled before refusing --out"))
         assert main(PAIRS + ["--out", "pairs.jsonl"]) == 2
         assert one_error_line(capsys) == ("posttrain: error: --out pairs.jsonl: already exists; pass --overwrite to "
                                           "replace it, or choose another --out")

@@ -114,7 +114,7 @@ def _oom(*args, **kwargs):
 
 
 @pytest.mark.parametrize("target, phase, knob, extra", [
-    ("posttrain.rollout.sampler.generate", "generation", "sampling.max_new_tokens", []),
+    ("posttrain.rollout.sampler.single_turn.generate", "generation", "sampling.max_new_tokens", []),
     ("posttrain.recipes.online.rank_logprobs", "reference", "update.micro_batch_size", ["--loss.kl.beta", "0.05"]),
     ("posttrain.recipes.online.loss_step", "update", "memory.gradient_checkpointing", []),
     ("posttrain.evaluation.acceptance.evaluate_task", "evaluation", "acceptance.max_new_tokens", []),
@@ -127,7 +127,7 @@ def test_out_of_memory_in_each_online_phase_is_one_line(tmp_path, monkeypatch, c
     if phase == "generation":  # the held-out evaluation samples through the same engine, one answer per problem
         from posttrain.rollout import sampler
 
-        real = sampler.generate
+        real = sampler.single_turn.generate  # the built-in engine the default sampler draws with
         monkeypatch.setattr(target, lambda *a, **k: _oom() if k.get("group_size", 1) > 1 else real(*a, **k))
     else:
         monkeypatch.setattr(target, _oom)
