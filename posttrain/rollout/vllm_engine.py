@@ -27,9 +27,8 @@ before any work (`unsupported`), naming the setting. Stop tokens are posttrain's
 string ends a row at the token that completes it (`finished`), a full budget marks it `truncated`.
 
 **Seeds.** Prompt i of a batch drawn with seed s is one vLLM request with `n = G` and the seed
-`derived_seed(s, "vllm", i)` (vLLM gives child g the seed + g): the prompt is prefilled once for its
-G rows, the same seed gives the same tokens when rerun, and a prompt's rows do not depend on which
-rank or batch samples it (`shard`, `draws` as in `generate`). Tokens differ from the built-in
+`derived_seed(s, "vllm", i)` (vLLM gives child g the seed + g): the same seed gives the same tokens
+when rerun, and a prompt's rows do not depend on which rank or batch samples it (`shard`, `draws` as in `generate`). Tokens differ from the built-in
 engine's: both draw from the same distribution with different random streams.
 """
 
