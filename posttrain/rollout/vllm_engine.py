@@ -256,6 +256,8 @@ class LocalBackend:
         self.loaded_by: Any = None
         """The engine whose weights it holds (engines in one process share it: `in_process_backend`)."""
         self.sleep = settings.sleep and not cpu
+        if settings.sleep and cpu:
+            logger.warning("rollout.vllm.sleep: vLLM's sleep mode frees GPU memory; on the CPU it is not used")
         self.asleep = False
         if self.sleep:
             self.llm.sleep(level=1)
