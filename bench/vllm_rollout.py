@@ -35,7 +35,8 @@ from posttrain.models.forward import completion_logprobs
 from posttrain.models import load_model
 from posttrain.rollout import SamplingConfig, generate
 from posttrain.rollout.engine import stop_token_ids
-from posttrain.rollout.vllm_engine import VLLMEngine, VLLMSettings, request_seed, sampling_params, to_rollout
+from posttrain.rollout.vllm_backends import VLLMSettings
+from posttrain.rollout.vllm_engine import VLLMEngine, request_seed, sampling_params, to_rollout
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",

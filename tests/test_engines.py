@@ -20,8 +20,8 @@ from posttrain.rollout import engines
 from posttrain.rollout.engine import generate
 from posttrain.rollout.engines import Engine, RolloutSettings
 from posttrain.rollout.sampling import SamplingConfig
-from posttrain.rollout.vllm_engine import (EngineUnavailable, RemoteBackend, VLLMEngine, VLLMSettings, hf_weights,
-                                           request_seed, to_rollout)
+from posttrain.rollout.vllm_backends import EngineUnavailable, RemoteBackend, VLLMSettings, hf_weights
+from posttrain.rollout.vllm_engine import VLLMEngine, request_seed, to_rollout
 from tests.rewards_for_tests import digits
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

@@ -27,9 +27,10 @@ from posttrain.models.adapters import LoraSettings, apply_lora  # noqa: E402
 from posttrain.models.forward import completion_logprobs  # noqa: E402
 from posttrain.recipes import online, online_config  # noqa: E402
 from posttrain.rollout.engine import generate  # noqa: E402
-from posttrain.rollout.engines import RolloutSettings, make_engine  # noqa: E402
+from posttrain.rollout.engines import RolloutSettings  # noqa: E402
 from posttrain.rollout.sampling import SamplingConfig  # noqa: E402
-from posttrain.rollout.vllm_engine import EngineUnavailable, RemoteBackend, VLLMEngine, VLLMSettings  # noqa: E402
+from posttrain.rollout.vllm_backends import EngineUnavailable, RemoteBackend, VLLMSettings  # noqa: E402
+from posttrain.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from tests.rewards_for_tests import digits  # noqa: E402
 
 pytestmark = pytest.mark.vllm

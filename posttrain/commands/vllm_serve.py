@@ -20,7 +20,7 @@ def register(subparsers) -> None:
 
 
 def serve(args) -> int:
-    from posttrain.rollout.vllm_engine import VLLMSettings, require_vllm
+    from posttrain.rollout.vllm_backends import VLLMSettings, require_vllm
     from posttrain.rollout.vllm_server import serve as run_server
 
     settings = VLLMSettings(kv_cache_gb=args.kv_cache_gb, gpu_memory_utilization=args.gpu_memory_utilization,

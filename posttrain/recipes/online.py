@@ -70,7 +70,7 @@ from posttrain.runs.faults import memory_guard
 from posttrain.runs.timer import Timer
 from posttrain.rollout.engines import engine_card
 from posttrain.rollout.sampler import Sampler, engine_of, single_turn
-from posttrain.rollout.vllm_engine import EngineUnavailable
+from posttrain.rollout.vllm_backends import EngineUnavailable
 from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 

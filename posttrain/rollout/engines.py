@@ -18,7 +18,7 @@ from typing import Any
 
 from posttrain.errors import UserError
 from posttrain.rollout.sampling import SamplingConfig
-from posttrain.rollout.vllm_engine import VLLMSettings
+from posttrain.rollout.vllm_backends import VLLMSettings
 
 
 @dataclass
@@ -65,7 +65,8 @@ def _builtin(settings: RolloutSettings):
 
 
 def _vllm(settings: RolloutSettings):
-    from posttrain.rollout.vllm_engine import VLLMEngine, require_vllm
+    from posttrain.rollout.vllm_backends import require_vllm
+    from posttrain.rollout.vllm_engine import VLLMEngine
 
     require_vllm()  # not installed: one line before any work
     return VLLMEngine(settings.vllm)

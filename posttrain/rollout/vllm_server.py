@@ -15,7 +15,7 @@ exactly as ids (never re-rendered text):
 Requests are served one at a time (the engine is not shared between threads). Weights cross as one
 safetensors body (the policy's size per push: 0.5 GB for SmolLM2-135M in fp32); on GPUs on one node
 that is the simple, portable path, not the fastest (NCCL broadcast is vLLM's weight-transfer engine).
-The run's side is `vllm_engine.RemoteBackend`: bounded retries to connect, `EngineUnavailable` when
+The run's side is `vllm_backends.RemoteBackend`: bounded retries to connect, `EngineUnavailable` when
 the server stops answering (the run then checkpoints and says how to resume).
 """
 
@@ -96,7 +96,7 @@ def serve(model_spec: str, settings, host: str = "127.0.0.1", port: int = 8000, 
     import tempfile
 
     from posttrain.models.loading import load_model
-    from posttrain.rollout.vllm_engine import LocalBackend, export_for_vllm
+    from posttrain.rollout.vllm_backends import LocalBackend, export_for_vllm
 
     model, tokenizer = load_model(model_spec)
     with tempfile.TemporaryDirectory(prefix="posttrain-vllm-serve-") as directory:
