@@ -81,6 +81,23 @@ def test_gspo_sequence_ratio_and_its_gradient():
     assert grad == [0.0, 0.0, 0.0] and bool(stats["clipped_high"].all())
 
 
+def test_gspo_averages_the_log_ratios_before_clamping():
+    """One token's log-ratio past MAX_LOG_RATIO must not move s across the clip boundary: TRL's
+    GRPOTrainer (importance_sampling_level="sequence") and verl's compute_policy_loss_gspo both give
+    s = exp(mean) = exp(2.5 / 6) = 1.517 here, loss -1.2 (clipped at 1 + 0.2), gradient 0."""
+    log_ratios = [25.0, -4.5, -4.5, -4.5, -4.5, -4.5]
+    grad, stats = gspo_gradient(log_ratios, 1.0, 0.2, 0.2)
+    assert stats["ratio"][0, 0].item() == pytest.approx(math.exp(2.5 / 6), rel=1e-6)
+    assert grad == [0.0] * 6 and bool(stats["clipped_high"].all())
+    old = torch.zeros(1, 6)
+    loss, _ = sequence_clipped_surrogate(torch.tensor([log_ratios]), old, torch.tensor([1.0]), torch.ones(1, 6, dtype=torch.bool), 0.2, 0.2)
+    assert aggregate(loss, torch.ones(1, 6, dtype=torch.bool), "seq_mean_token_mean").item() == pytest.approx(-1.2)
+    # a masked-out token's log-ratio (here an infinite one) is no part of the mean
+    mask = torch.tensor([[True, True, False]])
+    loss, stats = sequence_clipped_surrogate(torch.tensor([[0.1, 0.3, float("inf")]]), torch.zeros(1, 3), torch.tensor([1.0]), mask, 0.5, 0.5)
+    assert stats["ratio"][0, 0].item() == pytest.approx(math.exp(0.2)) and torch.isfinite(loss[mask]).all()
+
+
 def test_on_policy_gspo_is_grpo_under_per_sequence_mean():
     torch.manual_seed(0)
     base = torch.randn(3, 5)

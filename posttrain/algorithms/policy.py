@@ -121,14 +121,18 @@ def sequence_clipped_surrogate(
 
     Example: token log-ratios [0.1, -0.3, 0.5], A = 1 -> s = exp(0.1) = 1.105171; with clip 0.2 / 0.2
     the gradient of the sequence's mean loss w.r.t. each log pi_t is -s / 3 = -0.368390; with the
-    paper's 3e-4 / 4e-4, s is clipped and the gradient is 0.
+    paper's 3e-4 / 4e-4, s is clipped and the gradient is 0. Log-ratios [25, -4.5 x 5], A = 1, clip
+    0.2 / 0.2 -> s = exp(2.5 / 6) = 1.517, loss -1.2, gradient 0 (the mean is taken before the clamp
+    to +-MAX_LOG_RATIO, as TRL's GRPOTrainer and verl's compute_policy_loss_gspo do).
     """
     if advantages.dim() == logprobs.dim() - 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.expand_as(logprobs)
     counted = mask.to(logprobs.dtype)
-    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    mean_log_ratio = (log_ratio * counted).sum(-1) / counted.sum(-1).clamp(min=1)  # (N,)
+    # The mean of the raw masked log-ratios, clamped after: clamping each token first would let one
+    # token past the bound move s_i across the clip boundary (TRL and verl average, then clamp).
+    log_ratio = torch.where(mask, logprobs.detach() - old_logprobs, torch.zeros_like(logprobs))
+    mean_log_ratio = (log_ratio.sum(-1) / counted.sum(-1).clamp(min=1)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # (N,)
     sequence_ratio = torch.exp(mean_log_ratio.detach())[:, None]
     ratio = sequence_ratio * torch.exp(logprobs - logprobs.detach())  # value s_i, gradient s_i * grad log pi_t
     return _clipped_objective(ratio, advantages, clip_low, clip_high)
