@@ -272,5 +272,9 @@ def test_a_judge_as_held_out_checker_passes_at_its_threshold(monkeypatch):
     task = Task("t", "heldout", [Example(id=str(i), prompt=f"{i}+1=", answer=str(i + 1)) for i in range(3)], "number")
     result = evaluate_task(model, tokenizer, task, checker=judge, max_new_tokens=2, seed=0)
     assert result["correct"] == [1, 0, 0] and result["pass@1"] == pytest.approx(1 / 3)
+    # pass@k counts with the same bar: two samples per problem, a pass in problems 0 and 1 (0.7, 0.61)
+    rewards = iter([0.7, 0.55, 0.2] + [0.7, 0.2, 0.55, 0.61, 0.2, 0.1])
+    result = evaluate_task(model, tokenizer, task, checker=judge, k=2, max_new_tokens=2, seed=0)
+    assert result["pass@2"] == pytest.approx(2 / 3) and result["pass@2_n"] == 3
     with pytest.raises(Exception, match="pass_threshold"):
         get_verifier("judge:tiny,pass_threshold=2")

@@ -84,6 +84,15 @@ def score_completions(checker, completions: Sequence[str], examples: Sequence[Ex
     return checker.batch(list(completions), [verifier_input(e) for e in examples])
 
 
+def passed(verdict: Verdict, checker: Verifier) -> int | None:
+    """Whether one checked completion passes: 1 or 0, None when the checker could not score it.
+    The bar is the checker's `pass_threshold` (a judge's own, default 0.5), else 1.0 (a program's
+    pass is reward 1); pass@1 and pass@k count with this one bar."""
+    if verdict.status != "ok":
+        return None
+    return int(verdict.reward is not None and verdict.reward >= getattr(checker, "pass_threshold", 1.0))
+
+
 @torch.no_grad()
 def evaluate_task(
     model,
@@ -149,8 +158,7 @@ def evaluate_task(
         verdicts = [verdict for rollout, first in zip(rollouts, range(0, len(prompts), batch_size))
                     for verdict in episode_verdicts(rollout, verdicts[first:first + len(rollout.texts)])]
     # A problem the checker could not score (infra or data error) is left out of n, never a silent 0.
-    threshold = getattr(verifier, "pass_threshold", 1.0)  # a program's pass is reward 1; a judge's, its own threshold
-    correct = [None if v.status != "ok" else int(v.reward is not None and v.reward >= threshold) for v in verdicts]
+    correct = [passed(v, verifier) for v in verdicts]
     scored = [c for c in correct if c is not None]
     n = len(scored)
     summary: dict[str, Any] = {
@@ -181,7 +189,7 @@ def evaluate_task(
                 group = sample_verdicts[index * k : (index + 1) * k]
                 if any(v.status != "ok" for v in group):
                     continue  # unscorable samples: the problem is left out of pass@k
-                per_problem.append(sum((v.reward or 0) >= 1.0 for v in group))
+                per_problem.append(sum(passed(v, verifier) for v in group))
         estimates = [pass_at_k(k, c, k) for c in per_problem]
         summary[f"pass@{k}"] = sum(estimates) / len(estimates) if estimates else None
         summary[f"pass@{k}_ci95"] = list(wilson_interval(sum(estimates), len(estimates)))
