@@ -78,12 +78,18 @@ environment() {
   "$PY" -W ignore - <<'EOF'
 import importlib.metadata
 import platform
+import sys
 
-import torch
-
-print(f"python {platform.python_version()}  torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})")
-print(f"cuda available: {torch.cuda.is_available()}, devices: {torch.cuda.device_count()}"
-      + (f", {torch.cuda.get_device_name()}, bf16 {torch.cuda.is_bf16_supported()}" if torch.cuda.is_available() else ""))
+try:
+    import torch
+except ImportError as error:  # one line, not a traceback: the rest of the probe still runs
+    print(f"python {platform.python_version()} ({sys.executable}): torch does not import ({error}); "
+          "set GPU_CHECK_PYTHON to an interpreter with CUDA torch")
+    torch = None
+if torch is not None:
+    print(f"python {platform.python_version()}  torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})")
+    print(f"cuda available: {torch.cuda.is_available()}, devices: {torch.cuda.device_count()}"
+          + (f", {torch.cuda.get_device_name()}, bf16 {torch.cuda.is_bf16_supported()}" if torch.cuda.is_available() else ""))
 print("the machine's own packages, before anything is installed:")
 for name in ("pyarrow", "pandas", "fsspec", "peft", "huggingface-hub", "transformers", "accelerate", "tokenizers",
              "safetensors", "numpy", "pytest", "pytest-timeout", "datasets", "trl"):
