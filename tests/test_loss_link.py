@@ -55,6 +55,15 @@ def test_reinforce_pp_returns_and_whitening():
     assert counted.tolist() == pytest.approx(((returns - returns.mean()) / returns.std(correction=0)).tolist(), abs=1e-4)
 
 
+def test_reinforce_returns_flow_across_a_hole_in_the_mask():
+    """A tool's output between two turns is a hole in the loss mask: it earns nothing and gets 0,
+    and the return flows across it (verl's REINFORCE++ resets at every masked token instead, so the
+    first turn would never see the outcome; docs/algorithms.md 3b)."""
+    token_rewards = torch.tensor([[-0.1, -0.1, 5.0, 5.0, -0.1, 1.0]])  # 5.0: inside the hole, ignored
+    mask = torch.tensor([[True, True, False, False, True, True]])
+    assert reinforce_returns(token_rewards, mask)[0].tolist() == pytest.approx([0.7, 0.8, 0.0, 0.0, 0.9, 1.0])
+
+
 def test_reinforce_pp_baseline_subtracts_the_group_mean_first():
     entry = ADVANTAGE_ESTIMATORS["reinforce_pp_baseline"]
     estimate = entry.estimate(inputs([1.0, 0.0, 1.0, 1.0], 2, T=2), whiten=False)

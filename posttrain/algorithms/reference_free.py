@@ -94,8 +94,10 @@ def orpo_loss(
 
     ORPO's objective is L = L_SFT + lam * L_OR (eq. 6). `losses` is the second term only: the SFT
     term, the NLL of the chosen with weight 1, is the caller's, as RPO's is. (The paper's L_SFT is
-    each chosen response's token-mean NLL; TRL's ORPOTrainer takes the token mean over the batch's
-    chosen tokens; the two agree when the chosen lengths are equal.) TRL's ORPOConfig `beta` is our
+    each chosen response's token-mean NLL; `posttrain orpo` takes the token mean over the batch's
+    chosen RESPONSE tokens, which agrees with the paper when the chosen lengths are equal. TRL's
+    ORPOTrainer, decoder-only, averages its NLL over every attended token of the chosen sequence,
+    prompt AND response, so it also trains the prompt and its NLL is a different number.) TRL's ORPOConfig `beta` is our
     `lam`; its `odds_ratio_loss` returns beta * log sigmoid(...), the negated term, and its total is
     nll - losses.mean().
 
