@@ -256,6 +256,58 @@ def test_pairs_labelled_by_a_judge_both_orders(tmp_path):
         assert refused.returncode == 2 and message in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
 
 
+def judge_pair_settings(tmp_path, **overrides):
+    from posttrain.config import build_config
+
+    return build_config(__import__("posttrain.recipes.pairs", fromlist=["PairSettings"]).PairSettings, None, {
+        "model": "tiny", "data": {"task": "arithmetic", "max_prompts": 4, "eval_size": 8}, "group_size": 4, "seed": 3,
+        "sampling": {"max_new_tokens": 6, "temperature": 1.0}, "labeller": "judge:tiny", "out": str(tmp_path / "judged.jsonl"), **overrides})
+
+
+def test_pairs_judge_ties_are_not_failures(tmp_path, monkeypatch):
+    """A judge whose P(A > B) is within --preference-margin of 1/2 has no clear preference: a tie,
+    counted apart from a pair it cannot compare (p None, its reason). Four prompts, one pair each,
+    P = 0.55 (|0.05| < 0.1: tie), None ("too long"), 0.9 (A chosen), 0.2 (B chosen): 2 pairs written,
+    1 tie (the clearest 0.05), 1 failure, and the summary says so naming the setting."""
+    from posttrain.commands.pairs import summary_lines
+    from posttrain.recipes.pairs import build_pairs
+
+    replies = iter([0.55, None, 0.9, 0.2])
+
+    def prefer(self, rows, answers_a, answers_b):
+        out = []
+        for _ in rows:
+            p = next(replies)
+            out.append({"p": None, "p_ab": None, "p_ba": None, "position_bias": None, "reason": "too long"} if p is None
+                       else {"p": p, "p_ab": p, "p_ba": 1 - p, "position_bias": 0.0})
+        return out
+
+    monkeypatch.setattr(JudgeVerifier, "prefer", prefer)
+    meta = build_pairs(judge_pair_settings(tmp_path))
+    assert (meta["pairs"], meta["pairs_compared"], meta["pairs_tied"], meta["pairs_judge_failed"]) == (2, 4, 1, 1)
+    assert meta["judge_failure_reasons"] == {"too long": 1} and meta["largest_tie_distance"] == pytest.approx(0.05)
+    assert (meta["prompts_paired"], meta["prompts_skipped_tied"], meta["prompts_skipped_judge_failed"], meta["prompts_skipped_one_answer"]) == (2, 1, 1, 0)
+    lines = summary_lines(meta)
+    assert lines[0] == "2 pairs from 2 of 4 prompts, labelled by judge:tiny (skipped: 1 prompts whose pairs were ties, 1 the judge could not compare, 0 with one distinct answer)"
+    assert "of 4 pairs compared, 1 ties (no clear preference: |P - 1/2| < --preference-margin 0.1), 1 the judge could not compare: too long (1)" in lines[1]
+
+
+def test_pairs_judge_with_no_clear_preference_says_so(tmp_path):
+    """The issue's case: the tiny judge is near indifferent, so at the default --preference-margin 0.1
+    every pair is a tie. The one line says ties, names the setting and the clearest call; it does not
+    say the answers "could not be scored" (nothing failed). Nothing is written."""
+    from posttrain.errors import UserError
+    from posttrain.recipes.pairs import build_pairs
+
+    with pytest.raises(UserError) as refused:
+        build_pairs(judge_pair_settings(tmp_path))
+    message = str(refused.value)
+    assert "could not be scored" not in message and "\n" not in message, message
+    assert "4 were ties, no clear preference" in message and "--preference-margin 0.1" in message, message
+    assert "the judge could not compare" not in message and "the clearest was" in message, message
+    assert not (tmp_path / "judged.jsonl").exists()
+
+
 def test_a_judge_as_held_out_checker_passes_at_its_threshold(monkeypatch):
     """`acceptance.checker: judge:MODEL`: a completion passes when the judge's reward reaches its
     pass_threshold (default 0.5, the scale's middle), not the programs' 1.0; the spec can set it."""

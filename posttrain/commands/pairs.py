@@ -59,29 +59,34 @@ def handle(args) -> int:
             overrides[flag] = True
     settings = build_config(PairSettings, args.config, overrides)
     result = build_pairs(settings)
-    if settings.unpaired:
-        print(
-            f"{result['rows']} unpaired rows ({result['desirable']} desirable, {result['undesirable']} undesirable) from "
-            f"{result['prompts'] - result['prompts_unscored']} of {result['prompts']} prompts (rows from groups with both kinds: "
-            f"{result['rows_from_mixed_groups']}, all correct: {result['rows_from_all_correct_groups']}, all incorrect: "
-            f"{result['rows_from_all_incorrect_groups']}; {result['duplicates_dropped']} repeated answers dropped; "
-            f"verdict errors: {result['verdict_errors']})"
-        )
-    elif result.get("labeller"):
-        print(f"{result['pairs']} pairs from {result['prompts_paired']} of {result['prompts']} prompts, labelled by {result['verifier']} "
-              f"({result['prompts_skipped_unscored']} prompts without a decided pair)")
-    else:
-        print(
-            f"{result['pairs']} pairs from {result['prompts_paired']} of {result['prompts']} prompts "
-            f"(skipped: {result['prompts_skipped_all_correct']} all correct, {result['prompts_skipped_all_incorrect']} all incorrect, "
-            f"{result['prompts_skipped_unscored']} unscored; verdict errors: {result['verdict_errors']})"
-        )
-    if result.get("labeller"):
-        bias = result["position_bias_mean"]
-        print(f"labels: {result['labeller']}: {result['verifier']} on samples of model {result['model']} (G={result['group_size']}, "
-              f"seed {result['seed']}); {result['pairs_undecided']} pairs undecided (|P - 1/2| < {result['preference_margin']:g}), "
-              f"mean position bias {'n/a' if bias is None else format(bias, '+.3f')}")
-    else:
-        print(f"labels: verifier {result['verifier']} on samples of model {result['model']} (G={result['group_size']}, seed {result['seed']})")
+    print("\n".join(summary_lines(result)))
     print(f"wrote {settings.out} and {provenance_path(settings.out)}")
     return 0
+
+
+def summary_lines(result: dict) -> list[str]:
+    """What `posttrain pairs` prints of `build_pairs`' provenance record: what was written and what
+    was skipped (with a judge: ties, below --preference-margin, apart from the judge's failures),
+    then who labelled."""
+    if result.get("unpaired"):
+        what = (f"{result['rows']} unpaired rows ({result['desirable']} desirable, {result['undesirable']} undesirable) from "
+                f"{result['prompts'] - result['prompts_unscored']} of {result['prompts']} prompts (rows from groups with both kinds: "
+                f"{result['rows_from_mixed_groups']}, all correct: {result['rows_from_all_correct_groups']}, all incorrect: "
+                f"{result['rows_from_all_incorrect_groups']}; {result['duplicates_dropped']} repeated answers dropped; "
+                f"verdict errors: {result['verdict_errors']})")
+    elif result.get("labeller"):
+        what = (f"{result['pairs']} pairs from {result['prompts_paired']} of {result['prompts']} prompts, labelled by {result['verifier']} "
+                f"(skipped: {result['prompts_skipped_tied']} prompts whose pairs were ties, {result['prompts_skipped_judge_failed']} "
+                f"the judge could not compare, {result['prompts_skipped_one_answer']} with one distinct answer)")
+    else:
+        what = (f"{result['pairs']} pairs from {result['prompts_paired']} of {result['prompts']} prompts "
+                f"(skipped: {result['prompts_skipped_all_correct']} all correct, {result['prompts_skipped_all_incorrect']} all incorrect, "
+                f"{result['prompts_skipped_unscored']} unscored; verdict errors: {result['verdict_errors']})")
+    if not result.get("labeller"):
+        return [what, f"labels: verifier {result['verifier']} on samples of model {result['model']} (G={result['group_size']}, seed {result['seed']})"]
+    bias = result["position_bias_mean"]
+    failures = ", ".join(f"{reason} ({count})" for reason, count in result["judge_failure_reasons"].items())
+    return [what, f"labels: {result['labeller']}: {result['verifier']} on samples of model {result['model']} (G={result['group_size']}, "
+                  f"seed {result['seed']}); of {result['pairs_compared']} pairs compared, {result['pairs_tied']} ties (no clear preference: "
+                  f"|P - 1/2| < --preference-margin {result['preference_margin']:g}), {result['pairs_judge_failed']} the judge could not compare"
+                  f"{': ' + failures if failures else ''}; mean position bias {'n/a' if bias is None else format(bias, '+.3f')}"]

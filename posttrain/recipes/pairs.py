@@ -15,8 +15,10 @@ counted; `posttrain dpo --loss.type kto` trains on it.
 With `--labeller judge:MODEL`, a judge labels instead of the verifier: each prompt's distinct
 answers are paired in sampling order ((0, 1), (2, 3), ...: each answer once), the judge compares each
 pair in both orders (P(A > B) = 1/2 [P_AB + 1 - P_BA], `algorithms.judge.pairwise_preference`), the
-preferred answer is chosen, and pairs within `preference_margin` of 1/2 are skipped (counted). The
-sidecar records the judge as the labeller and its mean position bias.
+preferred answer is chosen. A pair within `preference_margin` of 1/2 is a tie (the judge has no clear
+preference) and one the judge cannot compare is a failure: both are skipped and counted apart, as are
+the prompts whose G answers are one text. The sidecar records the judge as the labeller, these counts
+and its mean position bias.
 
 The prompts come from the *training* split of `load_splits(data.task, eval_size=E, seed=S)`, so a DPO run
 that evaluates on the held-out split with the same (task, E, S) never trained on its problems.
@@ -25,6 +27,7 @@ that evaluates on the held-out split with the same (task, E, S) never trained on
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
@@ -158,11 +161,11 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     model.eval()
     engine = make_engine(settings.rollout)
     G = settings.group_size
-    rows, outcomes = [], {"paired": 0, "all_correct": 0, "all_incorrect": 0, "unscored": 0}
+    rows, outcomes = [], dict.fromkeys(JUDGE_OUTCOMES if judge else ("paired", "all_correct", "all_incorrect", "unscored"), 0)
     errors = {"infra_error": 0, "data_error": 0}
     from_group = {"paired": 0, "all_correct": 0, "all_incorrect": 0}  # unpaired rows by their group's outcome
     duplicates = 0
-    judged = {"undecided": 0, "position_bias": []}  # with a labeller: pairs skipped as too close, the judge's position bias
+    judged = JudgeTally()
     origin = {"labelled_by": judge.name if judge else verifier.name, "sampled_from": settings.model}
     for start in range(0, len(examples), settings.batch_size):
         chunk = examples[start : start + settings.batch_size]
@@ -186,17 +189,18 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
                 rows += new
                 continue
             if judge is not None:
-                new = judged_pairs(judge, example, prompts[b], texts, settings, judged, origin)
-                outcomes["paired" if new else "unscored"] += 1  # unscored here: no pair the judge decided
+                new, outcome = judged_pairs(judge, example, prompts[b], texts, settings, judged, origin)
+                outcomes[outcome] += 1
                 rows += new
                 continue
             pairs, outcome = pair_up(texts, group, settings.correct_threshold, settings.pairs_per_prompt)
             outcomes[outcome] += 1
             rows += pair_rows(example, texts, group, pairs, origin)
+    if not rows and judge is not None:
+        raise UserError(f"no pairs: {judged.explain(judge.name, settings.preference_margin, outcomes, len(examples), G)}; nothing written")
     if not rows:
-        what = "unpaired rows: every answer" if settings.unpaired else "pairs"
         raise UserError(
-            f"no {what}: of {len(examples)} prompts, {outcomes['all_correct']} had only correct answers, "
+            f"no pairs: of {len(examples)} prompts, {outcomes['all_correct']} had only correct answers, "
             f"{outcomes['all_incorrect']} only incorrect, {outcomes['unscored']} could not be scored (G={G}); nothing written"
             if not settings.unpaired else
             f"no unpaired rows: none of the {len(examples) * G} answers to {len(examples)} prompts could be scored "
@@ -213,10 +217,15 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "posttrain": _version(),
     }
     if judge is not None:
-        bias = judged["position_bias"]
+        bias = judged.position_bias
         provenance.update({
             "verifier": judge.name, "verifier_settings": judge.describe(), "labeller": "judge, pairwise, both presentation orders",
-            "preference_margin": settings.preference_margin, "pairs_undecided": judged["undecided"],
+            "preference_margin": settings.preference_margin, "pairs": len(rows), "pairs_per_prompt": settings.pairs_per_prompt,
+            "pairs_compared": judged.decided + judged.tied + judged.failed, "pairs_tied": judged.tied,
+            "pairs_judge_failed": judged.failed, "judge_failure_reasons": dict(judged.failure_reasons),
+            "largest_tie_distance": judged.largest_tie_distance,
+            "prompts_paired": outcomes["paired"], "prompts_skipped_tied": outcomes["tied"],
+            "prompts_skipped_judge_failed": outcomes["judge_failed"], "prompts_skipped_one_answer": outcomes["one_answer"],
             "position_bias_mean": sum(bias) / len(bias) if bias else None,
         })
     if settings.unpaired:
@@ -228,7 +237,7 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
             "prompts_all_correct": outcomes["all_correct"], "prompts_all_incorrect": outcomes["all_incorrect"],
             "prompts_unscored": outcomes["unscored"], "duplicates_dropped": duplicates,
         })
-    else:
+    elif judge is None:
         provenance.update({
             "pairs": len(rows), "prompts_paired": outcomes["paired"], "prompts_skipped_all_correct": outcomes["all_correct"],
             "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
@@ -248,28 +257,71 @@ def pair_rows(example, texts: list[str], verdicts: list, pairs: list[tuple[int, 
             for number, (chosen, rejected) in enumerate(pairs)]
 
 
-def judged_pairs(judge, example, rendered: str, texts: list[str], settings: PairSettings, judged: dict, origin: dict[str, str]) -> list[dict]:
-    """The pairs file's rows of one prompt labelled by `judge`: its distinct answers paired in order
-    ((0, 1), (2, 3), ...; at most `pairs_per_prompt`), each compared in both orders, the preferred one
-    chosen; a pair within `preference_margin` of 1/2, or one the judge cannot render, is skipped and
-    counted in `judged["undecided"]`, whose `position_bias` list gets each pair's bias."""
+JUDGE_OUTCOMES = ("paired", "tied", "judge_failed", "one_answer")
+"""A prompt's outcome under a judge: a decided pair written | every compared pair a tie | the judge
+could not compare (and no tie) | its G answers are one text (nothing to compare)."""
+
+
+@dataclass
+class JudgeTally:
+    """What a judge made of the candidate pairs of every prompt: `decided` (kept), `tied`
+    (|P(A > B) - 1/2| < preference_margin: no clear preference, skipped), `failed` (the judge could
+    not compare them, `failure_reasons` counted), each decided pair's position bias, and the largest
+    |P - 1/2| among the ties (what `--preference-margin` would have to be below to keep one)."""
+
+    decided: int = 0
+    tied: int = 0
+    failed: int = 0
+    failure_reasons: Counter = field(default_factory=Counter)
+    position_bias: list[float] = field(default_factory=list)
+    largest_tie_distance: float | None = None
+
+    def explain(self, judge: str, margin: float, outcomes: dict[str, int], prompts: int, group_size: int) -> str:
+        """Why no pair was written, in one line: ties (naming `--preference-margin`) apart from the
+        judge's failures and the prompts with nothing to compare."""
+        parts = [f"the labeller {judge} decided none of the {self.decided + self.tied + self.failed} pairs it compared from {prompts} prompts (G={group_size})"]
+        if self.tied:
+            parts.append(f"{self.tied} were ties, no clear preference: |P(A > B) - 1/2| below --preference-margin {margin:g} "
+                         f"(the clearest was {self.largest_tie_distance:.3g}; a lower --preference-margin keeps closer calls)")
+        if self.failed:
+            reasons = ", ".join(f"{reason} ({count})" for reason, count in self.failure_reasons.most_common(3))
+            parts.append(f"{self.failed} the judge could not compare: {reasons}")
+        if outcomes["one_answer"]:
+            parts.append(f"{outcomes['one_answer']} prompts had one distinct answer (nothing to compare)")
+        return "; ".join(parts)
+
+
+def judged_pairs(judge, example, rendered: str, texts: list[str], settings: PairSettings, tally: JudgeTally,
+                 origin: dict[str, str]) -> tuple[list[dict], str]:
+    """The pairs file's rows of one prompt labelled by `judge`, and the prompt's outcome (one of
+    `JUDGE_OUTCOMES`): its distinct answers paired in order ((0, 1), (2, 3), ...; at most
+    `pairs_per_prompt`), each compared in both orders, the preferred one chosen. A pair within
+    `preference_margin` of 1/2 is a tie and one the judge cannot render a failure: both skipped,
+    counted apart in `tally`."""
     distinct = list(dict.fromkeys(texts))
     candidates = [(distinct[i], distinct[i + 1]) for i in range(0, len(distinct) - 1, 2)][: settings.pairs_per_prompt]
     if not candidates:
-        return []
+        return [], "one_answer"
     row = verifier_input(example, rendered)
     labels = judge.prefer([row] * len(candidates), [a for a, _ in candidates], [b for _, b in candidates])
-    out = []
+    out, tied = [], False
     for number, ((a, b), label) in enumerate(zip(candidates, labels)):
-        if label["p"] is None or abs(label["p"] - 0.5) < settings.preference_margin:
-            judged["undecided"] += 1
+        if label["p"] is None:
+            tally.failed += 1
+            tally.failure_reasons[label.get("reason") or "no reason given"] += 1
             continue
-        judged["position_bias"].append(label["position_bias"])
+        distance = abs(label["p"] - 0.5)
+        if distance < settings.preference_margin:
+            tally.tied, tied = tally.tied + 1, True
+            tally.largest_tie_distance = max(distance, tally.largest_tie_distance or 0.0)
+            continue
+        tally.decided += 1
+        tally.position_bias.append(label["position_bias"])
         chosen, rejected = (a, b) if label["p"] > 0.5 else (b, a)
         out.append({"id": f"{example.id}/{number}", "prompt": example.prompt_input, "chosen": chosen, "rejected": rejected,
                     "metadata": {"example": example.id, "p_chosen": max(label["p"], 1 - label["p"]), "p_ab": label["p_ab"],
                                  "p_ba": label["p_ba"], "position_bias": label["position_bias"], **origin}})
-    return out
+    return out, "paired" if out else "tied" if tied else "judge_failed"
 
 
 def unpaired_rows(example, texts: list[str], verdicts: list, labelled, origin: dict[str, str]) -> list[dict]:
