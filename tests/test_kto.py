@@ -285,6 +285,9 @@ def test_pairs_unpaired_keeps_every_group_then_kto_trains_on_it(tmp_path):
         ("dpo", ["--loss.type", "kto", "--loss.nll_weight", "0.5"], "loss.nll_weight does not apply to loss.type kto"),
         ("dpo", ["--loss.desirable_weight", "2"], "apply to loss.type kto only"),
         ("dpo", ["--loss.type", "kto", "--loss.undesirable_weight", "0"], "must be > 0"),
+        # DPO's pairwise loss on unpaired rows: the file's layout and the loss that reads it, not a missing `chosen` per row
+        ("dpo", [], "unpaired rows (KTO's layout: prompt, completion, label), not preference pairs (prompt, chosen, rejected); "
+                    "DPO's pairwise losses train on pairs: train KTO on these rows with --loss.type kto"),
     ],
 )
 def test_mistakes_are_one_line(tmp_path, command, extra, message):

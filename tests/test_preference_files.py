@@ -108,6 +108,26 @@ def test_a_file_without_chosen_is_one_line_even_without_a_format(tmp_path):
         load_preference_file(path)
 
 
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_an_unpaired_file_is_one_line_naming_its_layout(tmp_path, suffix):
+    """KTO's rows (prompt, completion, label) given to a pair loader: one line saying the file is
+    unpaired and what to run instead (DPO: --loss.type kto), not a missing `chosen` per row and a hint
+    to map a `chosen` column. JSONL is read from its first row, Parquet from its schema."""
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1) if i % 2 else "no", "label": bool(i % 2)} for i in range(6)]
+    path = tmp_path / f"rows.{suffix}"
+    if suffix == "parquet":
+        write_parquet(path, rows)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UserError) as error:
+        load_pairs(path, build_tiny_tokenizer(), heldout_pairs=2)
+    message = str(error.value)
+    assert message.startswith(f"{path}: unpaired rows (KTO's layout: prompt, completion, label), not preference pairs"), message
+    assert message.endswith("train KTO on these rows with --loss.type kto") and "\n" not in message, message
+    with pytest.raises(UserError, match="a reward model needs pairs$"):
+        load_preference_file(path, unpaired_advice="a reward model needs pairs")
+
+
 def test_bad_rows_name_file_row_and_field(tmp_path):
     rows = string_pairs(4)
     rows[1]["chosen"] = None  # a null cell

@@ -276,6 +276,18 @@ def test_bad_config_is_one_line_and_writes_nothing(tmp_path, extra, message):
     assert not (tmp_path / "run").exists()
 
 
+def test_rm_on_an_unpaired_file_is_one_line(tmp_path):
+    """`posttrain rm` given KTO's unpaired rows: one line, a reward model needs pairs and this file is
+    unpaired (KTO's layout), what to run instead; not a "chosen: missing field" per row. Nothing written."""
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1) if i % 2 else "no", "label": bool(i % 2)} for i in range(40)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = subprocess.run(rm_command(tmp_path / "rows.jsonl", tmp_path / "run"), capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "unpaired rows (KTO's layout: prompt, completion, label)" in result.stderr, result.stderr
+    assert "a reward model is trained on pairs" in result.stderr and "missing field" not in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_margin_without_the_column_names_the_pair(tmp_path):
     rows = [json.loads(line) for line in pairs_file(tmp_path / "pairs.jsonl").read_text().splitlines()]
     del rows[3]["margin"]

@@ -47,6 +47,10 @@ from posttrain.errors import UserError
 KNOWN_FIELDS = {"prompt", "chosen", "rejected", "id", "metadata"}
 REQUIRED_COLUMNS = {"chosen": "chosen", "rejected": "rejected"}
 """Every preference source has these (after the mapping): a file without one is one line, not a bad row each."""
+UNPAIRED_COLUMNS = {"completion": "completion", "label": "label"}
+"""An unpaired source (KTO's layout) has these (after the mapping) instead of `chosen` and `rejected`."""
+PAIRS_NEEDED = "DPO's pairwise losses train on pairs: train KTO on these rows with --loss.type kto"
+"""What a pair loader says of an unpaired source by default (`posttrain rm` says its own)."""
 
 
 @dataclass
@@ -80,8 +84,11 @@ def validate_preference_file(
     max_prompt_tokens: int | None = None,
     system_prompt: str | None = None,
     use_chat_template: bool | None = None,
+    unpaired_advice: str = PAIRS_NEEDED,
 ) -> tuple[list[tuple[int, PreferencePair]], ValidationReport]:
     """Read and check the whole file: the valid `(row number, pair)`s and the report of every problem.
+    An unpaired source (`layout_of`: completion and label, no chosen or rejected) is one UserError
+    line ending in `unpaired_advice` (what to run instead), not a missing field per row.
 
     data_format, columns: a named public layout (`trl_preference`) and/or an explicit mapping of our
     column names to the file's (`posttrain.data.files`); a mapped column the file lacks is a UserError.
@@ -89,7 +96,12 @@ def validate_preference_file(
     tokenizer + max_prompt_tokens: also report prompts longer than the limit after the chat template.
     """
     mapping = resolve_columns(data_format, columns)
-    check_columns(str(path), column_names(path, source_split), {**REQUIRED_COLUMNS, **mapping})
+    present = source_columns(path, source_split)
+    pair_columns = {**REQUIRED_COLUMNS, **mapping}
+    if layout_of(present, mapping) == "unpaired":
+        raise UserError(f"{path}: unpaired rows (KTO's layout: prompt, completion, label), not preference pairs "
+                        f"(prompt, chosen, rejected); {unpaired_advice}")
+    check_columns(str(path), column_names(path, source_split), pair_columns)
     report = ValidationReport(str(path))
     pairs = []
     for line, row in read_rows(path, report, source_split):
@@ -100,6 +112,25 @@ def validate_preference_file(
         ):
             pairs.append((line, pair))
     return pairs, report
+
+
+def source_columns(path: str | Path, source_split: str | None = None) -> list[str]:
+    """A source's column names: its schema's, or for JSONL the first row that parses."""
+    present = column_names(path, source_split)
+    if present is None:
+        first = next(read_rows(path, ValidationReport(str(path)), source_split), None)
+        present = list(first[1]) if first is not None else []
+    return present
+
+
+def layout_of(present: list[str], mapping: dict[str, str]) -> str:
+    """"pairs" when the columns `present` hold the (mapped) chosen or rejected, else "unpaired" when
+    they hold the completion and label of KTO's layout, else "unknown". `mapping`: our column name
+    -> the source's (`resolve_columns`). layout_of(["prompt", "completion", "label"], {}) -> "unpaired"."""
+    column = lambda ours: mapping.get(ours, ours)  # noqa: E731
+    if column("chosen") in present or column("rejected") in present:
+        return "pairs"
+    return "unpaired" if all(column(ours) in present for ours in UNPAIRED_COLUMNS) else "unknown"
 
 
 def load_preference_file(path: str | Path, *, strict: bool = True, system_prompt: str | None = None, **checks):
@@ -338,6 +369,7 @@ def load_pairs(
     data_format: str | None = None,
     columns: dict | None = None,
     source_split: str | None = None,
+    unpaired_advice: str = PAIRS_NEEDED,
 ) -> PairSplits:
     """Validated training and held-out pairs, with the truncation policy applied once to all of them
     (so a training step never drops a pair) and the counts for the run card.
@@ -346,12 +378,12 @@ def load_pairs(
     (`split_pairs` with `split_seed`), else none. Prompts are rendered as the run renders them
     (`system_prompt`, `use_chat_template`): a prompt over a limit whose policy is "error" is a bad
     row, named by file and line. `data_format`, `columns` and `source_split` say how to read both
-    files (see `validate_preference_file`).
+    files (see `validate_preference_file`); an unpaired file is one line ending in `unpaired_advice`.
     """
     truncation = truncation or TruncationPolicy()
     checks = dict(system_prompt=system_prompt, tokenizer=tokenizer, use_chat_template=use_chat_template,
                   max_prompt_tokens=truncation.max_prompt_tokens if truncation.prompt == "error" else None,
-                  data_format=data_format, columns=columns, source_split=source_split)
+                  data_format=data_format, columns=columns, source_split=source_split, unpaired_advice=unpaired_advice)
     loaded = load_preference_file(path, strict=strict, **checks)
     if heldout_file:
         train, held = loaded.pairs, load_preference_file(heldout_file, strict=strict, **checks).pairs

@@ -33,20 +33,18 @@ from posttrain.data.examples import derived_seed
 from posttrain.data.files import check_columns, column_names, map_row, read_rows, resolve_columns
 from posttrain.data.preference import (
     KNOWN_FIELDS,
+    UNPAIRED_COLUMNS,
     PairSplits,
     PreferencePair,
     load_preference_file,
     prompt_key,
+    source_columns,
     split_pairs,
     truncated_splits,
 )
 from posttrain.data.tokenize import TruncationPolicy
 from posttrain.data.validation import ValidationReport, check_messages, check_prompt_length, check_text, type_name
 from posttrain.errors import UserError
-
-UNPAIRED_COLUMNS = {"completion": "completion", "label": "label"}
-"""An unpaired source has these (after the mapping); a source with `chosen` and `rejected` instead is read as pairs."""
-
 
 @dataclass
 class UnpairedRow:
@@ -103,11 +101,7 @@ def is_unpaired(path: str | Path, *, data_format: str | None = None, columns: di
     """Whether a source holds unpaired rows (a `completion` and a `label`) rather than pairs: from
     its columns, or for JSONL from its first row."""
     mapping = {**UNPAIRED_COLUMNS, **resolve_columns(data_format, columns)}
-    present = column_names(path, source_split)
-    if present is None:  # JSONL: the first row that parses
-        report = ValidationReport(str(path))
-        first = next(read_rows(path, report, source_split), None)
-        present = list(first[1]) if first is not None else []
+    present = source_columns(path, source_split)
     return mapping["completion"] in present and mapping["label"] in present
 
 

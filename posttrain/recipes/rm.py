@@ -180,7 +180,9 @@ def setup(config: Config, world: World, placement: Placement) -> State:
         return tokenize_preference_pairs(tokenizer, pairs, **rendering).to(placement.device)
 
     splits = load_pairs(data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs, split_seed=config.seed,
-                        strict=data.strict, data_format=data.format, columns=data.columns, source_split=data.split, **rendering)
+                        strict=data.strict, data_format=data.format, columns=data.columns, source_split=data.split, **rendering,
+                        unpaired_advice="a reward model is trained on pairs (Bradley-Terry): make them with posttrain pairs "
+                                        "(without --unpaired), or train on these rows with posttrain dpo --loss.type kto")
     margins = {"train": pair_margins(splits.train, config.loss, data.pairs),
                "heldout": pair_margins(splits.heldout, config.loss, data.heldout_file or data.pairs)}
     return State(config=dataclasses.replace(config, data=data), world=world, placement=placement, model=model, tokenizer=tokenizer,
