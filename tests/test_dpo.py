@@ -201,6 +201,12 @@ def test_heldout_pairs_live_equals_cached_whatever_the_micro_batch(tmp_path, pai
         assert result["heldout/margins"] == pytest.approx(0.0, abs=1e-5) and result["heldout/logratio/chosen"] == pytest.approx(0.0, abs=1e-4)
         assert result["heldout/nll"] == pytest.approx(nll, rel=1e-5)
     assert all(result["heldout/preference_accuracy"] == 0.0 for result in live)
+    # TRL's convention counts the 5 ties as wrong; they are counted apart, and the interval is 0 of 5's.
+    from posttrain.evaluation.stats import wilson_interval
+
+    for result in live:
+        assert result["heldout/preference_accuracy_ties"] == 5
+        assert (result["heldout/preference_accuracy_low"], result["heldout/preference_accuracy_high"]) == pytest.approx(wilson_interval(0, 5))
     assert evaluate_pairs(policy, HeldoutPairs([], encode, config.loss, 2)) == {}
 
 
@@ -349,6 +355,10 @@ def test_smoke_each_loss(tmp_path, pairs_file, variant):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert rows[0]["heldout/preference_accuracy"] == 0.0 and rows[0]["heldout/margins"] == 0.0
+    card_heldout = json.loads((run_dir / "run_card.json").read_text())["links"]["acceptance"]["heldout_pairs"]
+    assert rows[0]["heldout/preference_accuracy_ties"] == int(card_heldout.split()[0]), "policy == reference: every held-out pair a tie"
+    assert "a tie counts as wrong" in card_heldout and "Wilson 95% interval" in card_heldout
+    assert rows[1]["rewards/ties"] == 1.0 and rows[2]["rewards/ties"] == 0.0
     assert rows[1]["logratio/chosen"] == pytest.approx(0.0, abs=1e-5), "step 1: policy == reference"
     assert all(math.isfinite(row["loss"]) for row in rows[1:])
     assert rows[2]["logratio/chosen"] != 0.0, "the policy moved"

@@ -207,6 +207,48 @@ def test_precomputed_reference_equals_live():
         assert torch.allclose(kept.grads[name], grad, atol=1e-6), name
 
 
+def test_kto_metrics_count_rows_at_the_reference_point_apart():
+    """Log-ratios [1.0, -0.2, 0.1], labels [desirable, undesirable, desirable], z0 0.1: the first two
+    are on their label's side (1.0 > 0.1, -0.2 < 0.1), the third is at z0: accuracy 2/3, ties 1/3."""
+    logratios, desirable = torch.tensor([1.0, -0.2, 0.1]), torch.tensor([True, False, True])
+    zeros = torch.zeros(3)
+    metrics = kto.kto_metrics(kto.kto_columns(zeros, zeros, logratios, zeros, zeros, desirable), 0.1)
+    assert metrics["rewards/accuracy"] == pytest.approx(2 / 3) and metrics["rewards/ties"] == pytest.approx(1 / 3)
+
+
+def test_heldout_rows_at_step_0_are_ties_not_wrong_and_not_a_preference_accuracy():
+    """Policy == reference: every held-out row's log-ratio is 0 and z0 = max(0, 0) = 0, so no row is
+    on its label's side: label-side accuracy 0 of 8 with all 8 counted as ties, and the Wilson interval
+    of 0 / 8, [0, 0.324]. The metric is named for what it is (rows against z0), not preference
+    accuracy; the card's acceptance link says so. After the policy moves, no row sits exactly at z0."""
+    from posttrain.evaluation.preference import HeldoutPairs, evaluate_unpaired, preference_acceptance_card
+    from posttrain.evaluation.stats import wilson_interval
+
+    policy, tokenizer = load_model("tiny")
+    reference = make_reference(policy)
+    rows = [UnpairedRow(f"r{i}", row["prompt"], row["completion"], row["label"]) for i, row in enumerate(unpaired_rows(8))]
+    pairs = with_mismatched(rows, 0, "test")
+    loss = dpo_config.Config().loss
+    loss.type = "kto"
+    held = HeldoutPairs(pairs, lambda chunk: tokenize_preference_pairs(tokenizer, chunk), loss, 3, reference)
+    metrics = evaluate_unpaired(policy, held)
+    assert "heldout/preference_accuracy" not in metrics and "heldout/rewards/accuracy" not in metrics
+    assert metrics["heldout/label_side_accuracy"] == 0.0 and metrics["heldout/label_side_accuracy_ties"] == 8
+    assert (metrics["heldout/label_side_accuracy_low"], metrics["heldout/label_side_accuracy_high"]) == pytest.approx(wilson_interval(0, 8))
+    assert metrics["heldout/label_side_accuracy_high"] == pytest.approx(0.3244, abs=1e-4)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    moved = evaluate_unpaired(policy, held)
+    assert moved["heldout/label_side_accuracy_ties"] == 0
+    correct = round(moved["heldout/label_side_accuracy"] * 8)
+    assert (moved["heldout/label_side_accuracy_low"], moved["heldout/label_side_accuracy_high"]) == pytest.approx(wilson_interval(correct, 8))
+    acceptance = dpo_config.Config().acceptance
+    link = preference_acceptance_card(acceptance, 8, None, None, None, unpaired=True)
+    assert link["heldout_pairs"].startswith("8 unpaired rows: label-side accuracy") and "reference point z0" in link["heldout_pairs"]
+
+
 def test_class_balance_band_and_the_weights_that_bring_it_in():
     """19 desirable, 21 undesirable at weights 1, 1: 19/21 = 0.905 < 1, outside TRL's [1, 4/3]; the
     warning names undesirable_weight in [19/(4/3 x 21), 19/21] = [0.679, 0.905], and 0.8 is inside."""
@@ -273,8 +315,10 @@ def test_pairs_unpaired_keeps_every_group_then_kto_trains_on_it(tmp_path):
     assert card["links"]["reward"]["verifier"] == "callable:rewards_for_tests.digits"
     metrics = [json.loads(line) for line in (tmp_path / "kto" / "metrics.jsonl").read_text().splitlines()]
     step = [m for m in metrics if "loss" in m][-1]
-    assert {"kl", "rewards/accuracy", "rows/desirable", "grad_norm"} <= set(step)
-    assert any("heldout/preference_accuracy" in m for m in metrics)
+    assert {"kl", "rewards/accuracy", "rewards/ties", "rows/desirable", "grad_norm"} <= set(step)
+    assert metrics[0]["heldout/label_side_accuracy"] == 0.0 and metrics[0]["heldout/label_side_accuracy_ties"] == data["heldout_pairs"]
+    assert not any("heldout/preference_accuracy" in m for m in metrics)
+    assert "label-side accuracy (KTO rows vs z0) 0.000 [0.000, " in run.stdout and f"(step 0, {data['heldout_pairs']} ties)" in run.stdout
     assert (tmp_path / "kto" / "plots" / "kl.png").is_file()
 
 

@@ -176,6 +176,15 @@ def test_one_signature_refuses_what_a_loss_does_not_take():
             PREFERENCE_LOSSES[name](*SEED, beta=0.2)
 
 
+def test_pair_metrics_count_ties_apart():
+    """Rewards chosen [0.2, -0.1, 0], rejected [-0.2, 0.3, 0]: the first pair right, the second
+    wrong, the third a tie (TRL's convention counts it wrong): accuracy 1/3, ties 1/3, margins 0."""
+    chosen_rewards, rejected_rewards, zeros = t(0.2, -0.1, 0.0), t(-0.2, 0.3, 0.0), torch.zeros(3)
+    metrics = pair_metrics(pair_columns(zeros, chosen_rewards, rejected_rewards, zeros, zeros, zeros, zeros))
+    assert metrics["rewards/accuracy"].item() == pytest.approx(1 / 3) and metrics["rewards/ties"].item() == pytest.approx(1 / 3)
+    assert metrics["rewards/margins"].item() == pytest.approx(0.0, abs=1e-7)
+
+
 def test_pair_metrics_by_hand():
     """Two pairs. Policy chosen [-2, -1], rejected [-4, -1]; reference chosen [-3, -1], rejected [-3, -2].
     Log-ratios: chosen [1, 0], rejected [-1, 1]; beta 0.5 -> rewards chosen [0.5, 0], rejected
@@ -189,7 +198,7 @@ def test_pair_metrics_by_hand():
     assert list(metrics) == list(PAIR_METRICS)
     expected = {
         "loss/preference": 0.643669, "rewards/chosen": 0.25, "rewards/rejected": 0.0, "rewards/margins": 0.25,
-        "rewards/accuracy": 0.5, "logps/chosen": -1.5, "logps/rejected": -2.5, "logratio/chosen": 0.5, "logratio/rejected": 0.0,
+        "rewards/accuracy": 0.5, "rewards/ties": 0.0, "logps/chosen": -1.5, "logps/rejected": -2.5, "logratio/chosen": 0.5, "logratio/rejected": 0.0,
     }
     for key, value in expected.items():
         assert metrics[key].dim() == 0 and metrics[key].item() == pytest.approx(value, abs=1e-6), key

@@ -116,3 +116,24 @@ def test_a_rewritten_run_card_keeps_the_human_review(tmp_path):
     assert written == {"checker": "integer", "eval_every": 5, "human_review": {"agreement": 0.9, "n": 10}}
     assert "human_review" in (tmp_path / "run_card.md").read_text()
     assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_results_show_a_held_out_rate_with_its_interval_and_ties(tmp_path):
+    """DPO's held-out preference accuracy at step 0 is 0 of 8 because all 8 pairs tie (policy =
+    reference): the summary shows the Wilson interval of each end and the ties, so 0.000 -> 1.000 on
+    8 pairs does not read as a measured gain; the card's results table shows the same."""
+    import json
+
+    from posttrain.evaluation.stats import wilson_interval
+    from posttrain.runs.card import results_markdown
+    from posttrain.runs.results import results, summary_lines
+
+    start, end = wilson_interval(0, 8), wilson_interval(8, 8)
+    rows = [{"step": 0, "heldout/preference_accuracy": 0.0, "heldout/preference_accuracy_low": start[0],
+             "heldout/preference_accuracy_high": start[1], "heldout/preference_accuracy_ties": 8},
+            {"step": 10, "heldout/preference_accuracy": 1.0, "heldout/preference_accuracy_low": end[0],
+             "heldout/preference_accuracy_high": end[1], "heldout/preference_accuracy_ties": 0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    expected = "preference accuracy 0.000 [0.000, 0.324] (step 0, 8 ties) -> 1.000 [0.676, 1.000] (step 10)"
+    assert summary_lines(tmp_path)[0] == f"held-out: {expected}"
+    assert "| preference accuracy | 0.000 [0.000, 0.324] (step 0, 8 ties) | 1.000 [0.676, 1.000] (step 10) | - |" in results_markdown(results(tmp_path))

@@ -268,7 +268,7 @@ LABEL_SMOOTHED = ("sigmoid", "conservative", "robust")
 """The losses that take a label-noise rate (`label_smoothing`)."""
 
 PAIR_METRICS = (
-    "loss/preference", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy",
+    "loss/preference", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "rewards/ties",
     "logps/chosen", "logps/rejected", "logratio/chosen", "logratio/rejected",
 )
 """What `pair_metrics` returns, in order."""
@@ -299,12 +299,16 @@ def pair_metrics(columns: torch.Tensor) -> dict[str, torch.Tensor]:
     """Means over the M pairs of (7, M) `pair_columns`, as 0-dim tensors named by `PAIR_METRICS`.
 
     The margin is the mean of chosen - rejected reward; the accuracy the fraction of pairs whose
-    chosen reward is strictly higher (a tie counts as wrong, so policy == reference gives 0).
-    Example: rewards chosen [0.2, -0.1], rejected [-0.2, 0.3]: margins mean(0.4, -0.4) = 0, accuracy 0.5.
+    chosen reward is strictly higher: TRL's convention, a tie counts as wrong, so policy == reference
+    (every reward 0) gives 0; the ties are the fraction of pairs whose two rewards are equal, reported
+    apart so that 0 reads as "no preference yet", not "every pair wrong".
+    Example: rewards chosen [0.2, -0.1, 0], rejected [-0.2, 0.3, 0]: margins mean(0.4, -0.4, 0) = 0,
+    accuracy 1/3, ties 1/3.
     """
     losses, chosen_rewards, rejected_rewards, chosen, rejected, chosen_ratio, rejected_ratio = columns
     values = (
         losses.mean(), chosen_rewards.mean(), rejected_rewards.mean(), (chosen_rewards - rejected_rewards).mean(),
-        (chosen_rewards > rejected_rewards).float().mean(), chosen.mean(), rejected.mean(), chosen_ratio.mean(), rejected_ratio.mean(),
+        (chosen_rewards > rejected_rewards).float().mean(), (chosen_rewards == rejected_rewards).float().mean(),
+        chosen.mean(), rejected.mean(), chosen_ratio.mean(), rejected_ratio.mean(),
     )
     return dict(zip(PAIR_METRICS, values))

@@ -8,6 +8,7 @@ log-prob of the mismatched completions), without gradient (as the paper and TRL)
 torchrun; 2. forward/backward of the rows' own completions in micro-batches, the loss the batch mean
 of the per-row losses. The gradient therefore does not depend on micro_batch_size or the world size
 (TRL's z0 is per micro-batch). The policy's mismatched forward takes no gradient, as TRL's.
+The held-out rows are scored by `evaluation.preference.evaluate_unpaired` with the same metrics.
 
     metrics = step(models, batch, desirable, loss, micro_batch_size, world)
 """
@@ -45,14 +46,16 @@ def kto_columns(losses: torch.Tensor, rewards: torch.Tensor, logratios: torch.Te
 def kto_metrics(columns: torch.Tensor, reference_point: float) -> dict[str, float]:
     """The logged means of (6, M) `kto_columns`: loss, kl (z0), rewards/desirable and
     rewards/undesirable (beta x log-ratio, each over its class; absent when the batch has none),
-    rewards/margins (their difference), logratio/* and logps/* per class, and rewards/accuracy: the
-    fraction of rows on their label's side of z0 (desirable r > z0, undesirable r < z0; a tie is
-    wrong). Example: log-ratios [1.0, -0.2], labels [desirable, undesirable], z0 0.1: accuracy 1."""
+    rewards/margins (their difference), logratio/* and logps/* per class, rewards/accuracy: the
+    fraction of rows on their label's side of z0 (desirable r > z0, undesirable r < z0; a row at z0
+    is wrong, so policy == reference gives 0), and rewards/ties: the fraction of rows at z0.
+    Example: log-ratios [1.0, -0.2, 0.1], labels [desirable, undesirable, desirable], z0 0.1:
+    accuracy 2/3, ties 1/3."""
     losses, rewards, logratios, _mismatched, logps, label = columns
     desirable = label > 0.5
     right = torch.where(desirable, logratios > reference_point, logratios < reference_point)
     metrics = {"loss": float(losses.mean()), "kl": reference_point, "rewards/accuracy": float(right.float().mean()),
-               "rows/desirable": float(desirable.float().mean())}
+               "rewards/ties": float((logratios == reference_point).float().mean()), "rows/desirable": float(desirable.float().mean())}
     for name, chosen in (("desirable", desirable), ("undesirable", ~desirable)):
         if chosen.any():
             metrics.update({f"rewards/{name}": float(rewards[chosen].mean()), f"logratio/{name}": float(logratios[chosen].mean()),
@@ -113,37 +116,6 @@ def step(models, batch: PreferenceBatch, desirable: torch.Tensor, loss, micro_ba
     metrics = kto_metrics(columns, reference_point)
     metrics["grad_norm"] = models.policy.step()
     return metrics
-
-
-@torch.no_grad()
-def heldout_metrics(policy, pairs: list, encode, loss, micro_batch_size: int, reference=None,
-                    cached: torch.Tensor | None = None) -> dict[str, float]:
-    """The held-out rows' KTO metrics (`kto_metrics`, z0 from the held-out rows' own mismatched
-    completions), prefixed heldout/; {} without rows. `reference` live, or `cached` (M, 2) sums."""
-    from posttrain.data.unpaired import labels
-
-    if not pairs:
-        return {}
-    own, mismatched, ref_own, ref_mismatched = [], [], [], []
-    for start in range(0, len(pairs), micro_batch_size):
-        batch = encode(pairs[start : start + micro_batch_size])
-        sums = pair_logprobs(policy, batch)
-        if cached is not None:
-            ref_c, ref_r = cached[start : start + micro_batch_size].to(sums.chosen.device).unbind(1)
-        else:
-            ref = pair_logprobs(reference, batch)
-            ref_c, ref_r = ref.chosen, ref.rejected
-        own.append(sums.chosen)
-        mismatched.append(sums.rejected)
-        ref_own.append(ref_c)
-        ref_mismatched.append(ref_r)
-    own, mismatched, ref_own, ref_mismatched = (torch.cat(values).float() for values in (own, mismatched, ref_own, ref_mismatched))
-    desirable = labels(pairs).to(own.device)
-    logratios, mismatched_ratios = own - ref_own, mismatched - ref_mismatched
-    losses, rewards, point = kto_loss(logratios, mismatched_ratios, desirable, beta=loss.beta,
-                                      desirable_weight=loss.desirable_weight, undesirable_weight=loss.undesirable_weight)
-    metrics = kto_metrics(kto_columns(losses, rewards, logratios, mismatched_ratios, own, desirable), float(point))
-    return {f"heldout/{'preference_accuracy' if key == 'rewards/accuracy' else key}": value for key, value in metrics.items()}
 
 
 def class_balance(desirable: int, undesirable: int, loss) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, HeldOutSet, evaluate_sets, heldout_checker, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
-from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs, heldout_task, preference_acceptance_card
+from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs, evaluate_unpaired, heldout_task, preference_acceptance_card
 from posttrain.hardware import Placement
 from posttrain.models import ReferenceModel, make_reference
 from posttrain.models.forward import TrainingForward
@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 PLOTTED = ["loss", "rewards/accuracy", "rewards/margins", "logratio/chosen", "logratio/rejected",
            "heldout/preference_accuracy", "heldout/pass@1"]
 KTO_PLOTTED = ["loss", "kl", "rewards/accuracy", "rewards/desirable", "rewards/undesirable", "logratio/desirable",
-               "logratio/undesirable", "heldout/preference_accuracy", "heldout/pass@1"]
+               "logratio/undesirable", "heldout/label_side_accuracy", "heldout/pass@1"]
 """What a KTO run plots: its rows are unpaired, so desirable / undesirable instead of chosen / rejected."""
 
 
@@ -353,10 +353,8 @@ def _evaluate_main(state: State, run_dir: RunDirectory) -> dict[str, Any]:
     was_training = policy.training
     policy.eval()
     cached = state.cached["heldout"] if state.cached is not None else None
-    if state.kto:
-        metrics = kto.heldout_metrics(policy, state.held_pairs, state.encode, config.loss, config.micro_batch_size, state.reference, cached)
-    else:
-        metrics = evaluate_pairs(policy, HeldoutPairs(state.held_pairs, state.encode, config.loss, config.micro_batch_size, state.reference, cached))
+    heldout = HeldoutPairs(state.held_pairs, state.encode, config.loss, config.micro_batch_size, state.reference, cached)
+    metrics = (evaluate_unpaired if state.kto else evaluate_pairs)(policy, heldout)
     if state.held_task is not None:
         metrics.update(evaluate_sets(policy, state.tokenizer, state.held_task, state.checker, state.shifted, step=state.step,
                                      eval_dir=run_dir.eval_dir, seed=config.seed, max_new_tokens=config.acceptance.max_new_tokens,
@@ -392,7 +390,7 @@ def make_card(state: State, changes: list[str]) -> dict[str, Any]:
         if "warning" in balance:
             card["notes"].append(balance["warning"])
     acceptance = card["links"]["acceptance"] = preference_acceptance_card(config.acceptance, len(state.held_pairs), state.task_spec,
-                                                                          state.checker, state.provenance, state.shifted)
+                                                                          state.checker, state.provenance, state.shifted, unpaired=state.kto)
     if acceptance.get("independent") is False:
         card["notes"].append(f"acceptance is not independent of the labels: {acceptance['independence_reason']}")
     if config.loss.type in REFERENCE_FREE:

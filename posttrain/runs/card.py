@@ -112,8 +112,10 @@ def write_run_card(run_dir: str | Path, card: dict[str, Any]) -> None:
     write_text_atomically(run_dir / "run_card.md", render_markdown(card))
 
 
-OTHER = {"heldout/preference_accuracy": "preference accuracy", "heldout/nll": "NLL"}
-"""Held-out metrics of a run's results beside pass@1 (`runs.results`), with their names."""
+OTHER = {"heldout/preference_accuracy": "preference accuracy", "heldout/label_side_accuracy": "label-side accuracy (KTO rows vs z0)",
+         "heldout/nll": "NLL"}
+"""Held-out metrics of a run's results beside pass@1 (`runs.results`), with their names; a metric
+logged with `_low` / `_high` (its 95% interval) and `_ties` (ties counted wrong) shows them."""
 TRAINING = {"reward/mean": "reward", "loss": "loss"}
 """Training metrics of a run's results, with their names."""
 
@@ -141,10 +143,17 @@ def value_text(value: float | None) -> str:
 
 
 def span_text(span: dict[str, Any]) -> str:
-    """'0.520 (step 1) -> 0.740 (step 20)', or '0.520 (step 1)' for a span of one step."""
+    """'0.520 (step 1) -> 0.740 (step 20)', or '0.520 (step 1)' for a span of one step; a point with
+    an interval and ties: '0.000 [0.000, 0.324] (step 0, 8 ties)'."""
     start, end = span["start"], span["end"]
-    text = f"{value_text(start['value'])} (step {start['step']})"
-    return text if start["step"] == end["step"] else f"{text} -> {value_text(end['value'])} (step {end['step']})"
+    text = point_text(start)
+    return text if start["step"] == end["step"] else f"{text} -> {point_text(end)}"
+
+
+def point_text(point: dict[str, Any]) -> str:
+    """One end of a span: its value, its interval when it has one, its step and its ties when any."""
+    ties = f", {point['ties']} ties" if point.get("ties") else ""
+    return f"{value_text(point['value'])}{_interval(point.get('ci95'))} (step {point['step']}{ties})"
 
 
 def results_markdown(found: dict[str, Any]) -> list[str]:
@@ -157,6 +166,5 @@ def results_markdown(found: dict[str, Any]) -> list[str]:
                         f"{change['value']:+.3f}{_interval(change['ci95'], signed=True)}{' paired' if change['paired'] else ''} |"
                         if change else "- | - |"))
     for key, span in {**found["heldout"], **found["training"]}.items():
-        lines.append(f"| {OTHER.get(key) or TRAINING[key]} | {value_text(span['start']['value'])} (step {span['start']['step']}) | "
-                     f"{value_text(span['end']['value'])} (step {span['end']['step']}) | - |")
+        lines.append(f"| {OTHER.get(key) or TRAINING[key]} | {point_text(span['start'])} | {point_text(span['end'])} | - |")
     return lines + [""]

@@ -75,11 +75,21 @@ def _correct(eval_dir: Path, name: str, step: int) -> list | None:
 
 
 def _span(rows: list[dict[str, Any]], key: str, skip_step_zero: bool = False) -> dict[str, Any] | None:
-    """`key` at its first and last logged step (None: never logged)."""
+    """`key` at its first and last logged step (None: never logged), each with its interval
+    (`ci95`, from `key`_low / _high) and tie count (`ties`, from `key`_ties) when the row logs them."""
     logged = [row for row in rows if row.get(key) is not None and not (skip_step_zero and row["step"] == 0)]
     if not logged:
         return None
-    return {"start": {"step": logged[0]["step"], "value": logged[0][key]}, "end": {"step": logged[-1]["step"], "value": logged[-1][key]}}
+    return {"start": _logged_point(logged[0], key), "end": _logged_point(logged[-1], key)}
+
+
+def _logged_point(row: dict[str, Any], key: str) -> dict[str, Any]:
+    point = {"step": row["step"], "value": row[key]}
+    if row.get(f"{key}_low") is not None and row.get(f"{key}_high") is not None:
+        point["ci95"] = [row[f"{key}_low"], row[f"{key}_high"]]
+    if row.get(f"{key}_ties") is not None:
+        point["ties"] = row[f"{key}_ties"]
+    return point
 
 
 def summary_lines(run_dir: str | Path) -> list[str]:
