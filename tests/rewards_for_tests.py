@@ -13,3 +13,8 @@ def broken(completion: str, example: dict) -> float:
 def constant(completion: str, example: dict) -> float:
     """The same reward for every row: every group's rewards are equal, the policy gradient is zero."""
     return 1.0
+
+
+def zero(completion: str, example: dict) -> float:
+    """0 for every row: no estimator gets a reward signal, whether or not it has groups."""
+    return 0.0

@@ -72,6 +72,51 @@ def test_gae_normalize_rewards_standardises_the_scored_rows_first():
     assert torch.allclose(shifted.advantages, estimate.advantages)
 
 
+def test_silent_fraction_by_hand():
+    """Rewards [1, 1 | 0, 1 | NaN, 2], G = 2. Groups: (1, 1) equal, (0, 1) differ, (NaN, 2) one
+    scored row: 2 of 3 silent. The batch: 1, 1, 0, 1, 2 differ: 0. Rows 2-4 out of the loss: the
+    batch's counted rewards are 1, 1: silent, 1.0; a group with no counted row is silent too."""
+    from posttrain.algorithms.estimators import silent_fraction
+
+    rewards, every = torch.tensor([1.0, 1.0, 0.0, 1.0, float("nan"), 2.0]), torch.ones(6, dtype=torch.bool)
+    assert silent_fraction(rewards, every, 2, "group").item() == pytest.approx(2 / 3)
+    assert silent_fraction(rewards, every, 2, "batch").item() == 0.0
+    first_two = torch.tensor([True, True, False, False, False, False])
+    assert silent_fraction(rewards, first_two, 2, "batch").item() == 1.0
+    assert silent_fraction(rewards, first_two, 2, "group").item() == 1.0
+    with pytest.raises(ValueError, match="scope"):
+        silent_fraction(rewards, every, 2, "token")
+
+
+def _estimate(name: str, rewards: list[float]):
+    torch.manual_seed(0)
+    mask = torch.ones(len(rewards), 3, dtype=torch.bool)
+    inputs = StepRewards(torch.tensor(rewards), mask, mask, 2, values=torch.randn(len(rewards), 3))
+    return ADVANTAGE_ESTIMATORS[name].estimate(inputs, **online_config.Loss(advantage=name).estimator_settings()).advantages
+
+
+@pytest.mark.parametrize("name", list(ADVANTAGE_ESTIMATORS))
+def test_each_estimator_says_when_its_advantages_carry_no_reward_signal(name):
+    """What the signal check counts is what each estimator makes of the rewards. Rewards [0, 0 | 1, 1]
+    (G = 2): within each group equal, across the batch not. Group estimators (group, rloo,
+    reinforce_pp_baseline) give advantage 0 everywhere: silent, 1.0. reinforce_pp whitens returns
+    over the batch (-1, -1, 1, 1: signal, 0.0) and gae sees the reward beside the critic (0.0). Every
+    reward 0: every estimator silent; reinforce_pp's advantages are 0, gae's are the critic's alone
+    (the same whatever row had which reward)."""
+    entry, counted = ADVANTAGE_ESTIMATORS[name], torch.ones(4, dtype=torch.bool)
+    between_groups = _estimate(name, [0.0, 0.0, 1.0, 1.0])
+    silent = entry.silent_fraction(torch.tensor([0.0, 0.0, 1.0, 1.0]), counted, 2).item()
+    if entry.signal_scope == "group":
+        assert silent == 1.0 and torch.count_nonzero(between_groups) == 0
+    else:
+        assert silent == 0.0 and torch.count_nonzero(between_groups) > 0
+    assert entry.silent_fraction(torch.zeros(4), counted, 2).item() == 1.0
+    nothing = _estimate(name, [0.0, 0.0, 0.0, 0.0])
+    assert torch.count_nonzero(nothing) == 0 or entry.needs_critic, "without a critic, equal rewards give advantage 0"
+    assert {entry.signal_scope for entry in ADVANTAGE_ESTIMATORS.values()} == {"group", "batch"}
+    assert entry.signal_scope == ("group" if entry.min_group_size > 1 else "batch"), "a group baseline is the group's signal"
+
+
 def test_every_entry_names_real_settings_and_a_real_command():
     fields = {f.name: f for f in dataclasses.fields(online_config.Loss)}
     for name, entry in ADVANTAGE_ESTIMATORS.items():

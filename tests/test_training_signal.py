@@ -106,11 +106,47 @@ def test_a_reward_that_never_differs_rings_the_alarm_once_and_trains_on(tmp_path
     result = grpo(tmp_path, "--reward", "callable:rewards_for_tests.constant", "--max-steps", "4", "--acceptance.signal_window", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr.count("training signal gone: for 2 steps in a row (to step 2)") == 1
-    assert "every group's rewards were equal" in result.stderr and "reward=1.000" in result.stderr
+    assert "(every group's rewards were equal)" in result.stderr and "reward=1.000" in result.stderr
     card = json.loads((tmp_path / "run" / "run_card.json").read_text())
     signal = card["training_signal"]
     assert signal["zero_variance_group_fraction"] == 1.0 and signal["steps_without_reward_signal"] == 4
     assert signal["infra_error_rate"] == 0.0 and signal["alarm"].startswith("training signal gone") and signal["alarm"] in card["alarms"]
+
+
+def test_a_run_without_groups_whose_reward_never_differs_rings_the_alarm_and_the_checklist_says_no(tmp_path, capsys):
+    """Issue 40 item 1: REINFORCE++ with one sample per prompt and a reward of 0 on every row. No
+    group exists, so the zero-variance group fraction says nothing; the estimator's own fact (every
+    reward of the batch equal: whitened returns 0) is what the check counts: every step without
+    reward signal, the alarm, the summary line and the checklist all say so."""
+    from posttrain.cli import main
+    from posttrain.evaluation import checklist as cl
+
+    result = grpo(tmp_path, "--reward", "callable:rewards_for_tests.zero", "--loss.advantage", "reinforce_pp", "--data.group_size", "1",
+                  "--max-steps", "3", "--acceptance.signal_window", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.count("training signal gone: for 2 steps in a row (to step 2)") == 1
+    assert "(every reward in the batch was equal)" in result.stderr
+    run = tmp_path / "run"
+    card = json.loads((run / "run_card.json").read_text())
+    signal = card["training_signal"]
+    assert signal["steps"] == 3 and signal["steps_without_reward_signal"] == 3 and signal["zero_variance_group_fraction"] is None
+    assert signal["alarm"] in card["alarms"]
+    assert "3 of 3 steps without reward signal" in result.stdout
+    answer = cl.checklist(cl.read_run(run)).answers["signal"]
+    assert answer.answer == "no" and "3 steps without reward signal" in answer.detail
+    assert [a["answer"] for a in card["checklist"]["answers"] if a["name"] == "signal"] == ["no"]
+    capsys.readouterr()
+    assert main(["checklist", str(run), "--require", "signal"]) == 1
+
+
+def test_groups_equal_inside_but_not_across_the_batch_are_signal_for_a_batch_level_estimator():
+    """REINFORCE++ (whitened over the batch) learns from rewards [0, 0 | 1, 1]; GRPO does not. The
+    step's signal is the estimator's: the old group check called both silent."""
+    signal = TrainingSignal(window=1)
+    signal.observe(1, StepSignal(rows=4, zero_variance_fraction=1.0, grad_norm=0.5, silent_fraction=0.0, scope="batch"))
+    assert signal.card()["steps_without_reward_signal"] == 0 and signal.rings == []
+    signal.observe(2, StepSignal(rows=4, zero_variance_fraction=1.0, grad_norm=0.0, silent_fraction=1.0, scope="group"))
+    assert signal.card()["steps_without_reward_signal"] == 1 and "(every group's rewards were equal)" in signal.rings[0]
 
 
 def test_a_run_ends_with_three_lines_and_a_results_section(tmp_path):

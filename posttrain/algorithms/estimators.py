@@ -79,6 +79,43 @@ class AdvantageEstimator:
     """Extra run-card entries of its settings."""
     peers: str = ""
     """The same estimator as the peers spell it (TRL, verl, OpenRLHF), for the run card."""
+    signal_scope: str = "group"
+    """The rows whose rewards must differ for a step's advantages to carry the reward's signal:
+    "group" (each prompt's G samples: a group baseline cancels a reward the group shares) or "batch"
+    (the whole step: a batch-wide normalisation, or a critic, is the only baseline)."""
+
+    def silent_fraction(self, rewards: torch.Tensor, counted: torch.Tensor, group_size: int) -> torch.Tensor:
+        """The fraction of this estimator's `signal_scope` units without reward signal (`silent_fraction`)."""
+        return silent_fraction(rewards, counted, group_size, self.signal_scope)
+
+
+def silent_fraction(rewards: torch.Tensor, counted: torch.Tensor, group_size: int, scope: str) -> torch.Tensor:
+    """The fraction of a step's units (groups of G rows, `scope` "group"; the whole batch, "batch")
+    whose counted rows' rewards are all equal, fewer than two counted rows included: in such a unit
+    the reward moves no advantage apart from the others (group estimators: advantage 0 or the KL's
+    alone; reinforce_pp: whitened returns 0, or one equal push on every token unwhitened; gae: what
+    the critic expected, not what the reward said).
+
+    Args:
+        rewards: (N,) group-contiguous sequence rewards, NaN = unscored.
+        counted: (N,) bool, the rows that reach the loss (scored, with a token in the loss mask).
+        group_size: G.
+        scope: "group" | "batch".
+    Returns:
+        0-dim float tensor in [0, 1].
+
+    Example: rewards [1, 1, 0, 1], G = 2, every row counted: "group" -> 0.5 (the first group's
+    rewards are equal), "batch" -> 0.0; with rows 2-3 not counted, "batch" -> 1.0.
+    """
+    if scope not in ("group", "batch"):
+        raise ValueError(f"scope must be 'group' or 'batch', got {scope!r}")
+    size = group_size if scope == "group" else rewards.numel()
+    counted = (counted & ~torch.isnan(rewards)).view(-1, size)
+    values = rewards.view(-1, size)
+    highest = torch.where(counted, values, torch.full_like(values, -torch.inf)).amax(dim=1)
+    lowest = torch.where(counted, values, torch.full_like(values, torch.inf)).amin(dim=1)
+    differs = (counted.sum(dim=1) >= 2) & (highest > lowest)
+    return 1.0 - differs.float().mean()
 
 
 def group_estimate(inputs: StepRewards, scale: str, eps: float, unbiased_std: bool) -> Estimate:
@@ -165,7 +202,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         kl_metric="update",
         plotted=("reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "length/mean", "loss", "entropy"),
         describe=lambda settings: {"std": "sample (n-1)" if settings["unbiased_std"] else "population (n)"},
-        peers="TRL GRPOTrainer; verl adv_estimator=grpo; OpenRLHF advantage_estimator=group_norm",
+        peers="TRL GRPOTrainer; verl adv_estimator=grpo; OpenRLHF advantage_estimator=group_norm", signal_scope="group",
     ),
     "gae": AdvantageEstimator(
         name="gae", command="ppo", algorithm="PPO with a learned critic (GAE advantages, clipped surrogate, clipped value loss)",
@@ -174,7 +211,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         kl_metric="rollout",
         plotted=("reward/mean", "heldout/pass@1", "kl/estimate", "value_loss", "length/mean", "loss"),
         reward_placement="verifier score on the last response token",
-        peers="TRL PPOTrainer; verl adv_estimator=gae; OpenRLHF advantage_estimator=gae",
+        peers="TRL PPOTrainer; verl adv_estimator=gae; OpenRLHF advantage_estimator=gae", signal_scope="batch",
     ),
     "rloo": AdvantageEstimator(
         name="rloo", command="grpo", algorithm="RLOO (REINFORCE with a leave-one-out group baseline, no critic)",
@@ -183,7 +220,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
                       "estimates, before the leave-one-out baseline (arXiv:2402.14740, TRL RLOOTrainer)"),
         kl_metric="update",
         plotted=("reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "length/mean", "loss", "entropy"),
-        peers="TRL RLOOTrainer; verl adv_estimator=rloo; OpenRLHF advantage_estimator=rloo",
+        peers="TRL RLOOTrainer; verl adv_estimator=rloo; OpenRLHF advantage_estimator=rloo", signal_scope="group",
     ),
     "reinforce_pp": AdvantageEstimator(
         name="reinforce_pp", command="grpo", algorithm="REINFORCE++ (per-token KL-penalised returns, batch-whitened, no critic, no group)",
@@ -191,7 +228,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         kl_in_reward=_REINFORCE_KL, kl_metric="update",
         plotted=("reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "returns/mean", "length/mean", "loss"),
         reward_placement="verifier score on the last response token", describe=_REINFORCE_WHITEN,
-        peers="verl adv_estimator=reinforce_plus_plus; OpenRLHF advantage_estimator=reinforce",
+        peers="verl adv_estimator=reinforce_plus_plus; OpenRLHF advantage_estimator=reinforce", signal_scope="batch",
     ),
     "reinforce_pp_baseline": AdvantageEstimator(
         name="reinforce_pp_baseline", command="grpo",
@@ -201,6 +238,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         plotted=("reward/mean", "heldout/pass@1", "kl/exact", "kl/estimate", "returns/mean", "length/mean", "loss"),
         reward_placement="verifier score minus its group's mean, on the last response token", describe=_REINFORCE_WHITEN,
         peers="verl adv_estimator=reinforce_plus_plus_baseline; OpenRLHF advantage_estimator=reinforce_baseline",
+        signal_scope="group",
     ),
 }
 """Every advantage estimator by its `loss.advantage` name."""

@@ -1,15 +1,18 @@
 """The training-signal check of an online run: is the reward giving the loss anything to learn from?
 
 A reward that raises, returns NaN or a string on every row leaves every row `infra_error` or
-`data_error`; a reward that never fires leaves every group's rewards equal. Either way the policy
-gradient is zero and the run, left alone, would end with exit 0 having learned nothing.
-`TrainingSignal` watches every step's rows and says so while the run goes:
+`data_error`; a reward that never fires leaves every reward equal. Either way the reward moves no
+advantage and the run, left alone, would end with exit 0 having learned nothing from it.
+Whether a step had reward signal is the advantage estimator's own fact (`AdvantageEstimator.
+silent_fraction`): for group estimators (group, rloo, reinforce_pp_baseline) some group's counted
+rewards differed; for batch-level ones (reinforce_pp, gae) some two counted rewards of the batch
+differed. `TrainingSignal` watches every step's rows and says so while the run goes:
 
 - a warning when most of a step's rows could not be scored, naming the first reasons;
 - a stop (`stop`: `SignalLost`, one line with the reward's own error and the `posttrain verify`
   command that replays the failing rows) when every row failed for `stop_after` steps in a row;
 - an alarm that rings once in a run, when `window` steps in a row first had no reward signal at
-  all (every row failed, or every group's rewards were equal);
+  all (every row failed, or the estimator's every unit had equal rewards);
 - the run card's "training_signal" section: error rates, the zero-variance group fraction, the
   steps without reward signal and without gradient.
 
@@ -42,8 +45,10 @@ class SignalLost(UserError):
 class StepSignal:
     """What one step gave the loss: `rows` sampled, of which `infra_errors` and `data_errors`
     could not be scored (`reasons`: the first of those rows' reasons), the fraction of groups
-    whose rewards were all equal (None: no groups, G = 1) and the update's gradient norm (None:
-    no update ran)."""
+    whose rewards were all equal (None: no groups, G = 1), the update's gradient norm (None: no
+    update ran), and the fraction of the estimator's units without reward signal (`silent_fraction`,
+    `AdvantageEstimator.silent_fraction`; None: not measured, the zero-variance fraction stands in)
+    with what a unit is (`scope`: "group" or "batch")."""
 
     rows: int
     infra_errors: int = 0
@@ -51,6 +56,8 @@ class StepSignal:
     reasons: list[str] = field(default_factory=list)
     zero_variance_fraction: float | None = None
     grad_norm: float | None = None
+    silent_fraction: float | None = None
+    scope: str = "group"
 
     @property
     def failed(self) -> int:
@@ -58,8 +65,16 @@ class StepSignal:
 
     @property
     def silent(self) -> bool:
-        """No reward signal: every row failed, or every group's rewards were equal."""
-        return self.rows > 0 and (self.failed == self.rows or self.zero_variance_fraction == 1.0)
+        """No reward signal: every row failed, or no unit of the estimator had rewards that differ."""
+        fraction = self.silent_fraction if self.silent_fraction is not None else self.zero_variance_fraction
+        return self.rows > 0 and (self.failed == self.rows or fraction == 1.0)
+
+    @property
+    def why_silent(self) -> str:
+        """The reason a silent step had no reward signal, for the alarm."""
+        if self.failed == self.rows:
+            return "every row failed to score"
+        return "every group's rewards were equal" if self.scope == "group" else "every reward in the batch was equal"
 
 
 @dataclass
@@ -95,9 +110,8 @@ class TrainingSignal:
             logger.warning("step %d: the reward could not score %d of %d rows (%d infra_error, %d data_error); first: %s",
                            step, signal.failed, signal.rows, signal.infra_errors, signal.data_errors, "; ".join(signal.reasons[:3]))
         if self.window and self.silent_in_a_row == self.window and not self.rings:
-            why = "every row failed to score" if signal.failed == signal.rows else "every group's rewards were equal"
-            message = (f"training signal gone: for {self.window} steps in a row (to step {step}) the policy gradient had nothing to "
-                       f"follow ({why}); the loss is the KL term alone, if any")
+            message = (f"training signal gone: for {self.window} steps in a row (to step {step}) the policy gradient had nothing of the "
+                       f"reward's to follow ({signal.why_silent}); what moves the policy is the KL term, if any, or a critic's errors")
             self.rings.append(message)
             logger.warning(message)
 

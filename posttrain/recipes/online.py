@@ -205,10 +205,7 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     config, world, rollout, placement = state.config, state.world, batch.rollout, state.placement
     loss_cfg, timer = config.loss, timer or Timer(placement.synchronize)
     estimator, temperature = ADVANTAGE_ESTIMATORS[loss_cfg.advantage], config.sampling.temperature
-    valid_rows = batch.valid
-    if loss_cfg.mask_truncated:
-        valid_rows = valid_rows & ~rollout.truncated
-    mask = rollout.mask & valid_rows[:, None]  # (N, T): the tokens that reach the loss
+    mask = rollout.mask & loss_rows(batch, loss_cfg.mask_truncated)[:, None]  # (N, T): the tokens that reach the loss
     metrics: dict[str, Any] = {}
     with timer("logprobs"), placement.autocast():
         old_logprobs, ref_logprobs, old_values = rollout_forwards(state, batch, mask)
@@ -252,6 +249,11 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     if estimator.needs_critic:
         metrics["critic_lr"] = state.scheduler.get_last_lr()[1]
     return metrics
+
+
+def loss_rows(batch: ScoredBatch, mask_truncated: bool) -> torch.Tensor:
+    """(N,) bool: the rows whose tokens reach the loss: scored, and not truncated under `loss.mask_truncated`."""
+    return batch.valid & ~batch.rollout.truncated if mask_truncated else batch.valid
 
 
 def rollout_forwards(state: State, batch: ScoredBatch, mask: torch.Tensor):
@@ -410,7 +412,7 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
                 metrics.update(evaluate(state, run_dir, alarm, metrics["reward/mean"]))
             card["alarms"] = list(alarm.rings) + signal.rings
             write_card()
-        signal.observe(done, step_signal(batch, metrics))
+        signal.observe(done, step_signal(batch, metrics, config))
         card["training_signal"], card["alarms"] = signal.card(), list(alarm.rings) + signal.rings
         loop.end_step(done, metrics, save=lambda: save(done),
             after_log=plot if "heldout/pass@1" in metrics and world.main else None,
@@ -434,12 +436,18 @@ def engine_lost(state: State, run_dir: RunDirectory, save: Callable[[int], None]
     return UserError(f"{lost} (while sampling step {done + 1}; {kept}); once it is back: {resume}")
 
 
-def step_signal(batch: ScoredBatch, metrics: dict[str, Any]) -> StepSignal:
+def step_signal(batch: ScoredBatch, metrics: dict[str, Any], config: Config) -> StepSignal:
     """What a step gave the loss (`evaluation.signal.StepSignal`): its rows, the unscorable ones and
-    their first reasons, the zero-variance group fraction and the update's gradient norm."""
+    their first reasons, the zero-variance group fraction, the estimator's units without reward
+    signal (groups, or the whole batch, over the rows that reached the loss) and the update's
+    gradient norm."""
+    estimator = ADVANTAGE_ESTIMATORS[config.loss.advantage]
+    counted = loss_rows(batch, config.loss.mask_truncated) & batch.rollout.mask.any(dim=1)
+    silent = estimator.silent_fraction(batch.scores.rewards, counted, config.data.group_size)
     return StepSignal(rows=batch.rows_sampled, infra_errors=batch.stats["errors/infra"], data_errors=batch.stats["errors/data"],
                       reasons=[f"{row['status']}: {row['reason']}" for row in batch.failures],
-                      zero_variance_fraction=batch.stats.get("groups/zero_variance_fraction"), grad_norm=metrics.get("grad_norm"))
+                      zero_variance_fraction=batch.stats.get("groups/zero_variance_fraction"), grad_norm=metrics.get("grad_norm"),
+                      silent_fraction=float(silent), scope=estimator.signal_scope)
 
 
 def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_reward: float | None) -> dict[str, Any]:
