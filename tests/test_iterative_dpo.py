@@ -6,6 +6,7 @@ holds a digit), which splits an untrained model's samples; the held-out checker 
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from posttrain.cli import main
+from posttrain.recipes import iterative_dpo
+from posttrain.runs.faults import RunStopped
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ["--rounds", "2", "--steps-per-round", "2", "--pairs.data.task", "arithmetic", "--pairs.data.max_prompts", "8",
@@ -114,6 +117,8 @@ def test_round_2_reference_is_round_1s_end(finished):
     (["--rounds", "0"], "rounds must be at least 1"),
     (["--model", "/no/such/model"], "model '/no/such/model': no such directory"),
     (["--max-steps", "3"], "unknown key 'max_steps'"),
+    (["--dpo.data.heldout_pairs", "32"], "dpo.data.heldout_pairs=32 would hold out every pair of a round: a round makes at most 8 "
+                                         "(8 prompts x pairs.pairs_per_prompt 1), held out by whole prompts; give at most 7"),
 ])
 def test_bad_config_is_one_line_and_writes_nothing(tmp_path, capsys, overrides, message):
     """The whole config, both nested sections and the verifier included, is checked before anything is written."""
@@ -125,6 +130,59 @@ def test_bad_config_is_one_line_and_writes_nothing(tmp_path, capsys, overrides, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_late_mistake_names_its_key_and_the_command_that_goes_on(tmp_path, capsys):
+    """dpo.data.heldout_pairs=7 passes the check before sampling (8 prompts could make 8 pairs) but round 1's
+    samples make 7 pairs, all held out: one line naming this recipe's key (dpo.data.heldout_pairs, not DPO's
+    data.heldout_pairs) and the command that goes on; that command, with the corrected value, keeps round 1's pairs
+    and finishes the run, the change in its card."""
+    out = tmp_path / "run"
+    arguments = [*RUN, "--output-dir", str(out)]
+    arguments[arguments.index("--dpo.data.heldout_pairs") + 1] = "7"
+    assert main(["iterative-dpo", *arguments]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("posttrain: error: round 1: dpo.data.heldout_pairs=7 leaves no training pairs out of 7; "
+                                               "lower it or give dpo.data.heldout_file;"), err
+    command = f"posttrain iterative-dpo --resume {out} --resume-changed-config --dpo.data.heldout_pairs VALUE"
+    assert err[0].endswith(command), err
+    kept = digest(out / "rounds" / "round-1" / "pairs.jsonl")
+    assert main(command.replace("VALUE", "0").split()[1:]) == 0
+    assert digest(out / "rounds" / "round-1" / "pairs.jsonl") == kept
+    card = json.loads((out / "run_card.json").read_text())
+    assert card["run"]["resumed_with_changes"] == ["dpo.data.heldout_pairs: 7 -> 0"] and len(card["rounds"]) == 2
+
+
+def test_a_fresh_run_that_keeps_no_work_leaves_no_directory(tmp_path, capsys):
+    """A labeller that scores every answer 0 makes no pair in round 1: its one line, and no run directory left to
+    make the corrected command say "already holds a run"; the corrected command then runs in the same directory."""
+    out = tmp_path / "run"
+    arguments = [*RUN, "--output-dir", str(out), "--rounds", "1"]
+    del arguments[arguments.index("--rounds"):arguments.index("--rounds") + 2]
+    wrong = [*arguments]
+    wrong[wrong.index("--pairs.verifier") + 1] = "callable:tests.rewards_for_tests.zero"
+    assert main(["iterative-dpo", *wrong]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "round 1: no pairs: of 8 prompts, 0 had only correct answers, 8 only incorrect" in err[0], err
+    assert not out.exists()
+    assert main(["iterative-dpo", *arguments]) == 0
+    assert (out / "rounds" / "round-1" / "dpo" / "checkpoints" / "step-000002" / "model").is_dir()
+
+
+def test_a_stopped_round_says_the_parents_resume(tmp_path, monkeypatch, capsys):
+    """A round's DPO run stopped by SIGTERM at its step 1 (as `runs/skeleton.StepLoop` stops it): the line says the
+    command that goes on with the whole run (posttrain iterative-dpo --resume DIR), not the round's own `posttrain dpo`
+    run, at the step counted over all rounds; exit 128 + 15."""
+    out = tmp_path / "run"
+
+    def stopped(config, resume=False, resume_changed_config=False):
+        raise RunStopped(signal.SIGTERM, 1, f"posttrain dpo --resume {config.output_dir}")
+
+    monkeypatch.setattr(iterative_dpo.dpo, "run", stopped)
+    assert main(["iterative-dpo", *RUN, "--output-dir", str(out)]) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"posttrain: stopped by SIGTERM at step 1; resume with: posttrain iterative-dpo --resume {out}"], err
+    assert (out / "rounds" / "round-1" / "pairs.meta.json").is_file()
 
 
 def test_resume_skips_the_completed_round(finished, tmp_path, caplog, capsys):

@@ -20,6 +20,11 @@ Each round K (1 ... rounds):
 
     posttrain iterative-dpo --model M --pairs.data.task arithmetic --pairs.verifier exact --rounds 3 --steps-per-round 20
     posttrain iterative-dpo --resume runs/iterative-dpo    # skips the rounds whose DPO run finished
+
+Every setting that can be checked without sampling is checked before round 1, and a fresh run that fails
+before any round's pairs are written leaves no directory. A mistake found later (a round's pairs too few
+for `dpo.data.heldout_pairs`) names this recipe's key and the command that goes on with the corrected
+setting, keeping the pairs: `--resume DIR --resume-changed-config --dpo.data.heldout_pairs N`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import dataclasses
 import json
 import logging
 import os
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -48,7 +55,7 @@ from posttrain.rewards.registry import as_verifier
 from posttrain.runs.card import new_card, render_markdown, value_text, write_run_card
 from posttrain.runs.checkpoint import PREFIX, latest_checkpoint
 from posttrain.runs.directory import check_new_run, default_output_dir, read_jsonl
-from posttrain.runs.faults import check_resumed_config
+from posttrain.runs.faults import RunStopped, check_resumed_config
 from posttrain.runs.plots import plt, save_figure
 from posttrain.runs.results import results
 
@@ -182,11 +189,27 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
         changes = []
     preflight(config)
     config = dataclasses.replace(config, output_dir=str(out))
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     save_yaml(config, out / "config.yaml")
     card = make_card(config, [], changes)
     write_card(out, card)
+    try:
+        _run_rounds(config, out, changes, resume_changed_config)
+    except RunStopped as stop:  # a round's DPO run stopped by a signal: the parent is what goes on
+        raise RunStopped(stop.signum, stop.step, f"posttrain iterative-dpo --resume {out}") from None
+    except UserError as error:
+        if not resume and not any((out / "rounds").glob("round-*/pairs.meta.json")):
+            _remove_attempt(out, created)  # nothing kept: the corrected command must find no run there
+        elif "--resume" not in str(error):
+            raise UserError(f"{error}; the rounds' finished work is kept in {out}: go on with {continue_command(out, error)}",
+                            exit_code=error.exit_code) from None
+        raise
+    return out
 
+
+def _run_rounds(config: Config, out: Path, changes: list[str], resume_changed_config: bool) -> None:
+    """Every round in turn: a complete round is read back, the others run (`run_round`); the parent's files after each."""
     current = config.model
     done: list[dict[str, Any]] = []
     for number in range(1, config.rounds + 1):
@@ -200,7 +223,23 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
         write_parent(out, config, done, changes)
         logger.info("round %d/%d: %d pairs; held-out pass@1 %s -> %s", number, config.rounds, done[-1]["pairs"],
                     value_text(done[-1]["start"]["pass@1"]), value_text(done[-1]["end"]["pass@1"]))
-    return out
+
+
+def _remove_attempt(out: Path, created: bool) -> None:
+    """Undo a fresh attempt that kept no round's work: the run directory if this attempt made it, else (it was empty)
+    what the attempt wrote in it."""
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for path in out.iterdir():
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def continue_command(out: Path, error: UserError | str) -> str:
+    """The command that goes on with the run in `out` once the setting `error` names is corrected: a resume that accepts
+    the change (each round's finished work is kept; the change is recorded in the card)."""
+    key = re.search(r"(?<![\w./-])((?:pairs|dpo)\.[a-z_]+(?:\.[a-z_]+)*)", str(error))
+    return f"posttrain iterative-dpo --resume {out} --resume-changed-config --{key.group(1) if key else 'KEY'} VALUE"
 
 
 def preflight(config: Config) -> None:
@@ -210,11 +249,14 @@ def preflight(config: Config) -> None:
     model = Path(config.model).expanduser()
     if not model.exists() and (config.model.startswith((".", "/", "~")) or config.model.count("/") > 1):  # as load_model reads a spec
         raise UserError(f"model {config.model!r}: no such directory")
+    prompts = []  # each round's training prompts: the most it samples
     for seed in sorted({round_seed(config, number) for number in range(2, config.rounds + 1)} - {config.seed}):
-        load_splits(data.task, train_size=data.max_prompts if is_generated(data.task) else None, eval_size=data.eval_size,
-                    seed=seed, options=data.load_options())
+        other, _ = load_splits(data.task, train_size=data.max_prompts if is_generated(data.task) else None, eval_size=data.eval_size,
+                               seed=seed, options=data.load_options())
+        prompts.append(len(other.examples[: data.max_prompts]))
     train, held = load_splits(data.task, train_size=data.max_prompts if is_generated(data.task) else None, eval_size=data.eval_size,
                               seed=config.seed, options=data.load_options())
+    check_heldout_pairs(config, min([len(train.examples[: data.max_prompts]), *prompts]))
     name = config.pairs.verifier or default_reward(train.reward_kind)
     if name is None:
         raise UserError(f"pairs.data.task {data.task}: no default verifier for kind {train.reward_kind!r}; pass --pairs.verifier")
@@ -224,6 +266,23 @@ def preflight(config: Config) -> None:
         acceptance = dataclasses.replace(acceptance, eval_size=acceptance.eval_size or len(held.examples))
     held_out, spec = heldout_task(acceptance, None, config.seed)
     heldout_checker(spec["checker"], held_out, config.dpo.reward_options, config.dpo.unsafe_no_sandbox, setting="dpo.acceptance.checker")
+
+
+def check_heldout_pairs(config: Config, prompts: int) -> None:
+    """Refuse a `dpo.data.heldout_pairs` that holds out every pair a round can make, before any round samples: a round of
+    `prompts` prompts makes at most `per_prompt` rows of each (pairs.pairs_per_prompt pairs, or with pairs.unpaired every
+    distinct answer of pairs.group_size), and `data.preference.split_pairs` holds out whole prompts until it has the count,
+    so a count above (prompts - 1) x per_prompt leaves no training row whatever was sampled."""
+    held = config.dpo.data
+    if held.heldout_file or not held.heldout_pairs:
+        return
+    per_prompt, why = ((config.pairs.group_size, f"pairs.group_size {config.pairs.group_size} unpaired rows") if config.pairs.unpaired
+                       else (config.pairs.pairs_per_prompt, f"pairs.pairs_per_prompt {config.pairs.pairs_per_prompt}"))
+    most = (prompts - 1) * per_prompt
+    if held.heldout_pairs > most:
+        raise UserError(f"dpo.data.heldout_pairs={held.heldout_pairs} would hold out every pair of a round: a round makes at most "
+                        f"{prompts * per_prompt} ({prompts} prompts x {why}), held out by whole prompts; give at most {most} "
+                        "(0: none, each round is still judged by held-out task accuracy) or dpo.data.heldout_file")
 
 
 def round_complete(config: Config, out: Path, number: int) -> bool:
@@ -245,12 +304,25 @@ def run_round(config: Config, number: int, round_dir: Path, current: str, resume
         try:
             pairs.build_pairs(settings)
         except UserError as error:
-            raise UserError(f"round {number}: {error}") from None
+            raise UserError(f"round {number}: {own_keys(error, 'pairs', pairs.PairSettings)}", exit_code=error.exit_code) from None
     dpo_run = round_dir / "dpo"
     started = (dpo_run / "config.yaml").is_file()
     logger.info("round %d/%d: DPO %s %d steps from %s (reference: that same policy)", number, config.rounds,
                 "resumed for its" if started else "for", config.steps_per_round, current)
-    dpo.run(round_dpo(config, round_dir, current, settings.out), resume=started, resume_changed_config=resume_changed_config)
+    try:
+        dpo.run(round_dpo(config, round_dir, current, settings.out), resume=started, resume_changed_config=resume_changed_config)
+    except RunStopped as stop:  # its step counted over all rounds, as the parent's metrics count them
+        raise RunStopped(stop.signum, (number - 1) * config.steps_per_round + stop.step, "") from None
+    except UserError as error:
+        raise UserError(f"round {number}: {own_keys(error, 'dpo', dpo_config.Config)}", exit_code=error.exit_code) from None
+
+
+def own_keys(error: UserError | str, section: str, settings: type) -> str:
+    """`error`'s message with the keys of a section's own config (`data.heldout_pairs`, `--loss.beta`) named as this recipe's
+    user types them (`dpo.data.heldout_pairs`, `--dpo.loss.beta`)."""
+    names = "|".join(field.name for field in dataclasses.fields(settings) if dataclasses.is_dataclass(field.type)
+                     or (isinstance(field.type, str) and field.default_factory is not dataclasses.MISSING))
+    return re.sub(rf"(?<![\w./-])(-{{0,2}})({names})\.", rf"\1{section}.\2.", str(error)) if names else str(error)
 
 
 def round_record(config: Config, number: int, round_dir: Path, start_model: str) -> dict[str, Any]:
