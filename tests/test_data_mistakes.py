@@ -158,6 +158,11 @@ def test_grpo_advice_names_data_strict_and_it_drops_the_bad_row(tmp_path, monkey
     train, held_out = load_splits(config.data.task, train_size=config.data.train_size, eval_size=config.data.eval_size,
                                   seed=config.seed, options=config.data.load_options())
     assert (len(train.examples), len(held_out.examples), train.rows_bad) == (36, 4, 1)
+    # ... and says so in the run card's data link, not only in the log: the count and the reasons, counted.
+    from posttrain.data.scored_batch import online_data_card
+
+    card = online_data_card(config.data, train, held_out, config.sampling, grouped=True)
+    assert (card["rows_bad"], card["rows_bad_reasons"]) == (1, {"prompt: empty or whitespace-only": 1})
 
 
 def test_sft_data_strict_false_drops_bad_rows_of_rows_and_tasks(tmp_path):
@@ -170,6 +175,31 @@ def test_sft_data_strict_false_drops_bad_rows_of_rows_and_tasks(tmp_path):
         config = build_config(sft.Config, None, {"data": {"task": str(path), "strict": False}})
         data = load_data(config.data, config.seed, tokenizer)
         assert (data.card[key], len(data.held_out), data.card["rows_bad"], data.card["options"]) == (36, 4, 1, {"strict": False})
+        reason = "messages: no assistant message to train on" if path == bad_chat else "prompt: empty or whitespace-only"
+        assert data.card["rows_bad_reasons"] == {reason: 1}, data.card
+
+
+def test_dpo_and_kto_cards_count_the_dropped_rows_and_their_reasons(tmp_path):
+    """`--data.strict false` on a pairs file with 3 bad rows (2 missing `rejected`, 1 chosen identical
+    to rejected) and a held-out file with 1 (an empty prompt): the data link of the run card names
+    both counts and the reasons by kind, for DPO's pairs and for KTO reading the same pairs unpaired."""
+    from posttrain.data.preference import PairSource, load_pairs, preference_data_card
+    from posttrain.data.unpaired import load_unpaired
+
+    _, tokenizer = load_model("tiny")
+    good = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(8)]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", good + [{"prompt": "a", "chosen": "b"}, {"prompt": "c", "chosen": "d"},
+                                                          {"prompt": "e", "chosen": "f", "rejected": "f"}])
+    held = write_jsonl(tmp_path / "held.jsonl", good[:3] + [{"prompt": " ", "chosen": "x", "rejected": "y"}])
+    expected = {"rows_bad": 3, "rows_bad_reasons": {"rejected: missing field": 2, "chosen: identical to rejected": 1},
+                "heldout_rows_bad": 1, "heldout_rows_bad_reasons": {"prompt: empty or whitespace-only": 1}}
+    for load in (load_pairs, load_unpaired):
+        splits = load(pairs, tokenizer, heldout_file=held, strict=False)
+        assert {key: splits.stats[key] for key in expected} == expected
+    splits = load_pairs(pairs, tokenizer, heldout_file=held, strict=False)
+    card = preference_data_card(PairSource(pairs=str(pairs), heldout_file=str(held), strict=False), splits, None, seed=0,
+                                batch_size=4, micro_batch_size=2)
+    assert {key: card[key] for key in expected} == expected
 
 
 def test_a_gsm8k_layout_file_is_five_rows_a_count_and_the_format_to_pass(tmp_path, monkeypatch, capsys):

@@ -80,6 +80,25 @@ def test_strict_stops_with_the_whole_report_and_lenient_drops(tmp_path):
     assert task.reward_kind == "math"
 
 
+def test_reasons_count_the_bad_rows_by_kind():
+    """Problems of one kind count together whatever the row's own values: two over-long prompts (1059
+    and 12 tokens, the limit kept), one unparseable answer (its value left out), one row with two bad
+    message roles (counted once), one invalid JSON row (its column left out)."""
+    from posttrain.data.validation import ValidationReport
+
+    report = ValidationReport("f.jsonl")
+    report.add(1, "prompt", "1059 tokens, longer than max_prompt_tokens=1024")
+    report.add(2, "prompt", "12 tokens, longer than max_prompt_tokens=1024")
+    report.add(3, "answer", "unparseable gold answer 'ten': not a number")
+    report.add(4, "messages[0].role", "expected one of system, user")
+    report.add(4, "messages[1].role", "expected one of system, user")
+    report.add(5, "row", "invalid JSON: Expecting value (column 1)")
+    assert report.reasons() == {"prompt: N tokens, longer than max_prompt_tokens=1024": 2,
+                                "answer: unparseable gold answer ...: not a number": 1,
+                                "messages[i].role: expected one of system, user": 1, "row: invalid JSON: Expecting value": 1}
+    assert report.dropped() == {"rows_bad": 5, "rows_bad_reasons": report.reasons()}
+
+
 def test_empty_missing_and_number_answers(tmp_path):
     with pytest.raises(UserError, match="no such file"):
         load_prompt_file(tmp_path / "missing.jsonl")

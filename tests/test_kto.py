@@ -55,7 +55,7 @@ def test_trl_unpaired_rows_standard_and_conversational(tmp_path):
     rows[2] = {"prompt": [{"role": "user", "content": "2+2="}], "completion": [{"role": "assistant", "content": "4"}],
                "label": 1, "source_note": "hand"}
     loaded, bad, layout = read_unpaired(write_rows(tmp_path / "rows.jsonl", rows))
-    assert (bad, layout) == (0, "unpaired")
+    assert (bad, layout) == ({"rows_bad": 0, "rows_bad_reasons": {}}, "unpaired")
     assert [row.label for row in loaded] == [True, False, True, False]
     assert loaded[2].completion == "4" and loaded[2].prompt == [{"role": "user", "content": "2+2="}]
     assert loaded[2].metadata["source_note"] == "hand" and loaded[2].id == "rows.jsonl:3"
@@ -90,7 +90,7 @@ def test_a_pairs_file_is_two_rows_per_pair(tmp_path):
     """TRL's unpair_preference_dataset: chosen desirable, rejected undesirable, ids <pair>/chosen and <pair>/rejected."""
     pairs = [{"id": f"p{i}", "prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(3)]
     rows, bad, layout = read_unpaired(write_rows(tmp_path / "pairs.jsonl", pairs))
-    assert layout == "pairs" and bad == 0
+    assert layout == "pairs" and bad == {"rows_bad": 0, "rows_bad_reasons": {}}
     assert [(row.id, row.completion, row.label) for row in rows[:2]] == [("p0/chosen", "1", True), ("p0/rejected", "2", False)]
     assert len(rows) == 6
 

@@ -161,3 +161,22 @@ def test_pairs_from_a_parquet_file_with_a_format(tmp_path):
     assert prompts and prompts <= {e.prompt for e in train.examples}
     rebuilt, spec = heldout_task(Acceptance(), meta, seed=0)
     assert [e.id for e in rebuilt.examples] == [e.id for e in held_out.examples] and spec["checker"] == "math_equal"  # written apart from the labeller (math)
+
+
+def test_pairs_sidecar_counts_the_prompt_rows_strict_false_dropped(tmp_path):
+    """`--data.task FILE --data.strict false`: the file's bad rows (one empty prompt, one without an
+    answer) are dropped before sampling, and the sidecar, which the DPO card reads, records how many
+    and why, not only the log. (--unpaired: every scored answer is a row, so the tiny model's wrong
+    answers still write a file.)"""
+    from posttrain.config import build_config
+    from posttrain.recipes.pairs import PairSettings, build_pairs
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(12)] + [{"prompt": "", "answer": "1"}, {"prompt": "2+2="}]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    settings = build_config(PairSettings, None, {
+        "model": "tiny", "data": {"task": str(source), "strict": False, "eval_size": 4, "max_prompts": 4}, "group_size": 2,
+        "sampling": {"max_new_tokens": 4}, "unpaired": True, "out": str(tmp_path / "rows.jsonl")})
+    meta = build_pairs(settings)
+    assert meta["task_rows_bad"] == 2
+    assert meta["task_rows_bad_reasons"] == {"prompt: empty or whitespace-only": 1, "answer: missing field": 1}

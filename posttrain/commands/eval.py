@@ -67,6 +67,8 @@ def handle(args) -> int:
     if config.tools.enabled:
         summary["tools"] = {"names": list(config.tools.names), "max_turns": config.tools.max_turns}
     summary["unsafe_no_sandbox"] = config.unsafe_no_sandbox
+    if held_out.rows_bad:  # data.strict false: the file's bad rows were dropped before the split
+        summary.update(rows_bad=held_out.rows_bad, rows_bad_reasons=held_out.rows_bad_reasons)
     convention = convention_record(held_out)  # a data file's: how its answers were read, what its prompts said of it
     if convention:
         summary["answer_convention"] = {**convention, "extraction_used": config.reward_options.extraction or convention["answer_extraction"]}

@@ -60,6 +60,8 @@ class Task:
     duplicates_removed: int = 0
     """Training examples removed because their prompt is also in the held-out split."""
     options: dict = field(default_factory=dict)
+    rows_bad_reasons: dict[str, int] = field(default_factory=dict)
+    """The dropped rows per kind of problem (`ValidationReport.reasons`), for the run card."""
 
     def __len__(self) -> int:
         return len(self.examples)

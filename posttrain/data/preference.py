@@ -66,12 +66,18 @@ class PreferencePair:
 
 @dataclass
 class PreferenceData:
-    """The pairs of one file and how many rows validation dropped (strict: false)."""
+    """The pairs of one file and how many rows validation dropped (strict: false), with their reasons."""
 
     source: str
     pairs: list[PreferencePair]
     rows_bad: int = 0
     system_prompt: str | None = None
+    rows_bad_reasons: dict[str, int] = field(default_factory=dict)
+    """The dropped rows per kind of problem (`ValidationReport.reasons`)."""
+
+    def dropped(self, prefix: str = "") -> dict[str, Any]:
+        """The run card's record of the dropped rows: `{prefix}rows_bad` and `{prefix}rows_bad_reasons`."""
+        return {f"{prefix}rows_bad": self.rows_bad, f"{prefix}rows_bad_reasons": dict(self.rows_bad_reasons)}
 
 
 def validate_preference_file(
@@ -135,12 +141,13 @@ def layout_of(present: list[str], mapping: dict[str, str]) -> str:
 
 def load_preference_file(path: str | Path, *, strict: bool = True, system_prompt: str | None = None, **checks):
     """Validated preference pairs (see `validate_preference_file`); strict stops on any bad row,
-    strict=False drops them and counts them in `rows_bad`. No pairs left is a UserError."""
+    strict=False drops them and counts them in `rows_bad` (their reasons in `rows_bad_reasons`). No
+    pairs left is a UserError."""
     parsed, report = validate_preference_file(path, system_prompt=system_prompt, **checks)
     report.enforce(strict)
     if not parsed:
         raise UserError(f"{path}: no usable preference pairs ({report.rows_read} rows read, {report.rows_bad} bad)")
-    return PreferenceData(str(path), [pair for _, pair in parsed], report.rows_bad, system_prompt)
+    return PreferenceData(str(path), [pair for _, pair in parsed], report.rows_bad, system_prompt, report.reasons())
 
 
 def parse_preference_row(report: ValidationReport, line: int, row: dict, file_name: str):
@@ -352,7 +359,9 @@ class PairSplits:
     train: list[PreferencePair]
     heldout: list[PreferencePair]
     stats: dict[str, Any]
-    """rows_bad, and per split (train, heldout): pairs, prompts_truncated, responses_truncated, dropped."""
+    """rows_bad and rows_bad_reasons (what strict: false dropped from the training file; heldout_rows_bad
+    and heldout_rows_bad_reasons from a held-out file), and per split (train, heldout): pairs,
+    prompts_truncated, responses_truncated, dropped."""
 
 
 def load_pairs(
@@ -385,13 +394,16 @@ def load_pairs(
                   max_prompt_tokens=truncation.max_prompt_tokens if truncation.prompt == "error" else None,
                   data_format=data_format, columns=columns, source_split=source_split, unpaired_advice=unpaired_advice)
     loaded = load_preference_file(path, strict=strict, **checks)
+    stats = loaded.dropped()
     if heldout_file:
-        train, held = loaded.pairs, load_preference_file(heldout_file, strict=strict, **checks).pairs
+        held_file = load_preference_file(heldout_file, strict=strict, **checks)
+        train, held = loaded.pairs, held_file.pairs
+        stats.update(held_file.dropped(prefix="heldout_"))
     elif heldout_pairs:
         train, held = split_pairs(loaded.pairs, heldout_pairs, split_seed)
     else:
         train, held = loaded.pairs, []
-    return truncated_splits(tokenizer, train, held, {"rows_bad": loaded.rows_bad}, truncation=truncation,
+    return truncated_splits(tokenizer, train, held, stats, truncation=truncation,
                             system_prompt=system_prompt, use_chat_template=use_chat_template)
 
 

@@ -281,7 +281,8 @@ def load_prompt_file(path: str | Path, *, strict: bool = True, split: str = "all
     if kind in ("math", "text", "choice"):  # an answer task: how its answers are read, and what its prompts say of it
         options["answer_extraction"] = scan.parse.convention.extraction
         options["instruction"] = scan.parse.convention.instruction
-    task = Task(name=str(path), split=split, examples=examples, reward_kind=kind, rows_bad=scan.report.rows_bad, options=options)
+    task = Task(name=str(path), split=split, examples=examples, reward_kind=kind, rows_bad=scan.report.rows_bad, options=options,
+                rows_bad_reasons=scan.report.reasons())
     require_examples(task)
     return task
 

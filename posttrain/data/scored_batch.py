@@ -232,13 +232,14 @@ def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingC
     `data.source.TaskSource` with prompts_per_step, group_size, dynamic_sampling and
     max_refill_rounds), the sizes of the `train` and `held_out` splits and the duplicates removed,
     the `sampling` settings, the answer convention a data file's rows carry (`data.prompts.convention_record`:
-    how answers are read, the instruction the prompts end with), and `screening` (what the code
+    how answers are read, the instruction the prompts end with), the rows `data.strict: false` dropped
+    from a data file (`rows_bad`, `rows_bad_reasons`: counted by kind), and `screening` (what the code
     problems' screening removed; None: left out). G is `group_size` when `grouped` (the advantages compare a prompt's completions),
     else `samples_per_prompt`."""
     return {
         "source": "online: the policy's own samples", "task": data.task, "options": data.load_options(),
         "train_prompts": len(train), "heldout_prompts": len(held_out), "heldout_size_from": heldout_size_from(data.eval_size),
-        "duplicates_removed": train.duplicates_removed,
+        "duplicates_removed": train.duplicates_removed, "rows_bad": train.rows_bad, "rows_bad_reasons": train.rows_bad_reasons,
         "prompts_per_step": data.prompts_per_step, "dynamic_sampling": data.dynamic_sampling,
         **({"max_refill_rounds": data.max_refill_rounds} if data.dynamic_sampling else {}),
         ("group_size" if grouped else "samples_per_prompt"): data.group_size,

@@ -324,7 +324,7 @@ def _load_rows(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
     card = {"task": data.task, "options": options, "kind": "SFT rows", "train_rows": len(train), "heldout_rows": len(held),
             "heldout_size_from": heldout_size_from(data.eval_size), "conversations": chats,
             "prompt_completion_rows": len(train) - chats, "loss_on": data.loss_on,
-            "rows_bad": report.rows_bad,
+            **report.dropped(),
             "tool_transcripts": sum(any(m["role"] == "tool" for m in row.messages) for row in train if row.is_chat),
             **({"tools": list(data.tools)} if data.tools else {})}
     return SFTData(train, held, encode, None, card)
@@ -346,5 +346,6 @@ def _load_task(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
 
     card = {"task": data.task, "options": options, "train_examples": len(train), "heldout_examples": len(held_out),
             "heldout_size_from": heldout_size_from(data.eval_size), "rows_bad": train.rows_bad,
+            "rows_bad_reasons": train.rows_bad_reasons,
             "duplicates_removed": train.duplicates_removed, "response_template": data.response_template}
     return SFTData(train.examples, held_out.examples, encode, held_out, card)

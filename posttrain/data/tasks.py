@@ -161,7 +161,7 @@ def heldout_size_from(eval_size: int | None) -> str:
 
 
 def _subset(task: Task, split: str, examples) -> Task:
-    return Task(task.name, split, examples, task.reward_kind, task.rows_bad, 0, dict(task.options))
+    return Task(task.name, split, examples, task.reward_kind, task.rows_bad, 0, dict(task.options), dict(task.rows_bad_reasons))
 
 
 def arithmetic_examples(spec: str, options: dict, size: int, seed: int, split: str) -> list[Example]:
@@ -275,7 +275,7 @@ def _check_lengths(task: Task, strict: bool, tokenizer, max_prompt_tokens, syste
                                system_prompt=system_prompt)
     ]
     report.enforce(strict)
-    task.rows_bad = report.rows_bad
+    task.rows_bad, task.rows_bad_reasons = report.rows_bad, report.reasons()
 
 
 def harder_reasoning_gym_options(name: str, options: dict) -> dict | None:

@@ -147,14 +147,16 @@ def labels(pairs: list[PreferencePair]) -> torch.Tensor:
 
 def read_unpaired(path: str | Path, *, strict: bool = True, data_format: str | None = None, columns: dict | None = None,
                   source_split: str | None = None, tokenizer=None, max_prompt_tokens: int | None = None,
-                  system_prompt: str | None = None, use_chat_template: bool | None = None) -> tuple[list[UnpairedRow], int, str]:
-    """The rows of one source, validated: (rows, bad rows dropped, "unpaired" | "pairs"); a paired
-    source is read with the pair loader and unpaired. strict stops on any bad row; no row left is a UserError."""
+                  system_prompt: str | None = None, use_chat_template: bool | None = None) -> tuple[list[UnpairedRow], dict[str, Any], str]:
+    """The rows of one source, validated: (rows, the bad rows' record, "unpaired" | "pairs"); a
+    paired source is read with the pair loader and unpaired. The record is the run card's
+    {rows_bad, rows_bad_reasons} (`ValidationReport.dropped`): what strict: false dropped. strict
+    stops on any bad row; no row left is a UserError."""
     checks = dict(data_format=data_format, columns=columns, source_split=source_split, tokenizer=tokenizer,
                   max_prompt_tokens=max_prompt_tokens, use_chat_template=use_chat_template)
     if not is_unpaired(path, data_format=data_format, columns=columns, source_split=source_split):
         loaded = load_preference_file(path, strict=strict, system_prompt=system_prompt, **checks)
-        return unpair(loaded.pairs), loaded.rows_bad, "pairs"
+        return unpair(loaded.pairs), loaded.dropped(), "pairs"
     mapping = {**UNPAIRED_COLUMNS, **resolve_columns(data_format, columns)}
     check_columns(str(path), column_names(path, source_split), mapping)
     report = ValidationReport(str(path))
@@ -167,7 +169,7 @@ def read_unpaired(path: str | Path, *, strict: bool = True, data_format: str | N
     report.enforce(strict)
     if not rows:
         raise UserError(f"{path}: no usable unpaired rows ({report.rows_read} rows read, {report.rows_bad} bad)")
-    return rows, report.rows_bad, "unpaired"
+    return rows, report.dropped(), "unpaired"
 
 
 def load_unpaired(
@@ -193,15 +195,17 @@ def load_unpaired(
     checks = dict(strict=strict, data_format=data_format, columns=columns, source_split=source_split, tokenizer=tokenizer,
                   max_prompt_tokens=truncation.max_prompt_tokens if truncation.prompt == "error" else None,
                   system_prompt=system_prompt, use_chat_template=use_chat_template)
-    rows, rows_bad, layout = read_unpaired(path, **checks)
+    rows, dropped, layout = read_unpaired(path, **checks)
+    stats: dict[str, Any] = {**dropped, "layout": layout if layout == "unpaired" else
+                             "pairs, unpaired: each chosen answer desirable, each rejected undesirable"}
     if heldout_file:
-        train, held = rows, read_unpaired(heldout_file, **checks)[0]
+        held, held_dropped, _ = read_unpaired(heldout_file, **checks)
+        train = rows
+        stats.update({f"heldout_{key}": value for key, value in held_dropped.items()})
     elif heldout_pairs:
         train, held = split_pairs(rows, heldout_pairs, split_seed)  # whole prompts: reads only .prompt
     else:
         train, held = rows, []
-    stats: dict[str, Any] = {"rows_bad": rows_bad, "layout": layout if layout == "unpaired" else
-                             "pairs, unpaired: each chosen answer desirable, each rejected undesirable"}
     splits = truncated_splits(tokenizer, with_mismatched(train, split_seed, f"{path}: the training rows"),
                               with_mismatched(held, split_seed, "the held-out rows (data.heldout_pairs / data.heldout_file)",
                                               pool=held if len({prompt_key(row.prompt) for row in held}) > 1 else held + train),

@@ -2,8 +2,8 @@
 
 A loader reads the whole file, collects every problem in a `ValidationReport`, and only then decides:
 strict (the default) stops with the report's first rows, how many more and a hint at the layout
-the rows need; `strict=False` drops the bad rows, logs how many, and keeps their count for the run
-card. Nothing here trains or tokenises on behalf of the caller except the optional prompt-length
+the rows need; `strict=False` drops the bad rows, logs how many, and keeps their count and their
+reasons, counted by kind (`ValidationReport.reasons`), for the run card's data link. Nothing here trains or tokenises on behalf of the caller except the optional prompt-length
 check, which needs the model's tokenizer.
 """
 
@@ -13,7 +13,9 @@ import keyword
 import logging
 import re
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from posttrain.errors import UserError
 
@@ -65,6 +67,17 @@ class ValidationReport:
     def summary(self) -> str:
         return f"{self.source}: {self.rows_read} rows read, {self.rows_bad} bad"
 
+    def dropped(self, prefix: str = "") -> dict[str, Any]:
+        """A run card's record of the bad rows (dropped when not strict): `{prefix}rows_bad` and
+        `{prefix}rows_bad_reasons` (`reasons`)."""
+        return {f"{prefix}rows_bad": self.rows_bad, f"{prefix}rows_bad_reasons": self.reasons()}
+
+    def reasons(self) -> dict[str, int]:
+        """Bad rows per kind of problem (`reason_kind`), most common first: what `strict: false`
+        dropped, for a run card. A row with two problems of one kind counts once for it."""
+        counts = Counter(kind for _, kind in dict.fromkeys((problem.line, reason_kind(problem)) for problem in self.problems))
+        return dict(counts.most_common())
+
     def enforce(self, strict: bool, setting: str | None = "data.strict") -> None:
         """strict: UserError listing the first MAX_REPORTED_ROWS problems, how many more, and the
         `hint`, if any row is bad; its advice names `setting` (None: the caller has none). Not
@@ -80,6 +93,18 @@ class ValidationReport:
         logger.warning("%s; dropping the bad rows (%s false)", self.summary(), setting or "strict")
         for line in self.lines():
             logger.debug("%s", line)
+
+
+def reason_kind(problem: BadRow) -> str:
+    """`field: reason` without the row's own values, so that problems of one kind count together:
+    list indices, quoted values, numbers (not a setting's `=N`) and a parenthesised tail left out.
+    "prompt: 1059 tokens, longer than max_prompt_tokens=1024" -> "prompt: N tokens, longer than
+    max_prompt_tokens=1024"; "answer: unparseable gold answer 'x': not a number" -> "answer:
+    unparseable gold answer ...: not a number"."""
+    reason = re.sub(r"'[^']*'|\"[^\"]*\"", "...", problem.reason.split(" (")[0])
+    reason = re.sub(r"(?<![=\d])\d+", "N", reason)
+    field_name = re.sub(r"\[\d+\]", "[i]", problem.field)
+    return f"{field_name}: {reason}"
 
 
 def type_name(value) -> str:
