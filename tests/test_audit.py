@@ -56,6 +56,15 @@ def test_audit_rejects_unknown_suite(capsys):
     assert "no built-in audit suite" in capsys.readouterr().err
 
 
+def test_audit_help_lists_every_suite(capsys):
+    """Issue 40 item 12: --help names every verifier with a suite, from the suites' table (it named
+    10 of 13: integer, letter and text_match were missing)."""
+    with pytest.raises(SystemExit):
+        main(["audit", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    assert "--verifier VERIFIER the verifier whose suite runs: " + ", ".join(SUITES) + " --data DATA" in text
+
+
 def test_verify_command_rows_in_order(tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(json.dumps(r) for r in [

@@ -6,6 +6,7 @@ tiny CLI run proves the card every run ends with carries the checklist."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from posttrain.evaluation import run_comparison as rc
 from posttrain.evaluation.demo_report import checklist_section
 from posttrain.evaluation.stats import wilson_interval
 from posttrain.runs import new_card, write_run_card
+from posttrain.runs.results import results
 
 EXACT = {"verifier": "exact", "extraction": "auto"}
 INTEGER = {"verifier": "integer", "extraction": "auto", "implementation": {"extraction": "html.parser", "comparison": "int() equality"}}
@@ -89,6 +91,7 @@ def make_run(path: Path, *, kind="online", seed=0, sets=None, reward=EXACT, loss
         acceptance["human_review"] = review
     card["links"]["acceptance"] = acceptance
     card["alarms"] = list(alarms)
+    card["results"] = results(path)  # the end record a finished run's card holds
     write_run_card(path, card)
     return path
 
@@ -357,3 +360,146 @@ def test_an_audit_recorded_in_the_run_answers_the_audit_question(tmp_path, capsy
     assert answers(run)["audit"].answer == "not measured"
     assert main(["audit", "--verifier", "exact", "--record", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip().endswith(f"--record {tmp_path}: not a run directory (no run_card.json)")
+
+
+def test_audit_record_takes_only_the_runs_own_training_reward(tmp_path, capsys):
+    """Issue 40 item 3: on a run trained with `exact`, `audit --verifier math --record RUN` is one line
+    naming the run's reward and the command that records it, before any suite runs; the exact
+    audit already recorded stays, and the checklist still answers yes. A run without a training
+    reward (SFT) records no audit."""
+    run = make_run(tmp_path / "run")
+    assert main(["audit", "--verifier", "exact", "--record", str(run), "--workers", "1"]) == 0
+    recorded = (run / "audit.json").read_text()
+    capsys.readouterr()
+    assert main(["audit", "--verifier", "math", "--record", str(run), "--workers", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (f"posttrain: error: --record {run}: the run was trained on the reward exact, not math; "
+                                    f"record its own: posttrain audit --verifier exact --record {run}")
+    assert captured.out == "", "the suite does not run"
+    assert (run / "audit.json").read_text() == recorded and answers(run)["audit"].answer == "yes"
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    card = new_card("sft", 0, config={"max_steps": 1})
+    card["links"]["reward"] = {"kind": "none: SFT imitates the gold answers"}
+    write_run_card(sft, card)
+    assert main(["audit", "--verifier", "exact", "--record", str(sft)]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--record {sft}: the sft run has no training reward to audit")
+    assert not (sft / "audit.json").exists()
+
+
+def killed(run: Path, last_step: int) -> Path:
+    """`run` as a process killed after step `last_step` leaves it: metrics.jsonl to that step, the
+    card as last written during the run (no results, no checklist: the end record)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= last_step))
+    for path in (run / "eval").glob("*-000010.json"):
+        path.unlink()
+    card = json.loads((run / "run_card.json").read_text())
+    card.pop("results")
+    card["training_signal"] = {**SIGNAL, "steps": 0, "rows": 0}  # as the card was first written
+    write_run_card(run, card)
+    return run
+
+
+def test_an_unfinished_run_says_so_first_and_answers_only_what_its_record_supports(tmp_path, capsys):
+    """Issue 40 item 4 on a run directory cut as a kill after step 7 of 10 leaves it: the line before
+    the answers says unfinished (last step, no end record); the gain, the silent alarm and the
+    signal are "not measured (run unfinished)" with what the record shows so far, not a yes or
+    "grpo scores no rows"; what the card held from the start still stands; the verdict concludes
+    nothing. A run stopped before its last step (an end record, fewer steps) is unfinished too."""
+    run = killed(make_run(tmp_path / "run"), 7)
+    found = cl.checklist(cl.read_run(run))
+    assert found.unfinished == "unfinished: last step 7 of 10, no end record (the run died or is still running); only what its record " \
+                               "supports is answered"
+    said = {name: answer.answer for name, answer in found.answers.items()}
+    assert said == {"heldout": "yes", "independent": "yes", "interval": "not measured", "shifted": "not measured",
+                    "audit": "not measured", "alarms": "not measured", "review": "not measured", "signal": "not measured", "seeds": "no"}
+    assert found.answers["interval"].detail.startswith("(run unfinished) so far: no gain beyond noise: in_distribution: +0.000")
+    assert "pass@1 0.500 (step 0) -> 0.500 (step 7)" in found.answers["interval"].detail
+    assert found.answers["signal"].detail == "(run unfinished) so far: the card's training_signal counts no scored row (no step recorded)"
+    assert found.verdict.startswith("Nothing to conclude: the run is unfinished (last step 7 of 10, no end record)")
+    assert "Supported" not in found.verdict
+    capsys.readouterr()
+    assert main(["checklist", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == f"  {found.unfinished}", "said first, before the answers"
+    assert "not measured  (run unfinished) so far:" in lines[4]
+    rang = killed(make_run(tmp_path / "rang", alarms=["divergence alarm: reward +0.30, held-out -0.10"]), 7)
+    assert answers(rang)["alarms"].answer == "no", "an alarm that already rang stands"
+    assert "already: the divergence alarm rang" in cl.checklist(cl.read_run(rang)).verdict
+    stopped = make_run(tmp_path / "stopped")
+    card = json.loads((stopped / "run_card.json").read_text())
+    write_run_card(stopped, {**card, "run": {**card["run"], "config": {**card["run"]["config"], "max_steps": 30}}})
+    (stopped / "checkpoints" / "step-000010").mkdir(parents=True)
+    found = cl.checklist(cl.read_run(stopped))
+    assert found.unfinished == (f"unfinished: last step 10 of 30, stopped (it ended before its last step); `posttrain grpo --resume "
+                                f"{stopped}` continues it from its last checkpoint; only what its record supports is answered")
+    assert found.answers["interval"].answer == "not measured" and found.verdict.startswith("Nothing to conclude")
+    assert cl.checklist(cl.read_run(make_run(tmp_path / "done"))).unfinished is None
+
+
+def test_a_run_killed_mid_way_is_unfinished_in_the_checklist(tmp_path, capsys):
+    """A real grpo run of 30 steps killed (SIGKILL) after its third checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    process = subprocess.Popen([sys.executable, "-m", "posttrain", "grpo", "--data.eval_size", "4", "--data.train_size", "50",
+                                "--data.prompts_per_step", "2", "--data.group_size", "2", "--sampling.max_new_tokens", "6",
+                                "--acceptance.eval_every", "10", "--acceptance.sets", "[]", "--reward", "callable:rewards_for_tests.digits",
+                                "--checkpoint-every", "1", "--max-steps", "30", "--output-dir", str(run)],
+                               env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run / "checkpoints" / "step-000003").exists():
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert (run / "checkpoints" / "step-000003").exists()
+    capsys.readouterr()
+    assert main(["checklist", str(run), "--json", "--require", "signal"]) == 1
+    entry = json.loads(capsys.readouterr().out)["runs"][0]
+    assert re.fullmatch(r"unfinished: last step \d+ of 30, no end record \(the run died or is still running\); `posttrain grpo "
+                        rf"--resume {re.escape(str(run))}` continues it from its last checkpoint; only what its record supports "
+                        r"is answered", entry["unfinished"]), entry["unfinished"]
+    by_name = {answer["name"]: answer for answer in entry["answers"]}
+    assert by_name["signal"]["answer"] == "not measured" and "scores no rows" not in by_name["signal"]["detail"]
+    assert by_name["interval"]["answer"] == "not measured" and by_name["interval"]["detail"].startswith("(run unfinished)")
+    assert entry["verdict"].startswith("Nothing to conclude: the run is unfinished (last step ")
+
+
+def test_sft_on_conversations_is_not_told_to_review_what_review_cannot_show(tmp_path, capsys):
+    """Issue 40 item 11: SFT on a file of conversations has no held-out rows a checker scored (its
+    acceptance is the held-out NLL), so `posttrain review` refuses it; the card's checklist says why
+    and does not send the user there."""
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]}
+            for a in range(6) for b in range(4)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "sft"
+    assert main(["sft", "--data.task", str(path), "--data.eval_size", "4", "--max-steps", "2", "--batch-size", "4",
+                 "--micro-batch-size", "2", "--output-dir", str(run)]) == 0
+    card = json.loads((run / "run_card.json").read_text())
+    review = next(answer for answer in card["checklist"]["answers"] if answer["name"] == "review")
+    assert review["answer"] == "not measured" and "posttrain review " not in review["detail"] and "--score" not in review["detail"]
+    assert review["detail"] == ("not done, and nothing to review: the run has no held-out rows a checker scored (eval/step-N.json, "
+                                f"what `posttrain review` shows); its acceptance: token-mean NLL of the 4 held-out rows of {path}")
+    assert "posttrain review " not in (run / "run_card.md").read_text()
+    capsys.readouterr()
+    assert main(["review", str(run)]) == 2 and "no eval results" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["checklist", "--help"], ["explain", "--help"], ["explain", "advantages", "--help"]])
+def test_help_says_what_it_means_not_the_seed(argv, capsys):
+    """Issue 40 item 12: users do not know what "the seed" is (the specification the project grew
+    from); the help says what the thing is: the evaluation checklist, worked examples of the math."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the seed" not in text and "seed's" not in text
+    if argv[0] in ("--help", "checklist"):
+        assert "the evaluation checklist before any conclusion" in text

@@ -18,13 +18,23 @@ DATA_LAYOUTS = {"mbpp": "mbpp", "humaneval": "humaneval", "code_contests": "stdi
 DATA_TIMEOUT_S = 10.0  # per-sample budget under --data: reference solutions take real time
 
 
+def list_suites(parser) -> None:
+    """--verifier's help: every verifier with an audit suite, read from the suites' table
+    (`rewards.audit.SUITES`; imported when the command parses or shows its help, not before)."""
+    from posttrain.rewards.audit import SUITES
+
+    for action in parser._actions:
+        if action.dest == "verifier":
+            action.help = f"the verifier whose suite runs: {', '.join(SUITES)}"
+
+
 def register(subparsers) -> None:
     """Add the `audit` command."""
     parser = subparsers.add_parser(
         "audit", help="try to fool a verifier with known exploits (each must score 0) and honest "
-                      "answers (each must score 1); or, with --data, check a code dataset's tests")
+                      "answers (each must score 1); or, with --data, check a code dataset's tests", deferred=list_suites)
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--verifier", help="math, exact, numeric, choice, format, rg, humaneval, mbpp, io or stdio")
+    mode.add_argument("--verifier", help="the verifier whose suite runs")
     mode.add_argument("--data", help="a code data file (.jsonl .parquet .csv .json .arrow), a saved dataset "
                                      "directory, a cached owner/name, or humaneval (the packaged set)")
     parser.add_argument("--format", "--data.format", dest="format", choices=tuple(DATA_LAYOUTS), default=None,
@@ -37,7 +47,7 @@ def register(subparsers) -> None:
                              "(first, the format's default, or none); the programs read what is shown")
     parser.add_argument("--record", metavar="RUN_DIR", default=None,
                         help="--verifier: also write the outcome to RUN_DIR/audit.json, where `posttrain checklist` reads it "
-                             "(the run's training reward audited: passed or not)")
+                             "(the run's training reward audited: passed or not); --verifier must be the run's training reward")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: CPUs)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="per-sample budget of code verifiers in seconds (default 3; 10 with --data)")
@@ -56,11 +66,28 @@ def handle(args) -> int:
         if args.record:
             raise UserError("--record goes with --verifier (a run's training reward), not --data")
         return audit_data(args)
-    if args.record and not (Path(args.record) / "run_card.json").is_file():
-        raise UserError(f"--record {args.record}: not a run directory (no run_card.json)")
     if args.format or args.columns or args.split or args.show_tests:
         raise UserError("--format, --columns, --split and --show-tests go with --data, not --verifier")
+    if args.record:
+        check_record(Path(args.record), args.verifier)
     return audit_verifier(args)
+
+
+def check_record(run_dir: Path, verifier: str) -> None:
+    """--record RUN_DIR takes only an audit of the run's own training reward (the one the
+    checklist's audit question asks about): another verifier's would replace it and answer nothing.
+    One UserError line otherwise, before the suite runs."""
+    from posttrain.evaluation.checklist import audited_reward, read_run
+
+    if not (run_dir / "run_card.json").is_file():
+        raise UserError(f"--record {run_dir}: not a run directory (no run_card.json)")
+    run = read_run(run_dir)
+    reward = audited_reward(run)
+    if reward is None:
+        raise UserError(f"--record {run_dir}: the {run.recipe} run has no training reward to audit")
+    if verifier != reward:
+        raise UserError(f"--record {run_dir}: the run was trained on the reward {reward}, not {verifier}; record its own: "
+                        f"posttrain audit --verifier {reward} --record {run_dir}")
 
 
 def audit_verifier(args) -> int:

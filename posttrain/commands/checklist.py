@@ -1,11 +1,12 @@
-"""`posttrain checklist`: the seed's checklist before any conclusion, for runs and their comparison.
+"""`posttrain checklist`: the evaluation checklist before any conclusion, for runs and their comparison.
 
     posttrain checklist runs/grpo                          each question: yes / no / not measured, the verdict
     posttrain checklist runs/grpo runs/dpo                 and the links side by side, the paired difference
     posttrain checklist runs/grpo --json --require independent,interval,heldout    for a CI: exit 1 unless yes
 
 Every answer is read from the run directory (run_card.json, metrics.jsonl, eval/); nothing is
-recomputed (docs/checklist.md).
+recomputed (docs/checklist.md). A run that has not finished (it died, was stopped or is still
+running) is said first, and only the answers its record supports stand.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def handle(args) -> int:
 
 def register(subparsers) -> None:
     """Add the `checklist` command."""
-    parser = subparsers.add_parser("checklist", help="the seed's checklist for runs and their comparison: yes / no / not measured",
+    parser = subparsers.add_parser("checklist", help="the evaluation checklist before any conclusion (held-out, independent checker, gain interval, ...) "
+                                                "for runs and their comparison: yes / no / not measured",
                                    description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories; two or more: each compared with the first")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

@@ -307,7 +307,8 @@ def explain_kto(args) -> int:
 
 
 def register(subparsers) -> None:
-    subparsers.add_parser("explain", help="the seed's worked examples, computed by the library", deferred=add_examples)
+    subparsers.add_parser("explain", help="worked examples of the training math (advantages, clipping, DPO-family, KL, ...), "
+                                          "computed by the library", deferred=add_examples)
 
 
 def add_examples(parser) -> None:
@@ -321,7 +322,7 @@ def add_examples(parser) -> None:
     advantages.add_argument("--rewards", type=_reward, nargs="+", required=True, help="rewards; nan = unscorable")
     advantages.add_argument("--group-size", type=int, default=None, help="G (default: all rewards are one group)")
     advantages.add_argument("--scale", choices=["group", "batch", "none"], default="group")
-    advantages.add_argument("--eps", type=float, default=0.0, help="added to the std (the seed omits it: 0)")
+    advantages.add_argument("--eps", type=float, default=0.0, help="added to the std (default 0: the formula as written)")
     advantages.add_argument("--unbiased-std", action="store_true", help="divide the variance by n-1, not G")
     advantages.set_defaults(func=_library_errors_are_user_errors(explain_advantages))
 

@@ -1,7 +1,7 @@
-"""The seed's checklist before any conclusion, answered for a run (runs compared side by side:
+"""The evaluation checklist before any conclusion, answered for a run (runs compared side by side:
 `run_comparison`).
 
-"The score went up: does that support the claim?" The seed asks, before any conclusion: are there
+"The score went up: does that support the claim?" The specification (seed/README.md) asks, before any conclusion: are there
 problems never used in training, is the checker independent (not "the same flawed checking logic on
 new problems"), edge cases and new kinds of input, a human spot check, and, when two methods are
 compared, can the four links be named for both sides. A run directory already records every
@@ -18,9 +18,16 @@ it (`runs.skeleton.closing`).
     audit        `posttrain audit` of the training reward, and a code dataset's weak tests excluded
     alarms       the divergence alarm (online) or likelihood-displacement alarm (preference): silent
     review       a person's marks (`posttrain review`): agreement with the checker >= MIN_AGREEMENT
+                 (suggested only where the run has held-out rows a checker scored)
     signal       the training signal: unscorable rows <= MAX_UNSCORABLE, groups without variance
-                 <= MAX_ZERO_VARIANCE, no step without reward signal
+                 <= MAX_ZERO_VARIANCE, no step without reward signal (the advantage estimator's
+                 own count, evaluation/signal.py)
     seeds        more than one seed: one seed is one sample
+
+A run that has not finished (no end record in its card, or its last logged step short of the steps
+it was set to run: it died, was stopped, or is still running) is said first (`Progress`), and only
+the answers its record supports stand (`STANDS_UNFINISHED`); the others are "not measured (run
+unfinished)" with what the record shows so far, and the verdict concludes nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ QUESTIONS = {
     "audit": "training reward audited (code: weak tests excluded)",
     "alarms": "divergence / displacement alarm silent",
     "review": "human spot check agrees with the checker",
-    "signal": "training signal: rows scored, groups with variance",
+    "signal": "training signal: rows scored, rewards that differ",
     "seeds": "more than one seed",
 }
 """A run's questions, by the name `--require` takes, in the order they are answered."""
@@ -62,6 +69,48 @@ MAX_UNSCORABLE = 0.05
 """Training rows the reward could not score (infra + data errors) above this fraction are a "no"."""
 MAX_ZERO_VARIANCE = 0.5
 """Groups whose rewards were all equal (no policy-gradient signal) above this mean fraction are a "no"."""
+
+
+STANDS_UNFINISHED = {
+    "heldout": {YES}, "independent": {YES, NO, NOT_MEASURED}, "interval": set(), "shifted": set(),
+    "audit": {YES, NO, NOT_MEASURED}, "alarms": {NO}, "review": {YES, NO}, "signal": {NO}, "seeds": {YES, NO},
+}
+"""The answers an unfinished run's record supports, by question: what its card holds from the start
+(held-out problems kept apart, the checker's independence, the audit of its reward, its seed) and
+what has already happened (an alarm that rang, a weak training signal, a person's marks). Any other
+answer (a gain, a silent alarm, a held-out set not yet evaluated) waits for the run's end."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a run got: `last_step` logged in metrics.jsonl (None: none), the steps it was set to
+    run (`planned`; None: not recorded), whether its card holds the end record (`ended`: the
+    results section, written when a run ends or is stopped) and whether a checkpoint exists."""
+
+    last_step: int | None
+    planned: int | None
+    ended: bool
+    checkpointed: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.ended and (self.planned is None or (self.last_step or 0) >= self.planned)
+
+    @property
+    def where(self) -> str:
+        """'last step 3 of 30, no end record' (or 'no step logged', 'stopped')."""
+        of = f" of {self.planned}" if self.planned is not None else ""
+        where = "no step logged" if self.last_step is None else f"last step {self.last_step}{of}"
+        return f"{where}, {'no end record' if not self.ended else 'stopped'}"
+
+    def text(self, recipe: str, path: Path) -> str | None:
+        """The line said before an unfinished run's answers: 'unfinished: last step 3 of 30, no end
+        record (the run died or is still running); ...'; None for a finished run."""
+        if self.finished:
+            return None
+        why = "the run died or is still running" if not self.ended else "it ended before its last step"
+        resume = f"; `posttrain {recipe} --resume {path}` continues it from its last checkpoint" if self.checkpointed else ""
+        return f"unfinished: {self.where} ({why}){resume}; only what its record supports is answered"
 
 
 @dataclass
@@ -109,18 +158,33 @@ class Run:
         run = self.card.get("run", {})
         return run.get("model") or run.get("config", {}).get("model")
 
+    @property
+    def progress(self) -> Progress:
+        """How far the run got (its last logged step against `max_steps`, or rounds x steps per round)."""
+        run = self.card.get("run", {})
+        config = run.get("config") if isinstance(run.get("config"), dict) else {}
+        planned = config.get("max_steps")
+        if planned is None and isinstance(run.get("rounds"), int) and isinstance(run.get("steps_per_round"), int):
+            planned = run["rounds"] * run["steps_per_round"]
+        steps = [row["step"] for row in self.rows if isinstance(row.get("step"), int)]
+        checkpoints = self.path / "checkpoints"
+        return Progress(max(steps) if steps else None, planned if isinstance(planned, int) else None, "results" in self.card,
+                        checkpoints.is_dir() and any(checkpoints.glob("step-*")))
+
 
 @dataclass
 class Checklist:
-    """A run's answers (in `QUESTIONS` order) and its verdict."""
+    """A run's answers (in `QUESTIONS` order) and its verdict; `unfinished`: the line that says the
+    run has not finished (`Progress.text`), said before the answers; None when it has."""
 
     run: Run
     answers: dict[str, Answer]
     verdict: str
+    unfinished: str | None = None
 
     def record(self) -> dict[str, Any]:
         """The checklist as JSON: the run card's "checklist" section and one entry of --json."""
-        return {"run_dir": str(self.run.path), "recipe": self.run.recipe, "seed": self.run.seed,
+        return {"run_dir": str(self.run.path), "recipe": self.run.recipe, "seed": self.run.seed, "unfinished": self.unfinished,
                 "answers": [answer.record() for answer in self.answers.values()], "verdict": self.verdict}
 
 
@@ -306,6 +370,14 @@ def _reward_verifier(run: Run) -> str | None:
     return reward.get("verifier") if isinstance(reward.get("verifier"), str) else None
 
 
+def audited_reward(run: Run) -> str | None:
+    """The `posttrain audit --verifier` name of the run's training reward, the only audit its
+    audit.json may hold (`math` for math, `callable` for callable:m.f, which has no suite); None
+    without a training reward (SFT)."""
+    verifier = _reward_verifier(run)
+    return None if verifier is None else verifier.split(":", 1)[0]
+
+
 def audit_answer(run: Run) -> Answer:
     """5. The training reward audited, and for code data the dataset's weak tests found and excluded.
     `posttrain audit --verifier X --record RUN_DIR` leaves RUN_DIR/audit.json: yes when every case of
@@ -324,7 +396,7 @@ def audit_answer(run: Run) -> Answer:
     if verifier is None:
         return Answer("audit", NOT_MEASURED, f"no training reward to audit ({run.link('reward').get('kind') or run.recipe}){weak_text}",
                       numbers)
-    name = verifier.split(":", 1)[0] if ":" in verifier else verifier
+    name = audited_reward(run)
     record = _audit_record(run)
     if record is not None and record.get("verifier") == name:
         numbers["audit"] = {key: record.get(key) for key in ("cases", "passed", "exploit", "date", "unsafe_no_sandbox")}
@@ -382,6 +454,11 @@ def review_answer(run: Run) -> Answer:
     review = run.link("acceptance").get("human_review")
     if not isinstance(review, dict) or not review.get("n_marked"):
         done = "marked no row agree or disagree" if isinstance(review, dict) else "not done"
+        if not _reviewable(run):
+            acceptance = run.link("acceptance")
+            measure = f"; its acceptance: {acceptance['metric']} of the {acceptance.get('heldout')}" if acceptance.get("metric") else ""
+            return Answer("review", NOT_MEASURED, f"{done}, and nothing to review: the run has no held-out rows a checker scored "
+                                                  f"(eval/step-N.json, what `posttrain review` shows){measure}")
         return Answer("review", NOT_MEASURED, f"{done}: `posttrain review {run.path}`, mark the sheet, then "
                                               f"`posttrain review {run.path} --score {run.path / 'review' / 'marks.json'}`")
     agreement, (low, high) = review["agreement"], review["ci95"]
@@ -393,11 +470,27 @@ def review_answer(run: Run) -> Answer:
     return Answer("review", YES, detail, numbers)
 
 
+def _reviewable(run: Run) -> bool:
+    """Whether `posttrain review` can make a sheet of the run: its last eval file holds held-out rows."""
+    from posttrain.evaluation.review import eval_files
+
+    files = eval_files(run.path / "eval")
+    if not files:
+        return False
+    try:
+        rows = json.loads(files[max(files)].read_text()).get("rows")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(rows, list) and bool(rows)
+
+
 def signal_answer(run: Run) -> Answer:
     """8. The training signal: unscorable rows, groups without reward variance, steps without signal."""
     signal = run.card.get("training_signal")
-    if not isinstance(signal, dict) or not signal.get("rows"):
+    if not isinstance(signal, dict):
         return Answer("signal", NOT_MEASURED, f"{run.recipe} scores no rows while training (no training_signal section)")
+    if not signal.get("rows"):
+        return Answer("signal", NOT_MEASURED, "the card's training_signal counts no scored row (no step recorded)")
     unscorable = (signal.get("infra_error_rate") or 0) + (signal.get("data_error_rate") or 0)
     zero = signal.get("zero_variance_group_fraction")
     numbers = {key: signal.get(key) for key in ("steps", "rows", "infra_error_rate", "data_error_rate", "zero_variance_group_fraction",
@@ -429,11 +522,18 @@ def checklist(run: Run, seeds: list | None = None) -> Checklist:
     answers = [heldout_answer(run), independent_answer(run), interval_answer(run), shifted_answer(run), audit_answer(run),
                alarms_answer(run), review_answer(run), signal_answer(run), seeds_answer(run, seeds)]
     answers = {answer.name: answer for answer in answers}
+    progress = run.progress
+    if not progress.finished:
+        answers = {name: answer if answer.answer in STANDS_UNFINISHED[name] else
+                   Answer(name, NOT_MEASURED, f"(run unfinished) so far: {answer.detail}", answer.numbers)
+                   for name, answer in answers.items()}
+        return Checklist(run, answers, verdict(answers, progress), progress.text(run.recipe, run.path))
     return Checklist(run, answers, verdict(answers))
 
 
-def verdict(answers: dict[str, Answer]) -> str:
-    """One sentence: whether the held-out gain supports the claim, what weakens it, what was not measured."""
+def verdict(answers: dict[str, Answer], progress: Progress | None = None) -> str:
+    """One sentence: whether the held-out gain supports the claim, what weakens it, what was not
+    measured; for a run that has not finished (`progress`), no conclusion."""
     gain, numbers = answers["interval"], answers["interval"].numbers
     figure = f"{numbers['change']:+.3f} [{numbers['ci95'][0]:+.3f}, {numbers['ci95'][1]:+.3f}]" if numbers.get("ci95") else ""
     cautions = []
@@ -451,7 +551,9 @@ def verdict(answers: dict[str, Answer]) -> str:
     if answers["review"].answer == NO:
         cautions.append("a person disagreed with the checker too often")
     but = "; ".join(cautions)
-    if gain.answer == YES and not cautions:
+    if progress is not None and not progress.finished:
+        head = f"Nothing to conclude: the run is unfinished ({progress.where})" + (f"; already: {but}" if but else "")
+    elif gain.answer == YES and not cautions:
         head = f"Supported on this task: the held-out gain {figure} on problems never trained on, by an independent checker, no alarm rang"
     elif gain.answer == YES:
         head = f"Not yet supported: the held-out gain is {figure}, but {but}"
@@ -470,12 +572,13 @@ def card_section(run_dir: str | Path, card: dict[str, Any]) -> dict[str, Any]:
     """The run card's "checklist" section of the run being closed in `run_dir` (its `card` in
     memory, results included): every answer and the verdict, for this run alone (one seed)."""
     found = checklist(read_run(run_dir, card))
-    return {"answers": [answer.record() for answer in found.answers.values()], "verdict": found.verdict}
+    return {"unfinished": found.unfinished, "answers": [answer.record() for answer in found.answers.values()], "verdict": found.verdict}
 
 
 def markdown(entry: Checklist) -> list[str]:
     """A run's checklist as a markdown table and its verdict (the demo's report)."""
-    lines = ["| # | question | answer | the run's number and its source |", "|---|---|---|---|"]
+    lines = [f"**{entry.unfinished}.**", ""] if entry.unfinished else []
+    lines += ["| # | question | answer | the run's number and its source |", "|---|---|---|---|"]
     lines += [f"| {number} | {answer.question} | **{answer.answer}** | {cell(answer.detail)} |"
               for number, answer in enumerate(entry.answers.values(), 1)]
     return lines + ["", f"**Verdict.** {entry.verdict}", ""]

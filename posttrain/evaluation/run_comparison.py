@@ -309,6 +309,7 @@ def text(checklists: list[Checklist], comparisons: list[Comparison]) -> str:
     lines = []
     for entry in checklists:
         lines.append(f"{entry.run.path} ({entry.run.recipe}, seed {entry.run.seed})")
+        lines += [f"  {entry.unfinished}"] if entry.unfinished else []
         lines += [f"  {number}. {answer.question:<52} {answer.answer:<13} {answer.detail}"
                   for number, answer in enumerate(entry.answers.values(), 1)]
         lines += [f"  verdict: {entry.verdict}", ""]
