@@ -56,9 +56,16 @@ def test_audit_rejects_unknown_suite(capsys):
     assert "no built-in audit suite" in capsys.readouterr().err
 
 
+def test_every_registered_reward_kind_has_a_suite():
+    """Issue 40 item 12: the held-out checkers math_equal and rg_answer had none."""
+    from posttrain.rewards.registry import REWARD_KINDS
+
+    assert set(SUITES) == set(REWARD_KINDS)
+
+
 def test_audit_help_lists_every_suite(capsys):
     """Issue 40 item 12: --help names every verifier with a suite, from the suites' table (it named
-    10 of 13: integer, letter and text_match were missing)."""
+    10 of 15: integer, letter, text_match, math_equal and rg_answer were missing)."""
     with pytest.raises(SystemExit):
         main(["audit", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help

@@ -233,9 +233,9 @@ def stdio_cases() -> list[Case]:
 # ---------------------------------------------------------------------------------------------
 # Answers.
 def answer_cases(verifier: str) -> list[Case]:
-    """The exploit/honest table for `math`, `exact`, `numeric` and the `integer` checker (gold 1/2
-    for math, 42 otherwise)."""
-    if verifier == "math":
+    """The exploit/honest table for `math`, `exact`, `numeric` and the `integer` and `math_equal`
+    checkers (gold 1/2 for math and math_equal, 42 otherwise)."""
+    if verifier in ("math", "math_equal"):
         gold, right, other = r"\frac{1}{2}", r"\frac{1}{2}", r"\frac{1}{3}"
         honest = [r"\boxed{\frac{1}{2}}", r"so the answer is $\boxed{0.5}$.", "<answer>1/2</answer>",
                   r"\boxed{\dfrac{1}{2}}"]
@@ -316,8 +316,10 @@ def text_cases() -> list[Case]:
     return cases
 
 
-def rg_cases() -> list[Case]:
-    """The exploit/honest table for `rg` on a reasoning-gym chain_sum entry."""
+def rg_cases(verifier: str = "rg") -> list[Case]:
+    """The exploit/honest table for `rg` on a reasoning-gym chain_sum entry, and for the
+    `rg_answer` checker, which compares the stored answer and so needs no entry's metadata (no
+    malformed case)."""
     import reasoning_gym
 
     entry = dict(reasoning_gym.create_dataset("chain_sum", size=1, seed=3)[0])
@@ -333,8 +335,9 @@ def rg_cases() -> list[Case]:
     ]
     cases = [Case(name, "exploit", text, entry) for name, text in exploits]
     cases += [Case("honest: tags", "honest", f"<answer>{right}</answer>", entry),
-              Case("honest: boxed", "honest", rf"\boxed{{{right}}}", entry),
-              Case("not a reasoning-gym entry", "malformed", f"<answer>{right}</answer>", {"answer": right})]
+              Case("honest: boxed", "honest", rf"\boxed{{{right}}}", entry)]
+    if verifier == "rg":
+        cases.append(Case("not a reasoning-gym entry", "malformed", f"<answer>{right}</answer>", {"answer": right}))
     return cases
 
 
@@ -365,10 +368,13 @@ SUITES = {
     "choice": lambda: choice_cases("choice"),
     "integer": lambda: answer_cases("integer"),
     "letter": lambda: choice_cases("letter"),
+    "math_equal": lambda: answer_cases("math_equal"),
     "text_match": text_cases,
     "rg": rg_cases,
+    "rg_answer": lambda: rg_cases("rg_answer"),
     "format": format_cases,
 }
+"""Every reward kind of the registry (`rewards.registry.REWARD_KINDS`) by name: its suite."""
 
 
 def run_audit(name: str, workers: int | None = None, timeout_s: float = AUDIT_TIMEOUT_S,
