@@ -129,3 +129,34 @@ def test_a_start_inside_the_output_directory_is_refused(tmp_path):
     (tmp_path / "out" / "sft").mkdir(parents=True)
     with pytest.raises(compare.UserError, match="lies inside --output-dir"):
         compare.run(compare.Config(output_dir=str(tmp_path / "out"), start=str(tmp_path / "out" / "sft")))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pairs", "{tmp}/nope.jsonl"], "--pairs {tmp}/nope.jsonl: no such file"),
+    (["--pairs", "{tmp}/bad.jsonl"], "--pairs {tmp}/bad.jsonl: {tmp}/bad.jsonl:2: rejected: missing field (2 rows read, 1 bad; "),
+    (["--pairs", "{tmp}/unpaired.jsonl"], "unpaired rows (KTO's layout: prompt, completion, label), not preference pairs"),
+    (["--start", "{tmp}/nope"], "--start {tmp}/nope: no such directory"),
+    (["--start", "{tmp}/empty"], "--start {tmp}/empty: neither a model directory (config.json) nor a run directory"),
+    (["--start", "{tmp}/broken"], "--start {tmp}/broken: model "),
+])
+def test_every_input_is_checked_before_any_work(tmp_path, capsys, flags, message):
+    """A missing or malformed --pairs, or a --start that does not resolve or load: one line naming the flag, exit 2, before
+    the start is trained or scored; no output directory made, and an earlier comparison there kept. (Before, --pairs
+    nope.jsonl trained and scored the start first and left a half-filled directory; --start nope left an empty one.)"""
+    from posttrain.cli import main
+
+    (tmp_path / "bad.jsonl").write_text(json.dumps(arithmetic_pairs(1)[0]) + "\n" + json.dumps({"prompt": "1+1=", "chosen": "2"}) + "\n")
+    (tmp_path / "unpaired.jsonl").write_text(json.dumps({"prompt": "1+1=", "completion": "2", "label": True}) + "\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")
+    arguments = [flag.format(tmp=tmp_path) for flag in flags]
+    out = tmp_path / "out"
+    assert main(["compare", "--output-dir", str(out), "--sft-steps", "1", "--eval-size", "2", "--rows", "dpo", *arguments]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message.format(tmp=tmp_path) in err[0], err
+    assert not out.exists()
+    (out / "earlier").mkdir(parents=True)
+    (out / "comparison.json").write_text("{}")
+    assert main(["compare", "--output-dir", str(out), "--sft-steps", "1", "--eval-size", "2", "--rows", "dpo", *arguments]) == 2
+    assert sorted(path.name for path in out.iterdir()) == ["comparison.json", "earlier"]

@@ -2,6 +2,9 @@
 from ONE SFT start, the same budget each, scored on the same held-out problems by the independent
 checker, in one table.
 
+0. Every input before any work: --output-dir, --start (resolved and loaded), --pairs (read and
+   validated whole, as each offline row reads it); a mistake is one line and writes nothing (an
+   earlier comparison in --output-dir stays).
 1. The start: the demo's SFT stage (`demo.train_sft`: rounds to partial competence), or `--start`.
 2. Its acceptance on the demo's held-out sets (`demo.heldout_sets`, `demo.acceptance`: greedy
    pass@1 by `integer`, written apart from the `exact` reward and labeller).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,9 +40,12 @@ from typing import Any
 import torch
 
 from posttrain.atomic import write_text_atomically
+from posttrain.data.preference import load_preference_file
+from posttrain.data.provenance import read_provenance
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, independence
 from posttrain.evaluation.stats import paired_difference_ci
+from posttrain.models import load_model
 from posttrain.recipes import demo
 from posttrain.rewards import get_verifier
 
@@ -180,8 +187,13 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
     config.validate()
     rows = config.selected() if rows is None else rows
     started = time.perf_counter()
+    # 0. Every input checked before any work; on a mistake nothing is written (an earlier comparison stays).
+    out = Path(config.output_dir).resolve()
+    check_output_dir(out, config.start, config.pairs)
+    given_start = check_start(config.start) if config.start else None
+    given_pairs = check_pairs(config.pairs) if config.pairs else None
     torch.set_num_threads(config.threads)
-    out = _fresh_directory(Path(config.output_dir).resolve(), config.start, config.pairs)
+    _fresh_directory(out)
 
     # 1. The start: the demo's SFT stage, or --start.
     sft_settings = demo.Config(output_dir=str(out), seed=config.seed, eval_size=config.eval_size, sft_steps=config.sft_steps,
@@ -189,7 +201,7 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
     held_out_size = {"data": {"eval_size": config.eval_size}}
     sft_config = demo.stage_config(demo.SFT, sft_settings, {}, held_out_size)
     clock = time.perf_counter()
-    start = _start_model(Path(config.start) if config.start else demo.train_sft(sft_settings, held_out_size))
+    start = given_start or _start_model(demo.train_sft(sft_settings, held_out_size))
     sft_seconds = time.perf_counter() - clock
     data, budget = sft_config.data, sft_config.acceptance.max_new_tokens
 
@@ -204,10 +216,7 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
     files["unpaired"] = files["pairs"] if config.pairs else out / "unpaired.jsonl"
     provenance, errors = {}, {}
     if config.pairs:
-        if not files["pairs"].is_file():
-            raise UserError(f"--pairs {config.pairs}: no such file")
-        sidecar = files["pairs"].with_name(files["pairs"].name.removesuffix(".jsonl") + ".meta.json")
-        provenance["pairs"] = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
+        provenance["pairs"] = given_pairs
     else:
         for kind in dict.fromkeys(row.data for row in rows if not row.online):
             arguments = ["pairs", "--model", start, "--out", str(files[kind]), "--group_size", str(GROUP_SIZE), "--verifier", REWARD,
@@ -299,6 +308,36 @@ def _error_line(log: Path, code: int) -> str:
     return f"{line} (exit {code}; {log.name})"
 
 
+def check_start(start: str) -> str:
+    """`--start`'s model directory (`_start_model`), loaded once to prove it loads; a UserError line naming the flag otherwise."""
+    path = Path(start).expanduser()
+    if not path.is_dir():
+        raise UserError(f"--start {start}: no such directory (give an SFT run directory or a model directory)")
+    model = _start_model(path)
+    try:
+        load_model(model)
+    except UserError as error:
+        raise UserError(f"--start {start}: {error}") from None
+    return model
+
+
+def check_pairs(pairs_file: str) -> dict[str, Any]:
+    """`--pairs`: a file of preference pairs every offline row can read (read and validated whole, as each row's
+    `posttrain dpo` reads it); returns its provenance sidecar ({} without one). A UserError line naming the flag otherwise."""
+    path = Path(pairs_file).expanduser()
+    if not path.is_file():
+        raise UserError(f"--pairs {pairs_file}: no such file")
+    try:
+        load_preference_file(path, unpaired_advice="--pairs takes preference pairs (every offline row trains on them; KTO reads "
+                                                   "each pair as a desirable and an undesirable row): make them with posttrain pairs")
+        return read_provenance(path) or {}
+    except UserError as error:  # the reader's bad-row report in one line: its first bad row and the count (compare has no data.* flags)
+        lines = str(error).splitlines()
+        counts = re.search(r"\d+ rows read, \d+ bad", lines[0])
+        detail = f"{lines[1]} ({counts.group(0)}; each offline row reads the file as posttrain dpo does)" if counts and len(lines) > 1 else lines[0]
+        raise UserError(f"--pairs {pairs_file}: {detail}") from None
+
+
 def _start_model(path: Path) -> str:
     """The start's model directory: `path` itself, or a run directory's newest checkpoint."""
     if (path / "checkpoints").is_dir():
@@ -308,15 +347,19 @@ def _start_model(path: Path) -> str:
     return str(path.resolve())
 
 
-def _fresh_directory(out: Path, start: str | None, pairs: str | None) -> Path:
-    """`out`, created empty; an earlier comparison there (comparison.json) is replaced, anything else
-    refused, and so is a --start or --pairs inside it (the replacement would delete it)."""
+def check_output_dir(out: Path, start: str | None, pairs: str | None) -> None:
+    """`out` may hold only an earlier comparison (comparison.json), which a new one replaces, and so may not hold
+    --start or --pairs (the replacement would delete them): else one UserError line."""
     for flag, given in (("--start", start), ("--pairs", pairs)):
         if given is not None and out in Path(given).resolve().parents:
             raise UserError(f"{flag} {given} lies inside --output-dir {out}, which a new comparison replaces; choose another --output-dir")
+    if out.exists() and (not out.is_dir() or (not (out / "comparison.json").exists() and any(out.iterdir()))):
+        raise UserError(f"--output-dir {out}: holds something other than a finished comparison; choose another")
+
+
+def _fresh_directory(out: Path) -> Path:
+    """`out` (`check_output_dir` passed), created empty: an earlier comparison there is replaced."""
     if out.exists():
-        if not out.is_dir() or (not (out / "comparison.json").exists() and any(out.iterdir())):
-            raise UserError(f"--output-dir {out}: holds something other than a finished comparison; choose another")
         shutil.rmtree(out)
     out.mkdir(parents=True)
     return out
