@@ -14,12 +14,17 @@ rounding-sensitive transition falls moves with the processor (a fixed 400 steps 
 Intel VM, a fixed 600 gave 0.97 on an AMD one, where DPO then had no room to gain)."""
 
 import json
+import os
+import shlex
+import signal
 
 import pytest
 import torch
 
 from posttrain.config import build_config
-from posttrain.recipes import demo
+from posttrain.errors import UserError
+from posttrain.recipes import demo, stages
+from posttrain.runs.faults import RunStopped
 
 
 @pytest.mark.timeout(3600)
@@ -89,3 +94,67 @@ def test_stage_configs_are_presets_plus_the_demos_overrides(tmp_path):
     assert (reward_model.model, reward_model.max_steps, reward_model.data.heldout_pairs) == (starts["sft"], config.rm_steps, 12)
     on_rm = demo.stage_config(demo.GRPO_RM, config, starts, {"reward": "rm:x/final"})
     assert on_rm.reward == "rm:x/final" and on_rm.max_steps == grpo.max_steps and on_rm.model == grpo.model
+
+
+SHORT = {"sft_steps": 4, "sft_round": 2, "sft_target": 1.0, "eval_size": 8, "grpo_steps": 2, "rm_steps": 2, "threads": 1}
+"""A demo whose SFT runs two rounds of 2 steps (a target of 1.0 is never reached), small enough to stop and go on with."""
+
+
+class AfterSFT(UserError):
+    """Raised where the demo's held-out sets are built, right after its SFT stage: the tests stop there."""
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_a_stopped_demo_says_the_demo_command_that_goes_on(tmp_path, monkeypatch, tools):
+    """A stage stopped by a signal (its recipe's RunStopped, as runs/skeleton.StepLoop raises it): the line names the
+    demo's own command with every setting that differs from its default, not the stage's `posttrain sft --resume`."""
+    def stopped(config, resume=False, resume_changed_config=False):
+        raise RunStopped(signal.SIGTERM, 3, f"posttrain sft --resume {config.output_dir}")
+
+    monkeypatch.setattr(stages.sft, "run", stopped)
+    config = build_config(demo.Config, None, {"output_dir": str(tmp_path / "demo"), **SHORT, "tools": tools})
+    with pytest.raises(RunStopped) as stop:
+        demo.run(config)
+    expected = (f"posttrain demo --output-dir {tmp_path / 'demo'} --eval_size 8 --sft_steps 4 --sft_round 2 --sft_target 1.0 "
+                f"--grpo_steps 2 --rm_steps 2 --threads 1{' --tools' if tools else ''}")
+    assert str(stop.value) == f"stopped by SIGTERM at step 3; resume with: {expected} (it keeps the finished stages; the sft stage goes on from its step 3)"
+    assert stop.value.exit_code == 143
+
+
+def test_the_demo_command_goes_on_from_the_finished_stages(tmp_path, monkeypatch, capsys):
+    """SIGTERM at SFT step 3 (the second round's first step): the stage checkpoints step 3 and the demo stops. The command
+    its message names, run as written, keeps round 1 and trains SFT step 4 alone, from the step-3
+    checkpoint; the same directory with other settings is refused in one line that says the command that goes on."""
+    from posttrain.cli import main
+
+    out = tmp_path / "demo"
+    calls = []
+    real = stages.sft.loss_step
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 and stop_at_three:
+            os.kill(os.getpid(), signal.SIGTERM)  # the StepLoop's handler: this step finishes, is checkpointed, then RunStopped
+        return real(*args, **kwargs)
+
+    def after_sft(*args, **kwargs):
+        raise AfterSFT("after the SFT stage")
+
+    monkeypatch.setattr(stages.sft, "loss_step", counting)
+    monkeypatch.setattr(demo, "heldout_sets", after_sft)
+    stop_at_three = True
+    config = build_config(demo.Config, None, {"output_dir": str(out), **SHORT})
+    with pytest.raises(RunStopped) as stop:
+        demo.run(config)
+    command = str(stop.value).split("resume with: ")[1].split(" (it keeps")[0]
+    assert [path.name for path in sorted((out / "sft" / "checkpoints").glob("step-*"))] == ["step-000002", "step-000003"]
+    stop_at_three, calls[:] = False, []
+    assert main(shlex.split(command)[1:]) == 2 and "after the SFT stage" in capsys.readouterr().err
+    assert len(calls) == 1, "SFT went on with step 4 alone"
+    assert (out / "sft" / "checkpoints" / "step-000004" / "model").is_dir()
+    steps = [row["step"] for row in map(json.loads, (out / "sft" / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
+    assert steps == [1, 2, 3, 4]
+    assert main(shlex.split(command.replace("--grpo_steps 2", "--grpo_steps 3"))[1:]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"posttrain: error: {out}: holds a stopped demo with other settings (grpo_steps: 2 -> 3); go on with it: {command}, "
+                   f"or choose another --output-dir (or delete {out} to start over)"], err

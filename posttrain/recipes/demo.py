@@ -17,6 +17,11 @@
    `exact` reward.
 7. A report (`report.md`, `summary.json`, plots) next to the stages' run directories.
 
+A demo stopped part-way (SIGTERM or Ctrl-C in a stage: the stage checkpoints its step; or killed) goes on
+when the same command runs again: finished stages are kept, a stopped one resumes from its checkpoint,
+the pairs are kept once written whole (`stages.run_stage`, `stages.demo_directory`: demo.json records the
+settings and wall times); a stop signal's line names that command.
+
 Each training stage is a preset (presets/tiny-sft.yaml, tiny-grpo.yaml, tiny-dpo.yaml, tiny-rm.yaml) plus the few
 overrides written below: the demo's numbers are the presets' numbers.
 
@@ -26,7 +31,9 @@ same program as reward), and only held-out problems with a separate checker say 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +43,7 @@ import torch
 
 from posttrain.config import build_config
 from posttrain.data.examples import Task
+from posttrain.data.provenance import provenance_path, read_provenance
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, evaluate_task, independence
 from posttrain.evaluation.reuse import reuse_evaluations
@@ -43,12 +51,13 @@ from posttrain.models import load_model
 from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, rm
 from posttrain.recipes.stages import SFT, Stage, heldout_sets, preset, stage_config, train_sft  # noqa: F401 (demo.preset: the tests)
 from posttrain.recipes.stages import checker as _checker
-from posttrain.recipes.stages import fresh_directory as _fresh_directory
+from posttrain.recipes.stages import demo_directory, run_stage, save_state
 from posttrain.recipes.stages import last_checkpoint as _last_checkpoint
 from posttrain.recipes.stages import newest_step as _newest_step
 from posttrain.recipes.stages import timed as _timed
 from posttrain.evaluation.demo_report import DemoResult, write_report
 from posttrain.rewards import get_verifier
+from posttrain.runs.faults import RunStopped
 
 
 DPO_STAGE = {"batch_size": 16, "micro_batch_size": 16, "data": {"heldout_pairs": 0}}
@@ -65,7 +74,8 @@ TOOL_DEMO_DIR = "runs/demo-tools"
 @dataclass
 class Config:
     output_dir: str = "runs/demo"
-    """Where the stages and the report go (replaced if it holds an earlier demo)."""
+    """Where the stages and the report go (replaced if it holds a finished demo; a demo stopped there with the same
+    settings goes on from its finished stages)."""
     seed: int = 0
     """One seed for every stage."""
     eval_size: int = 500
@@ -132,28 +142,69 @@ STAGES = (SFT, GRPO, DPO, DPO_PLAIN, RM, GRPO_RM)
 
 
 def run(config: Config, resume: bool = False, resume_changed_config: bool = False) -> Path:
-    """Run every stage; returns the demo directory (with report.md and summary.json). It always
-    starts over: `resume` (and so `resume_changed_config`) is refused."""
+    """Run every stage; returns the demo directory (with report.md and summary.json). A finished demo
+    in the directory is replaced; a stopped one (demo.json, no summary.json) with the same settings
+    goes on from its finished stages (`stages.run_stage`), so the command that goes on is the demo's
+    own, which a stop signal's message says (`demo_command`); `resume` is refused."""
     if resume or resume_changed_config:
-        raise UserError("the demo always starts over; run it again without --resume")
+        raise UserError(f"the demo has no --resume: run the same command again ({demo_command(config)}): it replaces a finished "
+                        "demo and goes on with a stopped one from its finished stages")
     started, threads = time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:
         with reuse_evaluations():  # the stages share their start: each repeat of one evaluation is done once (evaluation/reuse.py)
             return _run(config, started)
+    except RunStopped as stop:  # a stage's own resume command would leave the demo behind: the demo's goes on with both
+        stage = getattr(stop, "stage", "stopped")
+        raise RunStopped(stop.signum, stop.step, f"{demo_command(config)} (it keeps the finished stages; the {stage} stage "
+                                                 f"goes on from its step {stop.step})") from None
     finally:
         torch.set_num_threads(threads)
 
 
+def demo_command(config: Config) -> str:
+    """The `posttrain demo` command line of `config`: each setting that differs from its default."""
+    defaults, flags = Config(), ["posttrain", "demo"]
+    for field in dataclasses.fields(Config):
+        value = getattr(config, field.name)
+        if field.name in ("max_steps",) or value == getattr(defaults, field.name):
+            continue
+        if field.name == "tools":
+            flags.append("--tools")
+        elif field.name in ("output_dir", "seed"):
+            flags += [f"--{field.name.replace('_', '-')}", str(value)]
+        else:
+            flags += [f"--{field.name}", str(value)]
+    return shlex.join(flags)
+
+
 def _run(config: Config, started: float) -> Path:
+    command = demo_command(config)
+    settings = {key: value for key, value in dataclasses.asdict(config).items() if key not in ("max_steps", "samples_shown")}
     if config.tools:
         from posttrain.recipes import tool_demo
 
         if config.output_dir == Config.output_dir:  # never over the main demo's directory
             config = dataclasses.replace(config, output_dir=TOOL_DEMO_DIR)
-        return tool_demo.run(config, _fresh_directory(Path(config.output_dir)), started)
-    out = _fresh_directory(Path(config.output_dir))
-    timings: dict[str, float] = {}
+        out, spent = demo_directory(Path(config.output_dir), settings, command)
+        with _saving(out, settings, command, spent, started):
+            return tool_demo.run(config, out, started - spent["seconds"], spent["timings"])
+    out, spent = demo_directory(Path(config.output_dir), settings, command)
+    with _saving(out, settings, command, spent, started):
+        return _stages(config, out, started - spent["seconds"], spent["timings"])
+
+
+@contextlib.contextmanager
+def _saving(out: Path, settings: dict[str, Any], command: str, spent: dict[str, Any], started: float):
+    """demo.json rewritten when the demo ends, however it ends: the wall times of every attempt so far."""
+    before = spent["seconds"]
+    try:
+        yield
+    finally:
+        save_state(out, settings, command, {"timings": spent["timings"], "seconds": before + time.perf_counter() - started})
+
+
+def _stages(config: Config, out: Path, started: float, timings: dict[str, float]) -> Path:
     held_out_size = {"data": {"eval_size": config.eval_size}}
 
     # 1. SFT from scratch to partial competence (rounds, each evaluated at its end).
@@ -171,28 +222,31 @@ def _run(config: Config, started: float) -> Path:
     # 3. GRPO with the programmatic verifier: presets/tiny-grpo.yaml from the SFT start.
     with _timed(timings, "grpo"):
         grpo_config = stage_config(GRPO, config, starts, held_out_size, {"acceptance": {"eval_every": max(1, config.grpo_steps // 4)}})
-        run_dirs["grpo"] = online.run(grpo_config)
+        run_dirs["grpo"] = run_stage(online.run, grpo_config)
 
-    # 4. Pairs from the SFT model's own samples, as many as GRPO drew, then DPO on them (RPO and plain).
+    # 4. Pairs from the SFT model's own samples, as many as GRPO drew (kept when a stopped demo wrote them whole), then
+    #    DPO on them (RPO and plain).
     pairs_file = out / "pairs.jsonl"
     with _timed(timings, "pairs"):
-        provenance = pairs.build_pairs(build_config(pairs.PairSettings, None, {
-            "model": starts["sft"], "out": str(pairs_file), "group_size": grpo_config.data.group_size, "verifier": "exact",
-            "data": {"task": data.task, "task_options": data.task_options,
-                     "max_prompts": config.grpo_steps * grpo_config.data.prompts_per_step, "eval_size": config.eval_size},
-            "sampling": {"max_new_tokens": budget}, "seed": config.seed,
-        }))
+        provenance = read_provenance(pairs_file) if provenance_path(pairs_file).is_file() else None
+        if not (provenance and provenance["file_matches"]):
+            provenance = pairs.build_pairs(build_config(pairs.PairSettings, None, {
+                "model": starts["sft"], "out": str(pairs_file), "group_size": grpo_config.data.group_size, "verifier": "exact",
+                "data": {"task": data.task, "task_options": data.task_options,
+                         "max_prompts": config.grpo_steps * grpo_config.data.prompts_per_step, "eval_size": config.eval_size},
+                "sampling": {"max_new_tokens": budget}, "seed": config.seed, "overwrite": pairs_file.exists(),
+            }))
     with _timed(timings, "dpo"):
         for stage in (DPO, DPO_PLAIN):
-            run_dirs[stage.name] = dpo.run(stage_config(stage, config, starts, {"data": {"pairs": str(pairs_file)}},
-                                                        {"acceptance": {"max_new_tokens": budget}}))
+            run_dirs[stage.name] = run_stage(dpo.run, stage_config(stage, config, starts, {"data": {"pairs": str(pairs_file)}},
+                                                                   {"acceptance": {"max_new_tokens": budget}}))
 
     # 5. Only the reward link changes: a reward model on the same pairs, then GRPO against it.
     with _timed(timings, "rm"):
         held_pairs = min(64, max(1, provenance["pairs"] // 4))
-        run_dirs["rm"] = rm.run(stage_config(RM, config, starts, {"data": {"pairs": str(pairs_file), "heldout_pairs": held_pairs}}))
+        run_dirs["rm"] = run_stage(rm.run, stage_config(RM, config, starts, {"data": {"pairs": str(pairs_file), "heldout_pairs": held_pairs}}))
     with _timed(timings, "grpo_rm"):
-        run_dirs["grpo_rm"] = online.run(stage_config(GRPO_RM, config, starts, held_out_size, {
+        run_dirs["grpo_rm"] = run_stage(online.run, stage_config(GRPO_RM, config, starts, held_out_size, {
             "reward": f"rm:{run_dirs['rm'] / rm.FINAL}", "acceptance": {"eval_every": max(1, config.grpo_steps // 4)}}))
 
     # 6. Acceptance for each on the same problems.

@@ -8,12 +8,15 @@ the run-directory helpers. `demo.py` (the main demo), `tool_demo.py` (`posttrain
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from posttrain.atomic import write_text_atomically
 from posttrain.config import PRESETS, build_config
 from posttrain.data.examples import Task
 from posttrain.errors import UserError
@@ -21,6 +24,10 @@ from posttrain.evaluation.acceptance import IN_DISTRIBUTION, default_shifts, hel
 from posttrain.recipes import sft
 from posttrain.rewards import get_verifier
 from posttrain.runs import read_jsonl
+from posttrain.runs.checkpoint import PREFIX, latest_checkpoint
+from posttrain.runs.faults import RunStopped
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,16 +61,39 @@ def preset(name: str) -> Path:
 def train_sft(config: Any, held_out_size: dict[str, Any]) -> Path:
     """`config`: a demo's settings (seed, output_dir, sft_steps, sft_round, sft_target). SFT from scratch in rounds of `sft_round` steps, each a resume of the one run (checkpointed
     and evaluated at its end), until held-out pass@1 reaches `sft_target` or `sft_steps` are done;
-    returns the run directory (its newest checkpoint is the start)."""
+    returns the run directory (its newest checkpoint is the start). A round an earlier, stopped demo finished is kept
+    and one it was stopped in goes on from its checkpoint (`run_stage`)."""
     steps = 0
     while steps < config.sft_steps:
         steps = min(steps + config.sft_round, config.sft_steps)
         round_config = stage_config(SFT, config, {}, held_out_size, {"max_steps": steps, "checkpoint_every": config.sft_round})
-        run_dir = sft.run(round_config, resume=steps > config.sft_round)
+        run_dir = run_stage(sft.run, round_config)
         reading = [row for row in read_jsonl(run_dir / "metrics.jsonl") if row["step"] == steps and "heldout/pass@1" in row]
         if reading and reading[-1]["heldout/pass@1"] is not None and reading[-1]["heldout/pass@1"] >= config.sft_target:
             break
     return run_dir
+
+
+def run_stage(run: Callable[..., Path], config: Any) -> Path:
+    """Run a stage's recipe (`run(config, resume=...)`) into `config.output_dir`, going on from what a stopped demo left
+    there: a run whose newest complete checkpoint is at `config.max_steps` is finished and kept as it is; one with an
+    earlier checkpoint (a stop signal writes one) is resumed from it; one without a checkpoint is started over. A stop
+    signal in the stage is its `RunStopped`, with `stage` (the stage's directory name) for the demo's message."""
+    out = Path(config.output_dir)
+    checkpoint = latest_checkpoint(out / "checkpoints") if (out / "config.yaml").is_file() else None
+    step = int(checkpoint.name.removeprefix(PREFIX)) if checkpoint is not None else None
+    if step is not None and step >= config.max_steps:
+        logger.info("%s: finished by an earlier run of the demo (step %d), kept", out, step)
+        return out
+    if step is None and out.exists():
+        shutil.rmtree(out)  # stopped before its first checkpoint: nothing to go on from
+    if step is not None:
+        logger.info("%s: going on from step %d of an earlier, stopped run of the demo", out, step)
+    try:
+        return run(config, resume=step is not None)
+    except RunStopped as stop:
+        stop.stage = out.name
+        raise
 
 
 def stage_config(stage: Stage, config: Any, starts: dict[str, str], *overrides: dict[str, Any]) -> Any:
@@ -96,14 +126,37 @@ def checker(name: str | None, task: Task):
     return get_verifier(name or "integer")
 
 
-def fresh_directory(out: Path) -> Path:
-    """`out`, created empty; an earlier demo there (it has summary.json) is replaced, anything else refused."""
+STATE = "demo.json"
+"""A demo directory's record of its settings and its wall times so far: a directory with it and without summary.json
+holds a demo that stopped before its report, which the same command goes on with."""
+
+
+def demo_directory(out: Path, settings: dict[str, Any], command: str) -> tuple[Path, dict[str, Any]]:
+    """`out` for a demo with `settings` (run as `command`), and the wall times ({"timings": {name: s}, "seconds": s}) an
+    earlier, stopped run of the same demo spent there. A finished demo there (summary.json) is replaced; a stopped one
+    with the same settings is kept, to go on from its finished stages; one with other settings, or anything else, is
+    refused in one line."""
+    if out.exists() and any(out.iterdir()) and not (out / "summary.json").exists():
+        if not (out / STATE).is_file():
+            raise UserError(f"{out}: holds something other than a demo; choose another --output-dir")
+        saved = json.loads((out / STATE).read_text())
+        changed = [f"{key}: {saved['settings'].get(key)!r} -> {value!r}" for key, value in settings.items() if saved["settings"].get(key) != value]
+        if changed:
+            raise UserError(f"{out}: holds a stopped demo with other settings ({'; '.join(changed)}); go on with it: "
+                            f"{saved['command']}, or choose another --output-dir (or delete {out} to start over)")
+        logger.info("%s: a stopped demo with these settings: going on from its finished stages", out)
+        return out, {"timings": saved.get("timings", {}), "seconds": saved.get("seconds", 0.0)}
     if out.exists():
-        if not (out / "summary.json").exists() and any(out.iterdir()):
-            raise UserError(f"{out}: holds something other than a finished demo; choose another --output-dir")
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    return out
+    spent = {"timings": {}, "seconds": 0.0}
+    save_state(out, settings, command, spent)
+    return out, spent
+
+
+def save_state(out: Path, settings: dict[str, Any], command: str, spent: dict[str, Any]) -> None:
+    """demo.json: the settings, the command that goes on with this demo, and the wall times spent so far."""
+    write_text_atomically(out / STATE, json.dumps({"settings": settings, "command": command, **spent}, indent=1) + "\n")
 
 
 def newest_step(run_dir: Path) -> int:
@@ -121,7 +174,10 @@ def last_checkpoint(run_dir: Path, steps: int) -> str:
 
 @contextlib.contextmanager
 def timed(timings: dict[str, float], name: str):
-    """timings[name]: the wall seconds of the block."""
+    """timings[name] += the wall seconds of the block, also when it raises (a stopped stage's time counts when the demo
+    goes on with it)."""
     clock = time.perf_counter()
-    yield
-    timings[name] = time.perf_counter() - clock
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - clock

@@ -90,9 +90,10 @@ def training_sums(seed: int, size: int, held_out: set[str]) -> list[Example]:
     return [e for pair in zip(*halves) for e in pair]
 
 
-def run(config: Any, out: Path, started: float) -> Path:
-    """The tool demo into `out` (made empty by the caller); returns it."""
-    timings: dict[str, float] = {}
+def run(config: Any, out: Path, started: float, timings: dict[str, float] | None = None) -> Path:
+    """The tool demo into `out` (made empty by the caller, or holding a stopped tool demo with the same settings, whose
+    finished stages are kept: `stages.run_stage`); returns it. `timings`: the wall seconds an earlier, stopped run spent."""
+    timings = {} if timings is None else timings
     held_out_size = {"data": {"eval_size": config.eval_size}}
     with stages.timed(timings, "sft"):
         sft_config = stages.stage_config(stages.SFT, config, {}, held_out_size)
@@ -114,10 +115,10 @@ def run(config: Any, out: Path, started: float) -> Path:
     run_dirs = {"sft": sft_dir}
     held = min(HELD_ROWS, max(1, config.tool_transcripts // 8))  # each file's rows the stage's own held-out split keeps apart
     with stages.timed(timings, "tool_sft"):
-        run_dirs["tool_sft"] = sft.run(stages.stage_config(TOOL_SFT, config, starts, {"data": {"task": str(transcripts), "eval_size": held}}))
+        run_dirs["tool_sft"] = stages.run_stage(sft.run, stages.stage_config(TOOL_SFT, config, starts, {"data": {"task": str(transcripts), "eval_size": held}}))
         starts["tool_sft"] = stages.last_checkpoint(run_dirs["tool_sft"], config.tool_sft_steps)
     with stages.timed(timings, "tool_grpo"):
-        run_dirs["tool_grpo"] = online.run(stages.stage_config(TOOL_GRPO, config, starts, {"data": {"task": str(prompts), "eval_size": held}}))
+        run_dirs["tool_grpo"] = stages.run_stage(online.run, stages.stage_config(TOOL_GRPO, config, starts, {"data": {"task": str(prompts), "eval_size": held}}))
     with stages.timed(timings, "acceptance"):
         results = {
             "sft": acceptance(starts["sft"], sets, config, out, "sft", tools=False),
