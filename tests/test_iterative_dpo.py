@@ -223,7 +223,9 @@ def test_iterative_kto_rounds_on_unpaired_rows(tmp_path):
     out = tmp_path / "run"
     one_round = list(RUN)
     one_round[one_round.index("--rounds") + 1] = "1"
-    result = subprocess.run([sys.executable, "-m", "posttrain", "iterative-dpo", *one_round, "--pairs.unpaired", "true",
+    held = list(one_round)
+    held[held.index("--dpo.data.heldout_pairs") + 1] = "4"
+    result = subprocess.run([sys.executable, "-m", "posttrain", "iterative-dpo", *held, "--pairs.unpaired", "true",
                              "--dpo.loss.type", "kto", "--output-dir", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     meta = json.loads((out / "rounds" / "round-1" / "pairs.meta.json").read_text())
@@ -231,6 +233,9 @@ def test_iterative_kto_rounds_on_unpaired_rows(tmp_path):
     assert meta["unpaired"] is True and meta["rows"] == len(written) > 0 and {"completion", "label"} <= set(written[0])
     card = json.loads((out / "run_card.json").read_text())
     assert card["rounds"][-1]["pairs"] == meta["rows"]
+    accuracy = card["rounds"][-1]["heldout_accuracy"]  # KTO's held-out rate is named for what it is, never None
+    assert accuracy["metric"] == "heldout/label_side_accuracy" and 0 <= accuracy["value"] <= 1
+    assert accuracy["ci95"][0] <= accuracy["value"] <= accuracy["ci95"][1] and accuracy["ties"] is not None
     assert json.loads((out / "rounds" / "round-1" / "dpo" / "run_card.json").read_text())["links"]["loss"]["type"] == "kto"
     refused = subprocess.run([sys.executable, "-m", "posttrain", "iterative-dpo", *one_round, "--pairs.unpaired", "true",
                               "--output-dir", str(tmp_path / "refused")], capture_output=True, text=True, cwd=ROOT)

@@ -345,8 +345,16 @@ def round_record(config: Config, number: int, round_dir: Path, start_model: str)
         "provenance_file_matches": provenance.get("file_matches"), "dpo_run": str(round_dir / "dpo"),
         "reference": start_model, "start": _heldout(first, round_dir, 0), "end": _heldout(last, round_dir, number * config.steps_per_round),
         "loss": last.get("loss"),
-        "preference_accuracy": last.get("heldout/preference_accuracy"), "rows": (first, last), "card": card,
+        "heldout_accuracy": _heldout_accuracy(last), "rows": (first, last), "card": card,
     }
+
+
+def _heldout_accuracy(row: dict[str, Any]) -> dict[str, Any] | None:
+    """A round's last held-out pair (or, for KTO, label-side) accuracy with its interval and ties."""
+    name = next((key for key in ("heldout/preference_accuracy", "heldout/label_side_accuracy") if row.get(key) is not None), None)
+    if name is None:
+        return None
+    return {"metric": name, "value": row[name], "ci95": [row.get(f"{name}_low"), row.get(f"{name}_high")], "ties": row.get(f"{name}_ties")}
 
 
 def _heldout(row: dict[str, Any], round_dir: Path, step: int) -> dict[str, Any]:
@@ -423,7 +431,7 @@ def make_card(config: Config, done: list[dict[str, Any]], changes: list[str]) ->
     card["links"]["acceptance"] = {**first.get("acceptance", {}),
                                    "after_every_round": [{"round": 0, **done[0]["start"]}] + [{"round": r["round"], **r["end"]} for r in done]
                                    if done else []}
-    card["rounds"] = [{key: record[key] for key in ("round", "sampled_from", "reference", "pairs", "train_pairs", "loss", "preference_accuracy",
+    card["rounds"] = [{key: record[key] for key in ("round", "sampled_from", "reference", "pairs", "train_pairs", "loss", "heldout_accuracy",
                                                      "dpo_run")} | {"heldout_start": record["start"], "heldout_end": record["end"]}
                       for record in done]
     if first.get("acceptance", {}).get("independent") is False:
