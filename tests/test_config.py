@@ -97,8 +97,8 @@ def test_a_preset_names_the_command_that_makes_what_it_requires(tmp_path):
     from posttrain.recipes import online_config
 
     preset = Path(__file__).resolve().parent.parent / "presets" / "tiny-grpo.yaml"
-    with pytest.raises(UserError, match=r"runs/tiny-sft/checkpoints/step-000600/model does not exist yet; make it first with: "
-                                        r"posttrain sft --config tiny-sft --output-dir runs/tiny-sft"):
+    with pytest.raises(UserError, match=r"runs/tiny-sft-start/checkpoints/step-000400/model does not exist yet; make it first with: "
+                                        r"posttrain sft --config tiny-sft --max-steps 400 --output-dir runs/tiny-sft-start"):
         build_config(online_config.grpo_config, preset, {"output_dir": str(tmp_path / "run")})
     assert build_config(online_config.grpo_config, preset, {"model": "tiny"}).model == "tiny"
     bad = tmp_path / "bad.yaml"
