@@ -3,7 +3,10 @@
 Precedence: dataclass defaults < YAML file (`--config`) < command-line flags (`--key value`, dotted
 keys for nested sections: `--sampling.temperature 0.7`). Unknown keys, wrong types and impossible
 combinations raise `UserError` with one line naming the source (file or flag) and the key; a key a
-config class declares moved (its `MOVED` table) is one line naming where it went.
+config class declares moved (its `MOVED` table) is one line naming where it went, and a value given
+to a section itself (`--tools '[add]'`, `--loss kto`) one line naming the key it meant, from the
+section's `PRIMARY` table (`--tools.names '[add]'`, `--loss.type kto`). A list-of-strings field takes a
+YAML list or a comma list (`--tools.names add,calculator`, as `--report_to wandb,mlflow`).
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def _coerce(value: Any, annotation, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         errors = []
-        for option in (a for a in args if a is not type(None)):
+        # The option of the value's own type first: `report_to: list[str] | str` keeps "none" a string.
+        for option in sorted((a for a in args if a is not type(None)), key=lambda option: option is not type(value)):
             try:
                 return _coerce(value, option, where)
             except UserError as error:
@@ -75,6 +79,8 @@ def _coerce(value: Any, annotation, where: str) -> Any:
             raise UserError(f"{where}: must be one of {', '.join(map(repr, args))}, got {value!r}")
         return value
     if origin in (list, tuple):
+        if isinstance(value, str) and args and args[0] is str:  # `--tools.names add,calculator`, as --report_to takes it
+            value = [item.strip() for item in value.split(",") if item.strip()]
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{where}: expected a list, got {value!r}")
         item_type = args[0] if args else Any
@@ -139,13 +145,50 @@ def _apply(config, values: dict[str, Any], source: str, prefix: str = "", moved:
         current = getattr(config, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise UserError(f"{source}: '{name}' is a section; give a mapping of its keys")
+                raise UserError(f"{source}: '{name}' is a section{_primary_hint(current, name, value, source) or '; give a mapping of its keys'}")
             if current.__dataclass_params__.frozen:  # an immutable settings type: a checked copy
                 setattr(config, key, _replaced(current, value, source, f"{name}.", moved))
             else:
                 _apply(current, value, source, f"{name}.", moved)
         else:
             setattr(config, key, _coerce(value, hints[key], f"{source}: {name}"))
+
+
+def _primary_hint(section, name: str, value: Any, source: str) -> str:
+    """What a value given to section `name` itself meant, from the section's `PRIMARY` table (key ->
+    the names it takes, or None: its Literal or its type says): `, not a value; did you mean
+    --tools.names '[add]'?` for the first primary key that takes `value`, else the primary keys and
+    the names each takes. A section without the table: ""."""
+    primary = getattr(type(section), "PRIMARY", None)
+    if not primary:
+        return ""
+    hints = typing.get_type_hints(type(section))
+
+    def choices(key: str):
+        names = primary[key]
+        return list(names) if names is not None else list(typing.get_args(hints[key])) if typing.get_origin(hints[key]) is Literal else None
+
+    def takes(key: str) -> bool:
+        if choices(key) is not None:
+            return isinstance(value, str) and value in choices(key)
+        try:
+            _coerce(value, hints[key], "")
+        except UserError:
+            return False
+        return True
+
+    def spelled(key: str, shown: str) -> str:
+        return f"--{name}.{key} {shown}" if source == "command line" else f"{name}: {{{key}: {shown}}}"
+
+    taking = [key for key in primary if takes(key)]
+    if taking:
+        shown = str(value).lower() if isinstance(value, bool) or value is None else str(value)
+        if isinstance(value, (list, dict)):
+            shown = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+            shown = f"'{shown}'" if source == "command line" else shown
+        return f", not a value; did you mean {spelled(taking[0], shown)}?"
+    return ", not a value; set its keys, e.g. " + " or ".join(
+        spelled(key, "|".join(map(str, choices(key))) if choices(key) else "VALUE") for key in primary)
 
 
 def _replaced(section, values: dict[str, Any], source: str, prefix: str, moved: dict[str, str]):

@@ -1,7 +1,7 @@
 """Scale out on PyTorch's own stack: `torchrun` starts one process per rank, `torch.distributed`
 connects them, DDP or FSDP2 (`fully_shard`) keeps their models in step.
 
-    torchrun --nproc_per_node 2 -m posttrain grpo --config presets/tiny-grpo.yaml
+    torchrun --nproc_per_node 2 -m posttrain grpo --config tiny-grpo
     torchrun --nnodes 2 --node_rank 0 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
         --nproc_per_node 8 -m posttrain dpo --config my.yaml          # the same on every node
 

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import re
+from typing import Any, ClassVar
 
 import torch
 
@@ -40,6 +41,9 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """The `hardware` section every recipe, `posttrain eval` and `posttrain pairs` have."""
+
+    PRIMARY: ClassVar[dict[str, Any]] = {"precision": PRECISIONS, "device": None}
+    """What a value given to the section itself meant (`config._primary_hint`): `--hardware cuda` is --hardware.device cuda."""
 
     device: str = "auto"
     """auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N. Under torchrun each rank takes cuda:$LOCAL_RANK."""

@@ -310,3 +310,79 @@ def test_the_docs_name_no_file_a_user_lacks_and_eval_examples_say_where_results_
         assert "DESIGN.md" not in text and not re.search(r"\b[Tt]he seed\b(?! for all rows)", text), page.name
         commands = re.findall(r"^\s*(?:#\s*)?posttrain eval (.*(?:\\\n.*)*)", text, flags=re.M)
         assert all("--output-dir" in command for command in commands), (page.name, commands)
+
+
+# --- issue 40, item 12: the obvious spellings ---------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["grpo", "--tools", "[add]"], "'tools' is a section, not a value; did you mean --tools.names '[add]'?"),
+    (["grpo", "--tools", "add"], "'tools' is a section, not a value; did you mean --tools.names add?"),
+    (["dpo", "--loss", "kto"], "'loss' is a section, not a value; did you mean --loss.type kto?"),
+    (["grpo", "--loss", "rloo"], "'loss' is a section, not a value; did you mean --loss.advantage rloo?"),
+    (["ppo", "--loss", "gspo"], "'loss' is a section, not a value; did you mean --loss.surrogate gspo?"),
+    (["grpo", "--loss", "kto"], "'loss' is a section, not a value; set its keys, e.g. --loss.advantage "
+                                "group|gae|rloo|reinforce_pp|reinforce_pp_baseline or --loss.surrogate clip|gspo|cispo"),
+    (["iterative-dpo", "--dpo.loss", "kto"], "'dpo.loss' is a section, not a value; did you mean --dpo.loss.type kto?"),
+    (["sft", "--data", "my.jsonl"], "'data' is a section, not a value; did you mean --data.task my.jsonl?"),
+    (["grpo", "--hardware", "cuda"], "'hardware' is a section, not a value; did you mean --hardware.device cuda?"),
+    (["grpo", "--hardware", "bf16"], "'hardware' is a section, not a value; did you mean --hardware.precision bf16?"),
+    (["eval", "--rollout", "vllm"], "'rollout' is a section, not a value; did you mean --rollout.engine vllm?"),
+    (["grpo", "--critic", "3"], "'critic' is a section; give a mapping of its keys"),  # no main key: nothing to guess
+], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
+def test_a_value_given_to_a_section_names_the_key_it_meant(argv, message, tmp_path, capsys):
+    """Each section's PRIMARY table: the first main key that takes the value (a Literal's or a
+    table's names, else the key's type), or the main keys and their names when none does."""
+    output = ["--output-dir", str(tmp_path / "run")]
+    assert main(argv + output) == 2
+    assert one_error_line(capsys) == f"posttrain: error: command line: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_value_given_to_a_section_in_a_yaml_file_is_spelled_as_yaml(tmp_path, capsys):
+    (tmp_path / "mine.yaml").write_text("tools: [add, calculator]\n")
+    assert main(["grpo", "--config", str(tmp_path / "mine.yaml"), "--output-dir", str(tmp_path / "run")]) == 2
+    assert one_error_line(capsys) == (f"posttrain: error: {tmp_path / 'mine.yaml'}: 'tools' is a section, not a value; "
+                                      "did you mean tools: {names: [add, calculator]}?")
+
+
+def test_a_list_of_strings_takes_a_comma_list_as_report_to_does():
+    """`--tools.names add,calculator` (was: "expected a list") as `--report_to wandb,mlflow`; one name is
+    a list of one; report_to (a list or a string) keeps `none` meaning no tracker."""
+    from posttrain.config import build_config, parse_overrides
+    from posttrain.recipes.online_config import grpo_config
+
+    def config(*argv):
+        return build_config(grpo_config, None, parse_overrides(list(argv), once=True))
+
+    assert config("--tools.names", "add,calculator").tools.names == ["add", "calculator"]
+    assert config("--tools.names", "add, calculator").tools.names == ["add", "calculator"]
+    assert config("--tools.names", "add").tools.names == ["add"]
+    assert config("--tools.names", "[add, calculator]").tools.names == ["add", "calculator"]
+    assert config("--report_to", "none").report_to == [] and config("--report_to", "tensorboard,mlflow").report_to == ["tensorboard", "mlflow"]
+
+
+def test_a_judge_that_cannot_load_says_it_is_the_judge(tmp_path, capsys):
+    """`--reward judge:./missing` and `pairs --labeller judge:./missing`: the line names the judge
+    (was "model './missing': no such directory", which reads as the policy)."""
+    assert main(["grpo", *SMALL_ONLINE, "--reward", "judge:./missing", "--output-dir", str(tmp_path / "run")]) == 2
+    assert one_error_line(capsys) == "posttrain: error: judge:./missing: the judge model './missing': no such directory"
+    assert main([*PAIRS[:-2], "--labeller", "judge:./missing", "--out", str(tmp_path / "pairs.jsonl")]) == 2
+    assert one_error_line(capsys) == "posttrain: error: judge:./missing: the judge model './missing': no such directory"
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+
+
+def test_the_readme_and_docs_name_presets_as_posttrain_ships_them():
+    """Every `--config` of a command in the README and the docs is a shipped preset's bare name or the
+    user's own YAML file (`my-grpo.yaml`), never `presets/tiny-grpo.yaml`: a path into the repository,
+    which a user who installed posttrain lacks."""
+    import re
+
+    from posttrain.config import PRESETS
+
+    root = Path(__file__).resolve().parent.parent
+    shipped = {path.stem for path in PRESETS.glob("*.yaml")}
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for name in re.findall(r"posttrain [\w-]+ .*?--config (\S+)", page.read_text()):
+            name = name.strip("`'\"")
+            assert not name.startswith("presets/") and (name in shipped or name.endswith(".yaml")), (page.name, name)
+

@@ -11,7 +11,7 @@ settings as flat flags (--task, --task-options, --format, --columns, --split, --
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from posttrain.data.files import resolve_columns, task_load_options
 from posttrain.errors import UserError
@@ -21,6 +21,8 @@ from posttrain.errors import UserError
 class TaskSource:
     """A task or a data file, how its columns map, and the held-out split kept apart."""
 
+    PRIMARY: ClassVar[dict[str, Any]] = {"task": None}
+    """What a value given to the section itself meant (`config._primary_hint`): `--data gsm8k.parquet` is --data.task gsm8k.parquet."""
     sizes: ClassVar[tuple[str, ...]] = ("eval_size",)
     """The fields that count examples: each must be at least 1 when set (a subclass names its own)."""
 

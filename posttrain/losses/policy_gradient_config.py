@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from posttrain.algorithms.policy import AGGREGATIONS
@@ -110,6 +110,9 @@ class KL:
 class Loss:
     """Link 3, loss: every setting that makes two "GRPO"s (or "PPO"s) differ, each named, one
     section per axis."""
+
+    PRIMARY: ClassVar[dict[str, Any]] = {"advantage": ADVANTAGE_ESTIMATORS, "surrogate": SURROGATES}
+    """What a value given to the section itself meant (`config._primary_hint`): `--loss rloo` is --loss.advantage rloo."""
 
     advantage: str = "group"
     """The advantage estimator (`algorithms/estimators.py`): group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO); rloo: leave-one-out group baseline (RLOO); reinforce_pp: per-token KL-penalised returns, batch-whitened (REINFORCE++); reinforce_pp_baseline: the group mean subtracted first."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -59,6 +59,9 @@ REFERENCE_CACHE = "reference_logprobs.pt"
 @dataclass
 class Loss:
     """Link 3, loss: the objective, beta, length handling, reference handling."""
+
+    PRIMARY: ClassVar[dict[str, Any]] = {"type": None}
+    """What a value given to the section itself meant (`config._primary_hint`): `--loss kto` is --loss.type kto."""
 
     type: Literal["sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized", "length_normalized_ipo",
                   "simpo", "cpo", "orpo", "kto"] = "sigmoid"

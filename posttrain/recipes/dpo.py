@@ -23,7 +23,7 @@ before the run directory exists), `build_trainer` (the reference and the trainer
 `step(state, done, ...)` (steps 1-4 up to the evaluation), `evaluate`, the run card (`make_card`,
 from the links' homes), and `run()` looping over them.
 
-    posttrain dpo --config presets/tiny-dpo.yaml --data.pairs pairs.jsonl --max-steps 50
+    posttrain dpo --config tiny-dpo --data.pairs pairs.jsonl --max-steps 50
 """
 
 from __future__ import annotations

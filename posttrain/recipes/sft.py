@@ -7,7 +7,7 @@ task's checker, plus held-out NLL. This module orchestrates them: the data link 
 `posttrain.data.sft_data` (Data, load_data), the loss in `posttrain.losses.sft`, the held-out
 evaluation in `posttrain.evaluation.sft`; the Acceptance and Config sections are here.
 
-    posttrain sft --config presets/tiny-sft.yaml --max-steps 200
+    posttrain sft --config tiny-sft --max-steps 200
 """
 
 from __future__ import annotations

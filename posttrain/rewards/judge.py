@@ -216,7 +216,11 @@ class JudgeVerifier(Verifier):
         self.model_spec, self.mode, self.max_score, self.batch_size = model, mode, max_score, batch_size
         self.placement = placement or cpu_placement()
         if loaded is None:
-            loaded = load_model(model, dtype=self.placement.param_dtype, device=self.placement.device)
+            try:
+                loaded = load_model(model, dtype=self.placement.param_dtype, device=self.placement.device)
+            except UserError as error:  # "model 'x': ..." alone does not say which model: this is the judge
+                reason = str(error).removeprefix(f"model {model!r}: ")
+                raise UserError(f"{self.name}: the judge model {model!r}: {reason}") from None
         self.model, self.tokenizer = loaded
         self.model.eval()
         self.device = next(self.model.parameters()).device

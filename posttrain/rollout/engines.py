@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from posttrain.errors import UserError
 from posttrain.rollout.sampling import SamplingConfig
@@ -24,6 +24,9 @@ from posttrain.rollout.vllm_backends import VLLMSettings
 @dataclass
 class RolloutSettings:
     """The `rollout` section of grpo / ppo, `posttrain eval` and `posttrain pairs`: which engine samples."""
+
+    PRIMARY: ClassVar[dict[str, Any]] = {"engine": None}
+    """What a value given to the section itself meant (`config._primary_hint`): `--rollout vllm` is --rollout.engine vllm."""
 
     engine: str = "builtin"
     """builtin (posttrain's engine: the faster one on a CPU, measured in docs/rollout.md) | vllm (vLLM, for GPUs: `pip install 'posttrain[vllm]'`)."""

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -50,6 +50,9 @@ TRUNCATION_MARKER = "\n...[truncated]...\n"
 class ToolSettings:
     """The `tools` section of an online run (`posttrain grpo` / `ppo`) and of `posttrain eval`: which
     tools the model may call and how an episode ends. No tools: one turn per row, as always."""
+
+    PRIMARY: ClassVar[dict[str, Any]] = {"names": None}
+    """What a value given to the section itself meant (`config._primary_hint`): `--tools '[add]'` is --tools.names '[add]'."""
 
     names: list[str] = field(default_factory=list)
     """Tools the model may call: `python` (runs in the bubblewrap sandbox), `calculator`, `add`, or a user callable `module:function` (its signature and docstring give the schema). Empty: single-turn rollouts."""
