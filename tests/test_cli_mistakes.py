@@ -386,3 +386,31 @@ def test_the_readme_and_docs_name_presets_as_posttrain_ships_them():
             name = name.strip("`'\"")
             assert not name.startswith("presets/") and (name in shipped or name.endswith(".yaml")), (page.name, name)
 
+# --- issue 40, item 2: prompts longer than the model ------------------------------------------------
+
+def test_a_shifted_held_out_set_past_the_models_positions_is_refused_before_any_work(tmp_path, capsys):
+    """The tiny model has 1,024 positions. With 996 tokens for each held-out answer, the in-distribution
+    prompts ("59+46=", 25 tokens) and digits_3 ("325+226=", 27) fit; the `words` set ("38 plus 25 =",
+    31 tokens) needs 1,027: one line naming that set, before any sampling, and no run directory."""
+    import re
+
+    argv = ["grpo", *SMALL_ONLINE, "--acceptance.max_new_tokens", "996", "--output-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    assert re.fullmatch(
+        r"posttrain: error: the longest held-out 'words' prompt \(example arithmetic-eval-\d+\) is 31 tokens, and with "
+        r"acceptance.max_new_tokens 996 it needs 1,027 positions, more than the model's 1,024 \(max_position_embeddings\); "
+        r"they go to the answer 996, the prompt itself 31: lower acceptance.max_new_tokens to 993 at most", one_error_line(capsys))
+    assert not (tmp_path / "run").exists()
+
+
+def test_pairs_refuses_prompts_past_the_models_positions_before_sampling(tmp_path, capsys):
+    """A system prompt of 1,000 characters on the tiny model (one token each): 1,025 + 4 > 1,024."""
+    import re
+
+    out = tmp_path / "pairs.jsonl"
+    assert main([*PAIRS, "--data.system_prompt", "x" * 1000, "--out", str(out)]) == 2
+    assert re.fullmatch(
+        r"posttrain: error: the longest training prompt \(example arithmetic-train-\d+\) is 1,035 tokens, and with "
+        r"sampling.max_new_tokens 4 it needs 1,039 positions, more than the model's 1,024 \(max_position_embeddings\); "
+        r"they go to data.system_prompt 1,010, the prompt itself 25, the answer 4: shorten data.system_prompt", one_error_line(capsys))
+    assert not out.exists()

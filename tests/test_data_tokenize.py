@@ -138,3 +138,86 @@ def test_batch_records_move_to_a_device_at_one_boundary():
             assert getattr(after, name).shape == getattr(before, name).shape and getattr(after, name).dtype == getattr(before, name).dtype
         assert after.kept == before.kept and getattr(before, "input_ids").device.type == "cpu"
     assert moved.kept == batch.kept
+
+
+# --- prompts that fit the model (data/context.py; issue 40, item 2) ------------------------------------
+
+def _examples(*prompts):
+    from posttrain.data.examples import Example
+
+    return [Example(id=f"ex{i}", prompt=prompt) if isinstance(prompt, str) else Example(id=f"ex{i}", messages=prompt)
+            for i, prompt in enumerate(prompts)]
+
+
+def _model(positions):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(config=SimpleNamespace(**({"max_position_embeddings": positions} if positions else {})))
+
+
+def test_the_longest_prompt_and_its_parts_by_hand(tokenizer):
+    """The tiny tokenizer is one token a character, its template ChatML with one-token markers:
+    "123+456=" alone is <|im_start|> + "user\\n" (5) + 8 + <|im_end|> + "\\n" + <|im_start|> +
+    "assistant\\n" (10) = 27; the system prompt "Be brief." adds <|im_start|> + "system\\n" (7) + 9 +
+    <|im_end|> + "\\n" = 19; the tools' Hermes description (the tiny template ignores tools=) goes
+    before it in the same system message with a blank line: its characters + 2."""
+    from posttrain.data.context import PromptLength, longest_prompt
+    from posttrain.data.tokenize import describe_tools
+    from posttrain.rollout.tools import resolve_tools
+
+    examples = _examples("1+1=", "123+456=", "7+8=")
+    assert longest_prompt(tokenizer, examples) == PromptLength("ex1", 27, own=27, system=0, tools=0)
+    assert longest_prompt(tokenizer, examples, system_prompt="Be brief.") == PromptLength("ex1", 46, own=27, system=19, tools=0)
+    tools = resolve_tools(["add"]).schemas()
+    described = len(describe_tools(tools)) + 2
+    assert longest_prompt(tokenizer, examples, system_prompt="Be brief.", tools=tools) == PromptLength(
+        "ex1", 46 + described, own=27, system=19, tools=described)
+    assert longest_prompt(tokenizer, []) is None
+
+
+def test_the_longest_prompt_is_found_among_many_and_in_messages(tokenizer):
+    """1,000 short prompts and one long one in the middle, and a conversation whose turns add up."""
+    from posttrain.data.context import longest_prompt
+
+    examples = _examples(*["1+1="] * 500, "9" * 300, *["2+2="] * 500)
+    assert longest_prompt(tokenizer, examples).example == "ex500" and longest_prompt(tokenizer, examples).tokens == 300 + 19
+    conversation = [{"role": "user", "content": "a" * 40}, {"role": "assistant", "content": "b" * 40}, {"role": "user", "content": "c"}]
+    found = longest_prompt(tokenizer, _examples("d" * 60, conversation))
+    assert (found.example, found.tokens) == ("ex1", len(ids(tokenizer, render_prompt(tokenizer, conversation))))
+
+
+def test_a_prompt_and_its_answer_past_the_models_positions_is_one_line(tokenizer):
+    """46 + 15 = 61 positions for a model of 60: refused, naming the prompt, the limit and the parts,
+    largest first; 46 + 14 = 60 fits; a model whose config names no limit is unlimited."""
+    from posttrain.data.context import PromptSet, check_prompts_fit
+
+    examples = _examples("1+1=", "123+456=")
+    fits = [PromptSet("training", examples, 14, "sampling.max_new_tokens")]
+    check_prompts_fit(_model(60), tokenizer, fits, system_prompt="Be brief.")
+    check_prompts_fit(_model(None), tokenizer, [PromptSet("training", examples, 10**6, "sampling.max_new_tokens")])
+    too_long = [*fits, PromptSet("held-out", examples, 15, "acceptance.max_new_tokens")]
+    with pytest.raises(UserError) as refused:
+        check_prompts_fit(_model(60), tokenizer, too_long, system_prompt="Be brief.")
+    assert str(refused.value) == (
+        "the longest held-out prompt (example ex1) is 46 tokens, and with acceptance.max_new_tokens 15 it needs 61 positions, "
+        "more than the model's 60 (max_position_embeddings); they go to the prompt itself 27, data.system_prompt 19, "
+        "the answer 15: shorten these prompts or leave the longest out, or lower acceptance.max_new_tokens to 14 at most")
+
+
+def test_a_long_description_of_tools_is_named_as_the_cause(tokenizer):
+    """The README's example on the tiny model: `add` and `calculator` described to a 6-token
+    prompt take 1,034 of its 1,059 tokens, past the 1,024 positions before any answer."""
+    from posttrain.data.context import PromptSet, check_prompts_fit, context_limit
+    from posttrain.models.tiny import build_tiny_model
+    from posttrain.rollout.tools import resolve_tools
+
+    model, _ = build_tiny_model()
+    assert context_limit(model) == 1024
+    with pytest.raises(UserError) as refused:
+        check_prompts_fit(model, tokenizer, [PromptSet("training", _examples("59+46="), 48, "sampling.max_new_tokens")],
+                          tools=resolve_tools(["add", "calculator"]).schemas())
+    assert str(refused.value) == (
+        "the longest training prompt (example ex0) is 1,059 tokens, and with sampling.max_new_tokens 48 it needs 1,107 "
+        "positions, more than the model's 1,024 (max_position_embeddings); they go to the tools' descriptions (add, "
+        "calculator) 1,034, the answer 48, the prompt itself 25: name fewer tools, or tools.describe none for a model "
+        "that learned its tools from transcripts (posttrain demo --tools)")

@@ -281,7 +281,7 @@ def test_grpo_with_tool_episodes_two_processes_equal_one(tmp_path):
     """The episode sampler under torchrun: each rank runs its prompts' episodes (turn 2 onwards drawn
     by each row's place in the whole batch), the gather carries the episode records; the same steps
     and samples (with their transcripts) as one process."""
-    args = [*with_flags(GRPO, "--sampling.max_new_tokens", "12"), "--tools.names", "[add, calculator]", "--tools.max_turns", "2",
+    args = [*with_flags(GRPO, "--sampling.max_new_tokens", "12"), "--tools.names", "[add]", "--tools.max_turns", "2",
             "--max-steps", "2"]
     run([*args, "--output-dir", str(tmp_path / "one")], 1)
     run([*args, "--output-dir", str(tmp_path / "two")], 2)

@@ -388,11 +388,11 @@ def test_eval_with_tools_keeps_each_transcript_and_counts(tmp_path, capsys):
 
     out = tmp_path / "eval"
     assert main(["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4", "--max-new-tokens", "8",
-                 "--tools.names", "[add, calculator]", "--tools.max_turns", "2", "--output-dir", str(out)]) == 0
+                 "--tools.names", "[add]", "--tools.max_turns", "2", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "tools add, calculator: 1.00 turns and 0.00 calls per problem" in printed
+    assert "tools add: 1.00 turns and 0.00 calls per problem" in printed
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["tools"] == {"names": ["add", "calculator"], "max_turns": 2}
+    assert summary["tools"] == {"names": ["add"], "max_turns": 2}
     assert summary["episodes"]["turns/mean"] == 1.0 and summary["episodes"]["episodes/infra_errors"] == 0
     rows = json.loads((out / "eval.json").read_text())["rows"]
     assert len(rows) == 4 and all(row["transcript"].startswith("[model] ") and row["turns"] == 1 for row in rows)
@@ -414,6 +414,30 @@ def test_grpo_with_tools_runs_from_the_command_line_and_its_card_names_them(tmp_
     assert episodes["observation_tokens"] == "attended, never trained (loss mask False)"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("turns/mean" in row for row in metrics)
+
+
+@pytest.mark.parametrize("command", ["grpo", "eval"])
+def test_tools_described_past_the_models_positions_are_refused_before_any_work(command, tmp_path, capsys):
+    """The README's old example on the tiny model (issue 40, item 2): `add` and `calculator` described
+    to each prompt make it 1,059 tokens of the model's 1,024 positions; it ran, and the model wrote
+    garbage. Now one line before any sampling, naming the prompt, the limit and the tools; no directory."""
+    import re
+
+    from posttrain.cli import main
+
+    out = tmp_path / "out"
+    argv = (["grpo", "--model", "tiny", "--max-steps", "1", "--reward", "exact", "--data.eval_size", "4", "--data.train_size", "50",
+             "--data.prompts_per_step", "2", "--data.group_size", "2", "--sampling.max_new_tokens", "48"] if command == "grpo" else
+            ["eval", "--model", "tiny", "--task", "arithmetic", "--eval-size", "4", "--max-new-tokens", "48"])
+    assert main([*argv, "--tools.names", "[add, calculator]", "--output-dir", str(out)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("posttrain")]
+    split, budget = ("training", "sampling") if command == "grpo" else ("held-out", "acceptance")
+    assert len(err) == 1 and re.fullmatch(
+        f"posttrain: error: the longest {split} prompt \\(example arithmetic-(train|eval)-\\d+\\) is 1,059 tokens, and with "
+        f"{budget}.max_new_tokens 48 it needs 1,107 positions, more than the model's 1,024 \\(max_position_embeddings\\); they go to "
+        "the tools' descriptions \\(add, calculator\\) 1,034, the answer 48, the prompt itself 25: name fewer tools, or "
+        "tools.describe none for a model that learned its tools from transcripts \\(posttrain demo --tools\\)", err[0]), err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -24,6 +24,7 @@ SETTINGS = "posttrain.evaluation.settings"
 def handle(args) -> int:
     from posttrain.atomic import output_path_problem, write_text_atomically
     from posttrain.config import build_config, nest_flags, parse_overrides
+    from posttrain.data.context import PromptSet, check_prompts_fit
     from posttrain.data.prompts import convention_record
     from posttrain.evaluation.acceptance import default_checker, evaluate_task, heldout_checker, heldout_split
     from posttrain.evaluation.settings import EvalConfig
@@ -55,6 +56,8 @@ def handle(args) -> int:
     placement = resolve(config.hardware)
     model, tokenizer = load_model(config.model, dtype=placement.param_dtype, device=placement.device)
     sampler = make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox), make_engine(config.rollout))
+    check_prompts_fit(model, tokenizer, [PromptSet("held-out", held_out.examples, acceptance.max_new_tokens, "acceptance.max_new_tokens")],
+                      system_prompt=data.system_prompt, tools=getattr(sampler, "tools", None))
     output_dir.mkdir(parents=True, exist_ok=True)
     with placement.autocast():
         summary = evaluate_task(

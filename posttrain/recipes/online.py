@@ -12,8 +12,8 @@ advantages, 4. update (mu epochs over mini-batches, old log-probs fixed: the los
 `losses.policy_gradient.step`), 5. log, evaluate, checkpoint (`run`). Steps 3-4 are
 `step(state, batch) -> metrics`, public: run(), the tests and bench/grpo.py all call it.
 
-    posttrain grpo --config presets/tiny-grpo.yaml --max-steps 20
-    posttrain ppo --config presets/tiny-ppo.yaml --max-steps 20
+    posttrain grpo --config tiny-grpo --max-steps 20
+    posttrain ppo --config tiny-ppo --max-steps 20
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from posttrain.algorithms import kl_estimate, masked_mean
 from posttrain.algorithms import sampler_mismatch
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
 from posttrain.config import to_dict
+from posttrain.data.context import PromptSet, check_prompts_fit, heldout_budget
 from posttrain.data.examples import Task, derived_seed, require_examples
 from posttrain.data.prompts import convention_record
 from posttrain.data.scored_batch import ScoredBatch, online_data_card, sample_and_score
@@ -150,6 +151,11 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     shifted = shifted_sets(config.acceptance.sets, train, config.data.task, config.data.load_options(), config.seed,
                            len(held_out), config.reward_options, config.unsafe_no_sandbox)
     sampler = tool_sampler(config, tokenizer)
+    budget, setting = heldout_budget(config.acceptance.max_new_tokens, config.sampling.max_new_tokens)
+    heldout = {"held-out": held_out, **{f"held-out '{s.name}'": s.task for s in shifted}}
+    check_prompts_fit(policy, tokenizer, [PromptSet("training", train.examples, config.sampling.max_new_tokens, "sampling.max_new_tokens"),
+                                          *(PromptSet(name, task.examples, budget, setting) for name, task in heldout.items())],
+                      system_prompt=config.data.system_prompt, tools=getattr(sampler, "tools", None))
     reference = make_reference(policy) if config.loss.kl.beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy

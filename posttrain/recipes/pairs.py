@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 from posttrain.atomic import check_output_file
 from posttrain.data import load_splits, render_prompt
+from posttrain.data.context import PromptSet, check_prompts_fit
 from posttrain.data.examples import derived_seed, verifier_input
 from posttrain.data.pairing import label_all, pair_up
 from posttrain.data.provenance import provenance_path, write_with_provenance
@@ -158,6 +159,8 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     verifier.prepare()
     if model is None:
         model, tokenizer = load_model(settings.model, dtype=placement.param_dtype, device=placement.device)
+    check_prompts_fit(model, tokenizer, [PromptSet("training", examples, settings.sampling.max_new_tokens, "sampling.max_new_tokens")],
+                      system_prompt=data.system_prompt)
     model.eval()
     engine = make_engine(settings.rollout)
     G = settings.group_size
