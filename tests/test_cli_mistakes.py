@@ -414,3 +414,24 @@ def test_pairs_refuses_prompts_past_the_models_positions_before_sampling(tmp_pat
         r"sampling.max_new_tokens 4 it needs 1,039 positions, more than the model's 1,024 \(max_position_embeddings\); "
         r"they go to data.system_prompt 1,010, the prompt itself 25, the answer 4: shorten data.system_prompt", one_error_line(capsys))
     assert not out.exists()
+
+
+def test_sft_and_dpo_refuse_held_out_prompts_past_the_models_positions(tmp_path, capsys):
+    """SFT's and DPO's held-out evaluations sample too: "59+46=" prompts (25 tokens) with 1,000 new
+    tokens need more than the tiny model's 1,024 positions: one line naming acceptance.max_new_tokens,
+    before any step, and no run directory."""
+    from tests.test_dpo import arithmetic_pairs, write_pairs
+
+    sft = list(SMALL_SFT)
+    sft[sft.index("--acceptance.max_new_tokens") + 1] = "1000"
+    assert main(["sft", *sft, "--max-steps", "1", "--output-dir", str(tmp_path / "sft")]) == 2
+    line = one_error_line(capsys)
+    assert "held-out prompt" in line and "acceptance.max_new_tokens 1000" in line and "more than the model's 1,024" in line
+    assert not (tmp_path / "sft").exists()
+    pairs = write_pairs(tmp_path / "pairs.jsonl", arithmetic_pairs())
+    assert main(["dpo", "--data.pairs", str(pairs), "--data.heldout_pairs", "2", "--acceptance.task", "arithmetic",
+                 "--acceptance.eval_size", "8", "--acceptance.max_new_tokens", "1000", "--max-steps", "1",
+                 "--output-dir", str(tmp_path / "dpo")]) == 2
+    line = one_error_line(capsys)
+    assert "held-out prompt" in line and "acceptance.max_new_tokens 1000" in line and "more than the model's 1,024" in line
+    assert not (tmp_path / "dpo").exists()

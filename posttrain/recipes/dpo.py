@@ -42,6 +42,7 @@ import torch
 
 from posttrain.config import to_dict
 from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
+from posttrain.data.context import PromptSet, check_prompts_fit
 from posttrain.data.examples import Example, Task
 from posttrain.data.stream import data_order
 from posttrain.data.preference import PairSplits, load_pairs, preference_data_card, prompt_key
@@ -195,6 +196,10 @@ def setup(config: Config, world: World, placement: Placement) -> State:
     if held_task is not None:
         train = outside_task(train, held_task, splits.stats, f"{data.pairs}: every pair's prompt is in the held-out split of task {task_spec['task']}")
         shifted = task_shifted_sets(config, train, task_spec)
+        budget = config.acceptance.max_new_tokens
+        check_prompts_fit(policy, tokenizer, [PromptSet("held-out", held_task.examples, budget, "acceptance.max_new_tokens"),
+                                              *(PromptSet(f"held-out '{s.name}'", s.task.examples, budget, "acceptance.max_new_tokens") for s in shifted)],
+                          system_prompt=data.system_prompt)
     if config.loss.type == "kto":
         desirable = int(labels(train).sum())
         splits.stats["class_balance"] = balance = kto.class_balance(desirable, len(train) - desirable, config.loss)

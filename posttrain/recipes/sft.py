@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from posttrain.config import RunFields, to_dict
+from posttrain.data.context import PromptSet, check_prompts_fit
 from posttrain.data.examples import Task
 from posttrain.data.sft_data import Data, SFTData, load_data  # the data link; sft.Data stays importable here
 from posttrain.data.stream import data_order
@@ -103,7 +104,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     # 0. Everything that can fail on bad input fails here, before the run directory exists.
     placement, world = start(config)
     model, tokenizer = load_policy(config.model, placement=placement, gradient_checkpointing=config.memory.gradient_checkpointing)
-    data = with_acceptance(load_data(config.data, config.seed, tokenizer), config, placement, world)
+    data = with_acceptance(load_data(config.data, config.seed, tokenizer), config, placement, world, model, tokenizer)
     if len(data.train) < config.batch_size:  # the data stream would repeat rows within a step
         raise UserError(f"data.task {config.data.task}: {len(data.train)} training rows, fewer than one batch of batch_size={config.batch_size}")
     warn_if_unsafe(config.unsafe_no_sandbox)
@@ -153,17 +154,22 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     return run_dir.path
 
 
-def with_acceptance(data: SFTData, config: Config, placement, world) -> SFTData:
+def with_acceptance(data: SFTData, config: Config, placement, world, model, tokenizer) -> SFTData:
     """`data` with its held-out checker and shifted sets (a task's gold answers only: SFT rows have
-    held-out NLL alone), built before the run directory exists, a bad name one line."""
+    held-out NLL alone), built before the run directory exists, a bad name one line; a
+    held-out prompt that cannot fit the model's positions with acceptance.max_new_tokens is one line."""
     if data.task is None:
         return data
     trained = Task(config.data.task, "train", data.train, data.task.reward_kind)
+    shifted = shifted_sets(config.acceptance.sets, trained, config.data.task, config.data.task_options, config.seed,
+                           len(data.held_out), config.reward_options, config.unsafe_no_sandbox)
+    budget = config.acceptance.max_new_tokens
+    check_prompts_fit(model, tokenizer, [PromptSet("held-out", data.task.examples, budget, "acceptance.max_new_tokens"),
+                                         *(PromptSet(f"held-out '{s.name}'", s.task.examples, budget, "acceptance.max_new_tokens") for s in shifted)],
+                      system_prompt=config.data.system_prompt)
     return dataclasses.replace(
         data, checker=heldout_checker(config.acceptance.checker, data.task, config.reward_options, config.unsafe_no_sandbox,
-                                      placement=placement, world=world),
-        shifted=shifted_sets(config.acceptance.sets, trained, config.data.task, config.data.task_options, config.seed,
-                             len(data.held_out), config.reward_options, config.unsafe_no_sandbox))
+                                      placement=placement, world=world), shifted=shifted)
 
 
 def make_card(config: Config, data: SFTData) -> dict:
