@@ -158,3 +158,16 @@ def test_the_demo_command_goes_on_from_the_finished_stages(tmp_path, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"posttrain: error: {out}: holds a stopped demo with other settings (grpo_steps: 2 -> 3); go on with it: {command}, "
                    f"or choose another --output-dir (or delete {out} to start over)"], err
+
+
+def test_demo_resume_names_the_demos_own_command(tmp_path, capsys):
+    """`posttrain demo --resume DIR` was 'not a run directory (no config.yaml)': it names the command
+    that goes on (kept in demo.json), or says there is no stopped demo there."""
+    from posttrain.cli import main
+
+    (tmp_path / "demo.json").write_text(json.dumps({"command": f"posttrain demo --output-dir {tmp_path} --eval_size 8"}))
+    assert main(["demo", "--resume", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"posttrain: error: the demo has no --resume: run its own command again, which keeps "
+                                               f"its finished stages: posttrain demo --output-dir {tmp_path} --eval_size 8")
+    assert main(["demo", "--resume", str(tmp_path / "none")]) == 2
+    assert "holds no stopped demo (no demo.json)" in capsys.readouterr().err

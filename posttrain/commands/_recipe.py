@@ -50,6 +50,8 @@ def resolve_config(config_cls, args: argparse.Namespace, command: str | None = N
                 f"(got {', '.join(sorted(changed)) or '--config'}; --resume-changed-config accepts other --key value changes)"
             )
         run_dir = Path(args.resume)
+        if command == "demo":  # a demo goes on by its own command, which demo.json keeps (recipes/stages.py)
+            raise UserError(f"the demo has no --resume: {_demo_goes_on(run_dir)}")
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"{run_dir}: not a run directory (no config.yaml) - nothing to resume")
         if overrides.get("output_dir") is not None and Path(overrides["output_dir"]).resolve() != run_dir.resolve():
@@ -70,6 +72,15 @@ class Once(argparse.Action):
         if getattr(namespace, self.dest, None) is not None:
             raise argparse.ArgumentError(self, f"given twice ({getattr(namespace, self.dest)}, then {values}); give it once")
         setattr(namespace, self.dest, values)
+
+
+def _demo_goes_on(out: Path) -> str:
+    """What goes on with the demo in `out`: its own command again (kept in its demo.json)."""
+    try:
+        command = json.loads((out / "demo.json").read_text())["command"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{out} holds no stopped demo (no demo.json); run posttrain demo --output-dir {out} with the settings it had"
+    return f"run its own command again, which keeps its finished stages: {command}"
 
 
 def _recipe_of(run_dir: Path) -> str | None:
