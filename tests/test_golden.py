@@ -1,4 +1,7 @@
-"""The golden trajectories: every recipe, three steps on `tiny`, CPU fp32, one thread, pinned.
+"""The golden trajectories: every recipe and loss variant, three steps on `tiny` (iterative DPO: two
+rounds of two), CPU fp32, one thread, pinned: sft; dpo (live and precomputed reference), kto on
+unpaired rows, simpo, orpo; rm; grpo (KL in the loss and in the reward), rloo, reinforce_pp, gspo and
+cispo (two mini-batches, so the surrogates act off-policy), grpo with tool episodes; ppo; pairs.
 
 A refactor must keep these bit-identical: each case runs the command line as a user would and
 compares its metrics.jsonl (timings, throughput and memory removed), the SHA-256 of every tensor of
@@ -52,6 +55,26 @@ CASES = {
     "grpo-kl-reward": ["grpo", *GRPO, "--loss.kl.beta", "0.05", "--loss.kl.placement", "reward", "--update.mini_batches", "2",
                        "--update.epochs", "2"],
     "ppo": ["ppo", *GRPO, "--critic.warmup_steps", "1", "--update.mini_batches", "2"],
+    "rm": ["rm", "--data.heldout_pairs", "4", "--batch_size", "4", "--micro_batch_size", "2", "--optim.lr", "1e-3",
+           "--acceptance.eval_every", "3", "--seed", "0"],
+    "kto": ["dpo", "--loss.type", "kto", "--data.heldout_pairs", "4", "--batch_size", "4", "--micro_batch_size", "2",
+            "--optim.lr", "1e-3", "--acceptance.eval_every", "3", "--seed", "0"],
+    "simpo": ["dpo", "--loss.type", "simpo", "--data.heldout_pairs", "4", "--batch_size", "4", "--micro_batch_size", "2",
+              "--optim.lr", "1e-3", "--acceptance.eval_every", "3", "--seed", "0"],
+    "orpo": ["dpo", "--loss.type", "orpo", "--data.heldout_pairs", "4", "--batch_size", "4", "--micro_batch_size", "2",
+             "--optim.lr", "1e-3", "--acceptance.eval_every", "3", "--seed", "0"],
+    "rloo": ["grpo", *GRPO, "--loss.advantage", "rloo", "--loss.kl.beta", "0.05", "--loss.kl.placement", "reward",
+             "--loss.kl.estimator", "k1", "--update.mini_batches", "2"],
+    "reinforce-pp": ["grpo", *GRPO, "--loss.advantage", "reinforce_pp", "--loss.kl.beta", "0.05", "--loss.kl.placement", "reward",
+                     "--update.mini_batches", "2"],
+    "gspo": ["grpo", *GRPO, "--loss.surrogate", "gspo", "--loss.aggregation", "seq_mean_token_mean", "--update.mini_batches", "2"],
+    "cispo": ["grpo", *GRPO, "--loss.surrogate", "cispo", "--update.mini_batches", "2"],
+    "grpo-tools": ["grpo", *GRPO, "--tools.names", "[add]", "--tools.describe", "none", "--tools.max_turns", "2"],
+    "iterative-dpo": ["iterative-dpo", "--rounds", "2", "--steps-per-round", "2", "--pairs.data.task", "arithmetic",
+                      "--pairs.data.max_prompts", "8", "--pairs.data.eval_size", "8", "--pairs.group_size", "4",
+                      "--pairs.verifier", "callable:rewards_for_tests.digits", "--pairs.sampling.max_new_tokens", "6",
+                      "--dpo.batch_size", "4", "--dpo.micro_batch_size", "4", "--dpo.data.heldout_pairs", "0",
+                      "--dpo.optim.lr", "1e-3", "--dpo.acceptance.max_new_tokens", "6", "--dpo.acceptance.sets", "[]", "--seed", "0"],
     "pairs": ["pairs", "--model", "tiny", "--data.task", "arithmetic", "--group-size", "4", "--data.max_prompts", "8",
               "--data.eval_size", "8", "--max-new-tokens", "6", "--seed", "0", "--verifier", "callable:rewards_for_tests.digits",
               "--pairs-per-prompt", "2"],
@@ -100,14 +123,19 @@ def pinned_metrics(directory: Path) -> list[dict]:
 
 def run_case(name: str, tmp_path: Path) -> dict:
     from tests.test_dpo import arithmetic_pairs, write_pairs
+    from tests.test_kto import unpaired_rows
 
     arguments = list(CASES[name])
     out = tmp_path / "out"
     if name == "pairs":
         arguments += ["--out", str(out / "pairs.jsonl")]
+    elif name == "iterative-dpo":  # its length is rounds x steps per round
+        arguments += ["--output-dir", str(out)]
     else:
         arguments += ["--max-steps", "3", "--output-dir", str(out)]
-    if name.startswith("dpo"):
+    if name == "kto":  # unpaired rows, TRL's layout
+        arguments += ["--data.pairs", str(write_pairs(tmp_path / "unpaired.jsonl", unpaired_rows(24)))]
+    elif arguments[0] in ("dpo", "rm"):
         arguments += ["--data.pairs", str(write_pairs(tmp_path / "pairs.jsonl", arithmetic_pairs(24)))]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     result = subprocess.run([sys.executable, "-m", "posttrain", *arguments], capture_output=True, text=True, cwd=ROOT,
@@ -116,7 +144,18 @@ def run_case(name: str, tmp_path: Path) -> dict:
     if name == "pairs":
         content = (out / "pairs.jsonl").read_bytes()
         return {"pairs_sha256": hashlib.sha256(content).hexdigest(), "pairs": [json.loads(line) for line in content.splitlines()]}
+    if name == "iterative-dpo":  # each round's pairs and DPO trajectory, the last round's weights
+        rounds = sorted((out / "rounds").glob("round-*"))
+        return {"metrics": [row for r in rounds for row in pinned_metrics(r / "dpo")], "state": state_records(rounds[-1] / "dpo"),
+                "pairs_sha256": [pairs_hash(r / "pairs.jsonl") for r in rounds]}
     return {"metrics": pinned_metrics(out), "state": state_records(out)}
+
+
+def pairs_hash(path: Path) -> str:
+    """SHA-256 of a pairs file's (prompt, chosen, rejected) rows: what a round trains on, without
+    the run's own paths (a round's rows name the model they were sampled from)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return hashlib.sha256(json.dumps([(r["prompt"], r["chosen"], r["rejected"]) for r in rows]).encode()).hexdigest()
 
 
 def close(a, b, tolerance: float = 1e-4) -> bool:
@@ -144,6 +183,8 @@ def test_golden_trajectory(name, tmp_path):
         for file, tensors in expected["state"].items():
             changed = [t for t, record in tensors.items() if got["state"][file][t]["sha256"] != record["sha256"]]
             assert not changed and set(got["state"][file]) == set(tensors), f"{file}: {len(changed)} tensors changed, e.g. {changed[:3]}"
+        if "pairs_sha256" in expected:  # iterative DPO: each round's pairs file
+            assert got["pairs_sha256"] == expected["pairs_sha256"], "a round's pairs file changed"
         return
     # Another processor or torch: the same computation to float tolerance.
     print(f"golden {name}: written on {expected['machine']}, this is {machine()}: compared to 1e-4 relative")
