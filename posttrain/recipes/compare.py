@@ -46,7 +46,7 @@ from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, independence
 from posttrain.evaluation.stats import paired_difference_ci
 from posttrain.models import load_model
-from posttrain.recipes import demo
+from posttrain.recipes import demo, stages
 from posttrain.rewards import get_verifier
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
                 row_command(row, start, str(files[row.data]), out / row.name, config), out / "logs" / f"{row.name}.log", config.threads)
         if outcome.error is None:
             try:
-                outcome.sets = demo.acceptance(demo._last_checkpoint(out / row.name, config.steps), sets, budget, config.seed, out / "eval", row.name)
+                outcome.sets = demo.acceptance(stages.last_checkpoint(out / row.name, config.steps), sets, budget, config.seed, out / "eval", row.name)
             except Exception as error:  # noqa: BLE001 - a model that cannot be scored is its row's failure, not the comparison's
                 outcome.error = f"acceptance: {type(error).__name__}: {error}".splitlines()[0]
         outcomes.append(outcome)
@@ -341,7 +341,7 @@ def check_pairs(pairs_file: str) -> dict[str, Any]:
 def _start_model(path: Path) -> str:
     """The start's model directory: `path` itself, or a run directory's newest checkpoint."""
     if (path / "checkpoints").is_dir():
-        return demo._last_checkpoint(path, demo._newest_step(path))
+        return stages.last_checkpoint(path, stages.newest_step(path))
     if not (path / "config.json").is_file():
         raise UserError(f"--start {path}: neither a model directory (config.json) nor a run directory (checkpoints/step-N/model)")
     return str(path.resolve())

@@ -89,8 +89,9 @@ def extract_code(completion: str, policy: str) -> str:
 _SLOT: SandboxSlot | None = None
 
 
-def _with_slot(config: SandboxConfig, job) -> Verdict:
-    """Run `job(slot)`; a broken slot is replaced and the sample retried once, then infra_error."""
+def with_slot(config: SandboxConfig, job) -> Verdict:
+    """Run `job(slot)` in this worker process's sandbox slot (the code verifiers' and the `python` tool's);
+    a broken slot is replaced and the sample retried once, then infra_error."""
     global _SLOT
     for attempt in (1, 2):
         if _SLOT is None or _SLOT.config != config:
@@ -202,7 +203,7 @@ class IOVerifier(_CodeVerifier):
             return Verdict.data_error("every case's 'args' must be a list")
         calls = [call for index, call in enumerate(calls) if self.runs(index)]
         code = extract_code(completion, self.code_policy)
-        return _with_slot(self.sandbox, lambda slot: self._run(slot, code, entry_point, calls))
+        return with_slot(self.sandbox, lambda slot: self._run(slot, code, entry_point, calls))
 
     def _run(self, slot: SandboxSlot, code: str, entry_point: str, calls: list) -> Verdict:
         passed, failure = 0, ""
@@ -249,7 +250,7 @@ class StdioVerifier(_CodeVerifier):
             return Verdict.data_error("every case's 'stdin' and 'stdout' must be strings")
         cases = [case for index, case in enumerate(cases) if self.runs(index)]
         code = extract_code(completion, self.code_policy)
-        return _with_slot(self.sandbox, lambda slot: self._run(slot, code, cases))
+        return with_slot(self.sandbox, lambda slot: self._run(slot, code, cases))
 
     def _run(self, slot: SandboxSlot, code: str, cases: list) -> Verdict:
         deadline = time.monotonic() + self.sandbox.timeout_s  # one budget for all the cases
@@ -368,7 +369,7 @@ class HumanEvalVerifier(_CodeVerifier):
             return Verdict.data_error("field 'test' does not define check(candidate)")
         body = extract_code(completion, self.code_policy)
         code = fields["prompt"] + body if body == completion else fields["prompt"] + "\n" + body
-        return _with_slot(self.sandbox, lambda slot: self._run(slot, code, fields["entry_point"], judge))
+        return with_slot(self.sandbox, lambda slot: self._run(slot, code, fields["entry_point"], judge))
 
     def _run(self, slot: SandboxSlot, code: str, entry_point: str, judge: dict, every_assert: bool = False) -> Verdict:
         counts = {"passed": 0, "total": 0, "reached": 0}
@@ -482,4 +483,4 @@ class MBPPVerifier(HumanEvalVerifier):
         except Exception as error:  # noqa: BLE001 - dataset text that does not run
             return Verdict.data_error(f"tests do not run: {type(error).__name__}: {error}")
         code = extract_code(completion, self.code_policy)
-        return _with_slot(self.sandbox, lambda slot: self._run(slot, code, entry_point, judge, every_assert=bool(shown)))
+        return with_slot(self.sandbox, lambda slot: self._run(slot, code, entry_point, judge, every_assert=bool(shown)))

@@ -158,10 +158,10 @@ def program_observation(result: ProgramResult, timeout_s: float) -> ToolResult:
 def _run_python(code: str, config: SandboxConfig) -> ToolResult:
     """Worker trampoline: run `code` as a program in this worker's sandbox slot (the code
     verifiers' slot: replaced and retried once when broken, then infra_error)."""
-    from posttrain.rewards.code import _with_slot
+    from posttrain.rewards.code import with_slot
     from posttrain.rewards.verdict import Verdict
 
-    outcome = _with_slot(config, lambda slot: slot.run_program(code, b"", time.monotonic() + config.timeout_s))
+    outcome = with_slot(config, lambda slot: slot.run_program(code, b"", time.monotonic() + config.timeout_s))
     if isinstance(outcome, Verdict):
         return ToolResult("error: the sandbox failed", "infra_error", outcome.reason)
     return program_observation(outcome, config.timeout_s)
