@@ -74,3 +74,64 @@ def test_a_failing_run_still_closes_its_run_directory(tmp_path, monkeypatch, rec
     with pytest.raises(RuntimeError, match="the step failed"):
         run()
     assert [str(path) for path in closed] == [out]
+
+
+class FakeTime:
+    """A clock that moves only when told, so timing metrics have exact expected values."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class CudaLike:
+    """A placement whose synchronize, peak-memory reset and read are recorded."""
+    is_cuda = True
+
+    def __init__(self):
+        self.calls = []
+
+    def synchronize(self):
+        self.calls.append("sync")
+
+    def reset_peak_memory(self):
+        self.calls.append("reset")
+
+    def peak_memory_gib(self):
+        return 1.5
+
+
+def test_step_clock_gives_each_phase_the_wall_time_and_the_rates_of_their_phases(monkeypatch):
+    """generation 2 s, update 1.5 s, 0.5 s outside any phase: seconds/step 4, 80 tokens over the step
+    = 20/s, 60 generated tokens / 2 s = 30/s, 300 positions / (logprobs 0 + update 1.5) = 200/s; a
+    rate whose phases took no time is left out; the peak memory is reset at the step's start."""
+    from posttrain.runs import timer as timer_module
+
+    fake = FakeTime()
+    monkeypatch.setattr(timer_module.time, "perf_counter", fake.perf_counter)
+    placement = CudaLike()
+    clock = timer_module.StepClock(placement)
+    assert placement.calls == ["reset"]
+    with clock("generation"):
+        fake.now += 2.0
+    fake.now += 0.5
+    with clock("update"):
+        fake.now += 1.5
+    metrics = clock.metrics(80, {"generation": (60, ("generation",)), "training": (300, ("logprobs", "update")),
+                                 "scoring": (5, ("scoring",))})
+    assert metrics == {"seconds/generation": 2.0, "seconds/update": 1.5, "seconds/step": 4.0, "tokens_per_second": 20.0,
+                       "tokens_per_second/generation": 30.0, "tokens_per_second/training": 200.0,
+                       "memory/peak_allocated_gib": 1.5}
+    assert placement.calls.count("sync") == 4  # each phase synchronises as it starts and ends
+
+
+def test_step_loop_starts_a_new_clock_for_each_step():
+    loop = skeleton.StepLoop("sft", Recorded(), World(), 0, 3, checkpoint_every=100, eval_every=0)
+    clocks = []
+    with loop:
+        for done in loop:
+            clocks.append(loop.clock)
+            loop.end_step(done, {}, save=lambda: None)
+    assert len({id(clock) for clock in clocks}) == 3

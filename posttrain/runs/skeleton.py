@@ -37,6 +37,7 @@ from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.directory import RunDirectory, default_output_dir
 from posttrain.runs.faults import RunStopped, StopSignals, check_resumed_config
 from posttrain.runs.results import results
+from posttrain.runs.timer import StepClock
 from posttrain.runs.training_state import check_unfinished
 
 logger = logging.getLogger(__name__)
@@ -127,16 +128,19 @@ def closing(run_dir: RunDirectory, card: dict[str, Any], write_card: Callable[[]
 
 class StepLoop:
     """The step loop's cadence: the progress bar, stop signals (SIGTERM / SIGINT finish the step,
-    checkpoint it, then `RunStopped`), the evaluation and checkpoint schedule. Iterating yields
-    `done`, the number of the step being run (first_step + 1 ... max_steps)."""
+    checkpoint it, then `RunStopped`), the evaluation and checkpoint schedule, and each step's clock
+    (`clock`: its phases' seconds, wall time, throughput and peak memory on `placement`'s device).
+    Iterating yields `done`, the number of the step being run (first_step + 1 ... max_steps)."""
 
     def __init__(self, recipe: str, run_dir: RunDirectory, world: World, first_step: int, max_steps: int,
-                 checkpoint_every: int, eval_every: int):
-        self.recipe, self.run_dir, self.world = recipe, run_dir, world
+                 checkpoint_every: int, eval_every: int, placement: Placement | None = None):
+        self.recipe, self.run_dir, self.world, self.placement = recipe, run_dir, world, placement
         self.first_step, self.max_steps = first_step, max_steps
         self.checkpoint_every, self.eval_every = checkpoint_every, eval_every
         self.stop = StopSignals(world)
         self.progress: tqdm | None = None
+        self.clock = StepClock(placement)
+        """The clock of the step being run: a new one starts as each step does."""
 
     def __enter__(self) -> "StepLoop":
         self.stop.__enter__()
@@ -151,6 +155,7 @@ class StepLoop:
         self.progress = tqdm(range(self.first_step, self.max_steps), desc=self.recipe, initial=self.first_step,
                              total=self.max_steps, disable=not self.world.main)
         for step in self.progress:
+            self.clock = StepClock(self.placement)
             yield step + 1
 
     def evaluates(self, done: int) -> bool:
