@@ -1,4 +1,6 @@
-"""Wall seconds per phase of a step, for the `seconds/<phase>` metrics."""
+"""A step's clock: wall seconds per phase (`Timer`, the `seconds/<phase>` metrics), and `StepClock`,
+which every recipe's step loop starts per step (`StepLoop.clock`) for its phases, its wall time, its
+throughput and its peak device memory (docs/metrics.md, section 5)."""
 
 from __future__ import annotations
 
