@@ -1,4 +1,4 @@
-"""Tool episodes (`rollout/episodes.py`): a scripted policy emits a tool call and then an answer, so
+"""Tool episodes (`rollout/episodes.py`, `rollout/transcripts.py`): a scripted policy emits a tool call and then an answer, so
 every mask, observation, count and gradient is known by hand, without any learning."""
 
 from __future__ import annotations
@@ -15,15 +15,8 @@ from posttrain.models.forward import completion_logits
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 from posttrain.rewards.verdict import Verdict
 from posttrain.rollout import Rollout, SamplingConfig, generate
-from posttrain.rollout.episodes import (
-    TRUNCATION_MARKER,
-    EpisodeSampler,
-    ObservationFormat,
-    ToolSettings,
-    episode_metrics,
-    episode_verdicts,
-    truncate_middle,
-)
+from posttrain.rollout.episodes import EpisodeSampler, ToolSettings
+from posttrain.rollout.transcripts import TRUNCATION_MARKER, ObservationFormat, episode_metrics, episode_verdicts, truncate_middle
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 ANSWER = "The answer is 5."
