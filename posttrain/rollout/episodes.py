@@ -4,10 +4,13 @@ One episode per row: generate a turn; when the turn holds tool calls (`tool_call
 Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` form), run them
 (`tools.Toolbox.execute`, every row's calls of the turn in one batch, or the row's environment),
 append the observation tokens and generate the next turn; until a turn without a tool call,
-`tools.max_turns` model turns (the last turn's calls are then not run, counted), the episode's token
-budget `tools.max_episode_tokens` (a turn or an observation that passes it is cut there, the row
-truncated), or a sandbox or worker failure (the row becomes `infra_error`: out of the baselines and
-the loss, counted).
+`tools.max_turns` model turns (the last turn's calls are then not run, counted), the room the row has
+left, or a sandbox or worker failure (the row becomes `infra_error`: out of the baselines and the
+loss, counted). A row's room is the episode's token budget `tools.max_episode_tokens` and the model's
+positions after its prompt (`max_position_embeddings`: the set-up check `data.context.check_prompts_fit`
+sees the first turn only), whichever is smaller: a turn or an observation that passes it is cut
+there and the row is truncated (as a turn that hits `sampling.max_new_tokens`), and no turn is
+generated from a context that fills the positions.
 
 Token in, token out: the policy's generated ids are never re-tokenised; which tokens are the
 model's and which the tools', the observation ids and each row's record are `rollout/transcripts.py`.
@@ -28,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from posttrain.data.context import context_limit
 from posttrain.errors import UserError
 from posttrain.rollout.batch import Rollout
 from posttrain.rollout.engine import generate, stop_token_ids
@@ -54,7 +58,7 @@ class ToolSettings:
     max_observation_tokens: int = 256
     """A tool result longer than this keeps its head and tail around a marker, exactly this many tokens (counted)."""
     max_episode_tokens: int | None = None
-    """The completion's budget, generated and observation tokens together: a turn that passes it is cut there and the row is truncated. None: only max_turns x sampling.max_new_tokens and the observations bound it."""
+    """The completion's budget, generated and observation tokens together: a turn that passes it is cut there and the row is truncated. None: only max_turns x sampling.max_new_tokens, the observations and the model's positions bound it."""
     timeout_s: float = 10.0
     """Wall-clock deadline of one tool call (the python tool: of one program run)."""
     describe: Literal["auto", "none"] = "auto"
@@ -95,6 +99,14 @@ class ToolSettings:
 
 # ---------------------------------------------------------------------------------------------
 # The sampler.
+def _room(budget: int | None, limit: int | None, prompt_length: int) -> int | None:
+    """The most completion tokens a row may hold: the episode's `budget` (`tools.max_episode_tokens`)
+    and the positions the model's context `limit` leaves after a prompt of `prompt_length` tokens,
+    whichever is smaller; None: neither bounds it."""
+    rooms = [room for room in (budget, None if limit is None else max(0, limit - prompt_length)) if room is not None]
+    return min(rooms) if rooms else None
+
+
 def _turn_seed(seed: int, turn: int) -> int:
     """Turn k's table seed: turn 1 is the step's own seed (single-turn rollouts unchanged)."""
     return seed if turn == 1 else (seed * 1_000_003 + turn * 7_919) % (1 << 62)
@@ -133,7 +145,8 @@ class EpisodeSampler:
         N = turn_rollout.prompt_ids.shape[0]
         eos_ids = set(stop_token_ids(policy, tokenizer, sampling))
         prompt_ids = [ids[keep].tolist() for ids, keep in zip(turn_rollout.prompt_ids.cpu(), turn_rollout.prompt_attention_mask.cpu())]
-        rooms = [settings.max_episode_tokens] * N
+        limit = context_limit(policy)
+        rooms = [_room(settings.max_episode_tokens, limit, len(ids)) for ids in prompt_ids]
         first_turn, rows, active, turn = turn_rollout, [EpisodeRow() for _ in range(N)], list(range(N)), 1
         environments = self._environments(examples, N, G)
         while True:
@@ -179,11 +192,11 @@ class EpisodeSampler:
             row.turns += 1
             row.last_text = turn_rollout.texts[j]
             row.transcript.append({"role": "assistant", "content": turn_rollout.texts[j]})
-            if bool(turn_rollout.truncated[j]):
-                row.truncated = True
-                continue
             if rooms[r] is not None and len(row.ids) > rooms[r]:
                 row.truncate(rooms[r])
+                continue
+            if bool(turn_rollout.truncated[j]):
+                row.truncated = True
                 continue
             calls = parse_tool_calls(turn_rollout.texts[j])
             if not calls:
