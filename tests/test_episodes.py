@@ -1,4 +1,4 @@
-"""Tool episodes (`rollout/episodes.py`): a scripted policy emits a tool call and then an answer, so
+"""Tool episodes (`rollout/episodes.py`, `rollout/transcripts.py`): a scripted policy emits a tool call and then an answer, so
 every mask, observation, count and gradient is known by hand, without any learning."""
 
 from __future__ import annotations
@@ -15,15 +15,8 @@ from posttrain.models.forward import completion_logits
 from posttrain.models.tiny import build_tiny_model, build_tiny_tokenizer
 from posttrain.rewards.verdict import Verdict
 from posttrain.rollout import Rollout, SamplingConfig, generate
-from posttrain.rollout.episodes import (
-    TRUNCATION_MARKER,
-    EpisodeSampler,
-    ObservationFormat,
-    ToolSettings,
-    episode_metrics,
-    episode_verdicts,
-    truncate_middle,
-)
+from posttrain.rollout.episodes import EpisodeSampler, ToolSettings
+from posttrain.rollout.transcripts import TRUNCATION_MARKER, ObservationFormat, episode_metrics, episode_verdicts, truncate_middle
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 ANSWER = "The answer is 5."
@@ -216,6 +209,71 @@ def test_a_long_observation_keeps_exactly_the_cap_with_head_tail_and_marker(toke
     assert ids == list(range(10)) and not cut
 
 
+def test_max_episode_tokens_cuts_a_turn_or_an_observation_that_passes_it(tokenizer, model):
+    """Budget 20 < the call's 69 tokens (70 with the EOS): the turn is cut to 20 and the row truncated,
+    whether it ended with the EOS or ran out of max_new_tokens; budget call + 5: the observation is
+    cut after its 5th token and no turn 2 is drawn."""
+    call = len(encode(tokenizer, CALL)) + 1
+    for eos in (True, False):
+        sampler = EpisodeSampler(tokenizer, FakeToolbox(), ToolSettings(names=["add"], max_episode_tokens=20),
+                                 generate_fn=scripted(call_then_answer, eos=eos))
+        rollout = sampler(model, tokenizer, [None], [rendered(tokenizer)], group_size=1, sampling=SamplingConfig(max_new_tokens=96), seed=0)
+        assert int(rollout.completion_attention_mask.sum()) == 20 and int(rollout.mask.sum()) == 20 and bool(rollout.truncated[0])
+    rollout = run(tokenizer, model, max_episode_tokens=call + 5)
+    assert int(rollout.completion_attention_mask.sum()) == call + 5 and int(rollout.mask.sum()) == call
+    assert bool(rollout.truncated[0]) and rollout.episodes[0]["turns"] == 1
+
+
+# The model's positions: the set-up check (`data.context.check_prompts_fit`) sees the first turn only;
+# later turns add observations, and a context past max_position_embeddings (the tiny model: 1,024)
+# is read at positions the model never learned. The episode ends at the limit instead, truncated.
+def counting(generate_fn):
+    """`generate_fn`, recording each call's context lengths (strings: turn 1's rendered prompts)."""
+    contexts = []
+
+    def counted(policy, tokenizer, prompts, **kwargs):
+        contexts.append([None if isinstance(p, str) else len(p) for p in prompts])
+        return generate_fn(policy, tokenizer, prompts, **kwargs)
+
+    counted.contexts = contexts
+    return counted
+
+
+def test_an_observation_past_the_models_positions_ends_the_episode_at_the_limit_truncated(tokenizer, model):
+    """Prompt 31 + call 70 + a 1,500-token observation > 1,024: the completion is cut to
+    1,024 - 31 = 993 tokens (the call, then the observation's head), the row truncated, no turn 2."""
+    limit, prompt = model.config.max_position_embeddings, len(encode(tokenizer, rendered(tokenizer)))
+    generate_fn = counting(scripted(call_then_answer))
+    sampler = EpisodeSampler(tokenizer, FakeToolbox(content="7" * 1500), ToolSettings(names=["add"], max_observation_tokens=2000),
+                             generate_fn=generate_fn)
+    rollout = sampler(model, tokenizer, [None], [rendered(tokenizer)], group_size=1, sampling=SamplingConfig(max_new_tokens=96), seed=0)
+    call = len(encode(tokenizer, CALL)) + 1
+    assert generate_fn.contexts == [[None]]  # turn 2 never drawn
+    assert int(rollout.completion_attention_mask.sum()) == limit - prompt
+    assert int(rollout.mask.sum()) == call and not rollout.mask[0, call:].any()
+    assert bool(rollout.truncated[0]) and not bool(rollout.finished[0])
+    assert rollout.episodes[0]["turns"] == 1 and rollout.episodes[0]["tool_calls"] == 1
+
+
+def test_a_later_turn_the_real_engine_draws_past_the_models_positions_is_cut_at_the_limit(tokenizer, model):
+    """Turn 2 is the tiny model's own (`generate`) from a context 10 tokens short of the limit: it
+    writes 45 tokens, of which the 10 that fit are kept, and the row is truncated."""
+    limit, prompt = model.config.max_position_embeddings, len(encode(tokenizer, rendered(tokenizer)))
+    call = len(encode(tokenizer, CALL)) + 1
+    glue = len(ObservationFormat(tokenizer).ids([""], ["add"], True, 2000)[0])
+    script = scripted(call_then_answer)
+    generate_fn = counting(lambda policy, tokenizer, prompts, **kwargs: (script if isinstance(prompts[0], str) else generate)(
+        policy, tokenizer, prompts, **kwargs))
+    content = "7" * (limit - 10 - prompt - call - glue)
+    sampler = EpisodeSampler(tokenizer, FakeToolbox(content=content), ToolSettings(names=["add"], max_observation_tokens=2000),
+                             generate_fn=generate_fn)
+    rollout = sampler(model, tokenizer, [None], [rendered(tokenizer)], group_size=1, sampling=SamplingConfig(max_new_tokens=96), seed=0)
+    assert generate_fn.contexts == [[None], [limit - 10]]
+    assert int(rollout.completion_attention_mask.sum()) == limit - prompt
+    assert int(rollout.mask.sum()) == call + 10 and rollout.mask[0, limit - prompt - 10:limit - prompt].all()
+    assert bool(rollout.truncated[0]) and rollout.episodes[0]["turns"] == 2
+
+
 def test_the_observation_gets_exactly_zero_gradient_and_the_models_tokens_the_single_turn_gradient(tokenizer, model):
     rollout = run(tokenizer, model)
     inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
@@ -329,6 +387,22 @@ def test_an_online_step_trains_on_tool_episodes_with_the_real_tool(tmp_path, adv
     assert metrics["mismatch/logprob_abs_mean"] > 0  # on the model's tokens only: the scripted log-probs are not the model's
     rows = batch.sample_rows(2)
     assert rows[0]["turns"] == 2 and "[tool add ok]" in rows[0]["transcript"] and rows[0]["transcript"].startswith("[model] <tool_call>")
+
+
+def test_episodes_ended_at_the_models_positions_count_in_truncated_fraction(tmp_path):
+    """Through the online recipe: every row's observation (1,500 tokens after a prompt of about 600)
+    passes the tiny model's 1,024 positions, so every row is truncated and never longer than the limit."""
+    from posttrain.config import build_config
+    from posttrain.recipes import online, online_config
+
+    overrides = {**SMALL, "output_dir": str(tmp_path / "run"), "tools": {**SMALL["tools"], "max_observation_tokens": 2000}}
+    state = online.setup(build_config(online_config.Config, None, overrides))
+    state.sampler.generate, state.sampler.toolbox = scripted(_answer_with_the_tool), FakeToolbox(content="7" * 1500)
+    batch = online.sample(state)
+    positions = batch.rollout.prompt_attention_mask.sum(-1) + batch.rollout.completion_attention_mask.sum(-1)
+    assert positions.eq(state.policy.config.max_position_embeddings).all()
+    assert batch.metrics({})["truncated_fraction"] == 1.0
+    assert all(e["turns"] == 1 for e in batch.rollout.episodes)
 
 
 def test_sft_on_a_tool_transcript_trains_the_assistant_turns_and_never_the_tool_result():

@@ -24,7 +24,7 @@ from posttrain.distributed import World
 from posttrain.rewards import Verdict, Verifier
 from posttrain.rewards.scores import Scores, score_rows
 from posttrain.rollout import Rollout, SamplingConfig
-from posttrain.rollout.episodes import episode_metrics, episode_verdicts, transcript_text
+from posttrain.rollout.transcripts import episode_metrics, episode_verdicts, transcript_text
 from posttrain.rollout.sampler import Sampler, single_turn
 
 

@@ -29,7 +29,7 @@ from posttrain.evaluation.heldout_rows import check_extraction, heldout_rows
 from posttrain.evaluation.stats import pass_at_k, wilson_interval
 from posttrain.rewards import RewardOptions, Verdict, Verifier, as_verifier, defaults
 from posttrain.rollout import SamplingConfig
-from posttrain.rollout.episodes import episode_summary, episode_verdicts, transcript_text
+from posttrain.rollout.transcripts import episode_summary, episode_verdicts, transcript_text
 from posttrain.rollout.sampler import Sampler, single_turn
 
 logger = logging.getLogger(__name__)

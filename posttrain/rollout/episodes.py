@@ -2,48 +2,45 @@
 
 One episode per row: generate a turn; when the turn holds tool calls (`tool_calls.parse_tool_calls`, the
 Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` form), run them
-(`tools.Toolbox.execute`, every row's calls of the turn in one batch), append the observation
-tokens and generate the next turn; until a turn without a tool call, `tools.max_turns` model turns
-(the last turn's calls are then not run, counted), the episode's token budget, or a sandbox or
-worker failure (the row becomes `infra_error`: out of the baselines and the loss, counted).
+(`tools.Toolbox.execute`, every row's calls of the turn in one batch, or the row's environment),
+append the observation tokens and generate the next turn; until a turn without a tool call,
+`tools.max_turns` model turns (the last turn's calls are then not run, counted), the room the row has
+left, or a sandbox or worker failure (the row becomes `infra_error`: out of the baselines and the
+loss, counted). A row's room is the episode's token budget `tools.max_episode_tokens` and the model's
+positions after its prompt (`max_position_embeddings`: the set-up check `data.context.check_prompts_fit`
+sees the first turn only), whichever is smaller: a turn or an observation that passes it is cut
+there and the row is truncated (as a turn that hits `sampling.max_new_tokens`), and no turn is
+generated from a context that fills the positions.
 
-Token in, token out: the policy's generated ids are never re-tokenised. The observation is the ids
-the model's chat template gives for the turn's tool messages, found by the dummy-conversation
-difference (`ObservationFormat`): what the template adds after an assistant turn, minus the EOS the
-model already wrote, then the tool messages and the next assistant header. A template that does not
-render a conversation's prefix as a prefix of the whole (one that rewrites earlier turns) is refused
-at set-up with one line. Observation tokens are attended (`Rollout.attention` True) and never
-trained (`Rollout.mask` False, log-probs 0): their gradient is exactly zero. A tool result longer than
-`max_observation_tokens` keeps its head and tail around a marker, exactly that many tokens, counted.
+Token in, token out: the policy's generated ids are never re-tokenised; which tokens are the
+model's and which the tools', the observation ids and each row's record are `rollout/transcripts.py`.
 
 Randomness: turn 1 is `generate` on the prompts with the step's seed (an episode without tool calls
 is the single-turn rollout, token for token); turn k draws its uniform numbers from a table seeded
 by (seed, k) and indexed by the row's place in the whole batch, so a row samples the same tokens
 whichever rank runs it and whichever other rows are still going.
+
+Also here: `ToolSettings` (the `tools` section), `make_sampler` (a tools section -> a sampler) and
+`tools_card` (the run card's account of the tools).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-import torch
-
+from posttrain.data.context import context_limit
 from posttrain.errors import UserError
-from posttrain.rewards.verdict import Verdict
 from posttrain.rollout.batch import Rollout
 from posttrain.rollout.engine import generate, stop_token_ids
 from posttrain.rollout.environments import Step, environment_factory, environment_schemas, environment_step
 from posttrain.rollout.sampling import SamplingConfig
-from posttrain.rollout.tool_calls import parse_tool_calls
+from posttrain.rollout.tool_calls import ToolCall, parse_tool_calls
+from posttrain.rollout.transcripts import TRUNCATION_MARKER, EpisodeRow, ObservationFormat, assemble_rollout
 
 logger = logging.getLogger(__name__)
-
-TRUNCATION_MARKER = "\n...[truncated]...\n"
-"""Put between the head and the tail of a tool result cut to `max_observation_tokens`."""
 
 
 @dataclass
@@ -61,7 +58,7 @@ class ToolSettings:
     max_observation_tokens: int = 256
     """A tool result longer than this keeps its head and tail around a marker, exactly this many tokens (counted)."""
     max_episode_tokens: int | None = None
-    """The completion's budget, generated and observation tokens together: a turn that passes it is cut there and the row is truncated. None: only max_turns x sampling.max_new_tokens and the observations bound it."""
+    """The completion's budget, generated and observation tokens together: a turn that passes it is cut there and the row is truncated. None: only max_turns x sampling.max_new_tokens, the observations and the model's positions bound it."""
     timeout_s: float = 10.0
     """Wall-clock deadline of one tool call (the python tool: of one program run)."""
     describe: Literal["auto", "none"] = "auto"
@@ -101,136 +98,22 @@ class ToolSettings:
 
 
 # ---------------------------------------------------------------------------------------------
-# Observation tokens from the chat template.
-_SENTINEL = "\x00posttrain-{}\x00"
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-
-
-def truncate_middle(ids: list[int], cap: int, marker: list[int]) -> tuple[list[int], bool]:
-    """`ids` if at most `cap` long, else its head, `marker` and its tail: exactly `cap` ids (the head
-    gets the odd one). Returns (ids, whether it was cut)."""
-    if len(ids) <= cap:
-        return ids, False
-    room = cap - len(marker)
-    if room < 2:
-        return ids[:cap], True
-    head = (room + 1) // 2
-    return ids[:head] + marker + ids[len(ids) - (room - head):], True
-
-
-class ObservationFormat:
-    """The ids a model's chat template gives for a turn's tool results, by the dummy-conversation
-    difference. Built once per tokenizer (set-up): a template that cannot give them is one line."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError("tools need a chat template (the model's tokenizer has none): the tool results' tokens come from it")
-        user = [{"role": "user", "content": "U"}]
-        answer = _SENTINEL.format("answer")
-        opened = self._render(user, add_generation_prompt=True)
-        self.closed = self._render(user + [{"role": "assistant", "content": answer}])
-        self.messages = user + [{"role": "assistant", "content": answer}]
-        if not self.closed.startswith(opened + answer):
-            raise UserError("the chat template does not write an assistant turn where its generation prompt ends "
-                            "(its rendering of the conversation's prefix is not a prefix of the whole): tool episodes need "
-                            "a template that preserves prefixes")
-        self.closing = self.closed[len(opened) + len(answer):]
-        """What the template writes after an assistant turn's text (ChatML: `<|im_end|>\\n`)."""
-        eos = tokenizer.eos_token or ""
-        self.after_eos = self.closing[len(eos):] if eos and self.closing.startswith(eos) else None
-        """The closing once the model's EOS is written (None: the closing does not start with the EOS)."""
-        self.marker = _encode(tokenizer, TRUNCATION_MARKER)
-        self._pieces: dict[tuple[str, ...], list[str]] = {}
-        self.pieces(("tool",))  # checks the template now, at set-up
-
-    def _render(self, messages, **kwargs) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-
-    def pieces(self, names: tuple[str, ...]) -> list[str]:
-        """The k + 1 texts around the k results of one turn (tools `names`, in call order): what
-        follows the assistant turn up to the first result, between results, and after the last
-        one up to the next assistant turn's first token."""
-        if names not in self._pieces:
-            sentinels = [_SENTINEL.format(i) for i in range(len(names))]
-            tools = [{"role": "tool", "name": name, "content": s} for name, s in zip(names, sentinels)]
-            full = self._render(self.messages + tools, add_generation_prompt=True)
-            if not full.startswith(self.closed):
-                raise UserError("the chat template rewrites the earlier turns when a tool message follows (its rendering "
-                                "of the conversation's prefix is not a prefix of the whole): tool episodes need a template "
-                                "that preserves prefixes")
-            rest, pieces = full[len(self.closed):], []
-            for sentinel in sentinels:
-                if rest.count(sentinel) != 1:
-                    raise UserError("the chat template does not render each tool message's content exactly once")
-                before, rest = rest.split(sentinel)
-                pieces.append(before)
-            self._pieces[names] = pieces + [rest]
-        return self._pieces[names]
-
-    def ids(self, contents: Sequence[str], names: Sequence[str], after_eos: bool, cap: int) -> tuple[list[int], int]:
-        """The observation ids of one turn's results `contents` (tools `names`), the turn having
-        ended with the model's EOS (`after_eos`) or not. Each content is cut to `cap` tokens
-        (`truncate_middle`). Returns (ids, how many contents were cut)."""
-        pieces = self.pieces(tuple(names))
-        glue = self.after_eos if after_eos and self.after_eos is not None else self.closing
-        ids, cut = _encode(self.tokenizer, glue + pieces[0]), 0
-        for content, piece in zip(contents, pieces[1:]):
-            content_ids, was_cut = truncate_middle(_encode(self.tokenizer, content), cap, self.marker)
-            ids += content_ids + _encode(self.tokenizer, piece)
-            cut += was_cut
-        return ids, cut
-
-
-# ---------------------------------------------------------------------------------------------
 # The sampler.
-@dataclass
-class _Row:
-    """One episode being built: its completion so far, in segments."""
-
-    ids: list[int] = field(default_factory=list)
-    trained: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    sampler_logprobs: list[float] = field(default_factory=list)
-    transcript: list[dict[str, Any]] = field(default_factory=list)
-    last_text: str = ""
-    turns: int = 0
-    calls: int = 0
-    failures: int = 0
-    parse_errors: int = 0
-    observation_tokens: int = 0
-    observations_cut: int = 0
-    truncated: bool = False
-    max_turns_hit: bool = False
-    infra_error: str | None = None
-    done: bool = False
-    rewards: list[float] = field(default_factory=list)
-
-    def add(self, ids: list[int], trained: bool, logprobs: list[float] | None = None, sampler: list[float] | None = None):
-        self.ids += ids
-        self.trained += [trained] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.sampler_logprobs += sampler if sampler is not None else [0.0] * len(ids)
-
-    def cut(self, length: int) -> None:
-        for name in ("ids", "trained", "logprobs", "sampler_logprobs"):
-            setattr(self, name, getattr(self, name)[:length])
-
-    def record(self) -> dict[str, Any]:
-        """What `Rollout.episodes` keeps of the row (samples.jsonl, the review sheet, the metrics)."""
-        return {"turns": self.turns, "tool_calls": self.calls, "tool_failures": self.failures,
-                "parse_errors": self.parse_errors, "observation_tokens": self.observation_tokens,
-                "observations_truncated": self.observations_cut, "max_turns_hit": self.max_turns_hit,
-                "infra_error": self.infra_error, "environment_rewards": self.rewards, "environment_done": self.done,
-                "transcript": self.transcript}
+def _room(budget: int | None, limit: int | None, prompt_length: int) -> int | None:
+    """The most completion tokens a row may hold: the episode's `budget` (`tools.max_episode_tokens`)
+    and the positions the model's context `limit` leaves after a prompt of `prompt_length` tokens,
+    whichever is smaller; None: neither bounds it."""
+    rooms = [room for room in (budget, None if limit is None else max(0, limit - prompt_length)) if room is not None]
+    return min(rooms) if rooms else None
 
 
 def _turn_seed(seed: int, turn: int) -> int:
     """Turn k's table seed: turn 1 is the step's own seed (single-turn rollouts unchanged)."""
     return seed if turn == 1 else (seed * 1_000_003 + turn * 7_919) % (1 << 62)
+
+
+PendingCalls = tuple[int, list[ToolCall], bool]
+"""A row whose turn called tools: (its index, its calls, whether the turn ended with the EOS)."""
 
 
 class EpisodeSampler:
@@ -241,6 +124,7 @@ class EpisodeSampler:
         toolbox: `tools.Toolbox` (or anything with `execute(calls) -> results` and `schemas()`).
         settings: `ToolSettings`.
         generate_fn: the turn generator, `rollout.generate`'s signature (tests script it).
+        environment: instead of the toolbox, a factory of environments (`rollout/environments.py`), one per episode.
     """
 
     def __init__(self, tokenizer, toolbox, settings: ToolSettings, generate_fn: Callable[..., Rollout] = generate,
@@ -261,73 +145,15 @@ class EpisodeSampler:
         N = turn_rollout.prompt_ids.shape[0]
         eos_ids = set(stop_token_ids(policy, tokenizer, sampling))
         prompt_ids = [ids[keep].tolist() for ids, keep in zip(turn_rollout.prompt_ids.cpu(), turn_rollout.prompt_attention_mask.cpu())]
-        first_turn, rows, active, turn = turn_rollout, [_Row() for _ in range(N)], list(range(N)), 1
-        budget = settings.max_episode_tokens
-        environments = None
-        if self.environment is not None:  # one per episode, the G rows of a group reset from the same example
-            environments = [self.environment() for _ in range(N)]
-            for r, environment in enumerate(environments):
-                environment.reset(examples[r // G])
+        limit = context_limit(policy)
+        rooms = [_room(settings.max_episode_tokens, limit, len(ids)) for ids in prompt_ids]
+        first_turn, rows, active, turn = turn_rollout, [EpisodeRow() for _ in range(N)], list(range(N)), 1
+        environments = self._environments(examples, N, G)
         while True:
-            pending = []  # (row, its calls, the turn ended with the EOS)
-            lengths = turn_rollout.mask.sum(-1).tolist()
-            completion = turn_rollout.completion_ids.cpu()
-            logprobs, sampler_logprobs = turn_rollout.logprobs.cpu(), turn_rollout.sampler_logprobs.cpu()
-            for j, r in enumerate(active):
-                row, n = rows[r], lengths[j]
-                ids = completion[j, :n].tolist()
-                row.add(ids, True, logprobs[j, :n].tolist(), sampler_logprobs[j, :n].tolist())
-                row.turns += 1
-                row.last_text = turn_rollout.texts[j]
-                row.transcript.append({"role": "assistant", "content": turn_rollout.texts[j]})
-                if bool(turn_rollout.truncated[j]):
-                    row.truncated = True
-                    continue
-                if budget is not None and len(row.ids) > budget:
-                    row.cut(budget)
-                    row.truncated = True
-                    continue
-                calls = parse_tool_calls(turn_rollout.texts[j])
-                if not calls:
-                    continue
-                if row.turns >= settings.max_turns:
-                    row.max_turns_hit = True
-                    continue
-                pending.append((r, calls, bool(ids) and ids[-1] in eos_ids))
+            pending = self._read_turn(turn_rollout, active, rows, rooms, eos_ids)
             if not pending:
                 break
-            if environments is None:
-                results = self.toolbox.execute([call for _, calls, _ in pending for call in calls])
-            else:
-                results = [_EnvironmentResult.of(*environment_step(environments[r], call)) for r, calls, _ in pending for call in calls]
-            still, at = [], 0
-            for r, calls, after_eos in pending:
-                row, mine = rows[r], results[at:at + len(calls)]
-                at += len(calls)
-                row.calls += len(calls)
-                row.parse_errors += sum(result.status == "parse_error" for result in mine)
-                row.failures += sum(result.status == "error" for result in mine)
-                for call, result in zip(calls, mine):
-                    row.transcript.append({"role": "tool", "name": call.name, "content": result.content, "status": result.status})
-                broken = [result for result in mine if result.status == "infra_error"]
-                if broken:
-                    row.infra_error = f"tool {broken[0].reason or broken[0].content}"
-                    continue
-                row.rewards += [result.reward for result in mine if getattr(result, "reward", None) is not None]
-                if any(getattr(result, "done", False) for result in mine):
-                    row.done = True  # the environment ended the episode: its last words are not appended
-                    continue
-                names = [call.name or "tool" for call in calls]
-                ids, cut = self.observations.ids([result.content for result in mine], names, after_eos,
-                                                 settings.max_observation_tokens)
-                row.add(ids, False)
-                row.observation_tokens += len(ids)
-                row.observations_cut += cut
-                if budget is not None and len(row.ids) >= budget:
-                    row.cut(budget)
-                    row.truncated = True
-                    continue
-                still.append(r)
+            still = self._observe(pending, rows, rooms, environments)
             if not still:
                 break
             turn += 1
@@ -335,11 +161,91 @@ class EpisodeSampler:
             turn_rollout = self.generate(policy, tokenizer, contexts, group_size=1, sampling=sampling,
                                          seed=_turn_seed(seed, turn), draws=([first * G + r for r in still], total * G))
             active = still
-        rollout = _assemble(first_turn, rows)
+        rollout = assemble_rollout(first_turn, rows)
         if settings.reward == "environment":
             for episode, row in zip(rollout.episodes, rows):
                 episode["reward"] = (row.rewards[-1] if settings.step_rewards == "last" else sum(row.rewards)) if row.rewards else None
         return rollout
+
+    def _environments(self, examples: Sequence[Any], N: int, G: int) -> list[Any] | None:
+        """One environment per episode, the G rows of a group reset from the same example; None: the toolbox's tools."""
+        if self.environment is None:
+            return None
+        environments = [self.environment() for _ in range(N)]
+        for r, environment in enumerate(environments):
+            environment.reset(examples[r // G])
+        return environments
+
+    def _read_turn(self, turn_rollout: Rollout, active: list[int], rows: list[EpisodeRow], rooms: list[int | None],
+                   eos_ids: set[int]) -> list[PendingCalls]:
+        """Append turn_rollout's row j to row `active[j]` and end the rows that stop here: the turn
+        passed the row's room (cut there) or hit max_new_tokens (both truncated), called no tool, or
+        was the last allowed (counted). The rows whose calls are run."""
+        pending = []
+        lengths = turn_rollout.mask.sum(-1).tolist()
+        completion = turn_rollout.completion_ids.cpu()
+        logprobs, sampler_logprobs = turn_rollout.logprobs.cpu(), turn_rollout.sampler_logprobs.cpu()
+        for j, r in enumerate(active):
+            row, n = rows[r], lengths[j]
+            ids = completion[j, :n].tolist()
+            row.add(ids, True, logprobs[j, :n].tolist(), sampler_logprobs[j, :n].tolist())
+            row.turns += 1
+            row.last_text = turn_rollout.texts[j]
+            row.transcript.append({"role": "assistant", "content": turn_rollout.texts[j]})
+            if rooms[r] is not None and len(row.ids) > rooms[r]:
+                row.truncate(rooms[r])
+                continue
+            if bool(turn_rollout.truncated[j]):
+                row.truncated = True
+                continue
+            calls = parse_tool_calls(turn_rollout.texts[j])
+            if not calls:
+                continue
+            if row.turns >= self.settings.max_turns:
+                row.max_turns_hit = True
+                continue
+            pending.append((r, calls, bool(ids) and ids[-1] in eos_ids))
+        return pending
+
+    def _observe(self, pending: list[PendingCalls], rows: list[EpisodeRow], rooms: list[int | None],
+                 environments: list[Any] | None) -> list[int]:
+        """Run the `pending` rows' calls (all in one batch, or each row's in its environment) and append
+        each row's results as observation tokens. A row ends here when a tool broke (infra_error), its
+        environment is done, or its observation leaves no room for another turn (cut, truncated).
+        The rows that go on to another turn."""
+        settings = self.settings
+        if environments is None:
+            results = self.toolbox.execute([call for _, calls, _ in pending for call in calls])
+        else:
+            results = [_EnvironmentResult.of(*environment_step(environments[r], call)) for r, calls, _ in pending for call in calls]
+        still, at = [], 0
+        for r, calls, after_eos in pending:
+            row, mine = rows[r], results[at:at + len(calls)]
+            at += len(calls)
+            row.calls += len(calls)
+            row.parse_errors += sum(result.status == "parse_error" for result in mine)
+            row.failures += sum(result.status == "error" for result in mine)
+            for call, result in zip(calls, mine):
+                row.transcript.append({"role": "tool", "name": call.name, "content": result.content, "status": result.status})
+            broken = [result for result in mine if result.status == "infra_error"]
+            if broken:
+                row.infra_error = f"tool {broken[0].reason or broken[0].content}"
+                continue
+            row.rewards += [result.reward for result in mine if getattr(result, "reward", None) is not None]
+            if any(getattr(result, "done", False) for result in mine):
+                row.done = True  # the environment ended the episode: its last words are not appended
+                continue
+            names = [call.name or "tool" for call in calls]
+            ids, cut = self.observations.ids([result.content for result in mine], names, after_eos,
+                                             settings.max_observation_tokens)
+            row.add(ids, False)
+            row.observation_tokens += len(ids)
+            row.observations_cut += cut
+            if rooms[r] is not None and len(row.ids) >= rooms[r]:
+                row.truncate(rooms[r])
+                continue
+            still.append(r)
+        return still
 
 
 @dataclass(frozen=True)
@@ -355,30 +261,6 @@ class _EnvironmentResult:
     @classmethod
     def of(cls, step: Step, status: str) -> _EnvironmentResult:
         return cls(step.observation, status, step.reward, step.done)
-
-
-def _assemble(first_turn: Rollout, rows: list[_Row]) -> Rollout:
-    """The episodes as one `Rollout`: turn 1's prompts, each row's segments right-padded."""
-    device, pad = first_turn.completion_ids.device, first_turn.pad_token_id
-    width = max(1, max(len(row.ids) for row in rows))
-    N = len(rows)
-    ids = torch.full((N, width), pad, dtype=torch.long)
-    mask = torch.zeros((N, width), dtype=torch.bool)
-    attention = torch.zeros((N, width), dtype=torch.bool)
-    logprobs, sampler_logprobs = torch.zeros(N, width), torch.zeros(N, width)
-    for i, row in enumerate(rows):
-        n = len(row.ids)
-        ids[i, :n] = torch.tensor(row.ids, dtype=torch.long)
-        mask[i, :n] = torch.tensor(row.trained, dtype=torch.bool)
-        attention[i, :n] = True
-        logprobs[i, :n] = torch.tensor(row.logprobs)
-        sampler_logprobs[i, :n] = torch.tensor(row.sampler_logprobs)
-    truncated = torch.tensor([row.truncated for row in rows], dtype=torch.bool)
-    return dataclasses.replace(
-        first_turn, completion_ids=ids.to(device), mask=mask.to(device), attention=attention.to(device),
-        logprobs=logprobs.to(device), sampler_logprobs=sampler_logprobs.to(device),
-        finished=(~truncated).to(device), truncated=truncated.to(device), texts=[row.last_text for row in rows],
-        episodes=[row.record() for row in rows])
 
 
 def make_sampler(settings: ToolSettings, tokenizer, sandbox=None, generate_fn: Callable[..., Rollout] = generate):
@@ -397,55 +279,6 @@ def make_sampler(settings: ToolSettings, tokenizer, sandbox=None, generate_fn: C
     return EpisodeSampler(tokenizer, resolve_tools(settings.names, timeout_s=settings.timeout_s, sandbox=sandbox), settings, generate_fn)
 
 
-# ---------------------------------------------------------------------------------------------
-# What the rest of a step reads of the episodes.
-def episode_verdicts(rollout: Rollout, verdicts: Sequence[Verdict]) -> list[Verdict]:
-    """`verdicts` with the rows whose tools broke (a sandbox or worker failure) as `infra_error`:
-    never scored as if the model had failed, out of the baselines and the loss, counted; with
-    `tools.reward: environment`, the environment's reward (the verifier's kept in the details; an
-    episode whose environment gave none is a data_error, never a silent 0)."""
-    if rollout.episodes is None:
-        return list(verdicts)
-    return [_verdict(verdict, episode) for verdict, episode in zip(verdicts, rollout.episodes)]
-
-
-def _verdict(verdict: Verdict, episode: dict[str, Any]) -> Verdict:
-    if episode["infra_error"]:
-        return Verdict.infra_error(episode["infra_error"])
-    if "reward" not in episode:  # the verifier's
-        return verdict
-    if episode["reward"] is None:
-        return Verdict.data_error("the environment gave this episode no reward (tools.reward environment)")
-    return Verdict.ok(float(episode["reward"]), "the environment's reward", verifier_reward=verdict.reward)
-
-
-def episode_summary(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Counts over episode records (`Rollout.episodes`, from any number of rollouts): turns/mean and
-    tools/calls (means per row); tools/failures, tools/parse_errors, tools/observations_truncated,
-    episodes/max_turns_hit, episodes/infra_errors (counts). Empty: {}."""
-    if not episodes:
-        return {}
-    return {
-        "turns/mean": sum(e["turns"] for e in episodes) / len(episodes),
-        "tools/calls": sum(e["tool_calls"] for e in episodes) / len(episodes),
-        "tools/failures": sum(e["tool_failures"] for e in episodes),
-        "tools/parse_errors": sum(e["parse_errors"] for e in episodes),
-        "tools/observations_truncated": sum(e["observations_truncated"] for e in episodes),
-        "episodes/max_turns_hit": sum(e["max_turns_hit"] for e in episodes),
-        "episodes/infra_errors": sum(bool(e["infra_error"]) for e in episodes),
-    }
-
-
-def episode_metrics(rollout: Rollout) -> dict[str, float]:
-    """A step's episode metrics (docs/metrics.md): `episode_summary` of its rows and
-    tokens/observation_fraction (observation tokens / attended completion tokens). Single turn: {}."""
-    if not rollout.episodes:
-        return {}
-    attended = float(rollout.completion_attention_mask.sum())
-    observed = float((rollout.completion_attention_mask & ~rollout.mask).sum())
-    return {**episode_summary(rollout.episodes), "tokens/observation_fraction": observed / attended if attended else 0.0}
-
-
 def tools_card(settings: ToolSettings, toolbox) -> dict[str, Any]:
     """The run card's account of the tools (the data link: how each row's episode was sampled)."""
     tools = toolbox.describe() if toolbox is not None else {
@@ -457,16 +290,4 @@ def tools_card(settings: ToolSettings, toolbox) -> dict[str, Any]:
             "observation_tokens": "attended, never trained (loss mask False)"}
 
 
-def transcript_text(episode: dict[str, Any]) -> str:
-    """A row's whole transcript as plain text, the model's and the tools' spans marked."""
-    lines = []
-    for entry in episode["transcript"]:
-        if entry["role"] == "assistant":
-            lines.append(f"[model] {entry['content']}")
-        else:
-            lines.append(f"[tool {entry.get('name') or '?'} {entry.get('status', 'ok')}] {entry['content']}")
-    return "\n".join(lines)
-
-
-__all__ = ["EpisodeSampler", "make_sampler", "ObservationFormat", "ToolSettings", "episode_metrics", "episode_summary", "episode_verdicts",
-           "tools_card", "transcript_text", "truncate_middle"]
+__all__ = ["EpisodeSampler", "ToolSettings", "make_sampler", "tools_card"]
