@@ -37,7 +37,8 @@ class Rollout:
     finished: torch.Tensor
     """(N,) bool: the completion ended with an EOS / stop token or a stop string."""
     truncated: torch.Tensor
-    """(N,) bool: the completion hit ``max_new_tokens`` first (exactly one of finished / truncated)."""
+    """(N,) bool: the completion hit ``max_new_tokens`` first, or, in a tool episode, the episode's token budget
+    or the model's positions (exactly one of finished / truncated)."""
     texts: list[str]
     """N decoded completions (special tokens skipped; cut just after a stop string that ended one)."""
     prompt_index: torch.Tensor
@@ -53,7 +54,7 @@ class Rollout:
     it generated and, in a multi-turn episode, a tool's output, which is seen but never trained:
     attention True, ``mask`` False). None: the same as ``mask`` (a single-turn rollout)."""
     episodes: list[dict] | None = None
-    """N records of multi-turn episodes (`rollout/episodes.py`: turns, tool calls, failures, parse
+    """N records of multi-turn episodes (`rollout/transcripts.py`, `EpisodeRow.record`: turns, tool calls, failures, parse
     errors, observation tokens, infra error, the transcript with the model's and the tools' spans);
     ``texts`` then holds each row's last assistant turn. None: single-turn rows."""
 
