@@ -16,7 +16,7 @@ checker, in one table.
    posttrain ...`, so that its wall time and peak RSS are its own and a failing row is one line of
    the table, not the end of the comparison; then its acceptance on the same sets.
 5. comparison.md, comparison.json and comparison.png (gain over the start per row, paired 95%
-   intervals) in the output directory.
+   intervals) in the output directory: the report, evaluation/comparison_report.py.
 
 Each row names the links it changed relative to its family's base (GRPO online, DPO offline):
 that column is the point of the table (the seed's "which link moved?"), and its footer says what one
