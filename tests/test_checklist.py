@@ -15,7 +15,8 @@ from posttrain.cli import main
 from posttrain.evaluation import checklist as cl
 from posttrain.evaluation import run_comparison as rc
 from posttrain.evaluation.demo_report import checklist_section
-from posttrain.evaluation.stats import wilson_interval
+from posttrain.evaluation.run_record import read_run
+from posttrain.evaluation.stats import unpaired_difference_ci, wilson_interval
 from posttrain.runs import new_card, write_run_card
 from posttrain.runs.results import results
 
@@ -97,7 +98,7 @@ def make_run(path: Path, *, kind="online", seed=0, sets=None, reward=EXACT, loss
 
 
 def answers(path: Path) -> dict[str, cl.Answer]:
-    return cl.checklist(cl.read_run(path)).answers
+    return cl.checklist(read_run(path)).answers
 
 
 def test_a_sound_run_answers_yes_with_its_own_numbers(tmp_path):
@@ -105,7 +106,7 @@ def test_a_sound_run_answers_yes_with_its_own_numbers(tmp_path):
     Gain 0.4; sample variance (8 x 0.6^2 + 12 x 0.4^2) / 19 = 4.8 / 19 = 0.252632; half-width
     1.959964 x sqrt(0.252632 / 20) = 0.220281: [0.179719, 0.620281]."""
     run = make_run(tmp_path / "run")
-    found = cl.checklist(cl.read_run(run))
+    found = cl.checklist(read_run(run))
     said = {name: answer.answer for name, answer in found.answers.items()}
     assert said == {"heldout": "yes", "independent": "yes", "interval": "yes", "shifted": "not measured", "audit": "not measured",
                     "alarms": "yes", "review": "not measured", "signal": "yes", "seeds": "no"}
@@ -125,7 +126,7 @@ def test_a_sound_run_answers_yes_with_its_own_numbers(tmp_path):
 def test_a_checker_equal_to_the_reward_is_a_no_and_the_verdict_names_the_blind_spot(tmp_path):
     run = make_run(tmp_path / "run", checker=EXACT, independent=False,
                    reason="the checker is the training reward itself (exact, same settings)")
-    found = cl.checklist(cl.read_run(run))
+    found = cl.checklist(read_run(run))
     assert found.answers["independent"].answer == "no"
     assert found.answers["independent"].detail.startswith("the checker is the training reward itself (exact, same settings)")
     assert found.verdict.startswith("Not yet supported: the held-out gain is +0.400") and "the checker's blind spot" in found.verdict
@@ -138,7 +139,7 @@ def test_a_gain_whose_interval_spans_zero_is_a_no(tmp_path):
     end = list(HALF)
     end[1], end[3], end[0] = 1, 1, 0
     run = make_run(tmp_path / "run", sets={"in_distribution": (HALF, end)})
-    found = cl.checklist(cl.read_run(run))
+    found = cl.checklist(read_run(run))
     gain = found.answers["interval"]
     assert gain.answer == "no" and gain.numbers["ci95"] == pytest.approx([-0.122690, 0.222690], abs=1e-6)
     assert gain.detail.startswith("no gain beyond noise: in_distribution: +0.050 [-0.123, +0.223] paired over 20 problems")
@@ -149,7 +150,7 @@ def test_a_shifted_set_that_drops_is_a_no_and_one_that_gains_carries(tmp_path):
     """words: 10/20 -> 2/20, 8 problems lost: -0.4 [-0.620281, -0.179719] (the mirror of the sound run)."""
     down = [1 if i < 4 and i % 2 == 0 else 0 for i in range(20)]
     run = make_run(tmp_path / "run", sets={"in_distribution": (HALF, UP), "words": (HALF, down), "digits_3": (HALF, UP)})
-    found = cl.checklist(cl.read_run(run))
+    found = cl.checklist(read_run(run))
     shifted = found.answers["shifted"]
     assert shifted.answer == "no"
     assert "words reversed: -0.400 [-0.620, -0.180] paired over 20 problems" in shifted.detail
@@ -166,7 +167,7 @@ def test_an_alarm_that_rang_is_a_no_with_its_numbers(tmp_path):
     displaced = ("likelihood displacement at step 6: the chosen responses' log-prob is -6.100 nats below the reference's (threshold 5.0) "
                  "while preference accuracy rose 0.600 -> 0.700: DPO is winning by pushing both answers down")
     dpo = make_run(tmp_path / "dpo", kind="dpo", alarms=[displaced], data={"source": "offline: pairs", "removed_heldout_task_overlap": 2})
-    found = cl.checklist(cl.read_run(dpo))
+    found = cl.checklist(read_run(dpo))
     assert found.answers["alarms"].answer == "no" and "-6.100 nats below the reference's" in found.answers["alarms"].detail
     assert "the likelihood-displacement alarm rang" in found.verdict
     assert found.answers["signal"].answer == "not measured"  # an offline run scores no rows while training
@@ -200,7 +201,7 @@ def test_two_runs_differing_in_two_links_cannot_attribute_the_difference(tmp_pat
     a = make_run(tmp_path / "a", sets={"in_distribution": (HALF, HALF)})
     b = make_run(tmp_path / "b", reward={"verifier": "math", "extraction": "boxed"},
                  loss={**GRPO_LOSS, "group": {"scale": "none"}, "aggregation": "seq_mean_token_sum_norm"})
-    comparison = rc.compare(cl.read_run(a), cl.read_run(b))
+    comparison = rc.compare(read_run(a), read_run(b))
     states = {row.link: row.state() for row in comparison.links}
     assert states["data"] == "same" and states["reward"] == "changed" and states["acceptance"] == "same"
     assert states["loss"] == "changed: aggregation: token_mean -> seq_mean_token_sum_norm; group.scale: group -> none"
@@ -211,9 +212,9 @@ def test_two_runs_differing_in_two_links_cannot_attribute_the_difference(tmp_pat
     assert comparison.verdict.startswith("The reward link and loss link differ: b - a in gain (end - start) on in_distribution: "
                                          "+0.400 [+0.180, +0.620] paired over 20 problems (higher)")
     assert "cannot attribute it to one of them" in comparison.verdict
-    one = rc.compare(cl.read_run(a), cl.read_run(make_run(tmp_path / "c", reward={"verifier": "math", "extraction": "boxed"})))
+    one = rc.compare(read_run(a), read_run(make_run(tmp_path / "c", reward={"verifier": "math", "extraction": "boxed"})))
     assert one.answers["attributable"].answer == "yes" and one.verdict.startswith("Only the reward link changed: c - a")
-    lr = rc.compare(cl.read_run(a), cl.read_run(make_run(tmp_path / "d", lr=3e-4)))
+    lr = rc.compare(read_run(a), read_run(make_run(tmp_path / "d", lr=3e-4)))
     assert lr.answers["attributable"].detail == "other settings (optim.lr: 0.0001 -> 0.0003) differ"
     assert "| in_distribution | +0.400 [+0.180, +0.620] | gain (end - start), paired over 20 problems |" in rc.comparison_markdown(comparison)
     assert "  held-out in_distribution: +0.400 [+0.180, +0.620] (gain (end - start), paired over 20 problems)\n" in rc.text([], [comparison])
@@ -222,11 +223,11 @@ def test_two_runs_differing_in_two_links_cannot_attribute_the_difference(tmp_pat
 def test_two_runs_on_different_heldout_sets_or_checkers_are_refused(tmp_path):
     a = make_run(tmp_path / "a")
     other_problems = make_run(tmp_path / "b", prompt="{i}*{i}=")
-    refused = rc.compare(cl.read_run(a), cl.read_run(other_problems))
+    refused = rc.compare(read_run(a), read_run(other_problems))
     assert refused.answers["comparable"].answer == "no" and "in_distribution: different problems (20 vs 20" in refused.answers["comparable"].detail
     assert refused.verdict.startswith("Refused: the two runs' held-out numbers cannot be compared")
     other_checker = make_run(tmp_path / "c", checker={"verifier": "exact", "extraction": "auto"})
-    refused = rc.compare(cl.read_run(a), cl.read_run(other_checker))
+    refused = rc.compare(read_run(a), read_run(other_checker))
     assert "in_distribution: scored by different checkers" in refused.answers["comparable"].detail
     assert {row.link: row.same for row in refused.links}["acceptance"] is False
     reason = refused.sets[0].reason  # both checkers described, no pipe in them
@@ -245,7 +246,7 @@ def test_seeds_of_the_same_links_are_counted_and_compared_as_noise(tmp_path):
 
 def test_newcombe_interval_by_hand():
     """0.5 [0.4, 0.6] -> 0.7 [0.6, 0.78]: 0.2 - sqrt(0.1^2 + 0.1^2) = 0.058579, 0.2 + sqrt(0.08^2 + 0.1^2) = 0.328062."""
-    value, low, high = cl.unpaired_difference_ci(0.5, [0.4, 0.6], 0.7, [0.6, 0.78])
+    value, low, high = unpaired_difference_ci(0.5, [0.4, 0.6], 0.7, [0.6, 0.78])
     assert (value, low, high) == pytest.approx((0.2, 0.2 - math.sqrt(0.02), 0.2 + math.sqrt(0.0164)))
     assert (low, high) == pytest.approx((0.058579, 0.328062), abs=1e-6)
 
@@ -408,7 +409,7 @@ def test_an_unfinished_run_says_so_first_and_answers_only_what_its_record_suppor
     "grpo scores no rows"; what the card held from the start still stands; the verdict concludes
     nothing. A run stopped before its last step (an end record, fewer steps) is unfinished too."""
     run = killed(make_run(tmp_path / "run"), 7)
-    found = cl.checklist(cl.read_run(run))
+    found = cl.checklist(read_run(run))
     assert found.unfinished == "unfinished: last step 7 of 10, no end record (the run died or is still running); only what its record " \
                                "supports is answered"
     said = {name: answer.answer for name, answer in found.answers.items()}
@@ -426,16 +427,16 @@ def test_an_unfinished_run_says_so_first_and_answers_only_what_its_record_suppor
     assert "not measured  (run unfinished) so far:" in lines[4]
     rang = killed(make_run(tmp_path / "rang", alarms=["divergence alarm: reward +0.30, held-out -0.10"]), 7)
     assert answers(rang)["alarms"].answer == "no", "an alarm that already rang stands"
-    assert "already: the divergence alarm rang" in cl.checklist(cl.read_run(rang)).verdict
+    assert "already: the divergence alarm rang" in cl.checklist(read_run(rang)).verdict
     stopped = make_run(tmp_path / "stopped")
     card = json.loads((stopped / "run_card.json").read_text())
     write_run_card(stopped, {**card, "run": {**card["run"], "config": {**card["run"]["config"], "max_steps": 30}}})
     (stopped / "checkpoints" / "step-000010").mkdir(parents=True)
-    found = cl.checklist(cl.read_run(stopped))
+    found = cl.checklist(read_run(stopped))
     assert found.unfinished == (f"unfinished: last step 10 of 30, stopped (it ended before its last step); `posttrain grpo --resume "
                                 f"{stopped}` continues it from its last checkpoint; only what its record supports is answered")
     assert found.answers["interval"].answer == "not measured" and found.verdict.startswith("Nothing to conclude")
-    assert cl.checklist(cl.read_run(make_run(tmp_path / "done"))).unfinished is None
+    assert cl.checklist(read_run(make_run(tmp_path / "done"))).unfinished is None
 
 
 def test_a_run_killed_mid_way_is_unfinished_in_the_checklist(tmp_path, capsys):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.config import build_config, parse_overrides
+from posttrain.evaluation.comparison_report import closing_lines
 from posttrain.evaluation.stats import paired_difference_ci
 from posttrain.recipes import compare, dpo_config, online_config
 from posttrain.recipes.demo import preset
@@ -53,7 +54,7 @@ def test_table_rows_in_order_and_a_failing_row_reported_while_the_others_complet
     assert all(f"| {row['label']} |" in text for row in table["rows"]) and "failed: " in text
     assert "What this cannot conclude: one task" in text and "1 steps" in text
     assert (out / "comparison.png").stat().st_size > 1000
-    lines = compare.closing_lines(out)
+    lines = closing_lines(out)
     assert lines[-1].startswith(f"results: {out} ") and "broken failed" in lines[0]
 
 

@@ -77,7 +77,8 @@ def check_record(run_dir: Path, verifier: str) -> None:
     """--record RUN_DIR takes only an audit of the run's own training reward (the one the
     checklist's audit question asks about): another verifier's would replace it and answer nothing.
     One UserError line otherwise, before the suite runs."""
-    from posttrain.evaluation.checklist import audited_reward, read_run
+    from posttrain.evaluation.checklist import audited_reward
+    from posttrain.evaluation.run_record import read_run
 
     if not (run_dir / "run_card.json").is_file():
         raise UserError(f"--record {run_dir}: not a run directory (no run_card.json)")

@@ -42,6 +42,7 @@ def register(subparsers) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from posttrain.evaluation.comparison_report import closing_lines
     from posttrain.recipes import compare
 
     rows = None if args.rows is None else tuple(name.strip() for name in args.rows.split(",") if name.strip())
@@ -49,5 +50,5 @@ def handle(args: argparse.Namespace) -> int:
                             eval_size=args.eval_size, seed=args.seed, start=args.start, pairs=args.pairs, threads=args.threads)
     config.validate()  # a bad row name is one line before any work
     out = compare.run(config)
-    print("\n".join(compare.closing_lines(out)))
+    print("\n".join(closing_lines(out)))
     return 0

@@ -93,6 +93,110 @@ def passed(verdict: Verdict, checker: Verifier) -> int | None:
     return int(verdict.reward is not None and verdict.reward >= getattr(checker, "pass_threshold", 1.0))
 
 
+@dataclass
+class _Answering:
+    """What every generation of one evaluation shares: the policy, the held-out problems and their
+    rendered prompts, the checker, the sampler and the generation batch."""
+
+    model: Any
+    tokenizer: Any
+    examples: list[Example]
+    prompts: list[str]
+    checker: Verifier
+    sampler: Sampler
+    batch_size: int
+    max_new_tokens: int
+
+    def rollouts(self, group_size: int, sampling: SamplingConfig, seed: int, seed_per_batch: bool = False):
+        """(the batch's problems, its rollout) of each `batch_size` prompts in order, `group_size`
+        answers each, sampled with `seed` (plus the batch's first index when `seed_per_batch`)."""
+        for start in range(0, len(self.prompts), self.batch_size):
+            chunk = self.examples[start : start + self.batch_size]
+            yield chunk, self.sampler(self.model, self.tokenizer, chunk, self.prompts[start : start + self.batch_size],
+                                      group_size=group_size, sampling=sampling, seed=seed + start if seed_per_batch else seed)
+
+
+def _greedy_answers(answering: _Answering, seed: int, name: str, reusable: bool) -> tuple[list[str], list[int], list[Verdict], list[dict]]:
+    """One greedy answer per problem and its verdict (an exact repeat's reused: evaluation/reuse.py);
+    returns (texts, response lengths, verdicts, tool episodes: [] for single turns). Only a
+    `reusable` evaluation through the single-turn sampler is looked up. A tool episode's verdict is
+    `episode_verdicts`' (a row whose tool broke is an infra error)."""
+    memo_key = reuse.key(answering.model, answering.tokenizer, answering.examples, answering.prompts, answering.checker,
+                         answering.max_new_tokens, answering.batch_size) if (
+        reuse.active() and reusable and answering.sampler is single_turn) else None
+    if (found := reuse.lookup(memo_key)) is not None:
+        texts, lengths, verdicts, first_label = found
+        logger.info("held-out %s: the same weights, problems and checker as %s: its answers reused", name, first_label)
+        return texts, lengths, verdicts, []
+    texts, lengths, rollouts = [], [], []
+    greedy = SamplingConfig(max_new_tokens=answering.max_new_tokens, greedy=True)
+    for _, rollout in answering.rollouts(1, greedy, seed):
+        texts += rollout.texts
+        lengths += rollout.mask.sum(dim=1).tolist()
+        rollouts.append(rollout)
+    verdicts = score_completions(answering.checker, texts, answering.examples)
+    reuse.store(memo_key, texts, lengths, verdicts, name)
+    episodes = [episode for rollout in rollouts for episode in (rollout.episodes or [])]
+    if episodes:
+        firsts = range(0, len(answering.prompts), answering.batch_size)
+        verdicts = [verdict for rollout, first in zip(rollouts, firsts)
+                    for verdict in episode_verdicts(rollout, verdicts[first:first + len(rollout.texts)])]
+    return texts, lengths, verdicts, episodes
+
+
+def _pass_at_1(task: Task, checker: Verifier, name: str, texts: list[str], lengths: list[int], verdicts: list[Verdict]) -> dict[str, Any]:
+    """The summary's greedy part: pass@1 over the problems the checker could score, its Wilson
+    interval, the per-problem results, the error counts and the unread answers."""
+    # A problem the checker could not score (infra or data error) is left out of n, never a silent 0.
+    correct = [passed(v, checker) for v in verdicts]
+    scored = [c for c in correct if c is not None]
+    n = len(scored)
+    return {
+        "task": task.name,
+        "split": task.split,
+        "checker": checker.describe(),
+        "n": n,
+        "problems": len(task.examples),
+        "pass@1": sum(scored) / n if n else None,
+        "pass@1_ci95": list(wilson_interval(sum(scored), n)),
+        "infra_errors": sum(v.status == "infra_error" for v in verdicts),
+        "data_errors": sum(v.status == "data_error" for v in verdicts),
+        "mean_length": sum(lengths) / max(1, n),
+        "unextracted": check_extraction(name, texts, verdicts),
+        "correct": correct,
+    }
+
+
+def _pass_at_k(answering: _Answering, k: int, temperature: float, seed: int) -> dict[str, Any]:
+    """The summary's sampled part: k answers per problem at `temperature`, the unbiased pass@k
+    (`stats.pass_at_k`) averaged over the problems whose k samples were all scored, its Wilson
+    interval and n."""
+    sampled = SamplingConfig(max_new_tokens=answering.max_new_tokens, temperature=temperature)
+    per_problem = []
+    for chunk, rollout in answering.rollouts(k, sampled, seed, seed_per_batch=True):
+        verdicts = episode_verdicts(rollout, score_completions(answering.checker, rollout.texts, [e for e in chunk for _ in range(k)]))
+        for index in range(len(chunk)):
+            group = verdicts[index * k : (index + 1) * k]
+            if any(v.status != "ok" for v in group):
+                continue  # unscorable samples: the problem is left out of pass@k
+            per_problem.append(sum(passed(v, answering.checker) for v in group))
+    estimates = [pass_at_k(k, c, k) for c in per_problem]
+    return {f"pass@{k}": sum(estimates) / len(estimates) if estimates else None,
+            f"pass@{k}_ci95": list(wilson_interval(sum(estimates), len(estimates))),
+            f"pass@{k}_n": len(estimates),
+            "sample_temperature": temperature}
+
+
+def _write_evaluation(path: str | Path, summary: dict[str, Any], answering: _Answering, texts: list[str], verdicts: list[Verdict],
+                      episodes: list[dict]) -> None:
+    """The evaluation file: the summary and the per-problem rows (`heldout_rows`, and a tool
+    episode's whole transcript), written whole or not at all."""
+    rows = heldout_rows(answering.examples, answering.prompts, texts, verdicts)
+    for row, episode in zip(rows, episodes):  # the whole transcript, the model's and the tools' spans marked
+        row.update(transcript=transcript_text(episode), turns=episode["turns"], tool_calls=episode["tool_calls"])
+    write_text_atomically(path, json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+
+
 @torch.no_grad()
 def evaluate_task(
     model,
@@ -134,76 +238,22 @@ def evaluate_task(
     """
     started = time.perf_counter()
     verifier = checker if isinstance(checker, Verifier) else as_verifier(None, checker or default_checker(task), for_checker=True)
-    examples = task.examples
-    prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt, tools=getattr(sampler, "tools", None)) for e in examples]
-    greedy = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
+    prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=system_prompt, tools=getattr(sampler, "tools", None))
+               for e in task.examples]
+    answering = _Answering(model, tokenizer, task.examples, prompts, verifier, sampler, batch_size, max_new_tokens)
     name = f"{label} ({task.name})" if label else task.name
-    memo_key = reuse.key(model, tokenizer, examples, prompts, verifier, max_new_tokens, batch_size) if (
-        reuse.active() and k == 1 and sampler is single_turn) else None
-    texts, lengths, rollouts = [], [], []
-    if (found := reuse.lookup(memo_key)) is not None:  # an exact repeat (evaluation/reuse.py)
-        texts, lengths, verdicts, first_label = found
-        logger.info("held-out %s: the same weights, problems and checker as %s: its answers reused", name, first_label)
-    else:
-        for start in range(0, len(prompts), batch_size):
-            rollout = sampler(model, tokenizer, examples[start : start + batch_size], prompts[start : start + batch_size],
-                              group_size=1, sampling=greedy, seed=seed)
-            texts += rollout.texts
-            lengths += rollout.mask.sum(dim=1).tolist()
-            rollouts.append(rollout)
-        verdicts = score_completions(verifier, texts, examples)
-        reuse.store(memo_key, texts, lengths, verdicts, name)
-    episodes = [episode for rollout in rollouts for episode in (rollout.episodes or [])]
-    if episodes:
-        verdicts = [verdict for rollout, first in zip(rollouts, range(0, len(prompts), batch_size))
-                    for verdict in episode_verdicts(rollout, verdicts[first:first + len(rollout.texts)])]
-    # A problem the checker could not score (infra or data error) is left out of n, never a silent 0.
-    correct = [passed(v, verifier) for v in verdicts]
-    scored = [c for c in correct if c is not None]
-    n = len(scored)
-    summary: dict[str, Any] = {
-        "task": task.name,
-        "split": task.split,
-        "checker": verifier.describe(),
-        "n": n,
-        "problems": len(examples),
-        "pass@1": sum(scored) / n if n else None,
-        "pass@1_ci95": list(wilson_interval(sum(scored), n)),
-        "infra_errors": sum(v.status == "infra_error" for v in verdicts),
-        "data_errors": sum(v.status == "data_error" for v in verdicts),
-        "mean_length": sum(lengths) / max(1, n),
-        "unextracted": check_extraction(name, texts, verdicts),
-        "correct": correct,
-    }
+    texts, lengths, verdicts, episodes = _greedy_answers(answering, seed, name, reusable=k == 1)
+    summary = _pass_at_1(task, verifier, name, texts, lengths, verdicts)
     if episodes:
         summary["episodes"] = episode_summary(episodes)
     if k > 1:
-        sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature)
-        per_problem = []
-        for start in range(0, len(prompts), batch_size):
-            chunk = examples[start : start + batch_size]
-            rollout = sampler(model, tokenizer, chunk, prompts[start : start + batch_size], group_size=k, sampling=sampled,
-                              seed=seed + start)
-            sample_verdicts = episode_verdicts(rollout, score_completions(verifier, rollout.texts, [e for e in chunk for _ in range(k)]))
-            for index in range(len(chunk)):
-                group = sample_verdicts[index * k : (index + 1) * k]
-                if any(v.status != "ok" for v in group):
-                    continue  # unscorable samples: the problem is left out of pass@k
-                per_problem.append(sum(passed(v, verifier) for v in group))
-        estimates = [pass_at_k(k, c, k) for c in per_problem]
-        summary[f"pass@{k}"] = sum(estimates) / len(estimates) if estimates else None
-        summary[f"pass@{k}_ci95"] = list(wilson_interval(sum(estimates), len(estimates)))
-        summary[f"pass@{k}_n"] = len(estimates)
-        summary["sample_temperature"] = temperature
+        summary.update(_pass_at_k(answering, k, temperature, seed))
     summary["seconds"] = time.perf_counter() - started
     if output_path is not None:
-        rows = heldout_rows(examples, prompts, texts, verdicts)
-        for row, episode in zip(rows, episodes):  # the whole transcript, the model's and the tools' spans marked
-            row.update(transcript=transcript_text(episode), turns=episode["turns"], tool_calls=episode["tool_calls"])
-        write_text_atomically(output_path, json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")  # whole or not at all
+        _write_evaluation(output_path, summary, answering, texts, verdicts, episodes)
     low, high = summary["pass@1_ci95"]
     logger.info("held-out %s: pass@1 %s [%.3f, %.3f] (n=%d)", name,
-                "n/a" if summary["pass@1"] is None else f"{summary['pass@1']:.3f}", low, high, n)
+                "n/a" if summary["pass@1"] is None else f"{summary['pass@1']:.3f}", low, high, summary["n"])
     return summary
 
 

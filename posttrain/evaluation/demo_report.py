@@ -18,7 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from posttrain.atomic import write_text_atomically  # noqa: E402
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION  # noqa: E402
-from posttrain.evaluation.checklist import checklist, markdown, read_run  # noqa: E402
+from posttrain.evaluation.checklist import checklist, markdown  # noqa: E402
+from posttrain.evaluation.run_record import read_run  # noqa: E402
 from posttrain.evaluation.run_comparison import compare, comparison_markdown  # noqa: E402
 from posttrain.evaluation.stats import paired_difference_ci  # noqa: E402
 from posttrain.runs import read_jsonl  # noqa: E402

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION
-from posttrain.evaluation.checklist import (COMPARISON_QUESTIONS, NO, YES, Answer, Checklist, Run, cell, checklist,
-                                            eval_file, read_run)
+from posttrain.evaluation.checklist import COMPARISON_QUESTIONS, NO, YES, Answer, Checklist, cell, checklist
+from posttrain.evaluation.run_record import Run, eval_file, read_run
 from posttrain.evaluation.stats import paired_difference_ci
 
 LINKS = ("data", "reward", "loss")

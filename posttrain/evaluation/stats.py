@@ -1,4 +1,4 @@
-"""Statistics of acceptance: confidence intervals, pass@k, paired gains (the alarms are in alarms.py)."""
+"""Statistics of acceptance: confidence intervals, pass@k, paired gains, unpaired differences (the alarms are in alarms.py)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,15 @@ def paired_difference_ci(before: Sequence[float | None], after: Sequence[float |
     variance = sum((d - gain) ** 2 for d in differences) / max(1, n - 1)
     half = z * math.sqrt(variance / n)
     return gain, gain - half, gain + half
+
+
+def unpaired_difference_ci(start: float, start_ci: list, end: float, end_ci: list) -> tuple[float, float, float]:
+    """end - start with Newcombe's hybrid score interval from the two Wilson intervals (Newcombe
+    1998, Statistics in Medicine 17:873, method 10), for two evaluations of different problems.
+
+    Example: 0.5 [0.4, 0.6] -> 0.7 [0.6, 0.78]: 0.2, [0.2 - sqrt(0.1^2 + 0.1^2), 0.2 + sqrt(0.08^2 + 0.1^2)]
+    = (0.2, 0.0586, 0.3281)."""
+    (start_low, start_high), (end_low, end_high) = start_ci, end_ci
+    difference = end - start
+    return (difference, difference - math.hypot(end - end_low, start_high - start),
+            difference + math.hypot(end_high - end, start - start_low))

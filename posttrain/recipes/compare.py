@@ -16,7 +16,7 @@ checker, in one table.
    posttrain ...`, so that its wall time and peak RSS are its own and a failing row is one line of
    the table, not the end of the comparison; then its acceptance on the same sets.
 5. comparison.md, comparison.json and comparison.png (gain over the start per row, paired 95%
-   intervals) in the output directory.
+   intervals) in the output directory: the report, evaluation/comparison_report.py.
 
 Each row names the links it changed relative to its family's base (GRPO online, DPO offline):
 that column is the point of the table (the seed's "which link moved?"), and its footer says what one
@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from posttrain.data.preference import load_preference_file
 from posttrain.data.provenance import read_provenance
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, independence
-from posttrain.evaluation.stats import paired_difference_ci
+from posttrain.evaluation.comparison_report import Measured, Outcome, cell, comparison, gain_text, markdown, paired_gain, plot
 from posttrain.models import load_model
 from posttrain.recipes import demo, stages
 from posttrain.rewards import get_verifier
@@ -169,18 +169,6 @@ class Config:
         return tuple(row for row in ROWS if self.rows is None or row.name in self.rows)
 
 
-@dataclass
-class Outcome:
-    """What one row did: the child's wall time and peak RSS, and its acceptance or its one-line error."""
-
-    row: Row
-    seconds: float = 0.0
-    peak_rss_mib: float | None = None
-    error: str | None = None
-    sets: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Held-out set -> its `evaluate_task` result (in distribution first)."""
-
-
 def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
     """Run the comparison; returns the output directory. `rows` (default: `config.selected()`) lets
     a caller add rows of its own (the tests: one that fails)."""
@@ -208,33 +196,22 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
     # 2. The start's acceptance on the held-out sets every row shares.
     sets = demo.heldout_sets(data.task, data.task_options, config.seed, config.eval_size)
     start_sets = demo.acceptance(start, sets, budget, config.seed, out / "eval", "start")
-    logger.info("start %s: %s", start, _cell(start_sets[IN_DISTRIBUTION]))
+    logger.info("start %s: %s", start, cell(start_sets[IN_DISTRIBUTION]))
 
     # 3. One pairs file from the start, as many sampled answers as each online row draws (or --pairs);
     #    the unpaired rows of the same samples (same seed) when a row trains on them.
     files = {"pairs": Path(config.pairs).resolve() if config.pairs else out / "pairs.jsonl"}
     files["unpaired"] = files["pairs"] if config.pairs else out / "unpaired.jsonl"
-    provenance, errors = {}, {}
     if config.pairs:
-        provenance["pairs"] = given_pairs
+        provenance, errors = {"pairs": given_pairs}, {}
     else:
-        for kind in dict.fromkeys(row.data for row in rows if not row.online):
-            arguments = ["pairs", "--model", start, "--out", str(files[kind]), "--group_size", str(GROUP_SIZE), "--verifier", REWARD,
-                         "--data.task", data.task, "--data.task_options", json.dumps(data.task_options),
-                         "--data.max_prompts", str(config.steps * PROMPTS_PER_STEP), "--data.eval_size", str(config.eval_size),
-                         "--sampling.max_new_tokens", str(budget), "--seed", str(config.seed), *(["--unpaired"] if kind == "unpaired" else [])]
-            seconds, _, errors[kind] = _child(arguments, out / "logs" / f"{kind}.log", config.threads)
-            if errors[kind] is None:
-                provenance[kind] = json.loads(files[kind].with_name(f"{kind}.meta.json").read_text())
-                logger.info("%s: %s rows from %s prompts (%.0f s)", kind, provenance[kind].get("pairs", provenance[kind].get("rows")),
-                            provenance[kind].get("prompts"), seconds)
-            else:
-                logger.info("%s: failed: %s", kind, errors[kind])
+        provenance, errors = sample_offline_files(config, list(dict.fromkeys(row.data for row in rows if not row.online)), start, files,
+                                                  sft_config)
 
     # 4. Each row in its own process, then its acceptance on the same problems.
     outcomes = []
     for index, row in enumerate(rows, 1):
-        outcome = Outcome(row)
+        outcome = Outcome(describe(row, config))
         if not row.online and errors.get(row.data) is not None:
             outcome.error = f"no {row.data} file (posttrain pairs: {errors[row.data]})"
         else:
@@ -249,12 +226,50 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
         logger.info("[%d/%d] %s: %s", index, len(rows), row.name, _progress(outcome, start_sets))
 
     # 5. The table, its JSON and the plot.
-    checked = independence(get_verifier(REWARD), get_verifier("integer"))
-    table = comparison(config, start, start_sets, outcomes, provenance, checked, sft_seconds, time.perf_counter() - started)
+    measured = Measured(start, config.start is not None, start_sets, sft_seconds, provenance, config.pairs,
+                        independence(get_verifier(REWARD), get_verifier("integer")), time.perf_counter() - started)
+    table = comparison(settings(config), CANNOT.format(steps=config.steps), measured, outcomes)
     write_text_atomically(out / "comparison.json", json.dumps(table, indent=1) + "\n")
     write_text_atomically(out / "comparison.md", markdown(table) + "\n")
     plot(table, out / "comparison.png")
     return out
+
+
+def sample_offline_files(config: Config, kinds: list[str], start: str, files: dict[str, Path], sft_config) -> tuple[dict, dict]:
+    """Sample the offline rows' files (`kinds`: pairs, unpaired) from the start, each with `posttrain
+    pairs` in its own process (labelled by `REWARD`, as many answers as each online row draws, the
+    start's held-out split kept apart); returns (each file's sidecar, each file's one-line error or
+    None)."""
+    data, out = sft_config.data, Path(config.output_dir).resolve()
+    provenance, errors = {}, {}
+    for kind in kinds:
+        arguments = ["pairs", "--model", start, "--out", str(files[kind]), "--group_size", str(GROUP_SIZE), "--verifier", REWARD,
+                     "--data.task", data.task, "--data.task_options", json.dumps(data.task_options),
+                     "--data.max_prompts", str(config.steps * PROMPTS_PER_STEP), "--data.eval_size", str(config.eval_size),
+                     "--sampling.max_new_tokens", str(sft_config.acceptance.max_new_tokens), "--seed", str(config.seed),
+                     *(["--unpaired"] if kind == "unpaired" else [])]
+        seconds, _, errors[kind] = _child(arguments, out / "logs" / f"{kind}.log", config.threads)
+        if errors[kind] is None:
+            provenance[kind] = json.loads(files[kind].with_name(f"{kind}.meta.json").read_text())
+            logger.info("%s: %s rows from %s prompts (%.0f s)", kind, provenance[kind].get("pairs", provenance[kind].get("rows")),
+                        provenance[kind].get("prompts"), seconds)
+        else:
+            logger.info("%s: failed: %s", kind, errors[kind])
+    return provenance, errors
+
+
+def settings(config: Config) -> dict[str, Any]:
+    """comparison.json's settings: the budget every row shares, the reward, the checker, the threads."""
+    return {"steps": config.steps, "eval_size": config.eval_size, "seed": config.seed, "prompts_per_step": PROMPTS_PER_STEP,
+            "group_size": GROUP_SIZE, "pairs_per_step": PAIRS_PER_STEP, "reward": REWARD, "checker": "integer", "threads": config.threads}
+
+
+def describe(row: Row, config: Config) -> dict[str, Any]:
+    """One row as comparison.json names it: its family and base, its command (START, PAIRS or
+    UNPAIRED and DIR for the start, its file and the output directory), its flags and links."""
+    return {"name": row.name, "label": row.label, "family": "online" if row.online else "offline", "base": BASE[row.command],
+            "command": ["posttrain", *row_command(row, "START", row.data.upper(), Path("DIR") / row.name, config)],
+            "flags": list(row.flags), "links_changed": [list(change) for change in row.changed], "links_text": links_changed(row)}
 
 
 def row_command(row: Row, start: str, pairs_file: str, run_dir: Path, config: Config) -> list[str]:
@@ -365,146 +380,9 @@ def _fresh_directory(out: Path) -> Path:
     return out
 
 
-def _gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """after - before, paired over the same problems (`stats.paired_difference_ci`)."""
-    value, low, high = paired_difference_ci(before["correct"], after["correct"])
-    return {"value": value, "ci95": [low, high], "paired": True}
-
-
-def comparison(config: Config, start: str, start_sets: dict, outcomes: list[Outcome], provenance: dict[str, dict],
-               checked: tuple[bool, str], sft_seconds: float, seconds: float) -> dict[str, Any]:
-    """comparison.json: the settings, the start on every set, the offline files (`provenance`: their
-    sidecars by `Row.data`), each row (command, links, wall, peak RSS, every set's pass@1 and paired
-    gain, or its error), the checker's independence, the footer."""
-    def point(result: dict[str, Any]) -> dict[str, Any]:
-        return {"pass@1": result["pass@1"], "ci95": list(result["pass@1_ci95"]), "n": result["n"]}
-
-    rows = []
-    for outcome in outcomes:
-        row = outcome.row
-        rows.append({
-            "name": row.name, "label": row.label, "family": "online" if row.online else "offline", "base": BASE[row.command],
-            "command": ["posttrain", *row_command(row, "START", row.data.upper(), Path("DIR") / row.name, config)],
-            "flags": list(row.flags), "links_changed": [list(change) for change in row.changed], "links_text": links_changed(row),
-            "status": "failed" if outcome.error else "ok", "error": outcome.error,
-            "wall_s": round(outcome.seconds, 1), "peak_rss_mib": None if outcome.peak_rss_mib is None else round(outcome.peak_rss_mib, 1),
-            "sets": {name: {**point(result), "gain": _gain(start_sets[name], result)} for name, result in outcome.sets.items()},
-        })
-    independent, why = checked
-    return {
-        "settings": {"steps": config.steps, "eval_size": config.eval_size, "seed": config.seed, "prompts_per_step": PROMPTS_PER_STEP,
-                     "group_size": GROUP_SIZE, "pairs_per_step": PAIRS_PER_STEP, "reward": REWARD, "checker": "integer",
-                     "threads": config.threads},
-        "start": {"model": start, "given": config.start is not None, "seconds": round(sft_seconds, 1),
-                  "sets": {name: point(result) for name, result in start_sets.items()}},
-        "pairs": provenance.get("pairs") and {"file": str(config.pairs) if config.pairs else "pairs.jsonl", "given": config.pairs is not None,
-                                              **{key: provenance["pairs"].get(key) for key in ("pairs", "prompts", "verifier", "model", "group_size")}},
-        "unpaired": provenance.get("unpaired") and {"file": "unpaired.jsonl", **{key: provenance["unpaired"].get(key) for key in (
-            "rows", "desirable", "undesirable", "rows_from_mixed_groups", "rows_from_all_correct_groups", "rows_from_all_incorrect_groups",
-            "prompts", "verifier", "model", "group_size")}},
-        "rows": rows,
-        "checker": {"name": "integer", "independent": independent, "independence_reason": why},
-        "footer": CANNOT.format(steps=config.steps),
-        "seconds": round(seconds, 1),
-    }
-
-
-def _cell(result: dict[str, Any]) -> str:
-    low, high = result["pass@1_ci95"] if "pass@1_ci95" in result else result["ci95"]
-    return f"{result['pass@1']:.3f} [{low:.3f}, {high:.3f}]"
-
-
-def _gain_text(gain: dict[str, Any]) -> str:
-    low, high = gain["ci95"]
-    return f"{gain['value']:+.3f} [{low:+.3f}, {high:+.3f}]"
-
-
 def _progress(outcome: Outcome, start_sets: dict) -> str:
     if outcome.error:
         return f"failed: {outcome.error}"
     held = outcome.sets[IN_DISTRIBUTION]
-    return (f"{_cell(held)}, gain {_gain_text(_gain(start_sets[IN_DISTRIBUTION], held))}, "
+    return (f"{cell(held)}, gain {gain_text(paired_gain(start_sets[IN_DISTRIBUTION], held))}, "
             f"{outcome.seconds:.0f} s, {outcome.peak_rss_mib:.0f} MiB")
-
-
-def markdown(table: dict[str, Any]) -> str:
-    """comparison.md: the main table (in distribution), the shifted sets' gains, the footer."""
-    settings, start = table["settings"], table["start"]
-    names = list(start["sets"])
-    lines = [f"# One start, every method: {settings['steps']} steps each", "",
-             f"Start: `{start['model']}`, held-out pass@1 {_cell(start['sets'][IN_DISTRIBUTION])} on {start['sets'][IN_DISTRIBUTION]['n']} "
-             f"problems. Online rows: {settings['prompts_per_step']} prompts x G = {settings['group_size']} per step, reward "
-             f"`{settings['reward']}`; offline rows: {settings['pairs_per_step']} pairs per step from one pairs file"
-             + _pairs_text(table["pairs"]) + _unpaired_text(table.get("unpaired")) + ". Held-out checker `integer` "
-             f"({'independent of' if table['checker']['independent'] else 'NOT independent of'} the reward: "
-             f"{table['checker']['independence_reason']}); gains paired over the same problems, 95% intervals.", "",
-             "| row | links changed (vs GRPO / DPO) | held-out pass@1 | gain over the start (paired) | wall | peak RSS | flags |",
-             "|---|---|---|---|---|---|---|"]
-    for row in table["rows"]:
-        flags = "`" + " ".join(row["flags"]) + "`" if row["flags"] else "(none)"
-        if row["status"] == "failed":
-            lines.append(f"| {row['label']} | {row['links_text']} | failed: {row['error']} | | {row['wall_s']:.0f} s | | {flags} |")
-            continue
-        held = row["sets"][IN_DISTRIBUTION]
-        lines.append(f"| {row['label']} | {row['links_text']} | {_cell(held)} | {_gain_text(held['gain'])} | {row['wall_s']:.0f} s "
-                     f"| {row['peak_rss_mib']:.0f} MiB | {flags} |")
-    lines += ["", "Gain over the start on every held-out set (paired 95% intervals):", "",
-              "| row | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
-              "| start (pass@1) | " + " | ".join(_cell(start["sets"][name]) for name in names) + " |"]
-    lines += [f"| {row['label']} | " + " | ".join(_gain_text(row["sets"][name]["gain"]) for name in names) + " |"
-              for row in table["rows"] if row["status"] == "ok"]
-    lines += ["", ("Every row's command is in comparison.json (START, PAIRS, UNPAIRED and DIR: the start, the pairs file, the "
-                   "unpaired rows, this directory); "
-                   "its run directory and log (logs/) are here."), "", f"What this cannot conclude: {table['footer']}",
-              "", f"Wall time of the whole comparison: {table['seconds']:.0f} s (the start: {start['seconds']:.0f} s)."]
-    return "\n".join(lines)
-
-
-def _pairs_text(pairs: dict[str, Any] | None) -> str:
-    if not pairs:
-        return ""
-    if pairs["given"]:
-        return f" (`{pairs['file']}`, given by --pairs: not sampled from this start by this comparison)"
-    return f" ({pairs['pairs']} pairs from {pairs['prompts']} prompts, sampled from the start, labelled by `{pairs['verifier']}`)"
-
-
-def _unpaired_text(unpaired: dict[str, Any] | None) -> str:
-    if not unpaired:
-        return ""
-    return (f"; KTO: {unpaired['rows']} unpaired rows of the same samples ({unpaired['desirable']} desirable, {unpaired['undesirable']} "
-            f"undesirable; {unpaired['rows_from_all_correct_groups']} from all-correct and {unpaired['rows_from_all_incorrect_groups']} "
-            "from all-incorrect groups, which pairing skips)")
-
-
-def plot(table: dict[str, Any], path: Path) -> None:
-    """comparison.png: each finished row's in-distribution gain with its paired 95% interval."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from posttrain.runs.plots import save_figure
-
-    rows = [row for row in table["rows"] if row["status"] == "ok"]
-    figure, axis = plt.subplots(figsize=(7, 0.4 * max(3, len(rows)) + 1.2))
-    for index, row in enumerate(rows):
-        gain = row["sets"][IN_DISTRIBUTION]["gain"]
-        low, high = gain["ci95"]
-        axis.errorbar(gain["value"], index, xerr=[[gain["value"] - low], [high - gain["value"]]], fmt="o", capsize=4,
-                      color="tab:blue" if row["family"] == "online" else "tab:orange")
-    axis.axvline(0, color="grey", linewidth=1)
-    axis.set_yticks(range(len(rows)), [row["label"] for row in rows])
-    axis.invert_yaxis()
-    axis.set_xlabel("held-out pass@1 gain over the start (paired 95% interval)")
-    axis.set_title(f"{table['settings']['steps']} steps from one start (blue: online, orange: offline)")
-    axis.grid(alpha=0.3, axis="x")
-    save_figure(figure, path)
-
-
-def closing_lines(out: Path) -> list[str]:
-    """The lines the command ends with: every row's in-distribution gain (or failure), then `results: DIR`."""
-    table = json.loads((out / "comparison.json").read_text())
-    rows = [f"{row['name']} {_gain_text(row['sets'][IN_DISTRIBUTION]['gain'])}" if row["status"] == "ok" else f"{row['name']} failed"
-            for row in table["rows"]]
-    return ["held-out gain over the start (in distribution, paired 95%): " + "; ".join(rows),
-            f"results: {out} (the table: {out / 'comparison.md'}, {out / 'comparison.json'}, {out / 'comparison.png'})"]

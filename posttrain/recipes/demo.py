@@ -51,9 +51,7 @@ from posttrain.models import load_model
 from posttrain.recipes import dpo, dpo_config, online, online_config, pairs, rm
 from posttrain.recipes.stages import SFT, Stage, heldout_sets, preset, stage_config, train_sft  # noqa: F401 (demo.preset: the tests)
 from posttrain.recipes.stages import checker as _checker
-from posttrain.recipes.stages import demo_directory, run_stage, save_state
-from posttrain.recipes.stages import last_checkpoint as _last_checkpoint
-from posttrain.recipes.stages import newest_step as _newest_step
+from posttrain.recipes.stages import demo_directory, last_checkpoint, newest_step, run_stage, save_state
 from posttrain.recipes.stages import timed as _timed
 from posttrain.evaluation.demo_report import DemoResult, write_report
 from posttrain.rewards import get_verifier
@@ -211,8 +209,8 @@ def _stages(config: Config, out: Path, started: float, timings: dict[str, float]
     with _timed(timings, "sft"):
         sft_config = stage_config(SFT, config, {}, held_out_size)
         run_dirs = {"sft": Path(config.sft_run) if config.sft_run else train_sft(config, held_out_size)}
-        sft_steps = _newest_step(run_dirs["sft"])
-        starts = {"sft": _last_checkpoint(run_dirs["sft"], sft_steps)}
+        sft_steps = newest_step(run_dirs["sft"])
+        starts = {"sft": last_checkpoint(run_dirs["sft"], sft_steps)}
     data, budget = sft_config.data, sft_config.acceptance.max_new_tokens
 
     # 2. Baseline acceptance on the held-out sets every stage shares.
@@ -251,7 +249,7 @@ def _stages(config: Config, out: Path, started: float, timings: dict[str, float]
 
     # 6. Acceptance for each on the same problems.
     for stage in (GRPO, DPO, DPO_PLAIN, GRPO_RM):
-        results[stage.name] = acceptance(_last_checkpoint(run_dirs[stage.name], config.grpo_steps), sets, budget, config.seed, out, stage.name)
+        results[stage.name] = acceptance(last_checkpoint(run_dirs[stage.name], config.grpo_steps), sets, budget, config.seed, out, stage.name)
 
     # 7. Report: summary.json, report.md, plots.
     checked = independence(get_verifier(provenance["verifier"]), _checker(None, sets[IN_DISTRIBUTION]))

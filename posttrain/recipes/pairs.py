@@ -142,112 +142,33 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
         raise UserError(f"--out {out}: its sidecar {provenance_path(out)} already exists; pass --overwrite to replace both, or choose another --out")
     placement = resolve(settings.hardware)
     # The prompts and the verifier before the model: a bad file or verifier fails before any work.
-    data = settings.data
-    # A generated task draws max_prompts; a file gives every row not held out, of which the first max_prompts.
-    train, held_out = load_splits(data.task, train_size=data.max_prompts if is_generated(data.task) else None, eval_size=data.eval_size,
-                                   seed=settings.seed, options=data.load_options())
-    examples = train.examples[: data.max_prompts]
-    if len(examples) < data.max_prompts:
-        logger.info("%s: %d training prompts to sample, fewer than data.max_prompts=%d", data.task, len(examples), data.max_prompts)
-    name = settings.verifier or default_reward(train.reward_kind)
-    if name is None:
-        raise UserError(f"data.task {data.task}: no default verifier for kind {train.reward_kind!r}; pass --verifier")
-    verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier", placement=placement)
-    judge = (as_verifier(None, settings.labeller, settings.reward_options, setting="--labeller", placement=placement)
-             if settings.labeller else None)
-    warn_if_unsafe(settings.unsafe_no_sandbox)
-    verifier.prepare()
+    train, held_out, examples = _training_prompts(settings.data, settings.seed)
+    verifier, judge = _labellers(settings, train.reward_kind, placement)
     if model is None:
         model, tokenizer = load_model(settings.model, dtype=placement.param_dtype, device=placement.device)
     check_prompts_fit(model, tokenizer, [PromptSet("training", examples, settings.sampling.max_new_tokens, "sampling.max_new_tokens")],
-                      system_prompt=data.system_prompt)
+                      system_prompt=settings.data.system_prompt)
     model.eval()
+    labelled = Labelled(dict.fromkeys(JUDGE_OUTCOMES if judge else ("paired", "all_correct", "all_incorrect", "unscored"), 0),
+                        {"labelled_by": judge.name if judge else verifier.name, "sampled_from": settings.model})
     engine = make_engine(settings.rollout)
-    G = settings.group_size
-    rows, outcomes = [], dict.fromkeys(JUDGE_OUTCOMES if judge else ("paired", "all_correct", "all_incorrect", "unscored"), 0)
-    errors = {"infra_error": 0, "data_error": 0}
-    from_group = {"paired": 0, "all_correct": 0, "all_incorrect": 0}  # unpaired rows by their group's outcome
-    duplicates = 0
-    judged = JudgeTally()
-    origin = {"labelled_by": judge.name if judge else verifier.name, "sampled_from": settings.model}
     for start in range(0, len(examples), settings.batch_size):
         chunk = examples[start : start + settings.batch_size]
-        prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=data.system_prompt) for e in chunk]
+        prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=settings.data.system_prompt) for e in chunk]
         with placement.autocast():
-            rollout = engine(model, tokenizer, prompts, group_size=G, sampling=settings.sampling,
-                               seed=derived_seed(settings.seed, "pairs", str(start)))
+            rollout = engine(model, tokenizer, prompts, group_size=settings.group_size, sampling=settings.sampling,
+                             seed=derived_seed(settings.seed, "pairs", str(start)))
         verdicts = verifier.batch(rollout.texts, [verifier_input(chunk[b], prompts[b]) for b in rollout.prompt_index.tolist()])
-        for verdict in verdicts:
-            if verdict.status in errors:
-                errors[verdict.status] += 1
+        labelled.count_errors(verdicts)
+        G = settings.group_size
         for b, example in enumerate(chunk):
-            texts, group = rollout.texts[b * G : (b + 1) * G], verdicts[b * G : (b + 1) * G]
-            if settings.unpaired:
-                labelled = label_all(texts, group, settings.correct_threshold)
-                outcomes[labelled.outcome] += 1
-                duplicates += labelled.duplicates
-                new = unpaired_rows(example, texts, group, labelled, origin)
-                if labelled.outcome in from_group:
-                    from_group[labelled.outcome] += len(new)
-                rows += new
-                continue
-            if judge is not None:
-                new, outcome = judged_pairs(judge, example, prompts[b], texts, settings, judged, origin)
-                outcomes[outcome] += 1
-                rows += new
-                continue
-            pairs, outcome = pair_up(texts, group, settings.correct_threshold, settings.pairs_per_prompt)
-            outcomes[outcome] += 1
-            rows += pair_rows(example, texts, group, pairs, origin)
-    if not rows and judge is not None:
-        raise UserError(f"no pairs: {judged.explain(judge.name, settings.preference_margin, outcomes, len(examples), G)}; nothing written")
-    if not rows:
-        raise UserError(
-            f"no pairs: of {len(examples)} prompts, {outcomes['all_correct']} had only correct answers, "
-            f"{outcomes['all_incorrect']} only incorrect, {outcomes['unscored']} could not be scored (G={G}); nothing written"
-            if not settings.unpaired else
-            f"no unpaired rows: none of the {len(examples) * G} answers to {len(examples)} prompts could be scored "
-            f"(verdict errors: {errors}); nothing written"
-        )
-    provenance = {
-        "kind": "unpaired rows from verified samples" if settings.unpaired else "pairs from verified samples",
-        "model": settings.model, "verifier": verifier.name,
-        "verifier_settings": verifier.describe(), "task": data.task, "task_options": data.load_options(),
-        "eval_size": len(held_out), "seed": settings.seed, "group_size": G, "prompts": len(examples),
-        "verdict_errors": errors, "correct_threshold": settings.correct_threshold, "system_prompt": data.system_prompt,
-        "task_rows_bad": train.rows_bad, "task_rows_bad_reasons": train.rows_bad_reasons,
-        "unsafe_no_sandbox": settings.unsafe_no_sandbox,
-        "sampling": asdict(settings.sampling), "hardware": placement.describe(),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "posttrain": _version(),
-    }
-    if judge is not None:
-        bias = judged.position_bias
-        provenance.update({
-            "verifier": judge.name, "verifier_settings": judge.describe(), "labeller": "judge, pairwise, both presentation orders",
-            "preference_margin": settings.preference_margin, "pairs": len(rows), "pairs_per_prompt": settings.pairs_per_prompt,
-            "pairs_compared": judged.decided + judged.tied + judged.failed, "pairs_tied": judged.tied,
-            "pairs_judge_failed": judged.failed, "judge_failure_reasons": dict(judged.failure_reasons),
-            "largest_tie_distance": judged.largest_tie_distance,
-            "prompts_paired": outcomes["paired"], "prompts_skipped_tied": outcomes["tied"],
-            "prompts_skipped_judge_failed": outcomes["judge_failed"], "prompts_skipped_one_answer": outcomes["one_answer"],
-            "position_bias_mean": sum(bias) / len(bias) if bias else None,
-        })
-    if settings.unpaired:
-        desirable = sum(row["label"] for row in rows)
-        provenance.update({
-            "unpaired": True, "rows": len(rows), "desirable": desirable, "undesirable": len(rows) - desirable,
-            "rows_from_mixed_groups": from_group["paired"], "rows_from_all_correct_groups": from_group["all_correct"],
-            "rows_from_all_incorrect_groups": from_group["all_incorrect"], "prompts_mixed": outcomes["paired"],
-            "prompts_all_correct": outcomes["all_correct"], "prompts_all_incorrect": outcomes["all_incorrect"],
-            "prompts_unscored": outcomes["unscored"], "duplicates_dropped": duplicates,
-        })
-    elif judge is None:
-        provenance.update({
-            "pairs": len(rows), "prompts_paired": outcomes["paired"], "prompts_skipped_all_correct": outcomes["all_correct"],
-            "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
-            "pairs_per_prompt": settings.pairs_per_prompt,
-        })
-    write_with_provenance(settings.out, rows, provenance)
+            label_group(settings, judge, example, prompts[b], rollout.texts[b * G : (b + 1) * G], verdicts[b * G : (b + 1) * G],
+                        labelled)
+    if not labelled.rows:
+        raise UserError(_no_rows(settings, judge, labelled, len(examples)))
+    provenance = _provenance(settings, verifier, judge, labelled, {"train": train, "held_out": held_out, "prompts": len(examples)},
+                             placement)
+    write_with_provenance(settings.out, labelled.rows, provenance)
     return provenance
 
 
@@ -337,6 +258,131 @@ def unpaired_rows(example, texts: list[str], verdicts: list, labelled, origin: d
              "metadata": {"example": example.id, "reward": verdicts[index].reward, "reason": verdicts[index].reason,
                           "group": labelled.outcome, **origin}}
             for index in sorted(labelled.correct + labelled.incorrect)]
+
+
+def _training_prompts(data: PairData, seed: int) -> tuple[Any, Any, list]:
+    """(the training split, the held-out split, the prompts to sample): a generated task draws
+    max_prompts; a file gives every row not held out, of which the first max_prompts."""
+    train, held_out = load_splits(data.task, train_size=data.max_prompts if is_generated(data.task) else None, eval_size=data.eval_size,
+                                  seed=seed, options=data.load_options())
+    examples = train.examples[: data.max_prompts]
+    if len(examples) < data.max_prompts:
+        logger.info("%s: %d training prompts to sample, fewer than data.max_prompts=%d", data.task, len(examples), data.max_prompts)
+    return train, held_out, examples
+
+
+def _labellers(settings: PairSettings, reward_kind: str, placement) -> tuple[Any, Any]:
+    """(the verifier, the judge or None), built and prepared: `--verifier` else the task kind's
+    default reward, and `--labeller`; a bad name is one UserError line naming its flag."""
+    name = settings.verifier or default_reward(reward_kind)
+    if name is None:
+        raise UserError(f"data.task {settings.data.task}: no default verifier for kind {reward_kind!r}; pass --verifier")
+    verifier = as_verifier(None, name, settings.reward_options, settings.unsafe_no_sandbox, setting="--verifier", placement=placement)
+    judge = (as_verifier(None, settings.labeller, settings.reward_options, setting="--labeller", placement=placement)
+             if settings.labeller else None)
+    warn_if_unsafe(settings.unsafe_no_sandbox)
+    verifier.prepare()
+    return verifier, judge
+
+
+@dataclass
+class Labelled:
+    """What labelling every prompt's G answers gave: the file's rows and what the sidecar counts
+    (each prompt's outcome, the verdict errors, an unpaired file's rows by their group's outcome
+    and the duplicate answers dropped, a judge's tally)."""
+
+    outcomes: dict[str, int]
+    origin: dict[str, str]
+    """Who labelled, which model sampled: every row's metadata."""
+    rows: list[dict] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=lambda: {"infra_error": 0, "data_error": 0})
+    from_group: dict[str, int] = field(default_factory=lambda: {"paired": 0, "all_correct": 0, "all_incorrect": 0})
+    duplicates: int = 0
+    judged: JudgeTally = field(default_factory=JudgeTally)
+
+    def count_errors(self, verdicts: list) -> None:
+        for verdict in verdicts:
+            if verdict.status in self.errors:
+                self.errors[verdict.status] += 1
+
+
+def label_group(settings: PairSettings, judge, example, rendered: str, texts: list[str], verdicts: list, labelled: Labelled) -> None:
+    """Add one prompt's rows to `labelled` and count its outcome: its unpaired rows (`--unpaired`),
+    its judged pairs (`--labeller`), else its pairs of a correct and an incorrect answer."""
+    if settings.unpaired:
+        group = label_all(texts, verdicts, settings.correct_threshold)
+        labelled.outcomes[group.outcome] += 1
+        labelled.duplicates += group.duplicates
+        new = unpaired_rows(example, texts, verdicts, group, labelled.origin)
+        if group.outcome in labelled.from_group:
+            labelled.from_group[group.outcome] += len(new)
+    elif judge is not None:
+        new, outcome = judged_pairs(judge, example, rendered, texts, settings, labelled.judged, labelled.origin)
+        labelled.outcomes[outcome] += 1
+    else:
+        pairs, outcome = pair_up(texts, verdicts, settings.correct_threshold, settings.pairs_per_prompt)
+        labelled.outcomes[outcome] += 1
+        new = pair_rows(example, texts, verdicts, pairs, labelled.origin)
+    labelled.rows += new
+
+
+def _no_rows(settings: PairSettings, judge, labelled: Labelled, prompts: int) -> str:
+    """Why no row was written, in one line."""
+    G, outcomes = settings.group_size, labelled.outcomes
+    if judge is not None:
+        return f"no pairs: {labelled.judged.explain(judge.name, settings.preference_margin, outcomes, prompts, G)}; nothing written"
+    if settings.unpaired:
+        return (f"no unpaired rows: none of the {prompts * G} answers to {prompts} prompts could be scored "
+                f"(verdict errors: {labelled.errors}); nothing written")
+    return (f"no pairs: of {prompts} prompts, {outcomes['all_correct']} had only correct answers, "
+            f"{outcomes['all_incorrect']} only incorrect, {outcomes['unscored']} could not be scored (G={G}); nothing written")
+
+
+def _provenance(settings: PairSettings, verifier, judge, labelled: Labelled, splits: dict[str, Any], placement) -> dict[str, Any]:
+    """The sidecar: where the labels came from (model, verifier or judge, task, seed, sampling,
+    hardware, version) and the counts of the file's kind. `splits`: the training and held-out
+    splits and the number of prompts sampled."""
+    data, outcomes, rows = settings.data, labelled.outcomes, labelled.rows
+    provenance = {
+        "kind": "unpaired rows from verified samples" if settings.unpaired else "pairs from verified samples",
+        "model": settings.model, "verifier": verifier.name,
+        "verifier_settings": verifier.describe(), "task": data.task, "task_options": data.load_options(),
+        "eval_size": len(splits["held_out"]), "seed": settings.seed, "group_size": settings.group_size, "prompts": splits["prompts"],
+        "verdict_errors": labelled.errors, "correct_threshold": settings.correct_threshold, "system_prompt": data.system_prompt,
+        "task_rows_bad": splits["train"].rows_bad, "task_rows_bad_reasons": splits["train"].rows_bad_reasons,
+        "unsafe_no_sandbox": settings.unsafe_no_sandbox,
+        "sampling": asdict(settings.sampling), "hardware": placement.describe(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "posttrain": _version(),
+    }
+    if judge is not None:
+        judged = labelled.judged
+        bias = judged.position_bias
+        provenance.update({
+            "verifier": judge.name, "verifier_settings": judge.describe(), "labeller": "judge, pairwise, both presentation orders",
+            "preference_margin": settings.preference_margin, "pairs": len(rows), "pairs_per_prompt": settings.pairs_per_prompt,
+            "pairs_compared": judged.decided + judged.tied + judged.failed, "pairs_tied": judged.tied,
+            "pairs_judge_failed": judged.failed, "judge_failure_reasons": dict(judged.failure_reasons),
+            "largest_tie_distance": judged.largest_tie_distance,
+            "prompts_paired": outcomes["paired"], "prompts_skipped_tied": outcomes["tied"],
+            "prompts_skipped_judge_failed": outcomes["judge_failed"], "prompts_skipped_one_answer": outcomes["one_answer"],
+            "position_bias_mean": sum(bias) / len(bias) if bias else None,
+        })
+    if settings.unpaired:
+        desirable = sum(row["label"] for row in rows)
+        provenance.update({
+            "unpaired": True, "rows": len(rows), "desirable": desirable, "undesirable": len(rows) - desirable,
+            "rows_from_mixed_groups": labelled.from_group["paired"], "rows_from_all_correct_groups": labelled.from_group["all_correct"],
+            "rows_from_all_incorrect_groups": labelled.from_group["all_incorrect"], "prompts_mixed": outcomes["paired"],
+            "prompts_all_correct": outcomes["all_correct"], "prompts_all_incorrect": outcomes["all_incorrect"],
+            "prompts_unscored": outcomes["unscored"], "duplicates_dropped": labelled.duplicates,
+        })
+    elif judge is None:
+        provenance.update({
+            "pairs": len(rows), "prompts_paired": outcomes["paired"], "prompts_skipped_all_correct": outcomes["all_correct"],
+            "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],
+            "pairs_per_prompt": settings.pairs_per_prompt,
+        })
+    return provenance
 
 
 def _version() -> str:
