@@ -8,9 +8,11 @@ variant an argument; acceptance = held-out prompts scored by a separately config
 
 Each step: 1. sample, 2. score (`sample`: the data and reward links, refilling zero-signal groups
 when asked), 3. old / reference log-probs (and values), KL in the reward when placed there,
-advantages, 4. update (mu epochs over mini-batches, old log-probs fixed: the loss link's
-`losses.policy_gradient.step`), 5. log, evaluate, checkpoint (`run`). Steps 3-4 are
-`step(state, batch) -> metrics`, public: run(), the tests and bench/grpo.py all call it.
+advantages (the loss link's `losses.policy_gradient.prepare`), 4. update (mu epochs over
+mini-batches, old log-probs fixed: `losses.policy_gradient.step`), 5. log, evaluate, checkpoint
+(`run`). Steps 3-4 are `step(state, batch) -> metrics`: the loss link on the models and settings
+`loss_inputs(state)` builds, then the run's own part (the step count, the reference's refresh, the
+learning rates); bench/grpo.py times the loss link's prepare + step on the same inputs.
 
     posttrain grpo --config tiny-grpo --max-steps 20
     posttrain ppo --config tiny-ppo --max-steps 20
@@ -156,24 +158,33 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     reference = make_reference(policy) if config.loss.kl.beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy
+    trainer, optimizer, scheduler = build_trainer(config, policy, critic, world, placement)
+    return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
+                 critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
+                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, shifted=shifted, screening=screening,
+                 placement=placement, sampler=sampler)
+
+
+def build_trainer(config: Config, policy, critic, world: World, placement: Placement):
+    """What the update goes through: the `TrainingForward` over the policy (with a critic, over
+    both: `policy_and_critic`), wrapped for DDP / FSDP2 under torchrun, and its optimizer and
+    schedule over every update of the run (max_steps x epochs x mini-batches). Returns (trainer,
+    optimizer, scheduler)."""
     total = config.max_steps * config.update.epochs * config.update.mini_batches
     if critic is None:
         # FSDP2 pairs every model call across ranks, so it skips the shared-prefix forward, whose
         # number of model calls depends on the rows.
         trainer = wrap(TrainingForward(policy, policy_logits, placement, shared_prefix=not (world.active and world.strategy == "fsdp2")), world, placement)
         optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, total)
-    else:
-        models = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-        trainer = wrap(TrainingForward(models, policy_and_critic, placement, share_backbone=config.critic.share_backbone), world, placement)
-        # Two parameter groups, one schedule; a shared-backbone critic contributes only its value head.
-        optimizer, scheduler = make_optimizer([
-            {"params": [p for p in policy.parameters() if p.requires_grad], "lr": config.optim.lr},
-            {"params": [p for p in critic.parameters() if p.requires_grad], "lr": config.critic.lr},
-        ], config.optim, total)
-    return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
-                 critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
-                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, shifted=shifted, screening=screening,
-                 placement=placement, sampler=sampler)
+        return trainer, optimizer, scheduler
+    models = torch.nn.ModuleDict({"policy": policy, "critic": critic})
+    trainer = wrap(TrainingForward(models, policy_and_critic, placement, share_backbone=config.critic.share_backbone), world, placement)
+    # Two parameter groups, one schedule; a shared-backbone critic contributes only its value head.
+    optimizer, scheduler = make_optimizer([
+        {"params": [p for p in policy.parameters() if p.requires_grad], "lr": config.optim.lr},
+        {"params": [p for p in critic.parameters() if p.requires_grad], "lr": config.critic.lr},
+    ], config.optim, total)
+    return trainer, optimizer, scheduler
 
 
 def tool_sampler(config: Config, tokenizer) -> Sampler:
