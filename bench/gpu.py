@@ -30,9 +30,10 @@ prompt has exactly the same number of tokens, so no side pads. Both are saved wi
    256 tokens on both sides (checked). The reward (the fraction of even token ids in the completion)
    is a plain Python function, the same on both sides. Ours: `posttrain.recipes.online.setup(config,
    reward)` from `build_config(online_config.grpo_config, overrides)` with `hardware: {device: cuda,
-   precision: bf16-mixed}`, then `online.sample(state)` + `online.step(state, batch)` timed (the
-   recipe's step, without run-directory logging, evaluation and checkpoints, as bench/grpo.py; the
-   recipe's other defaults stay, e.g. its exact-KL metric on 64 tokens, loss.sampler_correction none);
+   precision: bf16-mixed}`, then `online.sample(state)` + the library's step timed (bench/grpo.py's
+   `library_step`: the loss link's `losses.policy_gradient.prepare` + `step` on the recipe's models
+   and settings, without run-directory logging, evaluation and checkpoints; the recipe's other
+   defaults stay, e.g. its exact-KL metric on 64 tokens, loss.sampler_correction none);
    TRL: `GRPOTrainer.train()` (its own transformers generation, no vLLM) timed between
    `on_step_end` callbacks. Both sides see the same prompts in the same order.
 2. DPO, one step = 16 pairs, prompt 256 + chosen / rejected 256 tokens each (+ EOS), sigmoid loss,
@@ -102,6 +103,7 @@ if str(ROOT) not in sys.path:  # `python3 bench/gpu.py` from a checkout where po
     sys.path.insert(0, str(ROOT))
 
 import tree_hash  # noqa: E402 (bench/tree_hash.py, beside this file: which posttrain ran)
+from grpo import library_step  # noqa: E402 (bench/grpo.py: the library's GRPO step, timed as there)
 
 SEED = 0
 PAD, EOS = 0, 1
@@ -252,7 +254,7 @@ def grpo_ours(arguments, workdir: Path, device: Device) -> dict:
         timer = Timer()
         started = device.now()
         batch = online.sample(state, timer)
-        online.step(state, batch, timer)
+        library_step(state, batch, timer)
         durations.append(device.now() - started)
         tokens.append(int(batch.rollout.mask.sum()))
         generation.append(timer.seconds.get("generation", 0.0))

@@ -8,9 +8,11 @@ on-policy ones), token-mean loss (TRL: loss_type "dapo"), AdamW at lr 1e-6, grad
 no gradient checkpointing. Both sides use the same reward: 1 if the last number in the completion
 equals the gold answer, else 0 (a plain Python function, scored in-process).
 
-Ours is the recipe's own step, `posttrain.recipes.online.sample` + `online.step` (what
-`posttrain grpo` runs each step: sampling and scoring, reference log-probs, the exact-KL metric,
-group advantages, the update with its optimizer step), without the run directory's logging,
+Ours is the library's step (`library_step`): the recipe's sampling and scoring
+(`posttrain.recipes.online.sample`), then the loss link's `losses.policy_gradient.prepare`
+(reference log-probs, group advantages) + `step` (the exact-KL metric, the update with its
+optimizer step), the models and settings built from the recipe's set-up (`online.setup`,
+`online.loss_inputs`): what `posttrain grpo` runs each step, without the run directory's logging,
 held-out evaluation and checkpoints; TRL is `GRPOTrainer.train()` timed between `on_step_end`
 callbacks. Each side runs in its own process (so its peak RSS is its own): `--warmup` steps, then
 `--steps` timed steps; the median step is reported.
@@ -167,6 +169,23 @@ def gated_clock(starts: list[float], marks: list[float], total: int):
     return Clock()
 
 
+def library_step(state, batch, timer) -> dict:
+    """Steps 3-4 of one online step through the library: `losses.policy_gradient.prepare` + `step`
+    on the sampled `batch`, the models and settings from the recipe's `state` (`online.loss_inputs`),
+    timed in the recipe's phases (`logprobs`, `update`); advances `state.step` (the next sample's
+    seed). Returns the step's metrics. bench/grpo.py, rloo.py and gpu.py time their GRPO step with it."""
+    from posttrain.losses import policy_gradient
+    from posttrain.recipes import online
+
+    models, settings = online.loss_inputs(state)
+    with timer("logprobs"):
+        update_batch, metrics = policy_gradient.prepare(models, batch.to(state.placement.device), settings, state.world)
+    with timer("update"):
+        metrics.update(policy_gradient.step(models, update_batch, settings, state.world))
+    state.step += 1
+    return metrics
+
+
 def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | None = None, engine: str = "builtin") -> dict:
     import torch
 
@@ -187,8 +206,8 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
     if engine == "vllm":
         settings["rollout"] = {"engine": "vllm", "vllm": {"kv_cache_gb": VLLM_KV_CACHE_GB}}
     config = build_config(online_config.grpo_config, None, settings)
-    # The recipe's own set-up and step (what `posttrain grpo` runs), without the run directory's
-    # logging, held-out evaluation and checkpoints.
+    # The recipe's set-up and sampling, the library's step (what `posttrain grpo` runs), without the
+    # run directory's logging, held-out evaluation and checkpoints.
     state = online.setup(config, reward=lambda completion, example: numeric_reward(completion, example.get("answer")))
     shape = model_shape(state.policy)
     state.policy.train()
@@ -198,7 +217,7 @@ def run_ours(model_name: str, steps: int, warmup: int, exact_kl_tokens: int | No
         timer = Timer()
         started = time.perf_counter()
         batch = online.sample(state, timer)
-        online.step(state, batch, timer)
+        library_step(state, batch, timer)
         durations.append(time.perf_counter() - started)
         step_done()
         phases.append({**timer.seconds, "reference": timer.seconds.get("logprobs", 0.0)})  # the no-grad log-prob forwards

@@ -8,9 +8,10 @@ seq_mean_token_sum`: the summed log-probs of a sequence; the per-token clip at 0
 at mu = 1). TRL: `RLOOTrainer` with the same beta (its k1 in the reward), num_generations = G,
 epsilon 0.2, num_iterations 1, normalize_advantages False (its default).
 
-Ours is the recipe's own step, `posttrain.recipes.online.sample` + `online.step` (what `posttrain grpo
---config tiny-rloo` runs each step: sampling and scoring, the old and reference log-probs, the KL in
-the reward, the leave-one-out advantages, the exact-KL metric, the update), without the run
+Ours is the library's step (bench/grpo.py's `library_step`): the recipe's sampling and scoring
+(`posttrain.recipes.online.sample`), then the loss link's `losses.policy_gradient.prepare` (the old
+and reference log-probs, the KL in the reward, the leave-one-out advantages) + `step` (the exact-KL
+metric, the update): what `posttrain grpo --config tiny-rloo` runs each step, without the run
 directory's logging, held-out evaluation and checkpoints; TRL is `RLOOTrainer.train()` timed between
 `on_step_end` callbacks.
 
@@ -82,7 +83,7 @@ def run_ours(model_name: str, steps: int, warmup: int) -> dict:
         timer = Timer()
         started = time.perf_counter()
         batch = online.sample(state, timer)
-        online.step(state, batch, timer)
+        grpo.library_step(state, batch, timer)
         durations.append(time.perf_counter() - started)
         step_done()
         phases.append({**timer.seconds, "reference": timer.seconds.get("logprobs", 0.0)})  # old + reference forwards

@@ -115,7 +115,7 @@ def _oom(*args, **kwargs):
 
 @pytest.mark.parametrize("target, phase, knob, extra", [
     ("posttrain.rollout.sampler.single_turn.generate", "generation", "sampling.max_new_tokens", []),
-    ("posttrain.recipes.online.rank_logprobs", "reference", "update.micro_batch_size", ["--loss.kl.beta", "0.05"]),
+    ("posttrain.losses.policy_gradient.rank_logprobs", "reference", "update.micro_batch_size", ["--loss.kl.beta", "0.05"]),
     ("posttrain.recipes.online.loss_step", "update", "memory.gradient_checkpointing", []),
     ("posttrain.evaluation.acceptance.evaluate_task", "evaluation", "acceptance.max_new_tokens", []),
 ])

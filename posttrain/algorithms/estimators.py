@@ -1,10 +1,11 @@
 """The advantage estimators as a table: each entry says what it needs (a critic, groups), which
 `loss.<section>` of settings it reads, how a KL placed in the reward enters it, its run-card text and the
-metrics it plots, and computes the step's advantages from the step's rewards. The online recipe
-asks the entry, never "is it group?".
+metrics it plots, and computes the step's advantages from the step's rewards. The loss link
+(`losses/policy_gradient.prepare`) and the online recipe ask the entry, never "is it group?".
 
-Adding an estimator is one function and one entry in `ADVANTAGE_ESTIMATORS`
-(plus, if it has settings of its own, their section in `losses/policy_gradient_config.Loss`).
+Adding an estimator is one function and one entry in `ADVANTAGE_ESTIMATORS`, from any module
+(tests/test_estimator_table.py adds one and runs it through `posttrain grpo`), plus, if it has
+settings of its own, their section in `losses/policy_gradient_config.Loss`.
 Pure tensor math like the rest of `algorithms/`: no models, configs or `.item()`.
 """
 

@@ -1,30 +1,39 @@
-"""The policy-gradient loss step: the surrogate (`loss.surrogate`, an entry of
-`algorithms/surrogates.py`: PPO's clipped ratio, GSPO, CISPO) over a batch of scored rollouts (GRPO, PPO),
-with truncated importance sampling, the KL term in the loss, and a critic's clipped value loss.
+"""The policy-gradient loss step, whole: `prepare` turns a sampled and scored batch into what the
+update reads (the old / reference log-probs and the critic's values from no-grad forwards, the KL
+in the reward when placed there, the advantages of `loss.advantage`'s entry in
+`algorithms/estimators.py`), and `step` runs the update: the surrogate (`loss.surrogate`, an entry
+of `algorithms/surrogates.py`: PPO's clipped ratio, GSPO, CISPO) with truncated importance
+sampling, the KL term in the loss and a critic's clipped value loss, and measures the exact KL to
+the reference before it and the sampler-trainer mismatch.
 
 `step` runs `update.epochs` passes over `update.mini_batches` mini-batches, one optimizer step each,
-with the old log-probs fixed; `exact_kl_metric` measures the full-vocabulary KL to the reference
-before it. What produced the batch (sampling, scoring, old / reference log-probs and advantages) is
-the recipe's (`posttrain/recipes/online.py`); the tensor math is `posttrain/algorithms/`.
+with the old log-probs fixed. Sampling and scoring the batch, and the run around the step (the
+reference's refresh, the learning rates, logging) are the recipe's (`posttrain/recipes/online.py`);
+the tensor math is `posttrain/algorithms/`.
 
-    metrics, first_logprobs = step(PolicyModels(Trainable(trainer, optimizer, scheduler, max_grad_norm)),
-                                   UpdateBatch(rollout, mask, advantages, owners, seed=...), settings, world)
+    models = PolicyModels(Trainable(trainer, optimizer, scheduler, max_grad_norm), policy, reference, critic, placement)
+    update_batch, metrics = prepare(models, scored_batch, settings, world)
+    metrics |= step(models, update_batch, settings, world)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from posttrain.algorithms import aggregate, clipped_value_loss, exact_kl, kl_estimate, token_logprobs
+from posttrain.algorithms import aggregate, clipped_value_loss, exact_kl, kl_estimate, masked_mean, sampler_mismatch, token_logprobs
 from posttrain.algorithms import truncated_importance_weights
+from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
 from posttrain.algorithms.logprobs import token_entropy
 from posttrain.algorithms.surrogates import SURROGATES
+from posttrain.data.scored_batch import ScoredBatch
 from posttrain.distributed import World, full_weights, gradient_sync, rank_micro_batches
-from posttrain.models.forward import completion_logits
+from posttrain.hardware import Placement, cpu_placement
+from posttrain.losses.policy_gradient_config import precomputes_old
+from posttrain.models.forward import completion_logits, completion_values, rank_logprobs
 from posttrain.optim import Trainable, clip_groups_and_step
 
 SUMMED = ("loss", "value_loss", "clip/value", "ratio", "kl", "entropy", "tokens", "tis/weight", "tis/capped")
@@ -34,16 +43,26 @@ beside the surrogate's own fractions (`Surrogate.fractions`: clip/low, clip/high
 
 @dataclass
 class PolicyModels:
-    """What the step moves: the policy's `Trainable` (its trainer a `TrainingForward` over
-    `policy_logits`, or over `policy_and_critic` with the optimizer's groups [policy, critic])."""
+    """What the step moves and reads: the policy's `Trainable` (its trainer a `TrainingForward`
+    over `policy_logits`, or over `policy_and_critic` with the optimizer's groups [policy, critic]),
+    the policy model itself (its no-grad forwards: old log-probs, the exact KL), the frozen reference
+    (None: no KL), the critic (None: no values) and the placement (device, precision) of the no-grad
+    forwards."""
 
     policy: Trainable
-    has_critic: bool = False
+    policy_model: Any
+    reference: Any = None
+    critic: Any = None
+    placement: Placement = field(default_factory=cpu_placement)
+
+    @property
+    def has_critic(self) -> bool:
+        return self.critic is not None
 
 
 @dataclass
 class UpdateBatch:
-    """One step's rollouts and what the step computed from them before the update.
+    """One step's rollouts and what `prepare` computed from them before the update.
 
     Shapes: mask (N, T) bool (the tokens that reach the loss); advantages (N,) per sequence or (N, T)
     per token; owners (N,) the rank each row belongs to; old_logprobs, ref_logprobs, old_values,
@@ -63,20 +82,99 @@ class UpdateBatch:
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """The sections the step reads: the loss (clip, dual clip, aggregation, KL, sampler correction),
-    the update (epochs, mini-batches, micro-batches), the critic (value clip and weight), the
-    sampling temperature of the log-probs, the completion budget (the Dr. GRPO normaliser), and
-    whether this step trains the critic only (critic warm-up: the policy gets no gradient)."""
+    """The sections the step reads: the loss (estimator, surrogate, clip, aggregation, KL, sampler
+    correction), the update (epochs, mini-batches, micro-batches), the critic (value clip and
+    weight), the sampling temperature of the log-probs, the completion budget (the Dr. GRPO
+    normaliser), the group size G, the seed of this step's mini-batch order, the tokens the exact
+    KL is measured on (0: none), and whether this step trains the critic only (critic warm-up: the
+    policy gets no gradient)."""
 
     loss: Any
     update: Any
     critic: Any
     temperature: float
     max_length: int
+    group_size: int
+    minibatch_seed: int
+    """Seeds this step's mini-batch row order (the recipe derives it from the run's seed and step)."""
+    exact_kl_tokens: int = 0
     critic_only: bool = False
 
 
-def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, world: World) -> tuple[dict[str, Any], torch.Tensor]:
+def loss_rows(batch: ScoredBatch, mask_truncated: bool) -> torch.Tensor:
+    """(N,) bool: the rows whose tokens reach the loss: scored, and not truncated under `loss.mask_truncated`."""
+    return batch.valid & ~batch.rollout.truncated if mask_truncated else batch.valid
+
+
+def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, world: World) -> tuple[UpdateBatch, dict[str, Any]]:
+    """What the update reads of a sampled and scored batch (on the models' device): the old and
+    reference log-probs and the critic's values (no-grad forwards, each rank on its own rows), the
+    KL in the reward when placed there, and the advantages of `loss.advantage`'s estimator.
+
+    Returns (the `UpdateBatch`, the metrics measured before the update: the estimator's own, the
+    rollout's kl/estimate for estimators that measure it there, advantages/abs_mean for
+    per-sequence advantages)."""
+    loss, rollout = settings.loss, batch.rollout
+    estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
+    mask = rollout.mask & loss_rows(batch, loss.mask_truncated)[:, None]  # (N, T): the tokens that reach the loss
+    metrics: dict[str, Any] = {}
+    with models.placement.autocast():
+        old_logprobs, ref_logprobs, old_values = rollout_forwards(models, batch, mask, settings, world)
+    in_reward = ref_logprobs is not None and loss.kl.placement == "reward"
+    rollout_kl = ref_logprobs is not None and (in_reward or estimator.kl_metric == "rollout")
+    kl = kl_estimate(old_logprobs, ref_logprobs, loss.kl.estimator) if rollout_kl else None
+    if estimator.kl_metric == "rollout":
+        metrics["kl/estimate"] = float(masked_mean(kl, mask)) if kl is not None else None
+    estimate = estimator.estimate(
+        StepRewards(batch.scores.rewards, mask, rollout.mask, settings.group_size, kl=kl,
+                    kl_beta=loss.kl.beta if in_reward else 0.0, values=old_values),
+        **loss.estimator_settings())
+    metrics.update({name: None if math.isnan(value) else float(value) for name, value in estimate.metrics.items()})
+    if not estimator.per_token:
+        metrics["advantages/abs_mean"] = float(masked_mean(estimate.advantages.abs()[:, None].expand_as(mask), mask))
+    return UpdateBatch(rollout, mask, estimate.advantages, batch.owners, seed=settings.minibatch_seed, old_logprobs=old_logprobs,
+                       ref_logprobs=ref_logprobs, old_values=old_values, returns=estimate.returns), metrics
+
+
+def rollout_forwards(models: PolicyModels, batch: ScoredBatch, mask: torch.Tensor, settings: UpdateSettings, world: World):
+    """The no-grad forwards before the update, each rank on its own rows: the old log-probs (None
+    when not precomputed: `precomputes_old`), the reference's (None without one) and, with a
+    critic, its values; each (N, T)."""
+    rollout, temperature, micro = batch.rollout, settings.temperature, settings.update.micro_batch_size
+    precomputed = precomputes_old(settings.loss, settings.update)
+    old_logprobs = rank_logprobs(models.policy_model, rollout, batch.owners, world, temperature, micro) if precomputed else None
+    ref_logprobs = rank_logprobs(models.reference, rollout, batch.owners, world, temperature, micro) if models.reference else None
+    old_values = None
+    if models.critic is not None:
+        inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+        mine = (batch.owners == world.rank).nonzero().squeeze(1)
+        old_values = torch.zeros(mask.shape, device=mask.device)
+        if len(mine):
+            old_values[mine] = completion_values(models.critic, inputs, P, T, micro, rows=mine)
+        old_values = world.reduce(old_values)
+    return old_logprobs, ref_logprobs, old_values
+
+
+def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, world: World) -> dict[str, Any]:
+    """The update on a prepared batch: first the exact KL to the reference (`exact_kl_metric`, on
+    `settings.exact_kl_tokens` tokens), then the update (the epochs of mini-batches, one optimizer step
+    each), then the sampler-trainer mismatch: the rollout engine's log-probs of the sampled tokens
+    vs the training forward's before the update (the precomputed old log-probs, else the first
+    forward's). Returns the step's named metrics (floats)."""
+    metrics: dict[str, Any] = {}
+    if models.reference is not None and settings.exact_kl_tokens > 0:
+        with models.placement.autocast():
+            metrics["kl/exact"] = exact_kl_metric(models.policy_model, models.reference, batch, settings.exact_kl_tokens,
+                                                  settings.temperature, world)
+    update_metrics, first_logprobs = _update(models, batch, settings, world)
+    trainer_logprobs = batch.old_logprobs if batch.old_logprobs is not None else first_logprobs
+    mismatch = sampler_mismatch(trainer_logprobs, batch.rollout.logprobs, batch.mask)
+    metrics.update({f"mismatch/{name}": float(value) for name, value in mismatch.items()})
+    metrics.update(update_metrics)
+    return metrics
+
+
+def _update(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, world: World) -> tuple[dict[str, Any], torch.Tensor]:
     """`epochs` passes over `mini_batches` mini-batches, each accumulated over micro-batches with
     the mini-batch's global token and sequence counts, so the gradient does not depend on the
     micro-batch size or the world size; one clipped optimizer step per mini-batch (each parameter
@@ -85,9 +183,9 @@ def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, wor
     the global batch; each rank forwards the rows it owns (`batch.owners`), all ranks running
     equally many micro-batches with the gradient synced on the last.
 
-    Returns (the step's metrics summed over ranks, the (N, T) log-probs of each row's first
-    forward, detached: with no old log-probs these are the trainer's before the update, for the
-    sampler-trainer mismatch)."""
+    Returns (the update's metrics summed over ranks, the (N, T) log-probs of each row's first
+    forward, detached and summed over ranks: with no old log-probs these are the trainer's before
+    the update, for the sampler-trainer mismatch)."""
     update, mask = settings.update, batch.mask
     N, T = batch.rollout.completion_ids.shape
     inputs = batch.rollout.forward_inputs()
@@ -118,7 +216,9 @@ def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, wor
                 if epoch == 0 and weight:  # every row is in exactly one micro-batch of an epoch
                     first_logprobs[rows] = result.logprobs.detach()
             grad_norms.append(_optimizer_step(models.policy, settings.critic_only))
-    present = {"kl"} if batch.ref_logprobs is not None else set()
+    # An estimator that measures the KL on the rollout (`prepare`) reports that one, not the update's.
+    kl_in_update = batch.ref_logprobs is not None and ADVANTAGE_ESTIMATORS[settings.loss.advantage].kl_metric == "update"
+    present = {"kl"} if kl_in_update else set()
     present |= {"critic"} if models.has_critic else set()
     present |= {"tis"} if settings.loss.sampler_correction == "tis" else set()
     metrics = _step_metrics(sums, extremes, grad_norms, world, present, [name for name, _ in surrogate.fractions])

@@ -8,9 +8,11 @@ variant an argument; acceptance = held-out prompts scored by a separately config
 
 Each step: 1. sample, 2. score (`sample`: the data and reward links, refilling zero-signal groups
 when asked), 3. old / reference log-probs (and values), KL in the reward when placed there,
-advantages, 4. update (mu epochs over mini-batches, old log-probs fixed: the loss link's
-`losses.policy_gradient.step`), 5. log, evaluate, checkpoint (`run`). Steps 3-4 are
-`step(state, batch) -> metrics`, public: run(), the tests and bench/grpo.py all call it.
+advantages (the loss link's `losses.policy_gradient.prepare`), 4. update (mu epochs over
+mini-batches, old log-probs fixed: `losses.policy_gradient.step`), 5. log, evaluate, checkpoint
+(`run`). Steps 3-4 are `step(state, batch) -> metrics`: the loss link on the models and settings
+`loss_inputs(state)` builds, then the run's own part (the step count, the reference's refresh, the
+learning rates); bench/grpo.py times the loss link's prepare + step on the same inputs.
 
     posttrain grpo --config tiny-grpo --max-steps 20
     posttrain ppo --config tiny-ppo --max-steps 20
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -29,9 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from posttrain.algorithms import kl_estimate, masked_mean
-from posttrain.algorithms import sampler_mismatch
-from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
+from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from posttrain.config import to_dict
 from posttrain.data.context import PromptSet, check_prompts_fit, heldout_budget
 from posttrain.data.examples import Task, derived_seed, require_examples
@@ -55,11 +54,11 @@ from posttrain.evaluation.acceptance import (
 from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.evaluation.signal import SignalLost, StepSignal, TrainingSignal
 from posttrain.models import make_critic, make_reference
-from posttrain.models.forward import TrainingForward, completion_values, policy_and_critic, policy_logits, rank_logprobs
+from posttrain.models.forward import TrainingForward, policy_and_critic, policy_logits
 from posttrain.models.loading import load_policy
-from posttrain.losses.policy_gradient import PolicyModels, UpdateBatch, UpdateSettings, exact_kl_metric
+from posttrain.losses.policy_gradient import PolicyModels, UpdateSettings, loss_rows, prepare
 from posttrain.losses.policy_gradient import step as loss_step
-from posttrain.losses.policy_gradient_config import loss_card, precomputes_old
+from posttrain.losses.policy_gradient_config import loss_card
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.online_config import Config
 from posttrain.rewards import Verifier, as_verifier
@@ -159,24 +158,33 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     reference = make_reference(policy) if config.loss.kl.beta > 0 else None
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy
+    trainer, optimizer, scheduler = build_trainer(config, policy, critic, world, placement)
+    return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
+                 critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
+                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, shifted=shifted, screening=screening,
+                 placement=placement, sampler=sampler)
+
+
+def build_trainer(config: Config, policy, critic, world: World, placement: Placement):
+    """What the update goes through: the `TrainingForward` over the policy (with a critic, over
+    both: `policy_and_critic`), wrapped for DDP / FSDP2 under torchrun, and its optimizer and
+    schedule over every update of the run (max_steps x epochs x mini-batches). Returns (trainer,
+    optimizer, scheduler)."""
     total = config.max_steps * config.update.epochs * config.update.mini_batches
     if critic is None:
         # FSDP2 pairs every model call across ranks, so it skips the shared-prefix forward, whose
         # number of model calls depends on the rows.
         trainer = wrap(TrainingForward(policy, policy_logits, placement, shared_prefix=not (world.active and world.strategy == "fsdp2")), world, placement)
         optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, total)
-    else:
-        models = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-        trainer = wrap(TrainingForward(models, policy_and_critic, placement, share_backbone=config.critic.share_backbone), world, placement)
-        # Two parameter groups, one schedule; a shared-backbone critic contributes only its value head.
-        optimizer, scheduler = make_optimizer([
-            {"params": [p for p in policy.parameters() if p.requires_grad], "lr": config.optim.lr},
-            {"params": [p for p in critic.parameters() if p.requires_grad], "lr": config.critic.lr},
-        ], config.optim, total)
-    return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
-                 critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
-                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, shifted=shifted, screening=screening,
-                 placement=placement, sampler=sampler)
+        return trainer, optimizer, scheduler
+    models = torch.nn.ModuleDict({"policy": policy, "critic": critic})
+    trainer = wrap(TrainingForward(models, policy_and_critic, placement, share_backbone=config.critic.share_backbone), world, placement)
+    # Two parameter groups, one schedule; a shared-backbone critic contributes only its value head.
+    optimizer, scheduler = make_optimizer([
+        {"params": [p for p in policy.parameters() if p.requires_grad], "lr": config.optim.lr},
+        {"params": [p for p in critic.parameters() if p.requires_grad], "lr": config.critic.lr},
+    ], config.optim, total)
+    return trainer, optimizer, scheduler
 
 
 def tool_sampler(config: Config, tokenizer) -> Sampler:
@@ -204,88 +212,40 @@ def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
 
 
 def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[str, Any]:
-    """Steps 3-4 on a sampled and scored batch: old and reference log-probs (and values), the KL in
-    the reward when placed there, advantages, then the update; advances `state.step` and returns
-    the step's named metrics (floats)."""
+    """Steps 3-4 on a sampled and scored batch, through the loss link (`losses/policy_gradient.py`):
+    `prepare` (old and reference log-probs, values, the KL in the reward when placed there,
+    advantages), then the update (`loss_step`); advances `state.step`, refreshes the reference on
+    its schedule and returns the step's named metrics (floats) with the learning rates."""
     batch = batch.to(state.placement.device)  # the step's one host-to-device boundary
-    config, world, rollout, placement = state.config, state.world, batch.rollout, state.placement
-    loss_cfg, timer = config.loss, timer or Timer(placement.synchronize)
-    estimator, temperature = ADVANTAGE_ESTIMATORS[loss_cfg.advantage], config.sampling.temperature
-    mask = rollout.mask & loss_rows(batch, loss_cfg.mask_truncated)[:, None]  # (N, T): the tokens that reach the loss
-    metrics: dict[str, Any] = {}
-    with timer("logprobs"), placement.autocast():
-        old_logprobs, ref_logprobs, old_values = rollout_forwards(state, batch, mask)
-    # 3. Advantages (the estimator's entry), with the KL in the reward when placed there.
-    in_reward = ref_logprobs is not None and loss_cfg.kl.placement == "reward"
-    rollout_kl = ref_logprobs is not None and (in_reward or estimator.kl_metric == "rollout")
-    kl = kl_estimate(old_logprobs, ref_logprobs, loss_cfg.kl.estimator) if rollout_kl else None
-    if estimator.kl_metric == "rollout":
-        metrics["kl/estimate"] = float(masked_mean(kl, mask)) if kl is not None else None
-    estimate = estimator.estimate(
-        StepRewards(batch.scores.rewards, mask, rollout.mask, config.data.group_size, kl=kl,
-                    kl_beta=loss_cfg.kl.beta if in_reward else 0.0, values=old_values),
-        **loss_cfg.estimator_settings())
-    advantages, returns = estimate.advantages, estimate.returns
-    metrics.update({name: None if math.isnan(value) else float(value) for name, value in estimate.metrics.items()})
-    # 4. Update: mu epochs over mini-batches, old log-probs fixed.
-    update_batch = UpdateBatch(rollout, mask, advantages, batch.owners, seed=derived_seed(config.seed, "minibatch", str(state.step)),
-                               old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, old_values=old_values, returns=returns)
+    config, timer = state.config, timer or Timer(state.placement.synchronize)
+    models, settings = loss_inputs(state)
+    with timer("logprobs"):
+        update_batch, metrics = prepare(models, batch, settings, state.world)
     with timer("update"):
-        if state.reference is not None and config.exact_kl_tokens > 0:
-            with placement.autocast():
-                metrics["kl/exact"] = exact_kl_metric(state.policy, state.reference, update_batch, config.exact_kl_tokens,
-                                                      temperature, world)
-        update_metrics, trainer_logprobs = loss_step(
-            PolicyModels(Trainable(state.trainer, state.optimizer, state.scheduler, config.optim.max_grad_norm), state.critic is not None),
-            update_batch, update_settings(state), world)
-    # The sampler-trainer mismatch: the rollout engine's log-probs of the sampled tokens vs the
-    # training forward's, before the update (the precomputed old log-probs, else the first forward's).
-    mismatch = sampler_mismatch(old_logprobs if old_logprobs is not None else trainer_logprobs, rollout.logprobs, mask)
-    metrics.update({f"mismatch/{name}": float(value) for name, value in mismatch.items()})
-    if estimator.kl_metric == "rollout":
-        update_metrics.pop("kl/estimate", None)  # the rollout's KL, measured before the update, is the one reported
-    if not estimator.per_token:
-        update_metrics["advantages/abs_mean"] = float(masked_mean(advantages.abs()[:, None].expand_as(mask), mask))
-    metrics.update(update_metrics)
+        metrics.update(loss_step(models, update_batch, settings, state.world))
     state.step += 1
-    if state.reference is not None and loss_cfg.kl.reference_refresh_every and state.step % loss_cfg.kl.reference_refresh_every == 0:
+    refresh_every = config.loss.kl.reference_refresh_every
+    if state.reference is not None and refresh_every and state.step % refresh_every == 0:
         state.reference.refresh(state.policy)
         state.reference_refreshed_at.append(state.step)
     metrics["lr"] = state.scheduler.get_last_lr()[0]
-    if estimator.needs_critic:
+    if state.critic is not None:
         metrics["critic_lr"] = state.scheduler.get_last_lr()[1]
     return metrics
 
 
-def loss_rows(batch: ScoredBatch, mask_truncated: bool) -> torch.Tensor:
-    """(N,) bool: the rows whose tokens reach the loss: scored, and not truncated under `loss.mask_truncated`."""
-    return batch.valid & ~batch.rollout.truncated if mask_truncated else batch.valid
-
-
-def rollout_forwards(state: State, batch: ScoredBatch, mask: torch.Tensor):
-    """The no-grad forwards before the update, each rank on its own rows: the old log-probs (None
-    when not precomputed), the reference's (None without one) and, with a critic, its (N, T) values."""
-    config, world, rollout = state.config, state.world, batch.rollout
-    temperature, micro = config.sampling.temperature, config.update.micro_batch_size
-    precomputed = precomputes_old(config.loss, config.update)
-    old_logprobs = rank_logprobs(state.policy, rollout, batch.owners, world, temperature, micro) if precomputed else None
-    ref_logprobs = rank_logprobs(state.reference, rollout, batch.owners, world, temperature, micro) if state.reference else None
-    old_values = None
-    if state.critic is not None:
-        inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-        mine = (batch.owners == world.rank).nonzero().squeeze(1)
-        old_values = torch.zeros(mask.shape, device=mask.device)
-        if len(mine):
-            old_values[mine] = completion_values(state.critic, inputs, P, T, micro, rows=mine)
-        old_values = world.reduce(old_values)
-    return old_logprobs, ref_logprobs, old_values
-
-
-def update_settings(state: State) -> UpdateSettings:
-    """What the loss step reads of the run's config at this step (critic warm-up: critic only)."""
+def loss_inputs(state: State) -> tuple[PolicyModels, UpdateSettings]:
+    """The loss link's models and what it reads of the run's config at this step: the mini-batch
+    order's seed (from the run's seed and `state.step`) and critic warm-up (the critic alone trains
+    while `state.step < critic.warmup_steps`)."""
     config = state.config
-    return UpdateSettings(config.loss, config.update, config.critic, config.sampling.temperature, config.sampling.max_new_tokens,
-                          critic_only=state.critic is not None and state.step < config.critic.warmup_steps)
+    models = PolicyModels(Trainable(state.trainer, state.optimizer, state.scheduler, config.optim.max_grad_norm), state.policy,
+                          reference=state.reference, critic=state.critic, placement=state.placement)
+    settings = UpdateSettings(config.loss, config.update, config.critic, config.sampling.temperature, config.sampling.max_new_tokens,
+                              config.data.group_size, minibatch_seed=derived_seed(config.seed, "minibatch", str(state.step)),
+                              exact_kl_tokens=config.exact_kl_tokens,
+                              critic_only=state.critic is not None and state.step < config.critic.warmup_steps)
+    return models, settings
 
 
 def training_reward(config: Config, train: Task) -> str:
