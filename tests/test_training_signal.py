@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.evaluation.run_record import read_run
 from posttrain.evaluation.signal import FAILURES_FILE, SignalLost, StepSignal, TrainingSignal
 from tests.flags import with_flags
 
@@ -132,7 +133,7 @@ def test_a_run_without_groups_whose_reward_never_differs_rings_the_alarm_and_the
     assert signal["steps"] == 3 and signal["steps_without_reward_signal"] == 3 and signal["zero_variance_group_fraction"] is None
     assert signal["alarm"] in card["alarms"]
     assert "3 of 3 steps without reward signal" in result.stdout
-    answer = cl.checklist(cl.read_run(run)).answers["signal"]
+    answer = cl.checklist(read_run(run)).answers["signal"]
     assert answer.answer == "no" and "3 steps without reward signal" in answer.detail
     assert [a["answer"] for a in card["checklist"]["answers"] if a["name"] == "signal"] == ["no"]
     capsys.readouterr()
