@@ -227,10 +227,17 @@ class PreferenceBatch:
     rejected: TokenizedBatch
     kept: list[int]
     counts: TruncationCounts
+    reference: torch.Tensor | None = None
+    """(M, 2) the reference's summed log-probs of each row's two sides, precomputed (`loss.reference:
+    precomputed`, or zeros for an objective without a reference); None: the step forwards the live reference."""
+    desirable: torch.Tensor | None = None
+    """(M,) bool, each unpaired row's label (True: desirable); None for pairs."""
 
     def to(self, device: torch.device | str) -> PreferenceBatch:
-        """The same pairs with both sides' tensors on `device`."""
-        return dataclasses.replace(self, chosen=self.chosen.to(device), rejected=self.rejected.to(device))
+        """The same pairs with both sides' tensors (and the per-row reference and labels) on `device`."""
+        return dataclasses.replace(self, chosen=self.chosen.to(device), rejected=self.rejected.to(device),
+                                   reference=None if self.reference is None else self.reference.to(device),
+                                   desirable=None if self.desirable is None else self.desirable.to(device))
 
 
 def tokenize_preference_pairs(
