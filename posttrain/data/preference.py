@@ -232,12 +232,15 @@ class PreferenceBatch:
     precomputed`, or zeros for an objective without a reference); None: the step forwards the live reference."""
     desirable: torch.Tensor | None = None
     """(M,) bool, each unpaired row's label (True: desirable); None for pairs."""
+    margins: torch.Tensor | None = None
+    """(M,) each pair's margin (a reward model's `loss.margin`); None: no margin."""
 
     def to(self, device: torch.device | str) -> PreferenceBatch:
-        """The same pairs with both sides' tensors (and the per-row reference and labels) on `device`."""
+        """The same pairs with both sides' tensors (and the per-row reference, labels and margins) on `device`."""
         return dataclasses.replace(self, chosen=self.chosen.to(device), rejected=self.rejected.to(device),
                                    reference=None if self.reference is None else self.reference.to(device),
-                                   desirable=None if self.desirable is None else self.desirable.to(device))
+                                   desirable=None if self.desirable is None else self.desirable.to(device),
+                                   margins=None if self.margins is None else self.margins.to(device))
 
 
 def tokenize_preference_pairs(

@@ -40,7 +40,7 @@ from posttrain.distributed import Parallel, World, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.reward_model import evaluate_reward_pairs
 from posttrain.hardware import Placement
-from posttrain.losses.reward_model import Loss, loss_card, pair_margins
+from posttrain.losses.reward_model import Loss, RewardModelSettings, loss_card, pair_margins
 from posttrain.losses.reward_model import step as loss_step
 from posttrain.models.forward import TrainingForward
 from posttrain.models.loading import load_policy
@@ -206,9 +206,9 @@ def step(state: State, done: int) -> dict[str, Any]:
     placement.reset_peak_memory()
     indices = data_order(len(state.train), config.seed, (done - 1) * config.batch_size, config.batch_size)
     batch = state.encode([state.train[i] for i in indices])
-    margins = state.margins["train"][indices] if state.margins["train"] is not None else None
+    batch.margins = state.margins["train"][indices] if state.margins["train"] is not None else None  # the step moves it to the batch's device
     with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
-        metrics = loss_step(state.trainable, batch, margins, config.loss, config.micro_batch_size, state.world)
+        metrics = loss_step(state.trainable, batch, RewardModelSettings(config.loss, config.micro_batch_size), state.world)
     state.step = done
     tokens = int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum())
     metrics.update({"lr": state.scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},
