@@ -4,7 +4,7 @@ smoothing and an NLL term (and its default weight), whether it is length-normali
 text, the metrics its runs plot, its held-out evaluation and the metric the displacement alarm
 watches. `losses.preference.step` dispatches through the entry; `recipes/dpo.py` asks the entry,
 never "is it kto?", and `Loss.validate` checks `loss.type` and every setting against it
-(`advantage-estimator` table, `algorithms/estimators.py`, is the model).
+(the advantage-estimator table, `algorithms/estimators.py`, is the model).
 
 Adding a pair objective is one function and one entry: a pure per-pair loss in `algorithms/` (or
 anywhere) and `register_objective(PreferenceObjective(name=..., card=..., losses=...))`, which is

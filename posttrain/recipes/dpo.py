@@ -14,7 +14,8 @@ The pieces live where their concept does, each with its link of the run card: th
 (`PairSource`), loading and splitting the pairs and the data link in `posttrain/data/preference.py`,
 their provenance and the reward link (who labelled them) in `posttrain/data/provenance.py`, the pair
 forward in `posttrain/models/pair_forward.py`, the objectives and pair metrics in
-`posttrain/algorithms/preference.py`, the loss section, its step (steps 2-3 and the optimizer step)
+`posttrain/algorithms/preference.py`, what each `loss.type` needs and does (its rows, its reference,
+its step, its plots, its held-out evaluation, its alarm) in `posttrain/losses/objectives.py`, the loss section, its step (steps 2-3 and the optimizer step)
 and the loss link in `posttrain/losses/preference.py`, the held-out pair metrics, the held-out task
 split and the acceptance link in `posttrain/evaluation/preference.py`, the alarm in
 `posttrain/evaluation/alarms.py`; the other settings in `dpo_config.py`. This file is
@@ -32,7 +33,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,13 +41,13 @@ from typing import Any, Callable
 import torch
 
 from posttrain.config import to_dict
-from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
+from posttrain.data import PreferenceBatch, PreferencePair
 from posttrain.data.context import PromptSet, check_prompts_fit
 from posttrain.data.examples import Example, Task
 from posttrain.data.stream import data_order
-from posttrain.data.preference import PairSplits, load_pairs, preference_data_card, prompt_key
+from posttrain.data.preference import PairSplits, preference_data_card, prompt_key
 from posttrain.data.unpaired import labels, load_unpaired
-from posttrain.data.provenance import read_provenance, reward_card
+from posttrain.data.provenance import reward_card
 from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, HeldOutSet, evaluate_sets, heldout_checker, shifted_sets
@@ -167,19 +167,9 @@ def setup(config: Config, world: World, placement: Placement) -> State:
     shifted sets: every check of the input, before anything is written."""
     policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha, placement,
                                     gradient_checkpointing=config.memory.gradient_checkpointing)
-    data = config.data
-    provenance = read_provenance(data.pairs) if os.path.isfile(data.pairs) else None  # else load_pairs says so
-    if data.system_prompt is None and (provenance or {}).get("system_prompt"):
-        data = dataclasses.replace(data, system_prompt=provenance["system_prompt"])  # the prompts as the pairs were sampled
-        logger.info("system prompt from the pairs' provenance: %r", data.system_prompt)
-    rendering = dict(truncation=data.truncation(), system_prompt=data.system_prompt, use_chat_template=data.use_chat_template)
-    def encode(pairs: list[PreferencePair]) -> PreferenceBatch:  # tokenised, on the run's device: the one boundary
-        return tokenize_preference_pairs(tokenizer, pairs, **rendering).to(placement.device)
-
     objective = config.loss.objective
-    splits = (load_pairs if objective.paired else load_unpaired)(
-        data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs, split_seed=config.seed,
-        strict=data.strict, data_format=data.format, columns=data.columns, source_split=data.split, **rendering)
+    loaded = config.data.load(tokenizer, placement.device, config.seed, loader=None if objective.paired else load_unpaired)
+    data, provenance, splits = loaded.data, loaded.provenance, loaded.splits
     held_task, task_spec = heldout_task(config.acceptance, provenance, config.seed)
     checker = None
     if held_task is not None:
@@ -200,7 +190,7 @@ def setup(config: Config, world: World, placement: Placement) -> State:
         if "warning" in balance:
             logger.warning(balance["warning"])
     return State(config=dataclasses.replace(config, data=data), world=world, placement=placement, policy=policy, tokenizer=tokenizer,
-                 encode=encode, train=train, held_pairs=splits.heldout, data_stats=splits.stats, provenance=provenance,
+                 encode=loaded.encode, train=train, held_pairs=splits.heldout, data_stats=splits.stats, provenance=provenance,
                  held_task=held_task, task_spec=task_spec, checker=checker, shifted=shifted)
 
 
@@ -290,9 +280,9 @@ def step(state: State, done: int, card: dict, write_card: Callable[[], None]) ->
     # 1. The next batch of the seeded pair stream.
     indices = data_order(len(state.train), config.seed, (done - 1) * config.batch_size, config.batch_size)
     rows = [state.train[i] for i in indices]
-    # The per-row inputs: the cached reference's sums (None: the live reference) and unpaired rows' labels.
-    batch = dataclasses.replace(state.encode(rows), reference=state.cached["train"][indices].to(placement.device) if state.cached is not None else None,
-                                desirable=None if state.objective.paired else labels(rows))
+    # With the per-row inputs: the cached reference's sums (None: the live reference) and unpaired rows' labels.
+    cached = state.cached["train"][indices].to(placement.device) if state.cached is not None else None
+    batch = dataclasses.replace(state.encode(rows), reference=cached, desirable=None if state.objective.paired else labels(rows))
     # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
     with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"), full_weights(state.frozen):
         metrics = loss_step(state.models, batch, PreferenceSettings(config.loss, config.micro_batch_size), state.world)
