@@ -53,7 +53,7 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
     from posttrain.config import build_config
     from posttrain.data import PreferencePair, tokenize_preference_pairs
     from posttrain.models import make_reference
-    from posttrain.losses.preference import PreferenceModels
+    from posttrain.losses.preference import PreferenceModels, PreferenceSettings
     from posttrain.losses.preference import step as loss_step
     from posttrain.models.forward import TrainingForward
     from posttrain.models.loading import load_policy
@@ -90,8 +90,8 @@ def run_ours(model_name: str, steps: int, warmup: int, precomputed: bool) -> dic
         rows_of_step = slice(step * BATCH, (step + 1) * BATCH)
         batch = encode(pairs[rows_of_step])
         tokens += int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum()) if step >= warmup else 0
-        ref = cache[rows_of_step] if cache is not None else None
-        loss_step(models, batch, config.loss, config.micro_batch_size, cached_reference=ref)
+        batch.reference = cache[rows_of_step] if cache is not None else None
+        loss_step(models, batch, PreferenceSettings(config.loss, config.micro_batch_size))
     seconds = time.perf_counter() - started
     return {"steps_per_second": steps / seconds, "tokens_per_step": tokens / steps, "reference_seconds": setup_seconds,
             "peak_rss_mb": peak_rss_mb(), "threads": torch.get_num_threads()}

@@ -350,7 +350,7 @@ def dpo_ours(arguments, workdir: Path, device: Device) -> dict:
     from posttrain.config import build_config
     from posttrain.data import PreferencePair, tokenize_preference_pairs
     from posttrain.hardware import resolve
-    from posttrain.losses.preference import PreferenceModels
+    from posttrain.losses.preference import PreferenceModels, PreferenceSettings
     from posttrain.losses.preference import step as loss_step
     from posttrain.models import make_reference
     from posttrain.models.forward import TrainingForward
@@ -380,7 +380,7 @@ def dpo_ours(arguments, workdir: Path, device: Device) -> dict:
         batch = tokenize_preference_pairs(tokenizer, rows[step * P:(step + 1) * P], truncation=config.data.truncation(),
                                           use_chat_template=config.data.use_chat_template)
         tokens.append(int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum()))
-        loss_step(models, batch.to(placement.device), config.loss, config.micro_batch_size)
+        loss_step(models, batch.to(placement.device), PreferenceSettings(config.loss, config.micro_batch_size))
         durations.append(device.now() - started)
     return summary(arguments, durations, tokens, device, placement=placement.describe())
 

@@ -4,13 +4,13 @@ hand, micro-batch invariance (of the step and of the held-out pair metrics), the
 alarm, smoke runs, bad configs, SIGKILL resume."""
 
 import copy
+import dataclasses
 import json
 import math
 import signal
 import subprocess
 import sys
 import time
-import typing
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,6 @@ from posttrain.config import build_config, parse_overrides
 from posttrain.data import (
     PreferencePair, TruncationPolicy, collate_token_ids, encode_prompt, encode_response, tokenize_preference_pairs,
 )
-from posttrain.algorithms import PREFERENCE_LOSSES
 from posttrain.data.preference import PreferenceBatch
 from posttrain.data.provenance import write_with_provenance
 from posttrain.evaluation.alarms import DisplacementAlarm
@@ -29,7 +28,8 @@ from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs
 from posttrain.models import LoraSettings, apply_lora, load_model, make_reference
 from posttrain.models import forward as model_forward
 from posttrain.models import pair_forward
-from posttrain.losses.preference import OBJECTIVES, REFERENCE_CACHE, Loss, PreferenceModels, preference_losses
+from posttrain.losses.objectives import PREFERENCE_OBJECTIVES
+from posttrain.losses.preference import REFERENCE_CACHE, Loss, PreferenceModels, PreferenceSettings, preference_losses
 from posttrain.losses.preference import step as preference_step
 from posttrain.models.forward import TrainingForward
 from posttrain.recipes import dpo, dpo_config
@@ -107,13 +107,15 @@ def test_each_loss_type_by_hand(loss, expected):
 
 
 def test_every_loss_type_is_a_row_of_the_one_table():
-    """The config's choices, the loss tables (with a reference, and reference-free), KTO (its own
-    step, on unpaired rows) and the run card's descriptions name the same losses, each in one table."""
-    from posttrain.losses.preference import REFERENCE_FREE
-
-    choices = typing.get_args(typing.get_type_hints(Loss)["type"])
-    assert set(choices) == set(PREFERENCE_LOSSES) | set(REFERENCE_FREE) | {"kto"} == set(OBJECTIVES)
-    assert not set(PREFERENCE_LOSSES) & set(REFERENCE_FREE)
+    """The config's choices (`--loss kto` hints), the losses with a reference and without, KTO (its
+    own step, on unpaired rows) and the run card's descriptions are the rows of one table."""
+    assert Loss.PRIMARY["type"] is PREFERENCE_OBJECTIVES
+    with_reference = {name for name, entry in PREFERENCE_OBJECTIVES.items() if entry.pair_loss is not None}
+    reference_free = {name for name, entry in PREFERENCE_OBJECTIVES.items() if not entry.needs_reference}
+    assert with_reference == {"sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized", "length_normalized_ipo"}
+    assert reference_free == {"simpo", "cpo", "orpo"}
+    assert set(PREFERENCE_OBJECTIVES) >= with_reference | reference_free | {"kto"}
+    assert all(entry.card for entry in PREFERENCE_OBJECTIVES.values())
 
 
 def naive_response_sum(model, prompt_ids, response_ids) -> float:
@@ -160,12 +162,13 @@ def test_policy_equal_to_reference_gives_ln2_and_precomputed_equals_live(tmp_pat
     reference = make_reference(policy)
     kept = KeptGradients(policy)
     models = PreferenceModels(kept.trainable(TrainingForward(policy, pair_forward.pair_logprobs)), reference)
-    live = preference_step(models, batch, config.loss, config.micro_batch_size)
+    settings = PreferenceSettings(config.loss, config.micro_batch_size)
+    live = preference_step(models, batch, settings)
     live_grads = kept.grads
     assert all(p.grad is None for p in policy.parameters())  # the step zeroes what it applied
     cached = pair_forward.reference_logprobs(policy, (tokenize_preference_pairs(tokenizer, pairs[start : start + 3]) for start in (0, 3)))
     assert cached.shape == (4, 2)
-    precomputed = preference_step(PreferenceModels(models.policy), batch, config.loss, config.micro_batch_size, cached_reference=cached)
+    precomputed = preference_step(PreferenceModels(models.policy), dataclasses.replace(batch, reference=cached), settings)
     assert live["loss"] == pytest.approx(math.log(2), abs=1e-6) and precomputed["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert live["logps/chosen"] < -5 and live["rewards/accuracy"] == 0.0 and live["logratio/chosen"] == 0.0
     assert live["grad_norm"] == pytest.approx(precomputed["grad_norm"], rel=1e-5) and live["grad_norm"] > 0
@@ -313,7 +316,7 @@ def test_micro_batch_split_gives_the_same_gradient(tmp_path, pairs_file):
     models = PreferenceModels(kept.trainable(TrainingForward(policy, pair_forward.pair_logprobs)), reference)
     for micro in (4, 1):
         config = small_config(tmp_path, pairs_file, "--loss.nll_weight", "0.5", "--micro_batch_size", str(micro))
-        metrics = preference_step(models, batch, config.loss, config.micro_batch_size)
+        metrics = preference_step(models, batch, PreferenceSettings(config.loss, config.micro_batch_size))
         results.append((metrics, kept.grads))
     (first, grads), (second, other) = results
     assert first["loss"] != pytest.approx(math.log(2), abs=1e-3)

@@ -4,6 +4,7 @@ computation whatever the micro-batch, the class-balance band, `posttrain pairs -
 run on its rows, and the mistakes a user makes, one line each. The loss itself (hand values, TRL
 parity) is tested in tests/test_reference_free_losses.py."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,7 +22,8 @@ from posttrain.data.provenance import provenance_path
 from posttrain.data.unpaired import labels, load_unpaired, read_unpaired, with_mismatched, UnpairedRow
 from posttrain.errors import UserError
 from posttrain.losses import kto
-from posttrain.losses.preference import PreferenceModels
+from posttrain.losses.preference import PreferenceModels, PreferenceSettings
+from posttrain.losses.preference import step as preference_step
 from posttrain.models import load_model, make_reference
 from posttrain.models.forward import TrainingForward
 from posttrain.recipes import dpo_config
@@ -177,7 +179,7 @@ def test_step_equals_the_naive_whole_batch_loss_whatever_the_micro_batch(micro_b
     assert float(point) > 0, "the test must exercise z0 > 0"
     kept = KeptGradients(policy)
     models = PreferenceModels(kept.trainable(TrainingForward(policy, kto.side_sums)), reference)
-    metrics = kto.step(models, batch, desirable, loss, micro_batch_size)
+    metrics = preference_step(models, dataclasses.replace(batch, desirable=desirable), PreferenceSettings(loss, micro_batch_size))
     # float32 sums of ~-50 nats by two code paths (shared-prompt batch vs one unpadded row) agree to ~1e-6 relative
     assert metrics["loss"] == pytest.approx(float(losses.detach().mean()), abs=1e-5)
     assert metrics["kl"] == pytest.approx(float(point), rel=1e-5)
@@ -197,10 +199,11 @@ def test_precomputed_reference_equals_live():
 
     cached = pair_forward.reference_logprobs(policy, [batch])
     kept = KeptGradients(policy)
-    live = kto.step(PreferenceModels(kept.trainable(TrainingForward(policy, kto.side_sums)), reference), batch, labels(pairs), loss, 2)
+    settings, batch = PreferenceSettings(loss, 2), dataclasses.replace(batch, desirable=labels(pairs))
+    live = preference_step(PreferenceModels(kept.trainable(TrainingForward(policy, kto.side_sums)), reference), batch, settings)
     live_grads = kept.grads
-    cached_metrics = kto.step(PreferenceModels(kept.trainable(TrainingForward(policy, kto.side_sums))), batch, labels(pairs), loss, 2,
-                              cached_reference=cached)
+    cached_metrics = preference_step(PreferenceModels(kept.trainable(TrainingForward(policy, kto.side_sums))),
+                                     dataclasses.replace(batch, reference=cached), settings)
     # policy == reference: every log-ratio 0, z0 0, loss 1 - sigmoid(0) = 0.5 for each row.
     assert live["loss"] == pytest.approx(0.5, abs=1e-6) == cached_metrics["loss"]
     for name, grad in live_grads.items():

@@ -7,7 +7,6 @@ import torch
 
 from posttrain.algorithms import (
     PAIR_METRICS,
-    PREFERENCE_LOSSES,
     dpo_loss,
     hinge_loss,
     ipo_loss,
@@ -16,6 +15,10 @@ from posttrain.algorithms import (
     pair_metrics,
     robust_dpo_loss,
 )
+from posttrain.losses.objectives import PREFERENCE_OBJECTIVES
+
+# The pure loss of every objective with a reference, by its `loss.type` name (the objective table's `pair_loss`).
+PREFERENCE_LOSSES = {name: entry.pair_loss for name, entry in PREFERENCE_OBJECTIVES.items() if entry.pair_loss is not None}
 
 
 def t(*values):

@@ -9,6 +9,7 @@ from posttrain.data import tokenize_prompt_response
 from posttrain.models import LoraSettings, apply_lora, build_tiny_model, lean_mlp
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.losses.sft import sft_loss
+from posttrain.losses.sft import SFTSettings
 from posttrain.losses.sft import step as sft_step
 from posttrain.optim import Trainable
 
@@ -73,7 +74,7 @@ def test_loss_step_is_the_same_whatever_the_micro_batch():
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         models = Trainable(TrainingForward(model, batch_response_sums), optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
-        metrics = sft_step(models, batch, micro_batch_size)
+        metrics = sft_step(models, batch, SFTSettings(micro_batch_size))
         assert metrics["loss"] == pytest.approx(naive, abs=1e-5)
         assert all(p.grad is None for p in model.parameters())  # the step zeroes what it applied
         results.append((metrics, {n: before[n] - p.detach() for n, p in model.named_parameters()}))

@@ -16,9 +16,7 @@ from posttrain.algorithms.kl import ESTIMATORS, exact_kl, kl_estimate, kl_penali
 from posttrain.algorithms.logprobs import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
 from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss, sampler_mismatch, truncated_importance_weights
 from posttrain.algorithms.preference import (
-    LABEL_SMOOTHED,
     PAIR_METRICS,
-    PREFERENCE_LOSSES,
     conservative_dpo_loss,
     dpo_loss,
     hinge_loss,
@@ -36,9 +34,7 @@ __all__ = [
     "AGGREGATIONS",
     "ESTIMATORS",
     "KTO_CLASS_BALANCE_BAND",
-    "LABEL_SMOOTHED",
     "PAIR_METRICS",
-    "PREFERENCE_LOSSES",
     "aggregate",
     "clipped_surrogate",
     "clipped_value_loss",

@@ -16,8 +16,9 @@ section 5), detached, for metrics. With
 the losses differ only in what they do with beta * h. A sequence log-prob is the *sum* of the
 response tokens' log-probs; the length-normalised objectives (token means) are different
 objectives and have their own names, `length_normalized_dpo_loss` and `length_normalized_ipo_loss`.
-Only the losses in `LABEL_SMOOTHED` take a label-noise rate; the others refuse a non-zero one rather
-than ignore it.
+Only dpo_loss, conservative_dpo_loss and robust_dpo_loss take a label-noise rate; the others refuse a
+non-zero one rather than ignore it. Which `loss.type` names which function is the objective table,
+`posttrain/losses/objectives.py`.
 
 Against TRL's DPOTrainer `loss_type` of the same name (TRL 1.16): `sigmoid` with label_smoothing e > 0
 is cDPO here, while TRL's `sigmoid` ignores label_smoothing (plain DPO); our `ipo` uses summed
@@ -28,8 +29,6 @@ The reference-free losses (SimPO, CPO, ORPO) and KTO are in `posttrain.algorithm
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -253,19 +252,6 @@ def _per_token(name, loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_r
     return loss(chosen_logps / chosen_lengths, rejected_logps / rejected_lengths,
                 ref_chosen_logps / chosen_lengths, ref_rejected_logps / rejected_lengths, beta=beta)
 
-
-# Every loss by name, each with the one signature of the module docstring.
-PREFERENCE_LOSSES: dict[str, Callable[..., PreferenceOutput]] = {
-    "sigmoid": dpo_loss,
-    "conservative": conservative_dpo_loss,
-    "robust": robust_dpo_loss,
-    "ipo": ipo_loss,
-    "hinge": hinge_loss,
-    "length_normalized": length_normalized_dpo_loss,
-    "length_normalized_ipo": length_normalized_ipo_loss,
-}
-LABEL_SMOOTHED = ("sigmoid", "conservative", "robust")
-"""The losses that take a label-noise rate (`label_smoothing`)."""
 
 PAIR_METRICS = (
     "loss/preference", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "rewards/ties",

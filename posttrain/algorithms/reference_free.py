@@ -1,9 +1,8 @@
 """Preference losses without a reference model's log-probs (SimPO, CPO, ORPO) and KTO's
 unpaired loss, as pure tensor functions.
 
-They take no reference log-probs and so have their own signatures, outside
-`preference.PREFERENCE_LOSSES`: `simpo_loss` and `orpo_loss` on per-token mean log-probs, `cpo_loss`
-on summed ones, each returning (losses, chosen_rewards, rejected_rewards) as the DPO family does; an
+They take no reference log-probs and so have their own signatures, not `preference`'s one:
+`simpo_loss` and `orpo_loss` on per-token mean log-probs, `cpo_loss` on summed ones, each returning (losses, chosen_rewards, rejected_rewards) as the DPO family does; an
 NLL term on the chosen (CPO's, ORPO's SFT term) is the caller's, as RPO's is. `kto_loss` scores
 unpaired, labelled completions against a reference point estimated from mismatched pairs.
 """

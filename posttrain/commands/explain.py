@@ -130,15 +130,16 @@ def explain_clip(args) -> int:
 
 
 def explain_dpo(args) -> int:
-    from posttrain.algorithms import LABEL_SMOOTHED, PREFERENCE_LOSSES
+    from posttrain.losses.objectives import PREFERENCE_OBJECTIVES
 
     if args.beta <= 0:
         raise UserError(f"--beta must be > 0, got {args.beta}")
-    loss_fn = PREFERENCE_LOSSES[args.loss]
-    if args.label_smoothing is not None and args.loss not in LABEL_SMOOTHED:
+    entry = PREFERENCE_OBJECTIVES[args.loss]
+    loss_fn = entry.pair_loss
+    if args.label_smoothing is not None and entry.label_smoothing == "refused":
         raise UserError(f"--label-smoothing does not apply to --loss {args.loss}")
     lengths = (args.chosen_length, args.rejected_length)
-    if args.loss.startswith("length_normalized") and None in lengths:
+    if entry.length_normalized and None in lengths:
         raise UserError(f"--loss {args.loss} needs --chosen-length and --rejected-length (response tokens)")
     # None keeps each loss's own default (0 for sigmoid, 0.1 for conservative and robust).
     extra = {"label_smoothing": args.label_smoothing} if args.label_smoothing is not None else {}
@@ -313,8 +314,8 @@ def register(subparsers) -> None:
 
 def add_examples(parser) -> None:
     """The examples, each a subcommand; added when `explain` is parsed or its --help shown (the
-    loss names come from posttrain.algorithms, which imports torch)."""
-    from posttrain.algorithms import PREFERENCE_LOSSES
+    loss names come from the objective table, which imports torch)."""
+    from posttrain.losses.objectives import PREFERENCE_OBJECTIVES
 
     commands = parser.add_subparsers(dest="example", metavar="EXAMPLE", required=True, parser_class=type(parser))
 
@@ -339,7 +340,8 @@ def add_examples(parser) -> None:
     for flag in ("--chosen", "--rejected", "--ref-chosen", "--ref-rejected"):
         dpo.add_argument(flag, type=float, required=True, help="sequence log-prob (sum over response tokens)")
     dpo.add_argument("--beta", type=float, default=0.1)
-    dpo.add_argument("--loss", choices=sorted(PREFERENCE_LOSSES), default="sigmoid")
+    dpo.add_argument("--loss", choices=sorted(name for name, entry in PREFERENCE_OBJECTIVES.items() if entry.pair_loss is not None),
+                     default="sigmoid")
     dpo.add_argument("--label-smoothing", type=float, default=None, help="label noise rate (default: the loss's own)")
     dpo.add_argument("--chosen-length", type=float, default=None, help="response tokens of the chosen answer (length_normalized)")
     dpo.add_argument("--rejected-length", type=float, default=None, help="response tokens of the rejected answer (length_normalized)")

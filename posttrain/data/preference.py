@@ -18,6 +18,9 @@ the rendering and truncation), `preference_data_card` the run card's data link.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,7 +45,10 @@ from posttrain.data.validation import (
     check_text,
     type_name,
 )
+from posttrain.data.provenance import read_provenance
 from posttrain.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 KNOWN_FIELDS = {"prompt", "chosen", "rejected", "id", "metadata"}
 REQUIRED_COLUMNS = {"chosen": "chosen", "rejected": "rejected"}
@@ -227,10 +233,20 @@ class PreferenceBatch:
     rejected: TokenizedBatch
     kept: list[int]
     counts: TruncationCounts
+    reference: torch.Tensor | None = None
+    """(M, 2) the reference's summed log-probs of each row's two sides, precomputed (`loss.reference:
+    precomputed`, or zeros for an objective without a reference); None: the step forwards the live reference."""
+    desirable: torch.Tensor | None = None
+    """(M,) bool, each unpaired row's label (True: desirable); None for pairs."""
+    margins: torch.Tensor | None = None
+    """(M,) each pair's margin (a reward model's `loss.margin`); None: no margin."""
 
     def to(self, device: torch.device | str) -> PreferenceBatch:
-        """The same pairs with both sides' tensors on `device`."""
-        return dataclasses.replace(self, chosen=self.chosen.to(device), rejected=self.rejected.to(device))
+        """The same pairs with both sides' tensors (and the per-row reference, labels and margins) on `device`."""
+        return dataclasses.replace(self, chosen=self.chosen.to(device), rejected=self.rejected.to(device),
+                                   reference=None if self.reference is None else self.reference.to(device),
+                                   desirable=None if self.desirable is None else self.desirable.to(device),
+                                   margins=None if self.margins is None else self.margins.to(device))
 
 
 def tokenize_preference_pairs(
@@ -351,6 +367,28 @@ class PairSource:
         """The four truncation settings as the tokeniser's `TruncationPolicy`."""
         return TruncationPolicy(self.max_prompt_tokens, self.max_response_tokens, self.prompt_truncation, self.response_truncation)
 
+    def load(self, tokenizer, device: torch.device | str, split_seed: int, loader: Callable[..., PairSplits] | None = None,
+             **options: Any) -> LoadedPairs:
+        """The pairs file read as every pair recipe (dpo, rm) reads it: its provenance (None without
+        one), the system prompt from it when this section sets none (the prompts as the pairs were
+        sampled), the training and held-out splits (`loader`: `load_pairs`, or
+        `data.unpaired.load_unpaired` for unpaired rows; `options`, e.g. its `unpaired_advice`, passed
+        on) and the `encode` that tokenises pairs as they were split, onto `device`."""
+        provenance = read_provenance(self.pairs) if os.path.isfile(self.pairs) else None  # else the loader says so
+        data = self
+        if data.system_prompt is None and (provenance or {}).get("system_prompt"):
+            data = dataclasses.replace(data, system_prompt=provenance["system_prompt"])
+            logger.info("system prompt from the pairs' provenance: %r", data.system_prompt)
+        rendering = dict(truncation=data.truncation(), system_prompt=data.system_prompt, use_chat_template=data.use_chat_template)
+
+        def encode(pairs: list[PreferencePair]) -> PreferenceBatch:  # tokenised, on the run's device: the one boundary
+            return tokenize_preference_pairs(tokenizer, pairs, **rendering).to(device)
+
+        splits = (loader or load_pairs)(data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs,
+                                        split_seed=split_seed, strict=data.strict, data_format=data.format, columns=data.columns,
+                                        source_split=data.split, **rendering, **options)
+        return LoadedPairs(data, provenance, encode, splits)
+
 
 @dataclass
 class PairSplits:
@@ -362,6 +400,20 @@ class PairSplits:
     """rows_bad and rows_bad_reasons (what strict: false dropped from the training file; heldout_rows_bad
     and heldout_rows_bad_reasons from a held-out file), and per split (train, heldout): pairs,
     prompts_truncated, responses_truncated, dropped."""
+
+
+@dataclass
+class LoadedPairs:
+    """What `PairSource.load` read: the section as the run resolved it, the pairs' provenance, the
+    run's tokenising boundary and the splits."""
+
+    data: PairSource
+    """The section with the system prompt from the provenance when it set none."""
+    provenance: dict[str, Any] | None
+    """The pairs file's sidecar (`posttrain pairs`: model, verifier, task...); None: none."""
+    encode: Callable[[list[PreferencePair]], PreferenceBatch]
+    """Pairs -> a tokenised batch on the run's device."""
+    splits: PairSplits
 
 
 def load_pairs(

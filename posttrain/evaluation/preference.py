@@ -122,6 +122,10 @@ def evaluate_unpaired(policy, held: HeldoutPairs) -> dict[str, float]:
             "heldout/label_side_accuracy_ties": ties, **{f"heldout/{key}": value for key, value in metrics.items()}}
 
 
+HELDOUT_METRICS: dict[str, Callable[[Any, HeldoutPairs], dict[str, float]]] = {"pairs": evaluate_pairs, "unpaired": evaluate_unpaired}
+"""The held-out evaluations by the name an objective's entry gives (`PreferenceObjective.heldout`)."""
+
+
 def labeller_independence(labeller: str | None, checker: Verifier) -> tuple[bool, str]:
     """`independence` of the held-out checker from the verifier that labelled the pairs (named in
     their provenance); pairs labelled by no recorded verifier are checked independently of it."""

@@ -1,10 +1,16 @@
 """The loss link: one module per family, each a `step(models, batch, settings, world) -> metrics`
 that runs one optimizer step (or, for the policy gradient, the step's epochs of mini-batches) and
-never sees a whole recipe config.
+never sees a whole recipe config. A family's per-row inputs ride in its batch (a preference batch's
+cached reference log-probs and KTO labels, a reward-model batch's margins); its settings are a small
+dataclass (the loss section and the micro-batch size).
 
-- `sft`: masked NLL of the response tokens.
-- `preference`: the DPO family on pairs of chosen / rejected responses against a reference.
-- `policy_gradient`: the clipped surrogate over rollouts (GRPO, PPO; TIS, KL in the loss, the value loss).
+- `sft`: masked NLL of the response tokens (`SFTSettings`).
+- `preference`: the preference objectives on pairs (the DPO family, SimPO, CPO, ORPO) or unpaired rows
+  (KTO, `kto`), each an entry of the table in `objectives` through which `preference.step`
+  dispatches (`PreferenceSettings`).
+- `reward_model`: Bradley-Terry on a reward model's scalar rewards of each pair (`RewardModelSettings`).
+- `policy_gradient`: the clipped surrogate over rollouts (GRPO, PPO; TIS, KL in the loss, the value
+  loss); its step also returns the trainer's log-probs.
 
 The pure tensor math each step calls lives in `posttrain/algorithms/`; the recipes in
 `posttrain/recipes/` build the models, the batch and the settings and call the step.

@@ -10,7 +10,7 @@ of the per-row losses. The gradient therefore does not depend on micro_batch_siz
 (TRL's z0 is per micro-batch). The policy's mismatched forward takes no gradient, as TRL's.
 The held-out rows are scored by `evaluation.preference.evaluate_unpaired` with the same metrics.
 
-    metrics = step(models, batch, desirable, loss, micro_batch_size, world)
+    metrics = step(models, batch, settings, world)   # batch.desirable: the (M,) labels
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from posttrain.distributed import World, gradient_sync, rank_micro_batches, unwr
 from posttrain.models.forward import batch_response_sums
 from posttrain.models.pair_forward import pair_logprobs
 
+PLOTTED = ("loss", "kl", "rewards/accuracy", "rewards/desirable", "rewards/undesirable", "logratio/desirable",
+           "logratio/undesirable", "heldout/label_side_accuracy", "heldout/pass@1")
+"""What a KTO run plots: its rows are unpaired, so desirable / undesirable instead of chosen / rejected."""
 KTO_COLUMNS = ("loss", "reward", "logratio", "mismatched_logratio", "logps", "label")
 """The per-row values a step keeps (`kto_columns`), one row each of a (6, M) tensor."""
 
@@ -65,21 +68,21 @@ def kto_metrics(columns: torch.Tensor, reference_point: float) -> dict[str, floa
     return metrics
 
 
-def step(models, batch: PreferenceBatch, desirable: torch.Tensor, loss, micro_batch_size: int, world: World | None = None,
-         cached_reference: torch.Tensor | None = None) -> dict[str, float]:
+def step(models, batch: PreferenceBatch, settings, world: World | None = None) -> dict[str, float]:
     """One KTO optimizer step on M rows. `models`: a `PreferenceModels` whose trainer is a
     `TrainingForward` over `side_sums`; `batch`: M `data.unpaired` rows (chosen = completion,
-    rejected = mismatched completion); `desirable` (M,) bool; `loss`: the loss section (beta,
-    desirable_weight, undesirable_weight); `cached_reference` (M, 2) the reference's completion and
-    mismatched sums (precomputed), else a forward of `models.reference`. Returns the step's metrics
-    over the whole batch (`kto_metrics`), with "grad_norm" (pre-clipping)."""
+    rejected = mismatched completion) with their (M,) `desirable` labels and, when precomputed, the
+    reference's (M, 2) completion and mismatched sums in `reference` (else a forward of
+    `models.reference`); `settings`: a `PreferenceSettings` (the loss section: beta,
+    desirable_weight, undesirable_weight; the micro-batch size). Returns the step's metrics over
+    the whole batch (`kto_metrics`), with "grad_norm" (pre-clipping)."""
     world = world or World()
     trainer = models.policy.trainer
     forward = unwrap(trainer)
     M = batch.chosen.input_ids.shape[0]
     device = batch.chosen.input_ids.device
-    desirable = desirable.to(device)
-    micro = list(rank_micro_batches(torch.arange(M), world.block_owners(M), world, micro_batch_size))
+    desirable, cached_reference, loss = batch.desirable.to(device), batch.reference, settings.loss
+    micro = list(rank_micro_batches(torch.arange(M), world.block_owners(M), world, settings.micro_batch_size))
     # 1. The reference point over the whole batch, before any backward: no gradient, as in the paper and TRL.
     references, mismatched, total = [], [], torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():

@@ -1,11 +1,12 @@
 """The preference loss step: the DPO family on summed response log-probs of chosen and rejected
 responses against a reference (live, or precomputed once), plus an optional NLL term on the chosen
-responses (RPO). The objectives themselves are pure functions in `posttrain/algorithms/preference.py`.
-`loss_card` is the run card's loss link: the objective and every setting of it, the reference, the
-optimizer.
+responses (RPO), and KTO on unpaired rows. What each `loss.type` is, needs and reads is its entry in
+`losses/objectives.PREFERENCE_OBJECTIVES`; `step` dispatches through it. The objectives themselves
+are pure functions in `posttrain/algorithms/`. `loss_card` is the run card's loss link: the
+objective and every setting of it, the reference, the optimizer.
 
     metrics = step(PreferenceModels(Trainable(trainer, optimizer, scheduler, max_grad_norm), reference),
-                   batch, loss, micro_batch_size, world)
+                   batch, PreferenceSettings(loss, micro_batch_size), world)
 """
 
 from __future__ import annotations
@@ -16,42 +17,14 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from posttrain.algorithms import LABEL_SMOOTHED, PREFERENCE_LOSSES, cpo_loss, orpo_loss, pair_columns, pair_metrics, simpo_loss
+from posttrain.algorithms import pair_columns, pair_metrics
 from posttrain.data import PreferenceBatch
 from posttrain.distributed import World, gradient_sync, rank_micro_batches, unwrap
 from posttrain.errors import UserError
+from posttrain.losses.objectives import PREFERENCE_OBJECTIVES, PreferenceObjective, objective
 from posttrain.models.pair_forward import PairLogprobs, pair_logprobs
 from posttrain.optim import Optimization, Trainable
 
-OBJECTIVES = {
-    "sigmoid": "DPO sigmoid loss (arXiv:2305.18290 eq. 7)",
-    "conservative": "conservative DPO, label smoothing (Mitchell 2023)",
-    "robust": "robust DPO, unbiased under label noise (arXiv:2403.00409 eq. 8)",
-    "ipo": "IPO squared loss (arXiv:2310.12036 eq. 17) on summed log-ratios",
-    "hinge": "hinge / SLiC (arXiv:2305.10425 eq. 3)",
-    "length_normalized": "length-normalised DPO: sigmoid loss on per-token MEAN log-probs (a different objective)",
-    "length_normalized_ipo": "length-normalised IPO (TRL's ipo): IPO squared loss on per-token MEAN log-ratios (a different objective)",
-    "simpo": "SimPO (arXiv:2405.14734 eq. 6): -log sigmoid(beta x mean log pi(chosen) - beta x mean log pi(rejected) - gamma), no reference",
-    "cpo": "CPO (arXiv:2401.08417 eq. 3): -log sigmoid(beta x (log pi(chosen) - log pi(rejected))) + the NLL term, no reference",
-    "orpo": "ORPO (arXiv:2403.07691 eqs. 6-7): the NLL term + lambda x -log sigmoid(log odds(chosen) - log odds(rejected)) on mean "
-            "log-probs (lambda = loss.beta, TRL's beta), no reference",
-    "kto": "KTO (arXiv:2402.01306 eq. 7): unpaired completions, w_d x (1 - sigmoid(beta x (r - z0))) for a desirable one and "
-           "w_u x (1 - sigmoid(beta x (z0 - r))) for an undesirable one, r = log pi - log pi_ref summed, z0 = max(0, the batch's "
-           "mean r on mismatched prompt/completion pairs), detached",
-}
-"""What the run card says each `loss.type` is."""
-REFERENCE_FREE = {
-    "simpo": lambda loss, sums: simpo_loss(sums.chosen / sums.chosen_lengths.clamp(min=1), sums.rejected / sums.rejected_lengths.clamp(min=1),
-                                           beta=loss.beta, gamma=loss.gamma_ratio * loss.beta),
-    "cpo": lambda loss, sums: cpo_loss(sums.chosen, sums.rejected, beta=loss.beta),
-    "orpo": lambda loss, sums: orpo_loss(sums.chosen / sums.chosen_lengths.clamp(min=1), sums.rejected / sums.rejected_lengths.clamp(min=1),
-                                         lam=loss.beta),
-}
-"""The objectives that use no reference model, each loss(section, the policy's `PairLogprobs`) -> (losses,
-chosen rewards, rejected rewards); a run with one loads no reference and never forwards one."""
-NLL_TERM = {"cpo": 1.0, "orpo": 1.0}
-"""The NLL weight an objective is defined with (CPO's behaviour-cloning term, ORPO's SFT term), when
-loss.nll_weight is not set; every other objective's default is 0."""
 REFERENCE_CACHE = "reference_logprobs.pt"
 """The precomputed reference's file in the run directory (`loss.reference: precomputed`)."""
 
@@ -60,12 +33,11 @@ REFERENCE_CACHE = "reference_logprobs.pt"
 class Loss:
     """Link 3, loss: the objective, beta, length handling, reference handling."""
 
-    PRIMARY: ClassVar[dict[str, Any]] = {"type": None}
+    PRIMARY: ClassVar[dict[str, Any]] = {"type": PREFERENCE_OBJECTIVES}
     """What a value given to the section itself meant (`config._primary_hint`): `--loss kto` is --loss.type kto."""
 
-    type: Literal["sigmoid", "conservative", "robust", "ipo", "hinge", "length_normalized", "length_normalized_ipo",
-                  "simpo", "cpo", "orpo", "kto"] = "sigmoid"
-    """sigmoid (DPO; cDPO with label_smoothing, unlike TRL's sigmoid) | conservative (cDPO) | robust | ipo (summed
+    type: str = "sigmoid"
+    """A name in `losses.objectives.PREFERENCE_OBJECTIVES`: sigmoid (DPO; cDPO with label_smoothing, unlike TRL's sigmoid) | conservative (cDPO) | robust | ipo (summed
     log-ratios) | hinge | length_normalized (token-mean objective, TRL's sigmoid_norm) | length_normalized_ipo
     (token-mean IPO, TRL's ipo) | simpo | cpo | orpo (reference-free: no reference model is loaded) | kto (unpaired
     rows: prompt, completion, label; a pairs file is read as one desirable and one undesirable row per pair)."""
@@ -87,26 +59,27 @@ class Loss:
     """TR-DPO hard update (arXiv:2404.09656): copy the policy into the reference every N steps (0: never)."""
 
     def validate(self, lora_rank: int = 0) -> None:
-        """One UserError line naming the `loss.*` field that is out of range or does not apply."""
+        """One UserError line naming the `loss.*` field that is out of range or does not apply (what
+        applies is the objective's entry in `PREFERENCE_OBJECTIVES`)."""
+        entry = objective(self.type)
         if self.beta <= 0:
             raise UserError(f"loss.beta must be > 0, got {self.beta}")
         if self.nll_weight is None:  # resolved, so config.yaml holds the number
-            self.nll_weight = NLL_TERM.get(self.type, 0.0)
-        if self.gamma_ratio != Loss.gamma_ratio and self.type != "simpo":
-            raise UserError(f"loss.gamma_ratio applies to loss.type simpo only (this run: {self.type})")
-        if (self.desirable_weight, self.undesirable_weight) != (1.0, 1.0) and self.type != "kto":
-            raise UserError(f"loss.desirable_weight and loss.undesirable_weight apply to loss.type kto only (this run: {self.type})")
+            self.nll_weight = entry.nll_weight or 0.0
+        self._own_settings(entry)
         if min(self.desirable_weight, self.undesirable_weight) <= 0:
             raise UserError(f"loss.desirable_weight and loss.undesirable_weight must be > 0, got {self.desirable_weight}, {self.undesirable_weight}")
-        if self.type == "kto" and self.nll_weight:
-            raise UserError("loss.nll_weight does not apply to loss.type kto (its rows are not pairs with a chosen side); leave it unset")
+        if entry.nll_weight is None and self.nll_weight:
+            reason = "" if entry.paired else " (its rows are not pairs with a chosen side)"
+            raise UserError(f"loss.nll_weight does not apply to loss.type {self.type}{reason}; leave it unset")
         if self.gamma_ratio < 0:
             raise UserError(f"loss.gamma_ratio must be >= 0, got {self.gamma_ratio}")
-        if self.type in REFERENCE_FREE and (self.reference != "live" or self.reference_refresh_every):
+        if not entry.needs_reference and (self.reference != "live" or self.reference_refresh_every):
             raise UserError(f"loss.type {self.type} uses no reference: leave loss.reference and loss.reference_refresh_every unset")
-        if self.type not in LABEL_SMOOTHED and self.label_smoothing:
-            raise UserError(f"loss.label_smoothing applies to {', '.join(LABEL_SMOOTHED)}, not {self.type}")
-        low = 0.0 if self.type != "conservative" else 1e-12
+        if entry.label_smoothing == "refused" and self.label_smoothing:
+            smoothed = [name for name, other in PREFERENCE_OBJECTIVES.items() if other.label_smoothing != "refused"]
+            raise UserError(f"loss.label_smoothing applies to {', '.join(smoothed)}, not {self.type}")
+        low = 1e-12 if entry.label_smoothing == "required" else 0.0
         if not low <= self.label_smoothing < 0.5:
             raise UserError(f"loss.label_smoothing must be in {'(0' if low else '[0'}, 0.5) for {self.type}, got {self.label_smoothing}")
         if self.nll_weight < 0 or self.reference_refresh_every < 0:
@@ -115,6 +88,20 @@ class Loss:
             raise UserError("loss.reference_refresh_every needs a live reference (loss.reference: live)")
         if self.reference_refresh_every and lora_rank:
             raise UserError("loss.reference_refresh_every: a LoRA reference is the base model and cannot be refreshed")
+
+    def _own_settings(self, entry: PreferenceObjective) -> None:
+        """Refuse another objective's own setting changed from its default (`PreferenceObjective.settings`)."""
+        for other in PREFERENCE_OBJECTIVES.values():
+            changed = [name for name in other.settings if name not in entry.settings and getattr(self, name) != getattr(Loss, name)]
+            if changed:
+                fields = " and ".join(f"loss.{name}" for name in other.settings)
+                verb = "apply" if len(other.settings) > 1 else "applies"
+                raise UserError(f"{fields} {verb} to loss.type {other.name} only (this run: {self.type})")
+
+    @property
+    def objective(self) -> PreferenceObjective:
+        """This section's entry in `PREFERENCE_OBJECTIVES`."""
+        return objective(self.type)
 
 
 @dataclass
@@ -127,15 +114,19 @@ class PreferenceModels:
     reference: Any = None
 
 
+@dataclass(frozen=True)
+class PreferenceSettings:
+    """What a preference step reads besides the models and the batch: the loss section and the
+    micro-batch size (at most that many rows per forward/backward)."""
+
+    loss: Loss
+    micro_batch_size: int
+
+
 def preference_losses(loss: Loss, policy: PairLogprobs, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor):
-    """Per-pair losses and implicit rewards of the configured objective; each (M,). A reference-free
-    objective (`REFERENCE_FREE`) reads the policy's sums alone (the reference's are zeros)."""
-    if loss.type in REFERENCE_FREE:
-        return REFERENCE_FREE[loss.type](loss, policy)
-    return PREFERENCE_LOSSES[loss.type](
-        policy.chosen, policy.rejected, ref_chosen, ref_rejected, policy.chosen_lengths, policy.rejected_lengths,
-        beta=loss.beta, label_smoothing=loss.label_smoothing,
-    )
+    """Per-pair losses and implicit rewards of the configured objective (its entry's `losses`); each
+    (M,). A reference-free objective reads the policy's sums alone (the reference's are zeros)."""
+    return loss.objective.losses(loss, policy, ref_chosen, ref_rejected)
 
 
 def step_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[str, float]:
@@ -144,24 +135,30 @@ def step_metrics(columns: torch.Tensor, nll: float, nll_weight: float) -> dict[s
     return {"loss": means["loss/preference"] + (nll_weight or 0.0) * nll, "loss/preference": means["loss/preference"], "loss/nll": nll, **means}
 
 
-def step(models: PreferenceModels, batch: PreferenceBatch, loss: Loss, micro_batch_size: int, world: World | None = None,
-         cached_reference: torch.Tensor | None = None) -> dict[str, float]:
+def step(models: PreferenceModels, batch: PreferenceBatch, settings: PreferenceSettings, world: World | None = None) -> dict[str, float]:
+    """One optimizer step of the objective `settings.loss.type` names: its entry's own step (KTO's on
+    unpaired rows), else `pair_step`. Returns the step's metrics, with "grad_norm" (pre-clipping)."""
+    return (settings.loss.objective.step or pair_step)(models, batch, settings, world)
+
+
+def pair_step(models: PreferenceModels, batch: PreferenceBatch, settings: PreferenceSettings, world: World | None = None) -> dict[str, float]:
     """One optimizer step on a batch of M pairs: forward/backward over micro-batches of at most
-    `micro_batch_size` pairs, then clip and step. The loss is the batch mean of the per-pair losses
-    plus nll_weight * the batch's chosen-token-mean NLL, normalised by the whole batch's counts, so
-    the gradient does not depend on micro_batch_size or the world size. The reference log-probs are
-    `cached_reference` ((M, 2) chosen / rejected sums, precomputed) or, when it is None, a forward of
-    `models.reference`. Under torchrun each rank takes its block of the pairs, all ranks running as
-    many micro-batches (a short rank a zero-weight one). Returns the step's metrics over the whole
-    batch, with "grad_norm" (pre-clipping)."""
+    `settings.micro_batch_size` pairs, then clip and step. The loss is the batch mean of the per-pair
+    losses (the objective's `losses`) plus nll_weight * the batch's chosen-token-mean NLL,
+    normalised by the whole batch's counts, so the gradient does not depend on the micro-batch size
+    or the world size. The reference log-probs are `batch.reference` ((M, 2) chosen / rejected sums,
+    precomputed) or, when it is None, a forward of `models.reference`. Under torchrun each rank takes
+    its block of the pairs, all ranks running as many micro-batches (a short rank a zero-weight one).
+    Returns the step's metrics over the whole batch, with "grad_norm" (pre-clipping)."""
     world = world or World()
+    loss, cached_reference = settings.loss, batch.reference
     trainer = models.policy.trainer
     forward = unwrap(trainer)
     M = batch.chosen.input_ids.shape[0]  # pairs (P is the prompt width everywhere else)
     chosen_tokens = batch.chosen.mask[:, 1:].sum().clamp(min=1)
     device = batch.chosen.input_ids.device
     parts, nll_total = [torch.zeros(7, 0, device=device)], torch.zeros(1, dtype=torch.float64, device=device)
-    for rows, weight, last in rank_micro_batches(torch.arange(M), world.block_owners(M), world, micro_batch_size):
+    for rows, weight, last in rank_micro_batches(torch.arange(M), world.block_owners(M), world, settings.micro_batch_size):
         if cached_reference is None:
             # The same LM-head path as the policy's, so policy == reference gives rewards of exactly 0.
             with forward.placement.autocast():  # the policy's precision
@@ -187,11 +184,12 @@ def step(models: PreferenceModels, batch: PreferenceBatch, loss: Loss, micro_bat
 
 
 def loss_card(loss: Loss, reference: Any, lora_rank: int, optim: Optimization) -> dict[str, Any]:
-    """The run card's loss link: the objective (`OBJECTIVES`) and every setting of `loss`, the
-    reference (`reference`: a live `ReferenceModel`, whose `adapter_disabled` says it is the LoRA
-    base, or None when precomputed into `REFERENCE_CACHE`; `lora_rank` > 0: from the LoRA base) and
-    the optimizer section `optim`, in full."""
-    if loss.type in REFERENCE_FREE:
+    """The run card's loss link: the objective (its entry's card text and settings) and every
+    setting of `loss`, the reference (`reference`: a live `ReferenceModel`, whose `adapter_disabled`
+    says it is the LoRA base, or None when precomputed into `REFERENCE_CACHE`; `lora_rank` > 0: from
+    the LoRA base) and the optimizer section `optim`, in full."""
+    entry = loss.objective
+    if not entry.needs_reference:
         reference_text = "none: the objective uses no reference (no reference model loaded, no reference forward)"
     elif reference is None:
         reference_text = "precomputed once at the start from the initial policy" + (" (LoRA base)" if lora_rank else "") + f", cached in {REFERENCE_CACHE}; no reference model in memory"
@@ -200,25 +198,15 @@ def loss_card(loss: Loss, reference: Any, lora_rank: int, optim: Optimization) -
     else:
         reference_text = "frozen copy of the initial policy"
     return {
-        "objective": OBJECTIVES[loss.type], "type": loss.type, "beta": loss.beta, "label_smoothing": loss.label_smoothing,
-        **({"gamma_ratio": loss.gamma_ratio, "gamma": loss.gamma_ratio * loss.beta} if loss.type == "simpo" else {}),
-        **({"desirable_weight": loss.desirable_weight, "undesirable_weight": loss.undesirable_weight,
-            "reference_point": "z0 = max(0, mean over the whole batch of the mismatched rows' log-ratio), detached, all-reduced "
-                               "over ranks (TRL: per micro-batch, each prompt with the previous row's completion); each row's "
-                               "mismatched completion is another prompt's, fixed at load by a seeded cycle",
-            "as_peers_spell_it": {"trl": f"KTOTrainer(loss_type='kto', beta={loss.beta}, desirable_weight={loss.desirable_weight}, "
-                                         f"undesirable_weight={loss.undesirable_weight})"}} if loss.type == "kto" else {}),
+        "objective": entry.card, "type": loss.type, "beta": loss.beta, "label_smoothing": loss.label_smoothing,
+        **entry.describe(loss),
         "sequence_logprob": "sum over response tokens (prompt and padding masked, the ending EOS counted)",
-        "length_handling": "per-token mean log-probs (length-normalised objective)" if loss.type.startswith("length_normalized")
-        or loss.type in ("simpo", "orpo") else "none: summed log-probs",
+        "length_handling": "per-token mean log-probs (length-normalised objective)" if entry.length_normalized else "none: summed log-probs",
         "nll_weight": loss.nll_weight,
         "nll_term": ("off" if not loss.nll_weight else f"{loss.type.upper()}'s own term: weight * token-mean NLL of the chosen responses"
-                     if loss.type in NLL_TERM else "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)"),
+                     if entry.nll_weight else "RPO: weight * token-mean NLL of the chosen responses (arXiv:2404.19733)"),
         "reference": reference_text, "reference_refresh_every": loss.reference_refresh_every,
         "reference_refresh": "TR-DPO hard update: the reference becomes the current policy (arXiv:2404.09656)" if loss.reference_refresh_every else "never",
-        "forward": ("the mismatched completions without gradient (the reference point), then the rows' own completions"
-                    if loss.type == "kto" else
-                    "chosen and rejected concatenated in one forward pass, each prompt computed once for both (a shared KV cache) where the model allows"),
-        "reduction": "mean over the batch's rows" if loss.type == "kto" else "mean over the batch's pairs",
+        "forward": entry.forward_text, "reduction": entry.reduction,
         "optimizer": dataclasses.asdict(optim),
     }

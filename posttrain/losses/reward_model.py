@@ -2,7 +2,9 @@
 chosen and rejected response, with the optional margin, centering and label smoothing
 (`algorithms.bradley_terry_loss`). `loss_card` is the run card's loss link.
 
-    metrics = step(Trainable(trainer, optimizer, scheduler, max_grad_norm), batch, margins, loss, micro_batch_size, world)
+    metrics = step(Trainable(trainer, optimizer, scheduler, max_grad_norm), batch, RewardModelSettings(loss, micro_batch_size), world)
+
+with each pair's margin (when `loss.margin`) in `batch.margins`.
 
 The loss is the mean over the batch's pairs, each micro-batch's sum divided by the whole batch's
 count, so the gradient does not depend on micro_batch_size or the world size.
@@ -40,6 +42,15 @@ class Loss:
             raise UserError(f"loss.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
+@dataclass(frozen=True)
+class RewardModelSettings:
+    """What a reward-model step reads besides the model and the batch: the loss section and the
+    micro-batch size (at most that many pairs per forward/backward)."""
+
+    loss: Loss
+    micro_batch_size: int
+
+
 def pair_margins(pairs: list, loss: Loss, name: str) -> torch.Tensor | None:
     """(M,) float32 margins of `pairs` (their metadata's `margin`) when `loss.margin`, else None; a
     pair without a number >= 0 there is one UserError naming it and `name` (the file)."""
@@ -54,20 +65,20 @@ def pair_margins(pairs: list, loss: Loss, name: str) -> torch.Tensor | None:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def step(trainable: Trainable, batch: PreferenceBatch, margins: torch.Tensor | None, loss: Loss, micro_batch_size: int,
-         world: World | None = None) -> dict[str, float]:
-    """One optimizer step on M pairs. `trainable.trainer` is a `TrainingForward` over
-    `models.reward_model.batch_rewards` (possibly in DDP); `margins` (M,) or None. Returns the means
-    over the whole batch: loss, accuracy (a tie is wrong), margin, rewards/chosen, rewards/rejected,
-    and grad_norm (pre-clipping)."""
+def step(models: Trainable, batch: PreferenceBatch, settings: RewardModelSettings, world: World | None = None) -> dict[str, float]:
+    """One optimizer step on M pairs. `models.trainer` is a `TrainingForward` over
+    `models.reward_model.batch_rewards` (possibly in DDP); `batch.margins` (M,) each pair's margin,
+    or None. Returns the means over the whole batch: loss, accuracy (a tie is wrong), margin,
+    rewards/chosen, rewards/rejected, and grad_norm (pre-clipping)."""
     world = world or World()
+    margins, loss = batch.margins, settings.loss
     M = batch.chosen.input_ids.shape[0]
     device = batch.chosen.input_ids.device
     margins = margins.to(device) if margins is not None else None
     parts = [torch.zeros(3, 0, device=device)]
-    for rows, weight, last in rank_micro_batches(torch.arange(M), world.block_owners(M), world, micro_batch_size):
-        with gradient_sync(trainable.trainer, last):
-            chosen, rejected = trainable.trainer(batch, rows)
+    for rows, weight, last in rank_micro_batches(torch.arange(M), world.block_owners(M), world, settings.micro_batch_size):
+        with gradient_sync(models.trainer, last):
+            chosen, rejected = models.trainer(batch, rows)
             losses = bradley_terry_loss(chosen, rejected, margin=None if margins is None else margins[rows],
                                         centering=loss.centering, label_smoothing=loss.label_smoothing)
             (losses.sum() / M * (weight * world.size)).backward()  # DDP averages gradients over ranks
@@ -77,7 +88,7 @@ def step(trainable: Trainable, batch: PreferenceBatch, margins: torch.Tensor | N
     if world.active:  # through the CPU: a pickled CUDA tensor would unpickle onto the sender's GPU
         columns = torch.cat([part.to(device) for part in world.gather(columns.cpu())], dim=1)
     metrics = {"loss": float(columns[0].mean()), **{key: float(value) for key, value in reward_pair_metrics(columns[1], columns[2]).items()}}
-    metrics["grad_norm"] = trainable.step()
+    metrics["grad_norm"] = models.step()
     return metrics
 
 

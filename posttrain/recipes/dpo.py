@@ -14,7 +14,8 @@ The pieces live where their concept does, each with its link of the run card: th
 (`PairSource`), loading and splitting the pairs and the data link in `posttrain/data/preference.py`,
 their provenance and the reward link (who labelled them) in `posttrain/data/provenance.py`, the pair
 forward in `posttrain/models/pair_forward.py`, the objectives and pair metrics in
-`posttrain/algorithms/preference.py`, the loss section, its step (steps 2-3 and the optimizer step)
+`posttrain/algorithms/preference.py`, what each `loss.type` needs and does (its rows, its reference,
+its step, its plots, its held-out evaluation, its alarm) in `posttrain/losses/objectives.py`, the loss section, its step (steps 2-3 and the optimizer step)
 and the loss link in `posttrain/losses/preference.py`, the held-out pair metrics, the held-out task
 split and the acceptance link in `posttrain/evaluation/preference.py`, the alarm in
 `posttrain/evaluation/alarms.py`; the other settings in `dpo_config.py`. This file is
@@ -32,7 +33,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,25 +41,25 @@ from typing import Any, Callable
 import torch
 
 from posttrain.config import to_dict
-from posttrain.data import PreferenceBatch, PreferencePair, tokenize_preference_pairs
+from posttrain.data import PreferenceBatch, PreferencePair
 from posttrain.data.context import PromptSet, check_prompts_fit
 from posttrain.data.examples import Example, Task
 from posttrain.data.stream import data_order
-from posttrain.data.preference import PairSplits, load_pairs, preference_data_card, prompt_key
+from posttrain.data.preference import PairSplits, preference_data_card, prompt_key
 from posttrain.data.unpaired import labels, load_unpaired
-from posttrain.data.provenance import read_provenance, reward_card
+from posttrain.data.provenance import reward_card
 from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, HeldOutSet, evaluate_sets, heldout_checker, shifted_sets
 from posttrain.evaluation.alarms import DisplacementAlarm
-from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs, evaluate_unpaired, heldout_task, preference_acceptance_card
+from posttrain.evaluation.preference import HELDOUT_METRICS, HeldoutPairs, heldout_task, preference_acceptance_card
 from posttrain.hardware import Placement
 from posttrain.models import ReferenceModel, make_reference
 from posttrain.models.forward import TrainingForward
 from posttrain.models.loading import load_policy
-from posttrain.models.pair_forward import pair_logprobs, precomputed_reference
-from posttrain.losses import kto
-from posttrain.losses.preference import REFERENCE_CACHE, REFERENCE_FREE, PreferenceModels, loss_card
+from posttrain.models.pair_forward import precomputed_reference
+from posttrain.losses.objectives import PreferenceObjective
+from posttrain.losses.preference import REFERENCE_CACHE, PreferenceModels, PreferenceSettings, loss_card
 from posttrain.losses.preference import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.dpo_config import Config
@@ -72,13 +72,6 @@ from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closin
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
-
-PLOTTED = ["loss", "rewards/accuracy", "rewards/margins", "logratio/chosen", "logratio/rejected",
-           "heldout/preference_accuracy", "heldout/pass@1"]
-KTO_PLOTTED = ["loss", "kl", "rewards/accuracy", "rewards/desirable", "rewards/undesirable", "logratio/desirable",
-               "logratio/undesirable", "heldout/label_side_accuracy", "heldout/pass@1"]
-"""What a KTO run plots: its rows are unpaired, so desirable / undesirable instead of chosen / rejected."""
-
 
 MEMORY_KNOBS = {"reference": ["micro_batch_size", "hardware.precision", "data.max_response_tokens"],
                 "update": ["micro_batch_size", "memory.gradient_checkpointing", "hardware.precision", "data.max_response_tokens"],
@@ -129,9 +122,9 @@ class State:
     reference_refreshed_at: list[int] = field(default_factory=list)
 
     @property
-    def kto(self) -> bool:
-        """Whether the rows are KTO's unpaired ones (`loss.type kto`)."""
-        return self.config.loss.type == "kto"
+    def objective(self) -> PreferenceObjective:
+        """The objective's entry (`losses.objectives`): its rows, its reference, its step, its plots."""
+        return self.config.loss.objective
 
     @property
     def frozen(self):
@@ -174,18 +167,9 @@ def setup(config: Config, world: World, placement: Placement) -> State:
     shifted sets: every check of the input, before anything is written."""
     policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha, placement,
                                     gradient_checkpointing=config.memory.gradient_checkpointing)
-    data = config.data
-    provenance = read_provenance(data.pairs) if os.path.isfile(data.pairs) else None  # else load_pairs says so
-    if data.system_prompt is None and (provenance or {}).get("system_prompt"):
-        data = dataclasses.replace(data, system_prompt=provenance["system_prompt"])  # the prompts as the pairs were sampled
-        logger.info("system prompt from the pairs' provenance: %r", data.system_prompt)
-    rendering = dict(truncation=data.truncation(), system_prompt=data.system_prompt, use_chat_template=data.use_chat_template)
-    def encode(pairs: list[PreferencePair]) -> PreferenceBatch:  # tokenised, on the run's device: the one boundary
-        return tokenize_preference_pairs(tokenizer, pairs, **rendering).to(placement.device)
-
-    splits = (load_unpaired if config.loss.type == "kto" else load_pairs)(
-        data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs, split_seed=config.seed,
-        strict=data.strict, data_format=data.format, columns=data.columns, source_split=data.split, **rendering)
+    objective = config.loss.objective
+    loaded = config.data.load(tokenizer, placement.device, config.seed, loader=None if objective.paired else load_unpaired)
+    data, provenance, splits = loaded.data, loaded.provenance, loaded.splits
     held_task, task_spec = heldout_task(config.acceptance, provenance, config.seed)
     checker = None
     if held_task is not None:
@@ -200,13 +184,13 @@ def setup(config: Config, world: World, placement: Placement) -> State:
         check_prompts_fit(policy, tokenizer, [PromptSet("held-out", held_task.examples, budget, "acceptance.max_new_tokens"),
                                               *(PromptSet(f"held-out '{s.name}'", s.task.examples, budget, "acceptance.max_new_tokens") for s in shifted)],
                           system_prompt=data.system_prompt)
-    if config.loss.type == "kto":
+    if objective.class_balance is not None:
         desirable = int(labels(train).sum())
-        splits.stats["class_balance"] = balance = kto.class_balance(desirable, len(train) - desirable, config.loss)
+        splits.stats["class_balance"] = balance = objective.class_balance(desirable, len(train) - desirable, config.loss)
         if "warning" in balance:
             logger.warning(balance["warning"])
     return State(config=dataclasses.replace(config, data=data), world=world, placement=placement, policy=policy, tokenizer=tokenizer,
-                 encode=encode, train=train, held_pairs=splits.heldout, data_stats=splits.stats, provenance=provenance,
+                 encode=loaded.encode, train=train, held_pairs=splits.heldout, data_stats=splits.stats, provenance=provenance,
                  held_task=held_task, task_spec=task_spec, checker=checker, shifted=shifted)
 
 
@@ -234,7 +218,7 @@ def build_trainer(state: State, run_dir: RunDirectory) -> None:
     before any wrapping, into the run directory; none for a reference-free objective, whose
     reference log-probs are zeros), then the trainer, its optimizer and schedule."""
     config, world, placement = state.config, state.world, state.placement
-    if config.loss.type in REFERENCE_FREE:  # no reference model: its log-probs are zeros, never computed
+    if not state.objective.needs_reference:  # no reference model: its log-probs are zeros, never computed
         state.cached = {"train": torch.zeros(len(state.train), 2), "heldout": torch.zeros(len(state.held_pairs), 2)}
     elif config.loss.reference == "precomputed":
         with placement.autocast(), memory_guard(0, MEMORY_KNOBS, phase="reference"):
@@ -246,7 +230,7 @@ def build_trainer(state: State, run_dir: RunDirectory) -> None:
         wrap(state.frozen, world, placement)
     # One call = pair log-probs of some rows (DDP, FSDP2 or the policy itself); FSDP2 takes the
     # plain forward so the root's shards are gathered.
-    state.trainer = wrap(TrainingForward(state.policy, kto.side_sums if state.kto else pair_logprobs, placement, full_forward=sharded),
+    state.trainer = wrap(TrainingForward(state.policy, state.objective.forward, placement, full_forward=sharded),
                          world, placement)
     state.optimizer, state.scheduler = make_optimizer(state.trainer.parameters(), config.optim, config.max_steps)
     state.models = PreferenceModels(Trainable(state.trainer, state.optimizer, state.scheduler, config.optim.max_grad_norm),
@@ -272,7 +256,7 @@ def _train(state: State, run_dir: RunDirectory, loop: StepLoop, card: dict, writ
     state.policy.train()
 
     def plot() -> None:
-        plot_metrics(run_dir.read_metrics(), KTO_PLOTTED if state.kto else PLOTTED, run_dir.plots)
+        plot_metrics(run_dir.read_metrics(), list(state.objective.plotted), run_dir.plots)
         if state.shifted:
             plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
 
@@ -296,22 +280,17 @@ def step(state: State, done: int, card: dict, write_card: Callable[[], None]) ->
     # 1. The next batch of the seeded pair stream.
     indices = data_order(len(state.train), config.seed, (done - 1) * config.batch_size, config.batch_size)
     rows = [state.train[i] for i in indices]
-    batch = state.encode(rows)
+    # With the per-row inputs: the cached reference's sums (None: the live reference) and unpaired rows' labels.
+    cached = state.cached["train"][indices].to(placement.device) if state.cached is not None else None
+    batch = dataclasses.replace(state.encode(rows), reference=cached, desirable=None if state.objective.paired else labels(rows))
     # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
-    with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
-        ref = state.cached["train"][indices].to(placement.device) if state.cached is not None else None
-        with full_weights(state.frozen):
-            if state.kto:
-                metrics = kto.step(state.models, batch, labels(rows), config.loss, config.micro_batch_size, state.world, cached_reference=ref)
-            else:
-                metrics = loss_step(state.models, batch, config.loss, config.micro_batch_size, state.world, cached_reference=ref)
+    with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"), full_weights(state.frozen):
+        metrics = loss_step(state.models, batch, PreferenceSettings(config.loss, config.micro_batch_size), state.world)
     state.step = done
-    # 4. Alarm, refresh (then `_train`: evaluate, log, checkpoint).
-    # A reference-free objective has no log-ratio to the reference: the displacement alarm does not apply.
-    # KTO watches its desirable rows' log-ratio (a batch without one skips the alarm).
-    watched = metrics.get("logratio/desirable") if state.kto else metrics.get("logratio/chosen")
-    message = (state.alarm.observe(done, watched, metrics["rewards/accuracy"])
-               if config.loss.type not in REFERENCE_FREE and watched is not None else None)
+    # 4. Alarm, refresh (then `_train`: evaluate, log, checkpoint). The alarm watches the objective's
+    # log-ratio (KTO: its desirable rows', a batch without one skipping it); none without a reference.
+    watched = metrics.get(state.objective.watched) if state.objective.watched else None
+    message = state.alarm.observe(done, watched, metrics["rewards/accuracy"]) if watched is not None else None
     if message:
         logger.warning(message)
         card["alarms"] = list(state.alarm.rings)
@@ -359,7 +338,7 @@ def _evaluate_main(state: State, run_dir: RunDirectory) -> dict[str, Any]:
     policy.eval()
     cached = state.cached["heldout"] if state.cached is not None else None
     heldout = HeldoutPairs(state.held_pairs, state.encode, config.loss, config.micro_batch_size, state.reference, cached)
-    metrics = (evaluate_unpaired if state.kto else evaluate_pairs)(policy, heldout)
+    metrics = HELDOUT_METRICS[state.objective.heldout](policy, heldout)
     if state.held_task is not None:
         metrics.update(evaluate_sets(policy, state.tokenizer, state.held_task, state.checker, state.shifted, step=state.step,
                                      eval_dir=run_dir.eval_dir, seed=config.seed, max_new_tokens=config.acceptance.max_new_tokens,
@@ -390,15 +369,15 @@ def make_card(state: State, changes: list[str]) -> dict[str, Any]:
                                                  seed=config.seed, batch_size=config.batch_size, micro_batch_size=config.micro_batch_size)
     card["links"]["reward"] = reward_card(config.data.pairs, state.provenance)
     card["links"]["loss"] = loss_card(config.loss, state.reference, config.lora_rank, config.optim)
-    if state.kto:
+    if "class_balance" in state.data_stats:
         balance = card["links"]["loss"]["class_balance"] = state.data_stats["class_balance"]
         if "warning" in balance:
             card["notes"].append(balance["warning"])
     acceptance = card["links"]["acceptance"] = preference_acceptance_card(config.acceptance, len(state.held_pairs), state.task_spec,
-                                                                          state.checker, state.provenance, state.shifted, unpaired=state.kto)
+                                                                          state.checker, state.provenance, state.shifted, unpaired=not state.objective.paired)
     if acceptance.get("independent") is False:
         card["notes"].append(f"acceptance is not independent of the labels: {acceptance['independence_reason']}")
-    if config.loss.type in REFERENCE_FREE:
+    if not state.objective.needs_reference:
         acceptance["displacement_alarm"] = (f"off: loss.type {config.loss.type} uses no reference, so there is no chosen log-ratio "
                                             "to watch (logratio/* metrics are the policy's own summed log-probs)")
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)

@@ -13,7 +13,7 @@ from posttrain.data.preference import PairSource
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.evaluation import settings as evaluation_settings
-from posttrain.losses.preference import OBJECTIVES, Loss  # noqa: F401  (the loss section, re-exported with its card texts)
+from posttrain.losses.preference import Loss
 from posttrain.optim import Optimization
 
 

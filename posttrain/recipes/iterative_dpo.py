@@ -49,6 +49,7 @@ from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import heldout_checker
 from posttrain.evaluation.preference import heldout_task
 from posttrain.hardware import resolve
+from posttrain.losses.objectives import PREFERENCE_OBJECTIVES, objective
 from posttrain.recipes import dpo, dpo_config, pairs
 from posttrain.rewards.defaults import default_reward
 from posttrain.rewards.registry import as_verifier
@@ -125,8 +126,9 @@ class Config:
         if self.dpo.lora_rank:
             raise UserError("dpo.lora_rank: iterative DPO needs full fine-tuning (with LoRA the reference would be the base "
                             "model in every round, not the round's start)")
-        if self.pairs.unpaired and self.dpo.loss.type != "kto":
-            raise UserError(f"pairs.unpaired writes KTO's unpaired rows, which only dpo.loss.type kto trains on (this run: {self.dpo.loss.type})")
+        if self.pairs.unpaired and objective(self.dpo.loss.type, "dpo.loss.type").paired:
+            unpaired = " or ".join(name for name, entry in PREFERENCE_OBJECTIVES.items() if not entry.paired)
+            raise UserError(f"pairs.unpaired writes KTO's unpaired rows, which only dpo.loss.type {unpaired} trains on (this run: {self.dpo.loss.type})")
         if not self.pairs.data.task:
             raise UserError("pairs.data.task: required, the task whose training split each round samples (--pairs.data.task arithmetic)")
         # Each section checked as a round will run it (the round's own values filled in), its errors named by the section.

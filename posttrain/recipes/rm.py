@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,15 +31,15 @@ from typing import Any
 import torch
 
 from posttrain.config import PolicyFields, to_dict
-from posttrain.data import PreferencePair, tokenize_preference_pairs
-from posttrain.data.preference import PairSource, PairSplits, load_pairs, preference_data_card
-from posttrain.data.provenance import read_provenance, reward_card
+from posttrain.data import PreferencePair
+from posttrain.data.preference import PairSource, PairSplits, preference_data_card
+from posttrain.data.provenance import reward_card
 from posttrain.data.stream import data_order
 from posttrain.distributed import Parallel, World, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.reward_model import evaluate_reward_pairs
 from posttrain.hardware import Placement
-from posttrain.losses.reward_model import Loss, loss_card, pair_margins
+from posttrain.losses.reward_model import Loss, RewardModelSettings, loss_card, pair_margins
 from posttrain.losses.reward_model import step as loss_step
 from posttrain.models.forward import TrainingForward
 from posttrain.models.loading import load_policy
@@ -170,24 +169,15 @@ def setup(config: Config, world: World, placement: Placement) -> State:
     policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha, placement,
                                     gradient_checkpointing=config.memory.gradient_checkpointing)
     model = RewardModel.from_policy(policy, seed=config.seed)
-    data = config.data
-    provenance = read_provenance(data.pairs) if os.path.isfile(data.pairs) else None
-    if data.system_prompt is None and (provenance or {}).get("system_prompt"):
-        data = dataclasses.replace(data, system_prompt=provenance["system_prompt"])  # the prompts as the pairs were sampled
-    rendering = dict(truncation=data.truncation(), system_prompt=data.system_prompt, use_chat_template=data.use_chat_template)
-
-    def encode(pairs: list[PreferencePair]):  # tokenised (the response's EOS appended), on the run's device: the one boundary
-        return tokenize_preference_pairs(tokenizer, pairs, **rendering).to(placement.device)
-
-    splits = load_pairs(data.pairs, tokenizer, heldout_file=data.heldout_file, heldout_pairs=data.heldout_pairs, split_seed=config.seed,
-                        strict=data.strict, data_format=data.format, columns=data.columns, source_split=data.split, **rendering,
-                        unpaired_advice="a reward model is trained on pairs (Bradley-Terry): make them with posttrain pairs "
-                                        "(without --unpaired), or train on these rows with posttrain dpo --loss.type kto")
+    loaded = config.data.load(tokenizer, placement.device, config.seed,
+                              unpaired_advice="a reward model is trained on pairs (Bradley-Terry): make them with posttrain pairs "
+                                              "(without --unpaired), or train on these rows with posttrain dpo --loss.type kto")
+    data, splits = loaded.data, loaded.splits
     margins = {"train": pair_margins(splits.train, config.loss, data.pairs),
                "heldout": pair_margins(splits.heldout, config.loss, data.heldout_file or data.pairs)}
     return State(config=dataclasses.replace(config, data=data), world=world, placement=placement, model=model, tokenizer=tokenizer,
-                 encode=encode, train=splits.train, held_pairs=splits.heldout, margins=margins, data_stats=splits.stats,
-                 provenance=provenance)
+                 encode=loaded.encode, train=splits.train, held_pairs=splits.heldout, margins=margins, data_stats=splits.stats,
+                 provenance=loaded.provenance)
 
 
 def build_trainer(state: State) -> None:
@@ -206,9 +196,9 @@ def step(state: State, done: int) -> dict[str, Any]:
     placement.reset_peak_memory()
     indices = data_order(len(state.train), config.seed, (done - 1) * config.batch_size, config.batch_size)
     batch = state.encode([state.train[i] for i in indices])
-    margins = state.margins["train"][indices] if state.margins["train"] is not None else None
+    batch.margins = state.margins["train"][indices] if state.margins["train"] is not None else None  # the step moves it to the batch's device
     with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
-        metrics = loss_step(state.trainable, batch, margins, config.loss, config.micro_batch_size, state.world)
+        metrics = loss_step(state.trainable, batch, RewardModelSettings(config.loss, config.micro_batch_size), state.world)
     state.step = done
     tokens = int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum())
     metrics.update({"lr": state.scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},

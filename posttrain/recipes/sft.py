@@ -30,6 +30,7 @@ from posttrain.evaluation.acceptance import IN_DISTRIBUTION, heldout_checker, sh
 from posttrain.evaluation.sft import HeldoutSettings, acceptance_card, heldout_metrics
 from posttrain.models.forward import TrainingForward, batch_response_sums
 from posttrain.models.loading import load_policy
+from posttrain.losses.sft import SFTSettings
 from posttrain.losses.sft import step as loss_step
 from posttrain.optim import Optimization, Trainable, make_optimizer
 from posttrain.runs import RunDirectory, new_card, plot_metrics
@@ -131,7 +132,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
             timer = Timer(placement.synchronize)
             placement.reset_peak_memory()
             with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
-                metrics = loss_step(models, batch, config.micro_batch_size, world)
+                metrics = loss_step(models, batch, SFTSettings(config.micro_batch_size), world)
             # 3. Log; evaluate and checkpoint on schedule.
             metrics.update({
                 "lr": scheduler.get_last_lr()[0],
