@@ -87,8 +87,9 @@ class ScoredBatch:
         """(N,) bool: rows with a reward (infra and data errors never reach the loss)."""
         return ~torch.isnan(self.scores.rewards)
 
-    def metrics(self, seconds: dict[str, float]) -> dict[str, Any]:
-        """The data and reward links' step metrics and the step's timings (see docs/metrics.md)."""
+    def metrics(self) -> dict[str, Any]:
+        """The data and reward links' step metrics (see docs/metrics.md; the step's timings are its
+        clock's: `throughput` says what they count)."""
         rewards = self.scores.rewards[self.valid]
         lengths = self.rollout.lengths.float()
         return {
@@ -98,24 +99,18 @@ class ScoredBatch:
             **{f"reward/{name}": value for name, value in self.scores.components.items()},
             "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
             "truncated_fraction": float(self.rollout.truncated.float().mean()),
-            **{f"seconds/{phase}": value for phase, value in seconds.items()},
-            "tokens_per_second": float(lengths.sum()) / max(1e-9, sum(seconds.values())),
-            **self._throughput(seconds),
             **episode_metrics(self.rollout),
         }
 
-    def _throughput(self, seconds: dict[str, float]) -> dict[str, float]:
-        """Generation: sampled tokens per second of generation. Training: real (prompt + completion)
-        positions of the batch per second of the training forwards and backwards (logprobs + update)."""
+    def throughput(self) -> tuple[float, dict[str, tuple[float, tuple[str, ...]]]]:
+        """What the step's clock divides by its seconds (`StepClock.metrics(tokens, rates)`): the
+        sampled completion tokens of the batch over the step; those over the `generation` phase;
+        and the real (prompt + completion) positions the training forwards and backwards go over,
+        over the `logprobs` and `update` phases."""
         generated = float(self.rollout.mask.sum())
         positions = float(self.rollout.prompt_attention_mask.sum()) + float(self.rollout.completion_attention_mask.sum())
-        rates = {}
-        if seconds.get("generation"):
-            rates["tokens_per_second/generation"] = generated / seconds["generation"]
-        training = seconds.get("logprobs", 0.0) + seconds.get("update", 0.0)
-        if training:
-            rates["tokens_per_second/training"] = positions / training
-        return rates
+        return float(self.rollout.lengths.sum()), {"generation": (generated, ("generation",)),
+                                                   "training": (positions, ("logprobs", "update"))}
 
     def sample_rows(self, limit: int) -> list[dict[str, Any]]:
         """The first `limit` rows for samples.jsonl: prompt, completion, verdict, reason."""

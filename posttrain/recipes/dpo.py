@@ -33,7 +33,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -67,7 +66,7 @@ from posttrain.rewards import Verifier
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.faults import memory_guard
-from posttrain.runs.timer import Timer
+from posttrain.runs.timer import StepClock
 from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
@@ -154,7 +153,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     write_card = card_writer(run_dir, card, world)
     write_card()
     with closing(run_dir, card, write_card), StepLoop("dpo", run_dir, world, state.step, config.max_steps, config.checkpoint_every,
-                                                 config.acceptance.eval_every) as loop:
+                                                 config.acceptance.eval_every, placement) as loop:
         _train(state, run_dir, loop, card, write_card)
     del state.trainer, state.models  # DDP wrappers first, then the process group
     world.close()
@@ -261,7 +260,7 @@ def _train(state: State, run_dir: RunDirectory, loop: StepLoop, card: dict, writ
             plot_sets(run_dir.read_metrics(), [IN_DISTRIBUTION] + [held.name for held in state.shifted], run_dir.plots / "heldout_sets.png")
 
     for done in loop:
-        metrics = step(state, done, card, write_card)  # 1-4
+        metrics = step(state, done, card, write_card, loop.clock)  # 1-4
         if loop.evaluates(done):
             metrics.update(evaluate(state, run_dir))
         loop.end_step(done, metrics, save=lambda: save(state, run_dir),
@@ -269,14 +268,14 @@ def _train(state: State, run_dir: RunDirectory, loop: StepLoop, card: dict, writ
                       loss=f"{metrics['loss']:.4f}", accuracy=f"{metrics['rewards/accuracy']:.2f}")
 
 
-def step(state: State, done: int, card: dict, write_card: Callable[[], None]) -> dict[str, Any]:
+def step(state: State, done: int, card: dict, write_card: Callable[[], None], clock: StepClock | None = None) -> dict[str, Any]:
     """Step `done` up to its evaluation: 1. the next batch of the seeded pair stream, 2-3. the loss
     link's step (reference log-probs live or cached, policy log-probs, loss, backward, clip,
     optimizer step), 4. the displacement alarm and the reference refresh (each into the card) and
-    the step's throughput. Advances `state.step`; returns the step's metrics."""
+    the step's timings on `clock` (the loop's; a new one when None). Advances `state.step`; returns
+    the step's metrics."""
     config, placement = state.config, state.placement
-    timer, started = Timer(placement.synchronize), time.perf_counter()
-    placement.reset_peak_memory()
+    clock = clock or StepClock(placement)
     # 1. The next batch of the seeded pair stream.
     indices = data_order(len(state.train), config.seed, (done - 1) * config.batch_size, config.batch_size)
     rows = [state.train[i] for i in indices]
@@ -284,7 +283,7 @@ def step(state: State, done: int, card: dict, write_card: Callable[[], None]) ->
     cached = state.cached["train"][indices].to(placement.device) if state.cached is not None else None
     batch = dataclasses.replace(state.encode(rows), reference=cached, desirable=None if state.objective.paired else labels(rows))
     # 2-3. Reference log-probs, policy log-probs (one forward per micro-batch), loss, backward.
-    with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"), full_weights(state.frozen):
+    with memory_guard(done, MEMORY_KNOBS, phase="update"), clock("train"), full_weights(state.frozen):
         metrics = loss_step(state.models, batch, PreferenceSettings(config.loss, config.micro_batch_size), state.world)
     state.step = done
     # 4. Alarm, refresh (then `_train`: evaluate, log, checkpoint). The alarm watches the objective's
@@ -301,13 +300,8 @@ def step(state: State, done: int, card: dict, write_card: Callable[[], None]) ->
         card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
         write_card()
     tokens = int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum())
-    metrics.update({
-        "lr": state.scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},
-        "tokens_per_second": tokens / (time.perf_counter() - started),
-        "tokens_per_second/training": tokens / max(1e-9, timer.seconds.get("train", 0.0)),
-    })
-    if placement.is_cuda:
-        metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
+    metrics["lr"] = state.scheduler.get_last_lr()[0]
+    metrics.update(clock.metrics(tokens, {"training": (tokens, ("train",))}))
     return metrics
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -305,7 +304,7 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
 
     write_card()
     with closing(run_dir, card, write_card), StepLoop(recipe, run_dir, world, state.step, config.max_steps, config.checkpoint_every,
-                                                 config.acceptance.eval_every) as loop:
+                                                 config.acceptance.eval_every, state.placement) as loop:
         _train(state, RunParts(run_dir, card, write_card, alarm, signal, extra_models), loop)
     del state.trainer  # DDP wrappers first, then the process group
     world.close()
@@ -329,7 +328,7 @@ class RunParts:
 def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
     """`run`'s loop: step 0's evaluation, then sample, step, log, evaluate, checkpoint until max_steps
     or a stop signal (a checkpoint at that step, then `RunStopped`)."""
-    config, world, placement = state.config, state.world, state.placement
+    config, world = state.config, state.world
     run_dir, card, write_card, alarm, signal, extra_models = (parts.directory, parts.card, parts.write_card, parts.alarm,
                                                               parts.signal, parts.extra_models)
     if state.step == 0:
@@ -352,8 +351,7 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
 
     engine = engine_of(state.sampler)
     for _ in loop:
-        timer, started = Timer(placement.synchronize), time.perf_counter()
-        placement.reset_peak_memory()
+        timer = loop.clock.timer
         with memory_guard(state.step + 1, MEMORY_KNOBS, timer):
             try:
                 batch = sample(state, timer)  # 1-2
@@ -368,10 +366,8 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
             alarm.calibrate(batch.scores.rewards[batch.valid].tolist())
             card["links"]["acceptance"]["divergence_alarm_threshold"] = alarm.describe()
         # 5. Log, evaluate, checkpoint.
-        metrics.update(batch.metrics(timer.seconds))
-        metrics["seconds/step"] = time.perf_counter() - started  # the whole step before evaluation and logging
-        if placement.is_cuda:
-            metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
+        metrics.update(batch.metrics())
+        metrics.update(loop.clock.metrics(*batch.throughput()))  # the whole step before evaluation and logging
         run_dir.log_samples(done, batch.sample_rows(config.samples_per_step))
         if loop.evaluates(done):
             with memory_guard(done, MEMORY_KNOBS, phase="evaluation"):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from posttrain.optim import Optimization, Trainable, make_optimizer
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start
-from posttrain.runs.timer import Timer
+from posttrain.runs.timer import StepClock
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
@@ -144,12 +143,12 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     write_card = card_writer(run_dir, card, world)
     write_card()
     with closing(run_dir, card, write_card), StepLoop("rm", run_dir, world, state.step, config.max_steps, config.checkpoint_every,
-                                                     config.acceptance.eval_every) as loop:
+                                                     config.acceptance.eval_every, state.placement) as loop:
         if state.step == 0:
             run_dir.log_metrics(0, evaluate(state))
         state.model.train()
         for done in loop:
-            metrics = step(state, done)
+            metrics = step(state, done, loop.clock)
             if loop.evaluates(done):
                 metrics.update(evaluate(state))
             plot = world.main and (loop.evaluates(done) or done % config.checkpoint_every == 0)  # matplotlib at every step cost more than the steps
@@ -189,22 +188,20 @@ def build_trainer(state: State) -> None:
     state.trainable = Trainable(state.trainer, state.optimizer, state.scheduler, config.optim.max_grad_norm)
 
 
-def step(state: State, done: int) -> dict[str, Any]:
-    """Step `done`: the next batch of the seeded pair stream, then the loss link's step."""
+def step(state: State, done: int, clock: StepClock | None = None) -> dict[str, Any]:
+    """Step `done`: the next batch of the seeded pair stream, then the loss link's step, its timings
+    on `clock` (the loop's; a new one when None)."""
     config, placement = state.config, state.placement
-    timer, started = Timer(placement.synchronize), time.perf_counter()
-    placement.reset_peak_memory()
+    clock = clock or StepClock(placement)
     indices = data_order(len(state.train), config.seed, (done - 1) * config.batch_size, config.batch_size)
     batch = state.encode([state.train[i] for i in indices])
     batch.margins = state.margins["train"][indices] if state.margins["train"] is not None else None  # the step moves it to the batch's device
-    with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
+    with memory_guard(done, MEMORY_KNOBS, phase="update"), clock("train"):
         metrics = loss_step(state.trainable, batch, RewardModelSettings(config.loss, config.micro_batch_size), state.world)
     state.step = done
     tokens = int(batch.chosen.attention_mask.sum() + batch.rejected.attention_mask.sum())
-    metrics.update({"lr": state.scheduler.get_last_lr()[0], **{f"seconds/{k}": v for k, v in timer.seconds.items()},
-                    "tokens_per_second": tokens / (time.perf_counter() - started)})
-    if placement.is_cuda:
-        metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
+    metrics["lr"] = state.scheduler.get_last_lr()[0]
+    metrics.update(clock.metrics(tokens, {"training": (tokens, ("train",))}))
     return metrics
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -36,7 +35,6 @@ from posttrain.optim import Optimization, Trainable, make_optimizer
 from posttrain.runs import RunDirectory, new_card, plot_metrics
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.plots import plot_sets
-from posttrain.runs.timer import Timer
 from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
@@ -122,26 +120,18 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
     write_card()
     model.train()
     with closing(run_dir, card, write_card), StepLoop("sft", run_dir, world, start_step, config.max_steps, config.checkpoint_every,
-                                                 config.acceptance.eval_every) as loop:
+                                                 config.acceptance.eval_every, placement) as loop:
         for done in loop:
-            started = time.perf_counter()
             # 1. The next batch of the seeded data stream.
             items = [data.train[i] for i in data_order(len(data.train), config.seed, (done - 1) * config.batch_size, config.batch_size)]
             batch = data.encode(items).to(placement.device)  # the step's one host-to-device boundary
             # 2. Forward/backward per micro-batch, normalised by the whole batch's tokens; optimizer step.
-            timer = Timer(placement.synchronize)
-            placement.reset_peak_memory()
-            with memory_guard(done, MEMORY_KNOBS, phase="update"), timer("train"):
+            with memory_guard(done, MEMORY_KNOBS, phase="update"), loop.clock("train"):
                 metrics = loss_step(models, batch, SFTSettings(config.micro_batch_size), world)
             # 3. Log; evaluate and checkpoint on schedule.
-            metrics.update({
-                "lr": scheduler.get_last_lr()[0],
-                "tokens_per_second": int(batch.attention_mask.sum()) / (time.perf_counter() - started),
-                "seconds/train": timer.seconds.get("train", 0.0),
-                "tokens_per_second/training": int(batch.attention_mask.sum()) / max(1e-9, timer.seconds.get("train", 0.0)),
-            })
-            if placement.is_cuda:
-                metrics["memory/peak_allocated_gib"] = placement.peak_memory_gib()
+            tokens = int(batch.attention_mask.sum())
+            metrics["lr"] = scheduler.get_last_lr()[0]
+            metrics.update(loop.clock.metrics(tokens, {"training": (tokens, ("train",))}))
             if loop.evaluates(done):
                 with full_weights(model), placement.autocast(), memory_guard(done, MEMORY_KNOBS, phase="evaluation"):  # rank 0 evaluates; FSDP2: the others lend shards
                     if world.main:
