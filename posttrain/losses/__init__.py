@@ -9,8 +9,10 @@ dataclass (the loss section and the micro-batch size).
   (KTO, `kto`), each an entry of the table in `objectives` through which `preference.step`
   dispatches (`PreferenceSettings`).
 - `reward_model`: Bradley-Terry on a reward model's scalar rewards of each pair (`RewardModelSettings`).
-- `policy_gradient`: the clipped surrogate over rollouts (GRPO, PPO; TIS, KL in the loss, the value
-  loss); its step also returns the trainer's log-probs.
+- `policy_gradient`: `prepare` (the old / reference log-probs, the critic's values, the KL in the
+  reward, the estimator's advantages: an `UpdateBatch` from a scored batch) and `step` (the exact KL,
+  the surrogate over rollouts: GRPO, PPO; TIS, KL in the loss, the value loss; the sampler mismatch),
+  both on `PolicyModels` and `UpdateSettings`.
 
 The pure tensor math each step calls lives in `posttrain/algorithms/`; the recipes in
 `posttrain/recipes/` build the models, the batch and the settings and call the step.
