@@ -380,7 +380,7 @@ def test_an_online_step_trains_on_tool_episodes_with_the_real_tool(tmp_path, adv
     assert batch.rendered[0].startswith("<|im_start|>system\nYou may call tools.")  # ... so they are described in a system message
     even = torch.arange(len(episodes)) % 2 == 0
     assert batch.scores.rewards[even].eq(1).all() and batch.scores.rewards[~even].eq(0).all()
-    metrics = {**batch.metrics({}), **online.step(state, batch)}
+    metrics = {**batch.metrics(), **online.step(state, batch)}
     assert metrics["turns/mean"] == 2 and metrics["tools/calls"] == 1
     assert 0 < metrics["tokens/observation_fraction"] < 1
     assert all(torch.isfinite(torch.tensor(value)) for key, value in metrics.items() if key.startswith("loss") and value is not None)
@@ -401,7 +401,7 @@ def test_episodes_ended_at_the_models_positions_count_in_truncated_fraction(tmp_
     batch = online.sample(state)
     positions = batch.rollout.prompt_attention_mask.sum(-1) + batch.rollout.completion_attention_mask.sum(-1)
     assert positions.eq(state.policy.config.max_position_embeddings).all()
-    assert batch.metrics({})["truncated_fraction"] == 1.0
+    assert batch.metrics()["truncated_fraction"] == 1.0
     assert all(e["turns"] == 1 for e in batch.rollout.episodes)
 
 
