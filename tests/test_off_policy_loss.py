@@ -253,3 +253,18 @@ def test_explain_decoupled_text(capsys):
     assert main(["explain", "decoupled", "--logprob", "-0.9", "--proximal", "-1.0", "--behaviour", "-1.5", "--advantage", "1"]) == 0
     out = capsys.readouterr().out
     assert "weight w             = [1.648721]" in out and "loss = -1.822119" in out and "loss -1.200000" in out
+
+
+def test_decoupled_step_at_the_sequence_level():
+    """Level sequence, through the step: each row's weight is exp(sum of its counted log-ratios): row 0
+    e^(1.0 n_0) (truncated at 2), row i e^(0.3 n_i); the metrics count rows, not tokens (n = 8 rows),
+    and the truncated fraction counts the tokens of the truncated rows."""
+    state = state_with({"objective": "decoupled", "level": "sequence"})
+    metrics, update_batch = run_step(state, fixed_batch(state), behaviour_shift=shifted)
+    lengths = update_batch.mask.sum(-1).tolist()
+    raw = [math.exp(n * (1.0 if row == 0 else 0.3)) for row, n in enumerate(lengths) if n]
+    assert metrics["offpolicy/is_weight_mean"] == pytest.approx(sum(raw) / len(raw), rel=1e-4)
+    assert metrics["offpolicy/is_weight_max"] == pytest.approx(max(raw), rel=1e-4)
+    assert metrics["offpolicy/is_ess"] == pytest.approx(sum(raw) ** 2 / (len(raw) * sum(w * w for w in raw)), rel=1e-4)
+    truncated_tokens = sum(n for n, w in zip([n for n in lengths if n], raw) if w > 2.0)
+    assert metrics["offpolicy/truncated_fraction"] == pytest.approx(truncated_tokens / sum(lengths))
