@@ -83,6 +83,8 @@ def test_text_output_is_readable(capsys):
         (["clip", "--old-prob", "0.2", "--new-prob", "1.3", "--advantage", "1"], "--new-prob"),
         (["clip", "--old-prob", "0.2", "--new-prob", "0.3", "--advantage", "1", "--dual-clip", "0.5"], "dual_clip"),
         (["dpo", "--chosen", "-2", "--rejected", "-4", "--ref-chosen", "-3", "--ref-rejected", "-3", "--beta", "0"], "--beta"),
+        (["decoupled", "--logprob", "-1", "--proximal", "-1", "-2", "--behaviour", "-1", "--advantage", "1"], "one value per token"),
+        (["decoupled", "--logprob", "-1", "--proximal", "-1", "--behaviour", "-1", "--advantage", "1", "--cap", "0"], "--cap > 0"),
     ],
 )
 def test_bad_arguments_one_line_exit_2(capsys, argv, message):

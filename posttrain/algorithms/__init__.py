@@ -12,9 +12,10 @@ from posttrain.algorithms.advantages import (
     rloo_advantages,
     whiten,
 )
+from posttrain.algorithms.importance import effective_sample_size, importance_weights, truncated_importance_weights
 from posttrain.algorithms.kl import ESTIMATORS, exact_kl, kl_estimate, kl_penalized_rewards
 from posttrain.algorithms.logprobs import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
-from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss, sampler_mismatch, truncated_importance_weights
+from posttrain.algorithms.policy import AGGREGATIONS, aggregate, clipped_surrogate, clipped_value_loss, sampler_mismatch
 from posttrain.algorithms.preference import (
     PAIR_METRICS,
     conservative_dpo_loss,
@@ -31,6 +32,8 @@ from posttrain.algorithms.reference_free import KTO_CLASS_BALANCE_BAND, cpo_loss
 __all__ = [
     "sampler_mismatch",
     "truncated_importance_weights",
+    "importance_weights",
+    "effective_sample_size",
     "AGGREGATIONS",
     "ESTIMATORS",
     "KTO_CLASS_BALANCE_BAND",

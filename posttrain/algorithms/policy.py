@@ -259,32 +259,6 @@ def aggregate(
     raise ValueError(f"unknown aggregation mode {mode!r}; choose from {', '.join(AGGREGATIONS)}")
 
 
-def truncated_importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
-    """Per-token truncated importance sampling (TIS) weights between the distribution the tokens were
-    drawn from and the one the trainer computes for the behaviour policy:
-
-        w = min(exp(old_logprobs - sampler_logprobs), cap)
-
-    The rollout engine and the training forward compute the same policy with different kernels
-    (and, under bf16, different rounding), and top-p / top-k sampling draws from a truncated
-    distribution; multiplying each token's surrogate loss by w corrects the gradient towards the
-    trainer's on-policy one (Yao et al., "Your efficient RL framework secretly brings you
-    off-policy RL training", 2025), the cap bounding its variance.
-
-    Args:
-        old_logprobs: (N, T) the trainer's log-probs of the sampled tokens before the update.
-        sampler_logprobs: (N, T) the rollout engine's log-probs under the distribution it sampled.
-        cap: C > 0, the truncation.
-
-    Returns:
-        (N, T) detached weights in (0, cap].
-
-    Example: old -1.0, sampler -1.5 -> exp(0.5) = 1.6487; old -0.2, sampler -1.5 -> exp(1.3) = 3.669,
-    capped at 2.
-    """
-    return torch.exp(old_logprobs.detach().float() - sampler_logprobs.float()).clamp(max=cap)
-
-
 def sampler_mismatch(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """How far the rollout engine's log-probs of the sampled tokens are from the training forward's
     log-probs of the same tokens (both under softmax(logits / temperature), before the update).

@@ -261,6 +261,47 @@ def explain_cispo(args) -> int:
     return _emit(args, {"loss": loss, "grad": grad[0], "clipped": bool(stats["clipped_high"].any() or stats["clipped_low"].any())}, lines)
 
 
+def explain_decoupled(args) -> int:
+    import torch
+
+    from posttrain.algorithms import clipped_surrogate, importance_weights
+
+    columns = (args.logprob, args.proximal, args.behaviour)
+    if len({len(column) for column in columns}) != 1:
+        raise UserError(f"--logprob, --proximal and --behaviour need one value per token each, got {', '.join(str(len(c)) for c in columns)}")
+    if not 0 <= args.clip < 1 or args.cap <= 0 or not 0 <= args.lower < args.upper:
+        raise UserError(f"need 0 <= --clip < 1, --cap > 0 and 0 <= --lower < --upper, got {args.clip}, {args.cap}, {args.lower}, {args.upper}")
+    logprobs, proximal, behaviour = (_tensor([column]) for column in columns)
+    advantage, mask = _tensor([args.advantage]), torch.ones_like(proximal, dtype=torch.bool)
+    rule = {"level": args.level, "mode": args.mode, "cap": args.cap, "lower": args.lower, "upper": args.upper}
+    correction = importance_weights(proximal, behaviour, mask, **rule)
+
+    def decoupled(lp):
+        per_token, stats = clipped_surrogate(lp, proximal, advantage, args.clip, args.clip)
+        return per_token * correction.weights, stats
+
+    loss, grad, stats = _token_grad(decoupled, logprobs)
+    stale_loss, stale_grad, stale_stats = _token_grad(lambda lp: clipped_surrogate(lp, behaviour, advantage, args.clip, args.clip), logprobs)
+    ratio, weights, raw = stats["ratio"][0].tolist(), correction.weights[0].tolist(), correction.raw[0].tolist()
+    clipped_term = (-clipped_surrogate(logprobs, proximal, advantage, args.clip, args.clip)[0])[0].tolist()  # before the weight
+    band = f"truncated at {args.cap:g}" if args.mode == "truncate" else f"0 outside [{args.lower:g}, {args.upper:g}]"
+    result = {"ratio": ratio, "clipped_term": clipped_term, "weight": weights, "raw_weight": raw, "loss": loss, "grad": grad,
+              "behaviour_ratio": stale_stats["ratio"][0].tolist(), "behaviour_loss": stale_loss, "behaviour_grad": stale_grad}
+    lines = [
+        "Decoupled PPO (Hilton et al. arXiv:2110.00641; AReaL arXiv:2505.24298) on one sequence of a stale batch:",
+        "  loss_t = -w_t min(r_t A, clip(r_t, 1 - eps, 1 + eps) A),  r_t = pi / pi_prox,  w_t = sg(pi_prox / pi_behav)",
+        f"  log pi {args.logprob}, log pi_prox {args.proximal}, log pi_behav {args.behaviour}, A {args.advantage}, eps {args.clip}",
+        f"  ratio to proximal r  = {_round(ratio, 6)}",
+        f"  clipped term         = {_round(clipped_term, 6)}   = min(r A, clip(r) A)",
+        f"  weight w             = {_round(weights, 6)}   (pi_prox / pi_behav {_round(raw, 6)}, level {args.level}, {band})",
+        f"  loss = {loss:.6f} (summed over tokens); d loss / d log pi_t = {_round(grad, 6)}",
+        f"  PPO against the behaviour policy instead: ratio {_round(result['behaviour_ratio'], 6)}, loss {stale_loss:.6f}, "
+        f"d loss / d log pi_t = {_round(stale_grad, 6)}",
+        "  (there the clip sees staleness and trust region as one ratio: a stale token can be clipped before the policy moved)",
+    ]
+    return _emit(args, result, lines)
+
+
 def _pair_loss(function, *values, **settings):
     """The loss of one pair from a reference-free objective, and its gradient w.r.t. each input."""
     inputs = [_tensor([value]).requires_grad_(True) for value in values]
@@ -315,7 +356,9 @@ def register(subparsers) -> None:
 def add_examples(parser) -> None:
     """The examples, each a subcommand; added when `explain` is parsed or its --help shown (the
     loss names come from the objective table, which imports torch)."""
+    from posttrain.algorithms.importance import IMPORTANCE_LEVELS, IMPORTANCE_MODES
     from posttrain.losses.objectives import PREFERENCE_OBJECTIVES
+    from posttrain.losses.policy_gradient_config import OffPolicy
 
     commands = parser.add_subparsers(dest="example", metavar="EXAMPLE", required=True, parser_class=type(parser))
 
@@ -377,6 +420,20 @@ def add_examples(parser) -> None:
     cispo.add_argument("--max", type=float, default=5.0, help="absolute upper bound of the weight")
     cispo.set_defaults(func=_library_errors_are_user_errors(explain_cispo))
 
+    rule = OffPolicy()  # the defaults of loss.off_policy
+    decoupled = commands.add_parser("decoupled", help="the decoupled PPO objective on a stale batch, with its weight and gradient")
+    decoupled.add_argument("--logprob", type=float, nargs="+", required=True, help="log pi of each token under the policy being trained")
+    decoupled.add_argument("--proximal", type=float, nargs="+", required=True, help="log pi_prox: the weights at the start of this step")
+    decoupled.add_argument("--behaviour", type=float, nargs="+", required=True, help="log pi_behav: the policy that sampled the tokens")
+    decoupled.add_argument("--advantage", type=float, required=True)
+    decoupled.add_argument("--clip", type=float, default=0.2, help="eps: the ratio to the proximal policy is clipped to [1 - eps, 1 + eps]")
+    decoupled.add_argument("--level", choices=IMPORTANCE_LEVELS, default=rule.level)
+    decoupled.add_argument("--mode", choices=IMPORTANCE_MODES, default=rule.mode)
+    decoupled.add_argument("--cap", type=float, default=rule.cap, help="mode truncate: w is min(w, cap)")
+    decoupled.add_argument("--lower", type=float, default=rule.lower, help="mode mask: w below is 0")
+    decoupled.add_argument("--upper", type=float, default=rule.upper, help="mode mask: w above is 0")
+    decoupled.set_defaults(func=_library_errors_are_user_errors(explain_decoupled))
+
     simpo = commands.add_parser("simpo", help="SimPO loss of one pair (no reference)")
     orpo = commands.add_parser("orpo", help="ORPO loss of one pair (no reference)")
     for sub in (simpo, orpo):
@@ -395,5 +452,5 @@ def add_examples(parser) -> None:
     kto.add_argument("--label", choices=["desirable", "undesirable"], required=True)
     kto.set_defaults(func=_library_errors_are_user_errors(explain_kto))
 
-    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, simpo, orpo, kto):
+    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, simpo, orpo, kto):
         sub.add_argument("--json", action="store_true", help="print one JSON object")

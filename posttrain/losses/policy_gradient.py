@@ -2,9 +2,12 @@
 update reads (the old / reference log-probs and the critic's values from no-grad forwards, the KL
 in the reward when placed there, the advantages of `loss.advantage`'s entry in
 `algorithms/estimators.py`), and `step` runs the update: the surrogate (`loss.surrogate`, an entry
-of `algorithms/surrogates.py`: PPO's clipped ratio, GSPO, CISPO) with truncated importance
-sampling, the KL term in the loss and a critic's clipped value loss, and measures the exact KL to
-the reference before it and the sampler-trainer mismatch.
+of `algorithms/surrogates.py`: PPO's clipped ratio, GSPO, CISPO) against the proximal policy (the old
+log-probs) or, under `loss.off_policy.objective behaviour`, the behaviour policy (the sampler's
+log-probs), times the decoupled objective's importance weight pi_prox / pi_behav when a stale batch
+asks for it (`loss.off_policy`, `algorithms/importance.py`) or truncated importance sampling, the KL
+term in the loss and a critic's clipped value loss, and measures the exact KL to the reference
+before it and the sampler-trainer mismatch.
 
 `step` runs `update.epochs` passes over `update.mini_batches` mini-batches, one optimizer step each,
 with the old log-probs fixed. Sampling and scoring the batch, and the run around the step (the
@@ -25,18 +28,20 @@ from typing import Any
 import torch
 
 from posttrain.algorithms import aggregate, clipped_value_loss, exact_kl, kl_estimate, masked_mean, sampler_mismatch, token_logprobs
-from posttrain.algorithms import truncated_importance_weights
+from posttrain.algorithms import effective_sample_size, importance_weights, truncated_importance_weights
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
 from posttrain.algorithms.logprobs import token_entropy
 from posttrain.algorithms.surrogates import SURROGATES
 from posttrain.data.scored_batch import ScoredBatch
 from posttrain.distributed import World, full_weights, gradient_sync, rank_micro_batches
+from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement
-from posttrain.losses.policy_gradient_config import precomputes_old
+from posttrain.losses.policy_gradient_config import OffPolicy, OffPolicyObjective, off_policy_objective, precomputes_old
 from posttrain.models.forward import completion_logits, completion_values, rank_logprobs
 from posttrain.optim import Trainable, clip_groups_and_step
 
-SUMMED = ("loss", "value_loss", "clip/value", "ratio", "kl", "entropy", "tokens", "tis/weight", "tis/capped")
+SUMMED = ("loss", "value_loss", "clip/value", "ratio", "kl", "entropy", "tokens", "tis/weight", "tis/capped",
+          "offpolicy/weight", "offpolicy/weight_sq", "offpolicy/units", "offpolicy/truncated", "offpolicy/masked")
 """The per-step sums `step` accumulates on the device (float64) and reduces over ranks once,
 beside the surrogate's own fractions (`Surrogate.fractions`: clip/low, clip/high, clip/dual)."""
 
@@ -83,11 +88,12 @@ class UpdateBatch:
 @dataclass(frozen=True)
 class UpdateSettings:
     """The sections the step reads: the loss (estimator, surrogate, clip, aggregation, KL, sampler
-    correction), the update (epochs, mini-batches, micro-batches), the critic (value clip and
-    weight), the sampling temperature of the log-probs, the completion budget (the Dr. GRPO
-    normaliser), the group size G, the seed of this step's mini-batch order, the tokens the exact
-    KL is measured on (0: none), and whether this step trains the critic only (critic warm-up: the
-    policy gets no gradient)."""
+    correction, off-policy objective), the update (epochs, mini-batches, micro-batches), the critic
+    (value clip and weight), the sampling temperature of the log-probs, the completion budget (the
+    Dr. GRPO normaliser), the group size G, the seed of this step's mini-batch order, the tokens the
+    exact KL is measured on (0: none), whether this step trains the critic only (critic warm-up: the
+    policy gets no gradient), and how many steps old the run's batches may be (`objective` resolves
+    `loss.off_policy.objective` from it)."""
 
     loss: Any
     update: Any
@@ -99,6 +105,13 @@ class UpdateSettings:
     """Seeds this step's mini-batch row order (the recipe derives it from the run's seed and step)."""
     exact_kl_tokens: int = 0
     critic_only: bool = False
+    max_staleness: int = 0
+    """The run's data.max_staleness: a batch trained at step t was sampled by the policy of step t - j, j <= this."""
+
+    @property
+    def objective(self) -> OffPolicyObjective:
+        """`loss.off_policy.objective` resolved (`off_policy_objective`): the proximal, decoupled or behaviour entry."""
+        return off_policy_objective(self.loss, self.max_staleness)
 
 
 def loss_rows(batch: ScoredBatch, mask_truncated: bool) -> torch.Tensor:
@@ -115,6 +128,9 @@ def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, 
     rollout's kl/estimate for estimators that measure it there, advantages/abs_mean for
     per-sequence advantages)."""
     loss, rollout = settings.loss, batch.rollout
+    if settings.objective.reads_behaviour and rollout.sampling.greedy:
+        raise UserError(f"loss.off_policy.objective {settings.objective.name} needs sampled rollouts "
+                        "(sampling.greedy is true: there is no behaviour distribution)")
     estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
     mask = rollout.mask & loss_rows(batch, loss.mask_truncated)[:, None]  # (N, T): the tokens that reach the loss
     metrics: dict[str, Any] = {}
@@ -191,7 +207,7 @@ def _update(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, 
     inputs = batch.rollout.forward_inputs()
     surrogate = SURROGATES[settings.loss.surrogate]
     sums = {name: torch.zeros((), dtype=torch.float64, device=mask.device) for name in SUMMED + tuple(m for m, _ in surrogate.fractions)}
-    extremes = torch.tensor([float("inf"), float("inf")], dtype=torch.float64, device=mask.device)  # (min ratio, -max ratio)
+    extremes = torch.full((3,), float("inf"), dtype=torch.float64, device=mask.device)  # (min ratio, -max ratio, -max weight)
     first_logprobs = torch.zeros(N, T, device=mask.device)
     grad_norms, scale = [], update.epochs * update.mini_batches
     generator = torch.Generator().manual_seed(batch.seed)
@@ -221,6 +237,7 @@ def _update(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, 
     present = {"kl"} if kl_in_update else set()
     present |= {"critic"} if models.has_critic else set()
     present |= {"tis"} if settings.loss.sampler_correction == "tis" else set()
+    present |= {"offpolicy"} if settings.objective.weighted else set()
     metrics = _step_metrics(sums, extremes, grad_norms, world, present, [name for name, _ in surrogate.fractions])
     if models.has_critic:
         metrics["critic_only"] = settings.critic_only
@@ -242,7 +259,8 @@ class _Micro:
 class _MicroLoss:
     """A micro-batch's forward: its loss, the zero term that keeps every parameter in the graph
     (with a critic DDP waits for all of them), its (n, T) log-probs and (n, T, V) logits, the
-    surrogate's per-token statistics, and its detached float64 sums over the counted tokens."""
+    surrogate's per-token statistics, its detached float64 sums over the counted tokens, and the
+    largest importance weight of the decoupled objective (-inf: none)."""
 
     loss: torch.Tensor
     anchor: Any
@@ -250,21 +268,29 @@ class _MicroLoss:
     logits: torch.Tensor
     stats: dict[str, torch.Tensor]
     sums: dict[str, torch.Tensor]
+    weight_max: torch.Tensor | None = None
 
 
 def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], micro: _Micro, settings: UpdateSettings) -> _MicroLoss:
-    """One micro-batch's forward and loss: the surrogate (with TIS weights and the KL in the loss
-    when configured), aggregated with the mini-batch's normalisers, plus the critic's value loss."""
+    """One micro-batch's forward and loss: the surrogate against the proximal policy (the old
+    log-probs; the behaviour policy's under objective behaviour), with the decoupled objective's or
+    TIS's weights and the KL in the loss when configured, aggregated with the mini-batch's
+    normalisers, plus the critic's value loss."""
     loss_cfg, critic_cfg, rows, mask = settings.loss, settings.critic, micro.rows, micro.mask
     P, T = batch.rollout.prompt_ids.shape[1], batch.rollout.completion_ids.shape[1]
     logits, values = trainer(inputs, rows, P, T, detach_hidden=settings.critic_only)
     logprobs = token_logprobs(logits, batch.rollout.completion_ids[rows], settings.temperature)
-    old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()
-    per_token, stats = SURROGATES[loss_cfg.surrogate].function(logprobs, old, batch.advantages[rows], mask,
-                                                               **loss_cfg.surrogate_settings())
+    old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()  # the proximal policy's
+    behaviour = batch.rollout.sampler_logprobs[rows]
+    objective = settings.objective
+    per_token, stats = SURROGATES[loss_cfg.surrogate].function(logprobs, behaviour if objective.ratio_to_behaviour else old,
+                                                               batch.advantages[rows], mask, **loss_cfg.surrogate_settings())
     sums: dict[str, torch.Tensor] = {}
+    weight_max = None
+    if objective.weighted:  # the batch was drawn by an older policy: weight by pi_prox / pi_behav
+        per_token, weight_max = _staleness_weighted(per_token, old, behaviour, mask, loss_cfg.off_policy, sums)
     if loss_cfg.sampler_correction == "tis":  # truncated importance sampling: the sampler drew these tokens, not the trainer's policy
-        weights = truncated_importance_weights(old, batch.rollout.sampler_logprobs[rows], loss_cfg.sampler_correction_cap)
+        weights = truncated_importance_weights(old, behaviour, loss_cfg.sampler_correction_cap)
         per_token = per_token * weights
         sums["tis/weight"] = (weights * mask).sum().double()
         sums["tis/capped"] = ((weights >= loss_cfg.sampler_correction_cap) & mask).sum().double()
@@ -282,12 +308,29 @@ def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], mi
         sums["value_loss"] = value_loss.detach().double()
         sums["clip/value"] = (value_clipped.float() * mask).sum().double()
     anchor = 0.0 * logits.sum() if values is not None else 0.0
-    return _MicroLoss(loss, anchor, logprobs, logits, stats, sums)
+    return _MicroLoss(loss, anchor, logprobs, logits, stats, sums, weight_max)
+
+
+def _staleness_weighted(per_token: torch.Tensor, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                        off_policy: OffPolicy, sums: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoupled objective's weight (Hilton et al., arXiv:2110.00641): each token's surrogate
+    x sg(pi_prox / pi_behav) through the importance rule. Adds the weights' sums over the counted
+    units (`ImportanceWeights.units`: tokens, or rows at the sequence levels) and the truncated and
+    masked tokens to `sums`. Shapes (n, T). Returns (the weighted per-token loss, the largest raw weight)."""
+    correction = importance_weights(proximal, behaviour, mask, **off_policy.rule())
+    units = correction.units(mask).double()
+    sums["offpolicy/weight"] = units.sum()
+    sums["offpolicy/weight_sq"] = (units ** 2).sum()
+    sums["offpolicy/units"] = units.new_tensor(float(units.numel()))
+    sums["offpolicy/truncated"] = (correction.truncated & mask).sum().double()
+    sums["offpolicy/masked"] = (correction.masked & mask).sum().double()
+    weight_max = units.max() if units.numel() else units.new_tensor(float("-inf"))
+    return per_token * correction.weights, weight_max
 
 
 def _add_token_stats(sums: dict, extremes: torch.Tensor, result: _MicroLoss, micro: _Micro, settings: UpdateSettings) -> torch.Tensor:
     """Add a micro-batch's surrogate fractions (`Surrogate.fractions`), ratios and entropy to
-    `sums`; returns the updated (min ratio, -max ratio) over its counted tokens."""
+    `sums`; returns the updated (min ratio, -max ratio, -max importance weight) over its counted tokens."""
     stats, mask = result.stats, micro.mask
     for name, key in (*SURROGATES[settings.loss.surrogate].fractions, ("ratio", "ratio")):
         sums[name] += (stats[key].float() * mask).sum().double()
@@ -295,7 +338,8 @@ def _add_token_stats(sums: dict, extremes: torch.Tensor, result: _MicroLoss, mic
     ratios = stats["ratio"].double()
     low = ratios.masked_fill(~mask, float("inf")).min()
     high = ratios.masked_fill(~mask, float("-inf")).max()
-    return torch.minimum(extremes, torch.stack([low, -high]))
+    weight_max = result.weight_max if result.weight_max is not None else high.new_tensor(float("-inf"))
+    return torch.minimum(extremes, torch.stack([low, -high, -weight_max]))
 
 
 def _optimizer_step(policy: Trainable, critic_only: bool) -> float:
@@ -311,10 +355,12 @@ def _step_metrics(sums: dict, extremes: torch.Tensor, grad_norms: list[float], w
                   fractions: list[str]) -> dict[str, Any]:
     """The step's metrics from its device sums, reduced over ranks once (token means over the
     counted tokens; the loss summed over the step's mini-batches, each 1/(epochs x mini_batches));
-    `present` names the optional groups that apply: kl (a reference), critic, tis."""
+    `present` names the optional groups that apply: kl (a reference), critic, tis, offpolicy (the
+    decoupled objective's weights: their mean, max and effective sample size over the counted units,
+    the fractions of counted tokens truncated and masked)."""
     totals = dict(zip(sums, world.reduce(torch.stack(list(sums.values()))).tolist()))
     world.reduce(extremes, "min")
-    low, high = extremes.tolist()
+    low, high, weight_high = extremes.tolist()
     tokens = max(1.0, totals["tokens"])
     metrics = {
         "loss": totals["loss"], **{name: totals[name] / tokens for name in fractions},
@@ -328,6 +374,13 @@ def _step_metrics(sums: dict, extremes: torch.Tensor, grad_norms: list[float], w
         metrics.update({"value_loss": totals["value_loss"], "clip/value": totals["clip/value"] / tokens})
     if "tis" in present:
         metrics.update({"tis/weight_mean": totals["tis/weight"] / tokens, "tis/capped_fraction": totals["tis/capped"] / tokens})
+    if "offpolicy" in present:
+        weights, squares, units = totals["offpolicy/weight"], totals["offpolicy/weight_sq"], totals["offpolicy/units"]
+        metrics.update({"offpolicy/is_weight_mean": weights / max(1.0, units),
+                        "offpolicy/is_weight_max": -weight_high if math.isfinite(weight_high) else None,
+                        "offpolicy/is_ess": effective_sample_size(weights, squares, units),
+                        "offpolicy/truncated_fraction": totals["offpolicy/truncated"] / tokens,
+                        "offpolicy/masked_fraction": totals["offpolicy/masked"] / tokens})
     return metrics
 
 

@@ -2,7 +2,8 @@
 estimator (`algorithms/estimators.py`), whose own settings are `loss.<its section>` (group, gae,
 reinforce); `loss.surrogate` names the surrogate (`algorithms/surrogates.py`), whose own settings
 are `loss.<its section>` (clip, gspo, cispo); `loss.aggregation` how per-token losses become one; `loss.kl` the KL
-to the reference and where it goes. `Critic` and `Update` are the value model's and the update's
+to the reference and where it goes; `loss.off_policy` what the step does with a batch an older policy sampled
+(`off_policy_objective` resolves its `auto`). `Critic` and `Update` are the value model's and the update's
 sections. Each checks what it can alone in `validate`; what spans sections is the recipe config's.
 `precomputes_old` says whether these sections need the old log-probs fixed before the update, and
 `loss_card` is the run card's loss link: every setting that applies, and what each means.
@@ -106,6 +107,108 @@ class KL:
     """Copy the policy into the reference every N steps (0: never; recorded in the run card)."""
 
 
+@dataclass(frozen=True)
+class OffPolicyObjective:
+    """One value of `loss.off_policy.objective` (auto resolves to one: `off_policy_objective`): what the
+    surrogate's ratio is taken against, and whether each token's loss is weighted by the importance
+    rule's pi_prox / pi_behav. The loss step asks the entry, never the name."""
+
+    name: str
+    ratio_to_behaviour: bool
+    """True: the surrogate's old log-probs are the behaviour policy's (the sampler's); False: the proximal policy's."""
+    weighted: bool
+    """Each token's surrogate x sg(pi_prox / pi_behav) through the importance rule (`importance_weights`)."""
+    meaning: str
+    """What the run card says it is."""
+
+    @property
+    def reads_behaviour(self) -> bool:
+        """Whether the step reads the sampler's log-probs (a greedy rollout has none)."""
+        return self.ratio_to_behaviour or self.weighted
+
+
+OFF_POLICY_OBJECTIVES: dict[str, OffPolicyObjective] = {
+    "proximal": OffPolicyObjective(
+        "proximal", ratio_to_behaviour=False, weighted=False,
+        meaning="the clip against the proximal policy (the weights at the start of this step), no staleness weight: "
+                "today's on-policy step"),
+    "decoupled": OffPolicyObjective(
+        "decoupled", ratio_to_behaviour=False, weighted=True,
+        meaning="decoupled PPO (Hilton, Cobbe & Schulman, arXiv:2110.00641; AReaL, arXiv:2505.24298): "
+                "-w min(r A, clip(r) A), r = pi / pi_prox clipped, w = sg(pi_prox / pi_behav) through the importance rule"),
+    "behaviour": OffPolicyObjective(
+        "behaviour", ratio_to_behaviour=True, weighted=False,
+        meaning="PPO on stale data as is: the ratio and its clip against the behaviour policy (old = the sampler's "
+                "log-probs), no weight: the baseline the corrections are measured against"),
+}
+"""Every resolved `loss.off_policy.objective` by name."""
+
+
+@dataclass
+class OffPolicy:
+    """`loss.off_policy`: what the step does with a batch sampled by a policy up to `data.max_staleness`
+    steps old. Three policies meet in a stale step: the behaviour policy that sampled the batch (its
+    log-probs are the sampler's own, `Rollout.sampler_logprobs`), the proximal policy (the weights at
+    the start of this step: the old log-probs) and the policy being trained. The importance rule
+    (level, mode, cap, lower, upper) weights each token by pi_prox / pi_behav under `decoupled`
+    (`algorithms/importance.py: importance_weights`).
+
+    Peers: AReaL `actor.use_decoupled_loss: true` with `actor.behav_imp_weight_cap` (tokens whose weight
+    exceeds it are dropped: mode mask, lower 0, upper = the cap) and `rollout.max_head_offpolicyness`
+    (our data.max_staleness); verl `algorithm.rollout_is_level` / `rollout_is_mode` /
+    `rollout_is_threshold` (our cap or upper) / `rollout_is_threshold_lower` (our lower; theirs
+    defaults to 1 / upper); TRL GRPOConfig `vllm_importance_sampling_mode` (token_truncate,
+    token_mask, sequence_truncate, sequence_mask: our level + mode) and `vllm_importance_sampling_cap`."""
+
+    objective: Literal["auto", "proximal", "decoupled", "behaviour"] = "auto"
+    """auto: proximal when the run's data.max_staleness is 0, decoupled otherwise (proximal too when
+    loss.sampler_correction tis is on: its weight is already the truncated pi_prox / pi_behav);
+    proximal: the clip against the proximal policy, no staleness weight (today's step); decoupled: the
+    clip against the proximal policy times the importance weight pi_prox / pi_behav (Hilton et al.,
+    arXiv:2110.00641; AReaL, arXiv:2505.24298); behaviour: the ratio and clip against the behaviour
+    policy (standard PPO on stale data, the baseline)."""
+    level: Literal["token", "sequence", "geometric"] = "token"
+    """decoupled's weight per token (w_t), per sequence (prod_t w_t = exp(sum_t log w_t): the likelihood
+    ratio, unbiased, high variance), or geometric (exp(mean_t log w_t), verl's geometric: a narrow quantity)."""
+    mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: min(w, cap) (TIS, Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"); mask: weight 0 where w leaves [lower, upper] (MIS / IcePop-style masking,
+    Liu, Li et al. 2025, "When speed kills stability"); a masked token stays in the normaliser."""
+    cap: float = 2.0
+    """mode truncate: the truncation C (verl rollout_is_threshold 2.0; TIS's cap, loss.sampler_correction_cap)."""
+    lower: float = 0.5
+    """mode mask: the band's lower end (verl rollout_is_threshold_lower, by default 1 / upper)."""
+    upper: float = 2.0
+    """mode mask: the band's upper end (verl rollout_is_threshold; AReaL behav_imp_weight_cap, e.g. 5, with lower 0).
+    At level sequence the weights spread far wider (verl suggests 2-10); at level geometric far narrower (1.0002-1.001)."""
+
+    def rule(self) -> dict[str, Any]:
+        """The importance rule's keyword settings (`importance_weights(..., **rule)`)."""
+        return {"level": self.level, "mode": self.mode, "cap": self.cap, "lower": self.lower, "upper": self.upper}
+
+    def validate(self, sampler_correction: str) -> None:
+        """One UserError line: a bound out of range, a setting for the other mode or for an objective
+        without weights, or decoupled / behaviour with TIS on (the same tokens weighted twice, or a
+        weight of exactly 1)."""
+        if self.cap <= 0 or not 0 <= self.lower < self.upper:
+            raise UserError(f"loss.off_policy needs cap > 0 and 0 <= lower < upper, got cap {self.cap}, lower {self.lower}, upper {self.upper}")
+        default = OffPolicy()
+        entry = OFF_POLICY_OBJECTIVES.get(self.objective)  # None: auto, which may resolve to decoupled
+        unused = {"truncate": ("lower", "upper"), "mask": ("cap",)}[self.mode]
+        if entry is not None and not entry.weighted:
+            unused = ("level", "mode", "cap", "lower", "upper")
+        for name in unused:
+            if getattr(self, name) != getattr(default, name):
+                raise UserError(f"loss.off_policy.{name} does not apply to objective {self.objective}, mode {self.mode} (level and "
+                                "mode apply to objective decoupled or auto; cap to mode truncate; lower and upper to mode mask)")
+        if sampler_correction == "tis" and entry is not None and entry.weighted:
+            raise UserError(f"loss.sampler_correction tis and loss.off_policy.objective {self.objective} both weight each token by "
+                            "pi_old / pi_sampler: use one (decoupled with level token, mode truncate is TIS)")
+        if sampler_correction == "tis" and entry is not None and entry.ratio_to_behaviour:
+            raise UserError(f"loss.sampler_correction tis has nothing to correct under loss.off_policy.objective {self.objective} "
+                            "(the ratio is already against the sampler's log-probs): use one")
+
+
 @dataclass
 class Loss:
     """Link 3, loss: every setting that makes two "GRPO"s (or "PPO"s) differ, each named, one
@@ -140,6 +243,8 @@ class Loss:
     """none, or tis: weight each token's surrogate by min(exp(old - sampler log-prob), cap), correcting for the rollout engine's numerics (bf16) and top-p/top-k truncation."""
     sampler_correction_cap: float = 2.0
     """tis: the truncation C of the importance weight."""
+    off_policy: OffPolicy = field(default_factory=OffPolicy)
+    """What the step does with a batch an older policy sampled (data.max_staleness > 0): the objective and its importance rule."""
 
     def validate(self) -> None:
         """One UserError line naming the `loss.*` field that is out of range, unknown, or set for
@@ -178,6 +283,7 @@ class Loss:
             raise UserError(f"loss.kl.reference_refresh_every must be >= 0, got {kl.reference_refresh_every}")
         if self.sampler_correction_cap <= 0:
             raise UserError(f"loss.sampler_correction_cap must be > 0, got {self.sampler_correction_cap}")
+        self.off_policy.validate(self.sampler_correction)
 
     def estimator_settings(self) -> dict[str, Any]:
         """The keyword settings of this run's advantage estimator (its section's fields)."""
@@ -261,12 +367,38 @@ def precomputes_old(loss: Loss, update: Update) -> bool:
             or loss.kl.placement == "reward")
 
 
-def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConfig, reference: Any) -> dict[str, Any]:
+def off_policy_objective(loss: Loss, max_staleness: int) -> OffPolicyObjective:
+    """`loss.off_policy.objective` resolved for a run whose batches are up to `max_staleness` steps
+    old: auto is proximal at max_staleness 0, and when `loss.sampler_correction tis` already weights
+    each token by min(pi_prox / pi_behav, cap) (the decoupled objective at level token, mode
+    truncate); decoupled otherwise. Any other value is its own entry."""
+    objective = loss.off_policy.objective
+    if objective == "auto":
+        objective = "proximal" if max_staleness == 0 or loss.sampler_correction == "tis" else "decoupled"
+    return OFF_POLICY_OBJECTIVES[objective]
+
+
+def off_policy_meaning(loss: Loss, max_staleness: int | None) -> str:
+    """What `loss.off_policy` does in this run, in words (for the run card); `max_staleness` None:
+    not known here, so `auto`'s rule is said."""
+    if max_staleness is None and loss.off_policy.objective == "auto":
+        return ("auto: proximal at data.max_staleness 0 (or with loss.sampler_correction tis), decoupled otherwise; "
+                "decoupled is " + OFF_POLICY_OBJECTIVES["decoupled"].meaning)
+    objective, rule = off_policy_objective(loss, max_staleness or 0), loss.off_policy
+    weight = (f"; importance rule: level {rule.level}, " + (f"truncate at {rule.cap}" if rule.mode == "truncate" else
+                                                              f"mask outside [{rule.lower}, {rule.upper}]")
+              if objective.weighted else "")
+    return f"{objective.name}: {objective.meaning}{weight}"
+
+
+def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConfig, reference: Any,
+              max_staleness: int | None = None) -> dict[str, Any]:
     """The run card's loss link: the algorithm, every section that applies (the critic's only with
     an estimator that needs one), the estimator's and surrogate's card text, where the KL goes, the
     reference (`reference`: None, or a reference model with `adapter_disabled`), how the old
     log-probs are had (`precomputes_old`), the distribution the log-probs are taken under
-    (`sampling`'s temperature and truncation) and the sampler correction."""
+    (`sampling`'s temperature and truncation), the sampler correction and the off-policy objective
+    (resolved for `max_staleness`, the run's data.max_staleness; None: its rule)."""
     estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
     return {
         "algorithm": estimator.algorithm,
@@ -284,4 +416,5 @@ def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConf
         + (" (sampling truncated by top-p/top-k: the sampler's distribution differs)" if sampling.truncates else ""),
         "sampler_correction_meaning": (f"truncated importance sampling: each token's surrogate x min(exp(old - sampler log-prob), {loss.sampler_correction_cap})"
                                        if loss.sampler_correction == "tis" else "none: the tokens are treated as drawn from the trainer's old policy (mismatch/* measures how far they are not)"),
+        "off_policy_meaning": off_policy_meaning(loss, max_staleness),
     }
