@@ -204,6 +204,17 @@ def test_config_changes_lists_only_unsafe_fields():
     assert config_changes(saved, resumed) == ["update.epochs: 1 -> 2"]
 
 
+def test_a_field_added_after_the_run_was_written_is_no_change_at_its_default():
+    """A run written before `loss.off_policy` existed resumes without --resume-changed-config while
+    the new field keeps its default (the behaviour the run had); set to anything else, it is a change."""
+    saved = {"loss": {"advantage": "group"}}
+    defaults = {"loss": {"advantage": "group", "off_policy": {"objective": "auto"}}}
+    assert config_changes(saved, defaults, defaults) == []
+    resumed = {"loss": {"advantage": "group", "off_policy": {"objective": "behaviour"}}}
+    assert config_changes(saved, resumed, defaults) == ["loss.off_policy.objective: None -> 'behaviour'"]
+    assert config_changes(saved, defaults) == ["loss.off_policy.objective: None -> 'auto'"]  # without defaults: as before
+
+
 def test_cli_resume_with_changed_flags_needs_resume_changed_config(tmp_path, capsys):
     """`posttrain grpo --resume DIR --optim.lr X`: one line naming the dotted keys; with
     --resume-changed-config the run continues and its card lists the change, the section's other

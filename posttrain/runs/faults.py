@@ -164,13 +164,18 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): tree}
 
 
-def config_changes(saved: dict, resumed: dict) -> list[str]:
+def config_changes(saved: dict, resumed: dict, defaults: dict | None = None) -> list[str]:
     """`key: saved -> resumed` for every field of a resumed config (a dict as config.yaml holds it)
-    that differs from the run's saved config.yaml and is not `SAFE_ON_RESUME`."""
+    that differs from the run's saved config.yaml and is not `SAFE_ON_RESUME`. A field the saved
+    config lacks (added to posttrain after the run was written) is no change while it keeps its value
+    in `defaults` (the config class's defaults: the behaviour the run had without it)."""
     before, after = _flat(yaml.safe_load(yaml.safe_dump(saved))), _flat(yaml.safe_load(yaml.safe_dump(resumed)))
+    default = _flat(yaml.safe_load(yaml.safe_dump(defaults))) if defaults is not None else {}
     changes = []
     for key in sorted(set(before) | set(after)):
         if before.get(key) == after.get(key) or any(key == safe or (safe.endswith(".") and key.startswith(safe)) for safe in SAFE_ON_RESUME):
+            continue
+        if key not in before and key in default and after.get(key) == default[key]:
             continue
         changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}")
     return changes
@@ -182,7 +187,7 @@ def check_resumed_config(run_dir: Path, config: Any, accept: bool) -> list[str]:
     (`--resume-changed-config`), else logged and returned for the run card. Call it before the
     resumed run writes its config.yaml."""
     saved = load_yaml(Path(run_dir) / "config.yaml")
-    changes = config_changes(saved, to_dict(dataclasses.replace(config, output_dir=saved.get("output_dir"))))
+    changes = config_changes(saved, to_dict(dataclasses.replace(config, output_dir=saved.get("output_dir"))), to_dict(type(config)()))
     if changes and not accept:
         raise UserError(f"--resume with a config that differs from the run's config.yaml in {len(changes)} field(s) that change "
                         f"its data order or loss: {'; '.join(changes)} (pass --resume-changed-config to accept them)")
