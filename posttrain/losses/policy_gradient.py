@@ -99,6 +99,8 @@ class UpdateSettings:
     """Seeds this step's mini-batch row order (the recipe derives it from the run's seed and step)."""
     exact_kl_tokens: int = 0
     critic_only: bool = False
+    max_staleness: int = 0
+    """k (`data.max_staleness`): the batch may have been sampled by weights up to k optimizer steps old (0: on-policy)."""
 
 
 def loss_rows(batch: ScoredBatch, mask_truncated: bool) -> torch.Tensor:
