@@ -85,7 +85,7 @@ class ScoredBatch:
     """Up to `FAILURES_KEPT` rows the reward could not score (infra or data error), each as
     `posttrain verify --input` reads it: the completion, the verifier's row, status and reason."""
     version: int = 0
-    """The policy version that sampled every row: the optimizer steps its weights had taken. Its
+    """The policy version that sampled every row: the training steps (updates) its weights had taken. Its
     behaviour log-probs are `rollout.sampler_logprobs`."""
     serves: int = 1
     """The step (1-based) whose prompts and sampling seeds the batch has: the step that trains it.
@@ -156,7 +156,7 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     batch (the one a single process would sample) and takes the same refill decisions. `truncated`:
     what a completion that hit max_new_tokens without stopping gets (`rewards.scores.truncation_policy`).
     `step` (the steps done before the one the batch serves) seeds the rounds; `version`, the
-    optimizer steps of `policy`'s weights, is recorded in the batch (None: `step`, on-policy)."""
+    training steps `policy`'s weights had taken, is recorded in the batch (None: `step`, on-policy)."""
     world = world or World()
     B, G = prompts, group_size
     dynamic = refill_rounds is not None
@@ -272,5 +272,5 @@ def stale_samples_note(k: int) -> str:
     """The run card's account of how a run with `data.max_staleness` k >= 1 produced its samples."""
     return (f"simulated, synchronous and deterministic (mode a): step t samples, with the weights it starts from, the batch of "
             f"step t+{k} and trains the oldest batch sampled (the first step samples those of steps 1..{k + 1}); the batch "
-            f"trained at step t was sampled by the weights of step max(t-{k}, 1), {k} optimizer steps old from step {k + 1} on, "
+            f"trained at step t was sampled by the weights of step max(t-{k}, 1), {k} step{'s' if k > 1 else ''} old from step {k + 1} on, "
             f"with the prompts and sampling seeds of step t; its behaviour log-probs are the sampler's")

@@ -2,7 +2,7 @@
 (`data.max_staleness`, issue 42's mode (a): simulated, synchronous and deterministic).
 
 With k = `data.max_staleness`, the online step t samples, with the weights it starts from (version
-t-1: t-1 optimizer steps), the batch of step t+k, and trains the oldest batch sampled; the first step
+t-1: t-1 training steps), the batch of step t+k, and trains the oldest batch sampled; the first step
 samples the batches of steps 1 .. k+1, all with version 0. So the batch trained at step t was sampled
 by the weights of step max(t-k, 1), and its staleness (t - 1 - version) is 0, 1, ..., k over the
 first k+1 steps, then k: the one-step-off-policy pipeline of verl and the bounded staleness of AReaL
@@ -25,7 +25,7 @@ from posttrain.data.scored_batch import ScoredBatch
 
 
 def staleness(batch: ScoredBatch, step: int) -> int:
-    """How many optimizer steps the weights that sampled `batch` are behind those that start step
+    """How many training steps (updates) the weights that sampled `batch` are behind those that start step
     `step` (1-based): `step - 1 - batch.version`; 0 on-policy."""
     return step - 1 - batch.version
 

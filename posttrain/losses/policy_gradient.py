@@ -100,7 +100,7 @@ class UpdateSettings:
     exact_kl_tokens: int = 0
     critic_only: bool = False
     max_staleness: int = 0
-    """k (`data.max_staleness`): the batch may have been sampled by weights up to k optimizer steps old (0: on-policy)."""
+    """k (`data.max_staleness`): the batch may have been sampled by weights up to k training steps old (0: on-policy)."""
 
 
 def loss_rows(batch: ScoredBatch, mask_truncated: bool) -> torch.Tensor:
