@@ -217,9 +217,15 @@ def test_refused_through_the_config():
 
 
 def test_greedy_rollouts_have_no_behaviour_distribution():
-    state = state_with({"objective": "decoupled"}, sampling={"max_new_tokens": 6, "greedy": True})
+    """Refused when the config is built (the recipe's check), and by `prepare` itself for a library
+    caller whose batch was drawn greedily."""
     with pytest.raises(UserError, match="loss.off_policy.objective decoupled needs sampled rollouts"):
-        run_step(state, fixed_batch(state))
+        state_with({"objective": "decoupled"}, sampling={"max_new_tokens": 6, "greedy": True})
+    state = state_with({"objective": "decoupled"}, sampling={"max_new_tokens": 6})
+    batch = fixed_batch(state)
+    batch.rollout.sampling = dataclasses.replace(batch.rollout.sampling, greedy=True)
+    with pytest.raises(UserError, match="loss.off_policy.objective decoupled needs sampled rollouts"):
+        run_step(state, batch)
 
 
 # -- posttrain explain decoupled --------------------------------------------------------------------

@@ -61,8 +61,9 @@ Preference pairs (posttrain.data.preference)
 
 Online batches and code screening (posttrain.data.scored_batch, .screening)
     sample_and_score(policy, tokenizer, stream, verifier, *, prompts, group_size, sampling, seed, step, timer,
-        system_prompt=None, refill_rounds=None, world=None, sampler=single_turn)
-        -> ScoredBatch(rollout, examples, rendered, scores, owners, stats)   # B x G rows, DAPO refills
+        system_prompt=None, refill_rounds=None, world=None, sampler=single_turn, truncated="score", version=None)
+        -> ScoredBatch(rollout, examples, rendered, scores, owners, stats, version, serves)   # B x G rows, DAPO refills
+    PendingBatches(max_staleness).next(step, last_step, draw) -> ScoredBatch   # (.staleness) batches sampled ahead
     screen_problems(train, held_out, judge, *, preflight=True, exclude_weak_tests=False, workers=None)
         -> dict | None   # the run card's record; problems removed in place
 

@@ -21,6 +21,7 @@ from posttrain.data.source import TaskSource
 from posttrain.data.stream import PromptStream
 from posttrain.data.tasks import heldout_size_from
 from posttrain.distributed import World
+from posttrain.errors import UserError
 from posttrain.rewards import Verdict, Verifier
 from posttrain.rewards.scores import Scores, score_rows
 from posttrain.rollout import Rollout, SamplingConfig
@@ -50,6 +51,14 @@ class PromptSource(TaskSource):
     """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
     max_refill_rounds: int = 3
     """Dynamic sampling: at most this many extra sampling rounds per step."""
+    max_staleness: int = 0
+    """k: the batch trained at step t may have been sampled by the weights of step t-k (k steps old; `data/staleness.py`); 0: on-policy, each step samples with the weights it trains. Simulated, synchronous and deterministic: step t samples the batch of step t+k, and trains the oldest one sampled."""
+
+    def validate(self, prefix: str = "data.") -> None:
+        """`TaskSource.validate`, and `max_staleness` at least 0."""
+        super().validate(prefix)
+        if self.max_staleness < 0:
+            raise UserError(f"{prefix}max_staleness must be 0 (on-policy) or more, got {self.max_staleness}")
 
 
 @dataclass
@@ -75,6 +84,12 @@ class ScoredBatch:
     failures: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Up to `FAILURES_KEPT` rows the reward could not score (infra or data error), each as
     `posttrain verify --input` reads it: the completion, the verifier's row, status and reason."""
+    version: int = 0
+    """The policy version that sampled every row: the training steps (updates) its weights had taken. Its
+    behaviour log-probs are `rollout.sampler_logprobs`."""
+    serves: int = 1
+    """The step (1-based) whose prompts and sampling seeds the batch has: the step that trains it.
+    On-policy `serves = version + 1`; `serves - 1 - version` is its staleness when trained then."""
 
     def to(self, device: torch.device | str) -> ScoredBatch:
         """The same batch with the rollout and the rewards on `device` (the step's one boundary);
@@ -112,8 +127,9 @@ class ScoredBatch:
         return float(self.rollout.lengths.sum()), {"generation": (generated, ("generation",)),
                                                    "training": (positions, ("logprobs", "update"))}
 
-    def sample_rows(self, limit: int) -> list[dict[str, Any]]:
-        """The first `limit` rows for samples.jsonl: prompt, completion, verdict, reason."""
+    def sample_rows(self, limit: int, with_version: bool = False) -> list[dict[str, Any]]:
+        """The first `limit` rows for samples.jsonl: prompt, completion, verdict, reason (and, with
+        `with_version`, the policy version that sampled them)."""
         rows = []
         for row in range(min(limit, len(self.rollout.texts))):
             b = int(self.rollout.prompt_index[row])
@@ -122,6 +138,7 @@ class ScoredBatch:
                 "example": self.examples[b].id, "prompt": self.rendered[b], "completion": self.rollout.texts[row],
                 "reward": verdict.reward, "status": verdict.status, "reason": verdict.reason,
                 "truncated": bool(self.rollout.truncated[row]),
+                **({"version": self.version} if with_version else {}),
                 **({"transcript": transcript_text(self.rollout.episodes[row]),
                     "turns": self.rollout.episodes[row]["turns"]} if self.rollout.episodes else {}),
             })
@@ -131,13 +148,15 @@ class ScoredBatch:
 def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier, *, prompts: int, group_size: int,
                      sampling: SamplingConfig, seed: int, step: int, timer, system_prompt: str | None = None,
                      refill_rounds: int | None = None, world: World | None = None,
-                     sampler: Sampler = single_turn, truncated: str = "score") -> ScoredBatch:
+                     sampler: Sampler = single_turn, truncated: str = "score", version: int | None = None) -> ScoredBatch:
     """Sample (with `sampler`: one turn by default) and score `prompts` (B) x `group_size` (G) rows. With `refill_rounds` (DAPO dynamic
     sampling), groups without signal are dropped and replaced by fresh prompts for up to that many
     extra rounds (the batch may stay short). Under torchrun each rank samples and scores its block
     of each round's prompts and the results are gathered, so every rank returns the same global
     batch (the one a single process would sample) and takes the same refill decisions. `truncated`:
-    what a completion that hit max_new_tokens without stopping gets (`rewards.scores.truncation_policy`)."""
+    what a completion that hit max_new_tokens without stopping gets (`rewards.scores.truncation_policy`).
+    `step` (the steps done before the one the batch serves) seeds the rounds; `version`, the
+    training steps `policy`'s weights had taken, is recorded in the batch (None: `step`, on-policy)."""
     world = world or World()
     B, G = prompts, group_size
     dynamic = refill_rounds is not None
@@ -199,7 +218,8 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     if G > 1:
         stats["groups/zero_variance_fraction"] = 1 - len(informative_groups(merged_scores.rewards, G)) / groups
     return ScoredBatch(rollout=merged, examples=kept_examples, rendered=kept_rendered, scores=merged_scores,
-                       owners=torch.cat(owner_parts), stats=stats, rows_sampled=sampled, failures=failures)
+                       owners=torch.cat(owner_parts), stats=stats, rows_sampled=sampled, failures=failures,
+                       version=step if version is None else version, serves=step + 1)
 
 
 FAILURES_KEPT = 3
@@ -230,9 +250,13 @@ def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingC
     how answers are read, the instruction the prompts end with), the rows `data.strict: false` dropped
     from a data file (`rows_bad`, `rows_bad_reasons`: counted by kind), and `screening` (what the code
     problems' screening removed; None: left out). G is `group_size` when `grouped` (the advantages compare a prompt's completions),
-    else `samples_per_prompt`."""
+    else `samples_per_prompt`. With `data.max_staleness` k >= 1 the source says the samples may be
+    up to k steps old, and `staleness` how they were produced (`data/staleness.py`)."""
+    k = data.max_staleness
     return {
-        "source": "online: the policy's own samples", "task": data.task, "options": data.load_options(),
+        "source": "online: the policy's own samples" + (f", up to {k} step{'s' if k > 1 else ''} old" if k else ""),
+        **({"max_staleness": k, "staleness": stale_samples_note(k)} if k else {}),
+        "task": data.task, "options": data.load_options(),
         "train_prompts": len(train), "heldout_prompts": len(held_out), "heldout_size_from": heldout_size_from(data.eval_size),
         "duplicates_removed": train.duplicates_removed, "rows_bad": train.rows_bad, "rows_bad_reasons": train.rows_bad_reasons,
         "prompts_per_step": data.prompts_per_step, "dynamic_sampling": data.dynamic_sampling,
@@ -242,3 +266,11 @@ def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingC
         **({"answer_convention": convention_record(train)} if convention_record(train) else {}),
         **({"screening": screening} if screening is not None else {}),
     }
+
+
+def stale_samples_note(k: int) -> str:
+    """The run card's account of how a run with `data.max_staleness` k >= 1 produced its samples."""
+    return (f"simulated, synchronous and deterministic (mode a): step t samples, with the weights it starts from, the batch of "
+            f"step t+{k} and trains the oldest batch sampled (the first step samples those of steps 1..{k + 1}); the batch "
+            f"trained at step t was sampled by the weights of step max(t-{k}, 1), {k} step{'s' if k > 1 else ''} old from step {k + 1} on, "
+            f"with the prompts and sampling seeds of step t; its behaviour log-probs are the sampler's")

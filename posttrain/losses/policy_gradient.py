@@ -106,7 +106,8 @@ class UpdateSettings:
     exact_kl_tokens: int = 0
     critic_only: bool = False
     max_staleness: int = 0
-    """The run's data.max_staleness: a batch trained at step t was sampled by the policy of step t - j, j <= this."""
+    """k (`data.max_staleness`): the batch may have been sampled by weights up to k training steps old (0:
+    on-policy); `objective` resolves `loss.off_policy.objective` from it."""
 
     @property
     def objective(self) -> OffPolicyObjective:

@@ -13,6 +13,9 @@ mini-batches, old log-probs fixed: `losses.policy_gradient.step`), 5. log, evalu
 (`run`). Steps 3-4 are `step(state, batch) -> metrics`: the loss link on the models and settings
 `loss_inputs(state)` builds, then the run's own part (the step count, the reference's refresh, the
 learning rates); bench/grpo.py times the loss link's prepare + step on the same inputs.
+With `data.max_staleness` k >= 1 steps 1-2 sample, with the weights the step starts from, the
+batch of the step k ahead, and the step trains the oldest batch sampled (`next_batch`,
+`data/staleness.py`): simulated staleness, the same run every time, its pending batches checkpointed.
 
     posttrain grpo --config tiny-grpo --max-steps 20
     posttrain ppo --config tiny-ppo --max-steps 20
@@ -36,6 +39,7 @@ from posttrain.data.examples import Task, derived_seed, require_examples
 from posttrain.data.prompts import convention_record
 from posttrain.data.scored_batch import ScoredBatch, online_data_card, sample_and_score
 from posttrain.data.screening import LAYOUTS, screen_problems
+from posttrain.data.staleness import PendingBatches
 from posttrain.data.stream import PromptStream
 from posttrain.data.tasks import load_splits
 from posttrain.distributed import World, full_weights, wrap
@@ -109,6 +113,8 @@ class State:
     """The device and precision every model, batch and forward of the run uses."""
     sampler: Sampler = single_turn
     """What turns the step's prompts into rows (`rollout/sampler.py`): one turn by default."""
+    pending: PendingBatches = field(default_factory=PendingBatches)
+    """The batches sampled ahead of the steps that train them (`data.max_staleness` k >= 1; `data/staleness.py`)."""
 
 
 def setup(config: Config, reward: Any = None, world: World | None = None, placement: Placement | None = None) -> State:
@@ -161,7 +167,7 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
                  critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
                  stream=PromptStream(train, config.seed), train=train, held_out=held_out, shifted=shifted, screening=screening,
-                 placement=placement, sampler=sampler)
+                 placement=placement, sampler=sampler, pending=PendingBatches(config.data.max_staleness))
 
 
 def build_trainer(config: Config, policy, critic, world: World, placement: Placement):
@@ -196,18 +202,28 @@ def tool_sampler(config: Config, tokenizer) -> Sampler:
     return make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox), make_engine(config.rollout))
 
 
-def sample(state: State, timer: Timer | None = None) -> ScoredBatch:
+def sample(state: State, timer: Timer | None = None, serves: int | None = None) -> ScoredBatch:
     """Steps 1-2: sample B prompts x G completions with the policy and score them (`timer`
-    collects the generation and scoring seconds)."""
+    collects the generation and scoring seconds): the batch of step `serves` (its sampling seeds;
+    None: the next step, `state.step + 1`, on-policy), recorded as sampled by version `state.step`."""
     config, timer = state.config, timer or Timer(state.placement.synchronize)
+    serves = state.step + 1 if serves is None else serves
     refill_rounds = config.data.max_refill_rounds if config.data.dynamic_sampling else None
     with full_weights(state.policy), state.placement.autocast():
         return sample_and_score(
             state.policy, state.tokenizer, state.stream, state.verifier, prompts=config.data.prompts_per_step,
-            group_size=config.data.group_size, sampling=config.sampling, seed=config.seed, step=state.step, timer=timer,
+            group_size=config.data.group_size, sampling=config.sampling, seed=config.seed, step=serves - 1, timer=timer,
             system_prompt=config.data.system_prompt, refill_rounds=refill_rounds, world=state.world, sampler=state.sampler,
-            truncated=config.reward_options.truncated,
+            truncated=config.reward_options.truncated, version=state.step,
         )
+
+
+def next_batch(state: State, timer: Timer) -> ScoredBatch:
+    """Steps 1-2 of step `state.step + 1`: the batch it trains. On-policy (`data.max_staleness` 0)
+    sampled now; with k >= 1 the oldest of those sampled ahead, after sampling with the current
+    weights the batches of the steps up to k ahead (`data/staleness.PendingBatches`, each with the
+    prompts and seeds of the step it serves)."""
+    return state.pending.next(state.step + 1, state.config.max_steps, lambda serves: sample(state, timer, serves))
 
 
 def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[str, Any]:
@@ -235,15 +251,16 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
 
 def loss_inputs(state: State) -> tuple[PolicyModels, UpdateSettings]:
     """The loss link's models and what it reads of the run's config at this step: the mini-batch
-    order's seed (from the run's seed and `state.step`) and critic warm-up (the critic alone trains
-    while `state.step < critic.warmup_steps`)."""
+    order's seed (from the run's seed and `state.step`), critic warm-up (the critic alone trains
+    while `state.step < critic.warmup_steps`) and how stale a batch may be (`data.max_staleness`)."""
     config = state.config
     models = PolicyModels(Trainable(state.trainer, state.optimizer, state.scheduler, config.optim.max_grad_norm), state.policy,
                           reference=state.reference, critic=state.critic, placement=state.placement)
     settings = UpdateSettings(config.loss, config.update, config.critic, config.sampling.temperature, config.sampling.max_new_tokens,
                               config.data.group_size, minibatch_seed=derived_seed(config.seed, "minibatch", str(state.step)),
                               exact_kl_tokens=config.exact_kl_tokens,
-                              critic_only=state.critic is not None and state.step < config.critic.warmup_steps)
+                              critic_only=state.critic is not None and state.step < config.critic.warmup_steps,
+                              max_staleness=config.data.max_staleness)
     return models, settings
 
 
@@ -288,8 +305,10 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
         extra_models["critic"] = state.critic
     if state.reference is not None and config.loss.kl.reference_refresh_every:
         extra_models["reference"] = state.reference.model
-    saved = restore_training(run_dir, state.policy, state.optimizer, state.scheduler, extra_models=extra_models, world=world) if resume else {"step": 0}
+    saved = restore_training(run_dir, state.policy, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
+                             extra_objects=(PENDING,)) if resume else {"step": 0}
     state.step, state.stream.position = saved["step"], saved.get("stream_position", 0)
+    state.pending.restore(saved.get(PENDING))  # sampled by weights a restart lost: trained as they were
     state.reference_refreshed_at = saved.get("reference_refreshed_at", [])
     alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []),
                             rings=saved.get("alarm_rings", []), reward_spread=saved.get("alarm_reward_spread"))
@@ -309,6 +328,10 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     del state.trainer  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
+
+
+PENDING = "pending_batches"
+"""The checkpoint file (`<name>.pt` beside the model) of the batches sampled and not yet trained (k >= 1)."""
 
 
 @dataclass
@@ -347,14 +370,15 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
             run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
             extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
                          "alarm_reward_spread": alarm.reward_spread,
-                         "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state()})
+                         "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state()},
+            extra_objects={PENDING: state.pending.state()} if config.data.max_staleness else None)
 
     engine = engine_of(state.sampler)
     for _ in loop:
         timer = loop.clock.timer
         with memory_guard(state.step + 1, MEMORY_KNOBS, timer):
             try:
-                batch = sample(state, timer)  # 1-2
+                batch = next_batch(state, timer)  # 1-2
             except EngineUnavailable as lost:
                 raise engine_lost(state, run_dir, save, lost) from lost
             metrics = step(state, batch, timer)  # 3-4
@@ -367,8 +391,9 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
             card["links"]["acceptance"]["divergence_alarm_threshold"] = alarm.describe()
         # 5. Log, evaluate, checkpoint.
         metrics.update(batch.metrics())
+        metrics.update(state.pending.metrics(batch, done))
         metrics.update(loop.clock.metrics(*batch.throughput()))  # the whole step before evaluation and logging
-        run_dir.log_samples(done, batch.sample_rows(config.samples_per_step))
+        run_dir.log_samples(done, batch.sample_rows(config.samples_per_step, with_version=config.data.max_staleness > 0))
         if loop.evaluates(done):
             with memory_guard(done, MEMORY_KNOBS, phase="evaluation"):
                 metrics.update(evaluate(state, run_dir, alarm, metrics["reward/mean"]))
@@ -453,7 +478,8 @@ def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()
 
         card["links"]["data"]["episodes"] = tools_card(config.tools, state.sampler.toolbox)
     card["links"]["reward"] = reward_link(config, state, reward)
-    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference)
+    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference,
+                                      max_staleness=config.data.max_staleness)
     acceptance = card["links"]["acceptance"] = acceptance_card(dataclasses.asdict(config.acceptance), config.data.task,
                                                                len(state.held_out), state.verifier, state.checker, state.shifted)
     if not acceptance["independent"]:

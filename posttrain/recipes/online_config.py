@@ -16,7 +16,7 @@ from posttrain.data.scored_batch import PromptSource
 from posttrain.distributed import Parallel
 from posttrain.errors import UserError
 from posttrain.evaluation import settings as evaluation_settings
-from posttrain.losses.policy_gradient_config import KL, MOVED, Critic, Loss, Update  # the loss link's sections
+from posttrain.losses.policy_gradient_config import KL, MOVED, Critic, Loss, Update, off_policy_objective  # the loss link's sections
 from posttrain.optim import Optimization
 from posttrain.rollout import SamplingConfig
 from posttrain.rollout.engines import RolloutSettings
@@ -105,6 +105,10 @@ class Config(PolicyFields):
         self.rollout.validate(self.sampling)
         if loss.sampler_correction == "tis" and self.sampling.greedy:
             raise UserError("loss.sampler_correction tis needs sampled rollouts (sampling.greedy is true: there is no sampler distribution)")
+        off_policy = off_policy_objective(loss, data.max_staleness)
+        if off_policy.reads_behaviour and self.sampling.greedy:
+            raise UserError(f"loss.off_policy.objective {off_policy.name} needs sampled rollouts "
+                            "(sampling.greedy is true: there is no behaviour distribution)")
         if data.dynamic_sampling and data.group_size < 2:
             raise UserError("data.dynamic_sampling needs groups: data.group_size >= 2")
         if not estimator.needs_critic and critic != Critic():

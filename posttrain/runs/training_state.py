@@ -21,12 +21,14 @@ logger = logging.getLogger(__name__)
 def save_training(
     run_dir, step: int, model, tokenizer, optimizer, scheduler,
     extra_models: dict[str, Any] | None = None, extra_state: dict[str, Any] | None = None, keep: int = 2,
-    world: World | None = None,
+    world: World | None = None, extra_objects: dict[str, Any] | None = None,
 ) -> Path | None:
     """Checkpoint everything a resume needs: the model (a Hugging Face directory, or a LoRA
-    adapter), other models (e.g. `critic`), optimizer, scheduler, RNG states (every rank's) and
-    `extra_state` (data position...). Under torchrun every rank calls it (FSDP2 gathers the shards)
-    and rank 0 writes whole, unsharded weights; returns the checkpoint path on rank 0."""
+    adapter), other models (e.g. `critic`), optimizer, scheduler, RNG states (every rank's),
+    `extra_state` (data position...) and `extra_objects` (each pickled in `<name>.pt` beside the
+    model, inside the same atomic write: e.g. the online recipe's pending batches). Under torchrun
+    every rank calls it (FSDP2 gathers the shards) and rank 0 writes whole, unsharded weights;
+    returns the checkpoint path on rank 0."""
     world = world or World()
     rngs = world.gather(rng_state())
     weights = model_state(model)
@@ -43,6 +45,9 @@ def save_training(
         for name, extra in (extra_models or {}).items():
             with open(directory / f"{name}.pt", "wb") as handle:  # a file object: a full disk's OSError reaches the message
                 torch.save(extra_weights[name] if extra_weights[name] is not None else unwrap(extra).state_dict(), handle)
+        for name, extra in (extra_objects or {}).items():
+            with open(directory / f"{name}.pt", "wb") as handle:
+                torch.save(extra, handle)
 
     state = {
         "optimizer": optim,
@@ -74,10 +79,11 @@ def _load_weights(model, directory: Path) -> None:
 
 
 def restore_training(run_dir, model, optimizer, scheduler, extra_models: dict[str, Any] | None = None,
-                     world: World | None = None) -> dict[str, Any]:
+                     world: World | None = None, extra_objects: tuple[str, ...] = ()) -> dict[str, Any]:
     """Load the newest complete checkpoint of `run_dir` into the given objects (in place), restore
     the RNG states, drop log lines written after it, and return its trainer state (`step`, data
-    position...). With no complete checkpoint the run starts over from step 0 with clean logs
+    position...), with each of `extra_objects` that `save_training` wrote under its name (a
+    checkpoint without one: absent). With no complete checkpoint the run starts over from step 0 with clean logs
     (metrics.jsonl and samples.jsonl emptied: no row is logged twice). Under torchrun every
     rank calls it after wrapping its models; a checkpoint of another world size resumes too (a step
     does not depend on the world size), each rank taking rank 0's RNG state with a warning."""
@@ -91,6 +97,9 @@ def restore_training(run_dir, model, optimizer, scheduler, extra_models: dict[st
     _load_weights(model, checkpoint / "model")
     for name, extra in (extra_models or {}).items():
         load_model_state(extra, torch.load(checkpoint / f"{name}.pt", weights_only=True, map_location="cpu"))
+    for name in extra_objects:
+        if (checkpoint / f"{name}.pt").exists():  # pickled records (trusted files only, as trainer_state.pt)
+            state[name] = torch.load(checkpoint / f"{name}.pt", weights_only=False, map_location="cpu")
     load_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rngs = state.get("rng_by_rank", [state["rng"]])
