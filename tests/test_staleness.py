@@ -147,6 +147,17 @@ def test_staleness_metrics_samples_and_card(runs):
     data = json.loads((directory / "run_card.json").read_text())["links"]["data"]
     assert data["source"] == "online: the policy's own samples, up to 2 steps old" and data["max_staleness"] == 2
     assert data["staleness"].startswith("simulated, synchronous and deterministic")
+    assert data["staleness_correction"].startswith("decoupled: decoupled PPO")  # what loss.off_policy auto resolved to
+
+
+def test_changing_max_staleness_alone_is_a_data_link_change(runs):
+    """The loss link states the setting (auto, the same rule at k = 0 and k = 2), so `posttrain
+    checklist` on the two runs finds the data link changed and nothing else."""
+    from posttrain.evaluation.run_comparison import link_rows
+    from posttrain.evaluation.run_record import read_run
+
+    changed = [row.link for row in link_rows(read_run(runs[0][0]), read_run(runs[2][0])) if row.changes]
+    assert changed == ["data"]
 
 
 def test_a_run_stopped_with_batches_pending_resumes_exactly(runs, tmp_path, monkeypatch):

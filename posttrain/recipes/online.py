@@ -61,7 +61,7 @@ from posttrain.models.forward import TrainingForward, policy_and_critic, policy_
 from posttrain.models.loading import load_policy
 from posttrain.losses.policy_gradient import PolicyModels, UpdateSettings, loss_rows, prepare
 from posttrain.losses.policy_gradient import step as loss_step
-from posttrain.losses.policy_gradient_config import loss_card
+from posttrain.losses.policy_gradient_config import loss_card, off_policy_meaning
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.online_config import Config
 from posttrain.rewards import Verifier, as_verifier
@@ -478,8 +478,11 @@ def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()
 
         card["links"]["data"]["episodes"] = tools_card(config.tools, state.sampler.toolbox)
     card["links"]["reward"] = reward_link(config, state, reward)
-    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference,
-                                      max_staleness=config.data.max_staleness)
+    # The loss link states the setting (auto's rule is the same whatever the data); what auto resolved to
+    # for these batches goes with them, so that a change of data.max_staleness alone is a data-link change.
+    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference)
+    if config.data.max_staleness:
+        card["links"]["data"]["staleness_correction"] = off_policy_meaning(config.loss, config.data.max_staleness)
     acceptance = card["links"]["acceptance"] = acceptance_card(dataclasses.asdict(config.acceptance), config.data.task,
                                                                len(state.held_out), state.verifier, state.checker, state.shifted)
     if not acceptance["independent"]:
