@@ -91,10 +91,14 @@ def test_field_docs_and_help_rows():
     assert rows["group_size"] == ("4", "G: samples per prompt.")
 
 
-def test_a_preset_names_the_command_that_makes_what_it_requires(tmp_path):
+def test_a_preset_names_the_command_that_makes_what_it_requires(tmp_path, monkeypatch):
     """`requires:` entries are checked against the final config: a missing path still in use is one
-    line naming the command to run first; an override that no longer uses it lifts the requirement."""
+    line naming the command to run first; an override that no longer uses it lifts the requirement.
+    Run from an empty directory: a checkout that made the SFT start (runs/ is where it goes) still
+    tests the missing case."""
     from posttrain.recipes import online_config
+
+    monkeypatch.chdir(tmp_path)
 
     preset = Path(__file__).resolve().parent.parent / "presets" / "tiny-grpo.yaml"
     with pytest.raises(UserError, match=r"runs/tiny-sft-start/checkpoints/step-000400/model does not exist yet; make it first with: "
