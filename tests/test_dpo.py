@@ -21,7 +21,7 @@ from posttrain.config import build_config, parse_overrides
 from posttrain.data import (
     PreferencePair, TruncationPolicy, collate_token_ids, encode_prompt, encode_response, tokenize_preference_pairs,
 )
-from posttrain.data.preference import PreferenceBatch
+from posttrain.data.pair_batch import PreferenceBatch
 from posttrain.data.provenance import write_with_provenance
 from posttrain.evaluation.alarms import DisplacementAlarm
 from posttrain.evaluation.preference import HeldoutPairs, evaluate_pairs

@@ -88,14 +88,8 @@ Validation (posttrain.data.validation)
 """
 
 from posttrain.data.examples import Example, Task, check_disjoint, derived_seed, remove_overlap, require_examples
-from posttrain.data.preference import (
-    PreferenceBatch,
-    PreferenceData,
-    PreferencePair,
-    load_preference_file,
-    tokenize_preference_pairs,
-    validate_preference_file,
-)
+from posttrain.data.pair_batch import PreferenceBatch, tokenize_preference_pairs
+from posttrain.data.preference import PreferenceData, PreferencePair, load_preference_file, validate_preference_file
 from posttrain.data.prompts import load_prompt_file, validate_prompt_file
 from posttrain.data.tasks import humaneval_examples, load_splits, load_task, score_reasoning_gym
 from posttrain.data.tokenize import (

@@ -29,15 +29,8 @@ import torch
 
 from posttrain.data.examples import Example, derived_seed
 from posttrain.data.files import check_columns, column_names, map_row, read_rows, resolve_columns
-from posttrain.data.tokenize import (
-    TokenizedBatch,
-    TruncationCounts,
-    TruncationPolicy,
-    apply_truncation,
-    collate_token_ids,
-    encode_prompt,
-    encode_response,
-)
+from posttrain.data.pair_batch import PreferenceBatch, tokenize_preference_pairs
+from posttrain.data.tokenize import TruncationPolicy
 from posttrain.data.validation import (
     ValidationReport,
     check_messages,
@@ -222,77 +215,6 @@ def _conversational(report, line, row):
                 report.add(line, name, "the last message must be the assistant's answer")
                 ok = False
     return (prompt, chosen[-1]["content"], rejected[-1]["content"]) if ok else None
-
-
-@dataclass
-class PreferenceBatch:
-    """Chosen and rejected rows for the same prompts, padded to the same length L, so
-    `torch.cat([batch.chosen.input_ids, batch.rejected.input_ids])` is one (2N, L) forward."""
-
-    chosen: TokenizedBatch
-    rejected: TokenizedBatch
-    kept: list[int]
-    counts: TruncationCounts
-    reference: torch.Tensor | None = None
-    """(M, 2) the reference's summed log-probs of each row's two sides, precomputed (`loss.reference:
-    precomputed`, or zeros for an objective without a reference); None: the step forwards the live reference."""
-    desirable: torch.Tensor | None = None
-    """(M,) bool, each unpaired row's label (True: desirable); None for pairs."""
-    margins: torch.Tensor | None = None
-    """(M,) each pair's margin (a reward model's `loss.margin`); None: no margin."""
-
-    def to(self, device: torch.device | str) -> PreferenceBatch:
-        """The same pairs with both sides' tensors (and the per-row reference, labels and margins) on `device`."""
-        return dataclasses.replace(self, chosen=self.chosen.to(device), rejected=self.rejected.to(device),
-                                   reference=None if self.reference is None else self.reference.to(device),
-                                   desirable=None if self.desirable is None else self.desirable.to(device),
-                                   margins=None if self.margins is None else self.margins.to(device))
-
-
-def tokenize_preference_pairs(
-    tokenizer,
-    pairs: list[PreferencePair],
-    *,
-    truncation: TruncationPolicy | None = None,
-    padding_side: str = "right",
-    system_prompt: str | None = None,
-    use_chat_template: bool | None = None,
-) -> PreferenceBatch:
-    """Tokenise pairs with the canonical masks (see `tokenize_prompt_response`). A pair is dropped
-    whole when the policy drops its chosen or its rejected row; counts cover both rows."""
-    truncation = truncation or TruncationPolicy()
-    prompt_ids = [
-        encode_prompt(tokenizer, p.prompt, system_prompt=system_prompt, use_chat_template=use_chat_template)
-        for p in pairs
-    ]
-    sides = {}
-    for name in ("chosen", "rejected"):
-        responses = [encode_response(tokenizer, getattr(p, name)) for p in pairs]
-        prompts, responses, kept, counts = apply_truncation(prompt_ids, responses, truncation)
-        sides[name] = (dict(zip(kept, zip(prompts, responses))), counts)
-    kept = [i for i in range(len(pairs)) if i in sides["chosen"][0] and i in sides["rejected"][0]]
-    if not kept:
-        raise UserError(f"all {len(pairs)} preference pairs were dropped by the truncation policy {truncation}")
-    rows = [sides["chosen"][0][i] for i in kept] + [sides["rejected"][0][i] for i in kept]
-    both = collate_token_ids(
-        [p for p, _ in rows], [r for _, r in rows], pad_token_id=tokenizer.pad_token_id, padding_side=padding_side
-    )
-    chosen_counts, rejected_counts = sides["chosen"][1], sides["rejected"][1]
-    counts = TruncationCounts(
-        prompts_truncated=chosen_counts.prompts_truncated,
-        responses_truncated=chosen_counts.responses_truncated + rejected_counts.responses_truncated,
-        dropped=len(pairs) - len(kept),
-    )
-    n = len(kept)
-    halves = [
-        TokenizedBatch(
-            both.input_ids[part], both.attention_mask[part], both.mask[part],
-            both.prompt_lengths[part], both.response_lengths[part], kept=list(kept), counts=counts,
-        )
-        for part in (slice(0, n), slice(n, 2 * n))
-    ]
-    return PreferenceBatch(chosen=halves[0], rejected=halves[1], kept=kept, counts=counts)
-
 
 
 def prompt_key(prompt: str | list[dict]) -> str:
