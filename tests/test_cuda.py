@@ -110,10 +110,21 @@ def losses(run_dir) -> list[float]:
     return [row["loss"] for row in rows if "loss" in row]
 
 
+def assert_same_losses(on_device: list[float], on_cpu: list[float]) -> None:
+    """fp32 on the GPU against the CPU: the first step's loss (the same weights, other kernels'
+    summation order) to 1e-5; later steps to 1e-4 absolute or 1e-3 relative, as the online test:
+    Adam's first update moves each weight by about lr x sign(its gradient), so a gradient near 0
+    whose rounding differs between the devices moves that weight by up to 2 x lr (seen on an H200:
+    KTO's second loss 0.396519 against 0.396410 on the CPU)."""
+    assert len(on_device) == len(on_cpu) and on_device
+    assert on_device[0] == pytest.approx(on_cpu[0], abs=1e-5)
+    assert on_device[1:] == pytest.approx(on_cpu[1:], abs=1e-4, rel=1e-3)
+
+
 def test_sft_on_cuda_fp32_equals_cpu(tmp_path):
     a = sft.run(build_config(sft.Config, None, parse_overrides(sft_overrides(DEVICE, tmp_path / "gpu"))))
     b = sft.run(build_config(sft.Config, None, parse_overrides(sft_overrides("cpu", tmp_path / "cpu"))))
-    assert losses(a) == pytest.approx(losses(b), abs=1e-4)
+    assert_same_losses(losses(a), losses(b))
 
 
 @pytest.mark.parametrize("reference", ["live", "precomputed"])
@@ -126,7 +137,7 @@ def test_dpo_on_cuda_fp32_equals_cpu(tmp_path, reference):
                      "--hardware.precision", precision, "--output-dir", str(tmp_path / name)]
         return dpo.run(build_config(dpo_config.Config, None, parse_overrides(overrides)))
 
-    assert losses(go(DEVICE, "gpu")) == pytest.approx(losses(go("cpu", "cpu")), abs=1e-4)
+    assert_same_losses(losses(go(DEVICE, "gpu")), losses(go("cpu", "cpu")))
     assert all(math.isfinite(x) for x in losses(go(DEVICE, "bf16", "bf16-mixed")))
 
 
@@ -140,7 +151,7 @@ def test_kto_and_reference_free_on_cuda_fp32_equal_cpu(tmp_path, loss_type):
                      str(tmp_path / name)]
         return dpo.run(build_config(dpo_config.Config, None, parse_overrides(overrides)))
 
-    assert losses(go(DEVICE, "gpu")) == pytest.approx(losses(go("cpu", "cpu")), abs=1e-4)
+    assert_same_losses(losses(go(DEVICE, "gpu")), losses(go("cpu", "cpu")))
 
 
 def test_reward_model_on_cuda_fp32_equals_cpu_and_scores_there(tmp_path):
@@ -158,7 +169,7 @@ def test_reward_model_on_cuda_fp32_equals_cpu_and_scores_there(tmp_path):
         return rm.run(build_config(rm.Config, None, parse_overrides(overrides)))
 
     gpu, cpu = go(DEVICE, "gpu"), go("cpu", "cpu")
-    assert losses(gpu) == pytest.approx(losses(cpu), abs=1e-4)
+    assert_same_losses(losses(gpu), losses(cpu))
     assert all(math.isfinite(x) for x in losses(go(DEVICE, "bf16", "bf16-mixed")))
     rows = [{"prompt": f"{a}+{b}="} for a, b in ((1, 2), (12, 34), (50, 7))]
     completions = ["<answer>3</answer>", "46", "no"]

@@ -64,7 +64,8 @@ class PromptSource(TaskSource):
 @dataclass
 class ScoredBatch:
     """One step's sampled and scored rows, N = B * G, group-contiguous (row b*G + g answers
-    `examples[b]`)."""
+    `examples[b]`). The rollout's tensors and the rewards lie on one device (`sample_and_score`
+    puts the rewards where the sampler left the rollout; `to` moves both); `owners` on the CPU."""
 
     rollout: Rollout
     """The N completions, their masks and the sampler's log-probs."""
@@ -217,6 +218,9 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
              "errors/infra": infra_errors, "errors/data": data_errors}
     if G > 1:
         stats["groups/zero_variance_fraction"] = 1 - len(informative_groups(merged_scores.rewards, G)) / groups
+    # One device for the batch's tensors (the rollout's, where the sampler left it): the verifier scores
+    # on the host, and a batch whose rewards and masks lie apart breaks whatever combines them.
+    merged_scores = dataclasses.replace(merged_scores, rewards=merged_scores.rewards.to(merged.mask.device))
     return ScoredBatch(rollout=merged, examples=kept_examples, rendered=kept_rendered, scores=merged_scores,
                        owners=torch.cat(owner_parts), stats=stats, rows_sampled=sampled, failures=failures,
                        version=step if version is None else version, serves=step + 1)
