@@ -112,12 +112,13 @@ def losses(run_dir) -> list[float]:
 
 def assert_same_losses(on_device: list[float], on_cpu: list[float]) -> None:
     """fp32 on the GPU against the CPU: the first step's loss (the same weights, other kernels'
-    summation order) to 1e-5; later steps to 1e-4 absolute or 1e-3 relative, as the online test:
-    Adam's first update moves each weight by about lr x sign(its gradient), so a gradient near 0
-    whose rounding differs between the devices moves that weight by up to 2 x lr (seen on an H200:
-    KTO's second loss 0.396519 against 0.396410 on the CPU)."""
+    summation order) to 1e-4 (seen on an H200: SimPO's 0.720356 against 0.720390, its beta 2
+    scaling the log-probs' rounding); later steps to 1e-4 absolute or 1e-3 relative, as the online
+    test: Adam's first update moves each weight by about lr x sign(its gradient), so a gradient near
+    0 whose rounding differs between the devices moves that weight by up to 2 x lr (seen: KTO's
+    second loss 0.396519 against 0.396410)."""
     assert len(on_device) == len(on_cpu) and on_device
-    assert on_device[0] == pytest.approx(on_cpu[0], abs=1e-5)
+    assert on_device[0] == pytest.approx(on_cpu[0], abs=1e-4)
     assert on_device[1:] == pytest.approx(on_cpu[1:], abs=1e-4, rel=1e-3)
 
 
