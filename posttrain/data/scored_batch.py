@@ -52,13 +52,18 @@ class PromptSource(TaskSource):
     max_refill_rounds: int = 3
     """Dynamic sampling: at most this many extra sampling rounds per step."""
     max_staleness: int = 0
-    """k: the batch trained at step t may have been sampled by the weights of step t-k (k steps old; `data/staleness.py`); 0: on-policy, each step samples with the weights it trains. Simulated, synchronous and deterministic: step t samples the batch of step t+k, and trains the oldest one sampled."""
+    """k: the batch trained at step t may have been sampled by the weights of step t-k (k steps old; `data/staleness.py`); 0: on-policy, each step samples with the weights it trains. Simulated, synchronous and deterministic unless `async_generation`: step t samples the batch of step t+k, and trains the oldest one sampled."""
+    async_generation: bool = False
+    """With max_staleness k >= 1: sample in a producer thread while the trainer trains (`data/async_generation.py`), each batch by weights at most k steps old; the built-in engine then runs in a worker process (`rollout.engine worker`). Faster where generation and training can run at once; which version samples which batch depends on timing."""
 
     def validate(self, prefix: str = "data.") -> None:
-        """`TaskSource.validate`, and `max_staleness` at least 0."""
+        """`TaskSource.validate`, `max_staleness` at least 0, and asynchronous generation only with k >= 1."""
         super().validate(prefix)
         if self.max_staleness < 0:
             raise UserError(f"{prefix}max_staleness must be 0 (on-policy) or more, got {self.max_staleness}")
+        if self.async_generation and self.max_staleness < 1:
+            raise UserError(f"{prefix}async_generation needs {prefix}max_staleness >= 1 (with 0 every batch needs the update "
+                            "before it, so nothing can overlap)")
 
 
 @dataclass
@@ -259,7 +264,7 @@ def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingC
     k = data.max_staleness
     return {
         "source": "online: the policy's own samples" + (f", up to {k} step{'s' if k > 1 else ''} old" if k else ""),
-        **({"max_staleness": k, "staleness": stale_samples_note(k)} if k else {}),
+        **({"max_staleness": k, "staleness": stale_samples_note(k, data.async_generation)} if k else {}),
         "task": data.task, "options": data.load_options(),
         "train_prompts": len(train), "heldout_prompts": len(held_out), "heldout_size_from": heldout_size_from(data.eval_size),
         "duplicates_removed": train.duplicates_removed, "rows_bad": train.rows_bad, "rows_bad_reasons": train.rows_bad_reasons,
@@ -272,8 +277,14 @@ def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingC
     }
 
 
-def stale_samples_note(k: int) -> str:
-    """The run card's account of how a run with `data.max_staleness` k >= 1 produced its samples."""
+def stale_samples_note(k: int, asynchronous: bool = False) -> str:
+    """The run card's account of how a run with `data.max_staleness` k >= 1 produced its samples
+    (`asynchronous`: `data.async_generation`, mode b)."""
+    if asynchronous:
+        return (f"asynchronous (mode b): a generation thread samples the batches in step order while the trainer trains, "
+                f"the batch of step t with the newest weights published when it starts, never older than step t-{k}'s "
+                f"(version >= t-1-{k}); which version sampled which batch depends on timing (each row's version is in "
+                f"samples.jsonl); the prompts and sampling seeds of step t; its behaviour log-probs are the sampler's")
     return (f"simulated, synchronous and deterministic (mode a): step t samples, with the weights it starts from, the batch of "
             f"step t+{k} and trains the oldest batch sampled (the first step samples those of steps 1..{k + 1}); the batch "
             f"trained at step t was sampled by the weights of step max(t-{k}, 1), {k} step{'s' if k > 1 else ''} old from step {k + 1} on, "

@@ -44,6 +44,22 @@ class PendingBatches:
     dropped: int = 0
     """Batches dropped so far for being older than k (cumulative over the run, resumes included)."""
 
+    asynchronous = False
+    """Mode (a): `next` samples in the caller's thread (`async_generation.AsyncBatches`: a producer thread)."""
+
+    def start(self, step: int, last_step: int, version: int, position: int) -> None:
+        """Nothing to start: `next` samples when it is called (`AsyncBatches.start` starts its producer)."""
+
+    def published(self, step: int, policy) -> None:
+        """Nothing to hand over: `next` samples with the weights the caller holds."""
+
+    def stream_position(self, stream) -> int:
+        """The prompt stream's position a checkpoint saves: after the pending batches, which it keeps."""
+        return stream.position
+
+    def close(self) -> None:
+        """Nothing runs between calls."""
+
     def stale(self, batch: ScoredBatch, step: int) -> bool:
         """Whether `batch`, trained at step `step`, would be more than k steps old."""
         return staleness(batch, step) > self.max_staleness

@@ -24,6 +24,7 @@ batch of the step k ahead, and the step trains the oldest batch sampled (`next_b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ import torch
 
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from posttrain.config import to_dict
+from posttrain.data.async_generation import AsyncBatches, generation_copy
 from posttrain.data.context import PromptSet, check_prompts_fit, heldout_budget
 from posttrain.data.examples import Task, derived_seed, require_examples
 from posttrain.data.prompts import convention_record
@@ -71,7 +73,7 @@ from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.timer import Timer
-from posttrain.rollout.engines import engine_card
+from posttrain.rollout.engines import RolloutSettings, engine_card
 from posttrain.rollout.sampler import Sampler, engine_of, single_turn
 from posttrain.rollout.vllm_backends import EngineUnavailable
 from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start, warn_if_unsafe
@@ -113,8 +115,9 @@ class State:
     """The device and precision every model, batch and forward of the run uses."""
     sampler: Sampler = single_turn
     """What turns the step's prompts into rows (`rollout/sampler.py`): one turn by default."""
-    pending: PendingBatches = field(default_factory=PendingBatches)
-    """The batches sampled ahead of the steps that train them (`data.max_staleness` k >= 1; `data/staleness.py`)."""
+    pending: PendingBatches | AsyncBatches = field(default_factory=PendingBatches)
+    """The batches sampled ahead of the steps that train them (`data.max_staleness` k >= 1; `data/staleness.py`), by a
+    generation thread with `data.async_generation` (`data/async_generation.py`)."""
 
 
 def setup(config: Config, reward: Any = None, world: World | None = None, placement: Placement | None = None) -> State:
@@ -164,10 +167,13 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
     if reference is not None and not reference.adapter_disabled and world.strategy == "fsdp2":
         wrap(reference.model, world, placement)  # the frozen copy sharded like the policy
     trainer, optimizer, scheduler = build_trainer(config, policy, critic, world, placement)
-    return State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
-                 critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
-                 stream=PromptStream(train, config.seed), train=train, held_out=held_out, shifted=shifted, screening=screening,
-                 placement=placement, sampler=sampler, pending=PendingBatches(config.data.max_staleness))
+    state = State(config=config, world=world, policy=policy, tokenizer=tokenizer, trainer=trainer, reference=reference,
+                  critic=critic, optimizer=optimizer, scheduler=scheduler, verifier=verifier, checker=checker,
+                  stream=PromptStream(train, config.seed), train=train, held_out=held_out, shifted=shifted, screening=screening,
+                  placement=placement, sampler=sampler, pending=PendingBatches(config.data.max_staleness))
+    if config.data.async_generation:
+        state.pending = AsyncBatches(config.data.max_staleness, functools.partial(produce, state), generation_copy(policy))
+    return state
 
 
 def build_trainer(config: Config, policy, critic, world: World, placement: Placement):
@@ -199,23 +205,43 @@ def tool_sampler(config: Config, tokenizer) -> Sampler:
     from posttrain.rollout.engines import make_engine
     from posttrain.rollout.episodes import make_sampler
 
-    return make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox), make_engine(config.rollout))
+    return make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox), make_engine(sampling_engine(config)))
 
 
-def sample(state: State, timer: Timer | None = None, serves: int | None = None) -> ScoredBatch:
+def sampling_engine(config: Config) -> RolloutSettings:
+    """The engine that samples: `config.rollout`'s, except that asynchronous generation
+    (`data.async_generation`) runs the built-in engine in a worker process of its own (`worker`),
+    so that generation and the trainer's forwards run at once."""
+    if config.data.async_generation and config.rollout.engine == "builtin":
+        return dataclasses.replace(config.rollout, engine="worker")
+    return config.rollout
+
+
+def sample(state: State, timer: Timer | None = None, serves: int | None = None, policy=None, version: int | None = None) -> ScoredBatch:
     """Steps 1-2: sample B prompts x G completions with the policy and score them (`timer`
     collects the generation and scoring seconds): the batch of step `serves` (its sampling seeds;
-    None: the next step, `state.step + 1`, on-policy), recorded as sampled by version `state.step`."""
+    None: the next step, `state.step + 1`, on-policy), recorded as sampled by version `state.step`.
+    `policy` and `version`: another model samples (the generation thread's copy), of that version."""
     config, timer = state.config, timer or Timer(state.placement.synchronize)
     serves = state.step + 1 if serves is None else serves
+    policy, version = (state.policy, state.step) if policy is None else (policy, version)
     refill_rounds = config.data.max_refill_rounds if config.data.dynamic_sampling else None
-    with full_weights(state.policy), state.placement.autocast():
+    with full_weights(policy), state.placement.autocast():
         return sample_and_score(
-            state.policy, state.tokenizer, state.stream, state.verifier, prompts=config.data.prompts_per_step,
+            policy, state.tokenizer, state.stream, state.verifier, prompts=config.data.prompts_per_step,
             group_size=config.data.group_size, sampling=config.sampling, seed=config.seed, step=serves - 1, timer=timer,
             system_prompt=config.data.system_prompt, refill_rounds=refill_rounds, world=state.world, sampler=state.sampler,
-            truncated=config.reward_options.truncated, version=state.step,
+            truncated=config.reward_options.truncated, version=version,
         )
+
+
+def produce(state: State, serves: int, policy, version: int) -> tuple[ScoredBatch, dict[str, float], int]:
+    """The generation thread's draw (`data/async_generation.AsyncBatches`): the batch of step
+    `serves` sampled by `policy` (its copy of the weights, `version`), its phases' seconds, and the
+    prompt stream's position after it."""
+    timer = Timer()
+    batch = sample(state, timer, serves, policy, version)
+    return batch, dict(timer.seconds), state.stream.position
 
 
 def next_batch(state: State, timer: Timer) -> ScoredBatch:
@@ -239,6 +265,7 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     with timer("update"):
         metrics.update(loss_step(models, update_batch, settings, state.world))
     state.step += 1
+    state.pending.published(state.step, state.policy)  # mode (b): the generation thread may sample with these weights
     refresh_every = config.loss.kl.reference_refresh_every
     if state.reference is not None and refresh_every and state.step % refresh_every == 0:
         state.reference.refresh(state.policy)
@@ -295,6 +322,9 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     estimator = ADVANTAGE_ESTIMATORS[config.loss.advantage]
     if estimator.needs_critic and int(os.environ.get("WORLD_SIZE", "1")) > 1 and config.parallel.strategy != "ddp":
         raise UserError(f"{estimator.command} under torchrun supports parallel.strategy ddp only (its critic is not sharded with FSDP2)")
+    if config.data.async_generation and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("data.async_generation runs in one process; under torchrun use data.max_staleness alone "
+                        "(the synchronous mode, which every rank runs alike)")
     placement, world = start(config)
     state = setup(config, reward, world, placement)
     recipe = estimator.command
@@ -308,7 +338,7 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     saved = restore_training(run_dir, state.policy, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
                              extra_objects=(PENDING,)) if resume else {"step": 0}
     state.step, state.stream.position = saved["step"], saved.get("stream_position", 0)
-    state.pending.restore(saved.get(PENDING))  # sampled by weights a restart lost: trained as they were
+    state.pending.restore(saved.get(PENDING))  # mode (a): trained as they were; mode (b): sampled again
     state.reference_refreshed_at = saved.get("reference_refreshed_at", [])
     alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []),
                             rings=saved.get("alarm_rings", []), reward_spread=saved.get("alarm_reward_spread"))
@@ -316,15 +346,26 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
                             verify=None if reward is not None else config.reward if config.reward != "auto" else state.verifier.name,
                             **saved.get("training_signal", {}))
     card = make_card(config, state, reward, changes)
+    regenerated = getattr(state.pending, "regenerated_on_resume", 0)
+    if regenerated:  # mode (b): the batches in flight at the checkpoint, whose sampling weights are gone
+        card["run"]["batches_regenerated_on_resume"] = regenerated
+        card["notes"].append(f"resumed at step {state.step}: {regenerated} batch(es) sampled ahead and not trained were "
+                             "dropped and are sampled again with the restored weights")
     card["links"]["acceptance"]["divergence_alarm_threshold"] = alarm.describe()
     card["training_signal"] = signal.card()
 
     write_card = card_writer(run_dir, card, world)
 
     write_card()
-    with closing(run_dir, card, write_card), StepLoop(recipe, run_dir, world, state.step, config.max_steps, config.checkpoint_every,
-                                                 config.acceptance.eval_every, state.placement) as loop:
-        _train(state, RunParts(run_dir, card, write_card, alarm, signal, extra_models), loop)
+    try:
+        with closing(run_dir, card, write_card), StepLoop(recipe, run_dir, world, state.step, config.max_steps,
+                                                     config.checkpoint_every, config.acceptance.eval_every, state.placement) as loop:
+            _train(state, RunParts(run_dir, card, write_card, alarm, signal, extra_models), loop)
+    finally:
+        state.pending.close()  # the generation thread (mode (b)), then the engine's process or server connection
+        close = getattr(engine_of(state.sampler), "close", None)
+        if close is not None:
+            close()
     del state.trainer  # DDP wrappers first, then the process group
     world.close()
     return run_dir.path
@@ -368,12 +409,14 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
     def save(done: int) -> None:
         save_training(
             run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
-            extra_state={"stream_position": state.stream.position, "alarm_history": alarm.history, "alarm_rings": alarm.rings,
+            extra_state={"stream_position": state.pending.stream_position(state.stream), "alarm_history": alarm.history, "alarm_rings": alarm.rings,
                          "alarm_reward_spread": alarm.reward_spread,
                          "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state()},
             extra_objects={PENDING: state.pending.state()} if config.data.max_staleness else None)
 
     engine = engine_of(state.sampler)
+    state.pending.start(state.step + 1, config.max_steps, state.step, state.stream.position)  # mode (b)'s generation thread
+    synced = getattr(engine, "sync_seconds", 0.0)  # evaluation's syncs before the first step are not a step's
     for _ in loop:
         timer = loop.clock.timer
         with memory_guard(state.step + 1, MEMORY_KNOBS, timer):
@@ -383,8 +426,8 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
                 raise engine_lost(state, run_dir, save, lost) from lost
             metrics = step(state, batch, timer)  # 3-4
         done = state.step
-        if hasattr(engine, "last_sync_s"):  # an engine with weights of its own (vLLM): the step's sync
-            metrics["rollout/sync_s"] = engine.last_sync_s or 0.0
+        if hasattr(engine, "sync_seconds"):  # an engine with weights of its own (vLLM, worker): its syncs during the step
+            metrics["rollout/sync_s"], synced = engine.sync_seconds - synced, engine.sync_seconds
         card["run"]["reference_refreshed_at"] = state.reference_refreshed_at
         if not alarm.reward_spread and not alarm.history:  # the first scored step sets the alarm's scale
             alarm.calibrate(batch.scores.rewards[batch.valid].tolist())
@@ -413,14 +456,15 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
 
 
 def engine_lost(state: State, run_dir: RunDirectory, save: Callable[[int], None], lost: EngineUnavailable) -> UserError:
-    """The engine's server stopped answering before step `state.step + 1` sampled: checkpoint the
+    """The engine (its server or worker process) stopped answering while sampling: checkpoint the
     steps done (nothing of the failed step had changed the state) and say how to resume."""
     done = state.step
     if done > 0:
         save(done)
     resume = f"posttrain {ADVANTAGE_ESTIMATORS[state.config.loss.advantage].command} --resume {run_dir.path}"
     kept = f"checkpoint step-{done} written" if done > 0 else "no step had finished"
-    return UserError(f"{lost} (while sampling step {done + 1}; {kept}); once it is back: {resume}")
+    when = f"while sampling ahead, {done} steps done" if state.config.data.max_staleness else f"while sampling step {done + 1}"
+    return UserError(f"{lost} ({when}; {kept}); once it is back: {resume}")
 
 
 def step_signal(batch: ScoredBatch, metrics: dict[str, Any], config: Config) -> StepSignal:
@@ -472,7 +516,7 @@ def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
     card["links"]["data"] = online_data_card(config.data, state.train, state.held_out, config.sampling,
                                              grouped=estimator.min_group_size > 1, screening=state.screening)
-    card["links"]["data"]["engine"] = engine_card(config.rollout)
+    card["links"]["data"]["engine"] = engine_card(sampling_engine(config))
     if config.tools.enabled:
         from posttrain.rollout.episodes import tools_card
 

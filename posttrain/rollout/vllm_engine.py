@@ -39,6 +39,7 @@ are `vllm_backends.py`; this module is the engine's side of the contract.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -103,6 +104,9 @@ class VLLMEngine:
         """Seconds the last weight sync took (None: the call before found the weights unchanged)."""
         self.syncs = 0
         """Weight syncs so far (the first load counts)."""
+        self.sync_seconds = 0.0
+        """Seconds of every weight sync so far (the recipe logs its growth over a step: `rollout/sync_s`)."""
+        self._lock = threading.Lock()  # one call at a time: a generation thread and the trainer's evaluation share an engine
 
     def _start(self, model, tokenizer) -> None:
         if self.settings.mode == "server":
@@ -115,6 +119,7 @@ class VLLMEngine:
             self.backend.loaded_by = self
             self._synced, self._synced_model = weights_fingerprint(model), model
             self.syncs, self.last_sync_s = 1, time.perf_counter() - started
+            self.sync_seconds += self.last_sync_s
             logger.info("rollout: vLLM loaded the policy in %.1fs (colocate)", self.last_sync_s)
 
     def sync(self, model) -> float | None:
@@ -129,13 +134,22 @@ class VLLMEngine:
             self.backend.loaded_by = self
         self._synced, self._synced_model = fingerprint, model
         self.syncs += 1
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.sync_seconds += seconds
+        return seconds
 
     def __call__(self, model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
                  seed: int = 0, shard: tuple[int, int] | None = None, draws: tuple[Sequence[int], int] | None = None,
                  max_batch_size: int | None = None, backend: str = "auto", add_special_tokens: bool = False) -> Rollout:
         """As `rollout.engine.generate` (`max_batch_size` and `backend` are the built-in engine's and
-        are ignored: vLLM schedules its own batches). Returns a `Rollout` on the model's device."""
+        are ignored: vLLM schedules its own batches). Returns a `Rollout` on the model's device.
+        Calls from several threads take turns (the weights synced are the calling model's)."""
+        with self._lock:
+            return self._generate(model, tokenizer, prompts, group_size=group_size, sampling=sampling, seed=seed, shard=shard,
+                                  draws=draws, add_special_tokens=add_special_tokens)
+
+    def _generate(self, model, tokenizer, prompts, *, group_size: int, sampling: SamplingConfig | None, seed: int,
+                  shard: tuple[int, int] | None, draws: tuple[Sequence[int], int] | None, add_special_tokens: bool) -> Rollout:
         sampling = sampling or SamplingConfig()
         problem = unsupported(sampling)
         if problem is not None:
