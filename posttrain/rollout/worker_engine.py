@@ -100,7 +100,7 @@ def _stop(process, connection) -> None:
 
 def _how_stopped(exitcode: int | None) -> str:
     if exitcode is None:
-        return "did not answer"
+        return "stopped answering"
     if exitcode < 0:
         return f"was killed by signal {signal.Signals(-exitcode).name}"
     return f"exited with code {exitcode}"
@@ -147,11 +147,13 @@ class WorkerEngine:
     def _answer(self) -> Any:
         deadline = time.monotonic() + self.timeout_s
         while not self._connection.poll(_POLL_S):
-            if not self.process.is_alive() or time.monotonic() > deadline:
+            if not self.process.is_alive():
                 self._lost()
+            if time.monotonic() > deadline:
+                self._lost(stuck=True)
         try:
             reply = self._connection.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the worker's end closed: it died
             self._lost()
         if reply[0] == "ok":
             return reply[1]
@@ -162,16 +164,14 @@ class WorkerEngine:
             error = RuntimeError(f"{kind.__name__}: {message}")
         raise error
 
-    def _lost(self):
-        """The worker died or stopped answering: end it, forget it (the next call starts a new one), raise one line."""
+    def _lost(self, stuck: bool = False):
+        """The worker died or (`stuck`) did not answer in time: end it, forget it (the next call starts
+        a new one), raise one line."""
         process = self.process
-        if process.is_alive():  # stuck past the timeout
+        if stuck:
             process.kill()
-            process.join(timeout=5)
-            how = f"did not answer within {self.timeout_s:g}s"
-        else:
-            process.join(timeout=5)
-            how = _how_stopped(process.exitcode)
+        process.join(timeout=5)  # a killed process's end is seen a moment after its pipe closes
+        how = f"did not answer within {self.timeout_s:g}s" if stuck else _how_stopped(process.exitcode)
         self._forget()
         raise EngineUnavailable(f"rollout: the generation worker (pid {process.pid}) {how}: out of memory or killed? "
                                 "The run can resume from its last checkpoint; the next call starts a new worker") from None
@@ -211,7 +211,9 @@ class WorkerEngine:
         if self._synced_model is model and fingerprint == self._synced:
             return None
         started = time.perf_counter()
-        self._push({name: tensor.to("cpu").contiguous() for name, tensor in hf_weights(model)})
+        # copies: torch pickles a CPU tensor by moving its storage to shared memory, which would
+        # re-home the policy's own parameters (and change their fingerprint) were they sent as they are
+        self._push({name: tensor.to("cpu", copy=True).contiguous() for name, tensor in hf_weights(model)})
         self._synced, self._synced_model = fingerprint, model
         self.syncs += 1
         return time.perf_counter() - started
