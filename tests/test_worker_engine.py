@@ -7,6 +7,7 @@ One engine (one worker process) serves the whole module: a spawn start costs sec
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -150,6 +151,26 @@ def test_a_killed_worker_is_one_line_and_close_ends_the_process():
     engine.close()
     assert not process.is_alive() and engine.pid is None
     engine.close()  # idempotent
+
+
+def test_a_stuck_worker_times_out_and_a_dropped_engine_leaves_no_process():
+    model, tokenizer = load_model("tiny")
+    engine = WorkerEngine(threads=1, timeout_s=60)
+    sampling = SamplingConfig(max_new_tokens=4)
+    engine(model, tokenizer, PROMPTS, sampling=sampling)
+    engine.timeout_s = 2  # after the start (spawn and load take seconds)
+    stuck = engine.process
+    os.kill(stuck.pid, signal.SIGSTOP)  # alive, but answers nothing
+    with pytest.raises(EngineUnavailable, match=r"generation worker \(pid \d+\) did not answer within 2s and was stopped;"):
+        engine(model, tokenizer, PROMPTS, sampling=sampling)
+    assert not stuck.is_alive()  # ended, not left behind
+    engine.timeout_s = 60
+    engine(model, tokenizer, PROMPTS, sampling=sampling)  # a new worker
+    process = engine.process
+    del engine
+    gc.collect()
+    process.join(timeout=15)
+    assert not process.is_alive()
 
 
 def test_grpo_runs_two_steps_on_the_worker_engine(tmp_path):

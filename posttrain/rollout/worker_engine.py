@@ -171,10 +171,11 @@ class WorkerEngine:
         if stuck:
             process.kill()
         process.join(timeout=5)  # a killed process's end is seen a moment after its pipe closes
-        how = f"did not answer within {self.timeout_s:g}s" if stuck else _how_stopped(process.exitcode)
+        how = (f"did not answer within {self.timeout_s:g}s and was stopped" if stuck
+               else f"{_how_stopped(process.exitcode)} (out of memory?)")
         self._forget()
-        raise EngineUnavailable(f"rollout: the generation worker (pid {process.pid}) {how}: out of memory or killed? "
-                                "The run can resume from its last checkpoint; the next call starts a new worker") from None
+        raise EngineUnavailable(f"rollout: the generation worker (pid {process.pid}) {how}; resume the run from its "
+                                "last checkpoint (the next call starts a new worker)") from None
 
     def _forget(self) -> None:
         if self._finalizer is not None:
@@ -196,7 +197,11 @@ class WorkerEngine:
             theirs.close()
             self._connection = ours
             self._finalizer = weakref.finalize(self, _stop, self.process, ours)
-            self._answer()  # loaded: the directory can go
+            try:
+                self._answer()  # loaded: the directory can go
+            except BaseException:
+                self._forget()  # a worker that could not load is not kept: the next call starts afresh
+                raise
         self._synced, self._synced_model = weights_fingerprint(model), model
         self.syncs, self.last_sync_s = self.syncs + 1, time.perf_counter() - started
         logger.info("rollout: generation worker (pid %d) loaded the policy in %.1fs", self.process.pid, self.last_sync_s)
