@@ -7,6 +7,7 @@ One engine (one worker process) serves the whole module: a spawn start costs sec
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -173,12 +174,17 @@ def test_a_stuck_worker_times_out_and_a_dropped_engine_leaves_no_process():
     assert not process.is_alive()
 
 
-def test_grpo_runs_two_steps_on_the_worker_engine(tmp_path):
+def grpo_config(tmp_path, *extra):
     args = ["--data.eval_size", "8", "--data.train_size", "200", "--data.prompts_per_step", "2", "--data.group_size", "4",
             "--sampling.max_new_tokens", "6", "--update.micro_batch_size", "8", "--optim.lr", "1e-3",
-            "--rollout.engine", "worker", "--acceptance.eval_every", "0", "--acceptance.sets", "[]", "--max-steps", "2"]
+            "--rollout.engine", "worker", "--acceptance.eval_every", "0", "--acceptance.sets", "[]", *extra]
     config = build_config(online_config.grpo_config, None, parse_overrides(args))
     config.output_dir = str(tmp_path / "run")
+    return config
+
+
+def test_grpo_runs_two_steps_on_the_worker_engine(tmp_path):
+    config = grpo_config(tmp_path, "--max-steps", "2")
     run_dir = online.run(config, reward=digits)
     import json
 
@@ -186,3 +192,26 @@ def test_grpo_runs_two_steps_on_the_worker_engine(tmp_path):
     assert [row["step"] for row in rows if "rollout/sync_s" in row] == [1, 2]
     assert json.loads((run_dir / "run_card.json").read_text())["links"]["data"]["engine"]["name"] == "worker"
     assert engines.ENGINES["worker"].describe(config.rollout)["weight_sync"]
+
+
+def test_a_worker_dying_mid_run_checkpoints_and_stops_with_one_line(tmp_path, monkeypatch):
+    """The worker is killed before the third generation (step 2's sampling: the run generated twice
+    before it): the run stops with one line, step 1 checkpointed (checkpoint_every is 10)."""
+
+    class Dying(WorkerEngine):
+        calls = 0
+
+        def __call__(self, *args, **kwargs):
+            Dying.calls += 1
+            if Dying.calls == 3:
+                os.kill(self.pid, signal.SIGKILL)
+                self.process.join(timeout=10)
+            return super().__call__(*args, **kwargs)
+
+    entry = dataclasses.replace(engines.ENGINES["worker"], make=lambda settings: Dying(threads=1))
+    monkeypatch.setitem(engines.ENGINES, "worker", entry)
+    config = grpo_config(tmp_path, "--max-steps", "4", "--checkpoint-every", "10")
+    with pytest.raises(UserError, match=r"generation worker \(pid \d+\) was killed by signal SIGKILL.*while sampling step 2") as caught:
+        online.run(config, reward=digits)
+    assert "\n" not in str(caught.value) and "--resume" in str(caught.value)
+    assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()

@@ -174,8 +174,8 @@ class WorkerEngine:
         how = (f"did not answer within {self.timeout_s:g}s and was stopped" if stuck
                else f"{_how_stopped(process.exitcode)} (out of memory?)")
         self._forget()
-        raise EngineUnavailable(f"rollout: the generation worker (pid {process.pid}) {how}; resume the run from its "
-                                "last checkpoint (the next call starts a new worker)") from None
+        raise EngineUnavailable(f"rollout: the generation worker (pid {process.pid}) {how}; a run stops here and "
+                                "resumes from its checkpoint, a next call starts a new worker") from None
 
     def _forget(self) -> None:
         if self._finalizer is not None:
