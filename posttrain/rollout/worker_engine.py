@@ -70,7 +70,7 @@ def _serve(connection, model_dir: str, dtype: torch.dtype, device: str, threads:
         try:
             if request[0] == "weights":
                 with torch.no_grad():
-                    missing, unexpected = model.load_state_dict(request[1], strict=False)
+                    _, unexpected = model.load_state_dict(request[1], strict=False)  # missing: the tied head, sent once
                 if unexpected:
                     raise RuntimeError(f"weights the worker's model does not have: {unexpected[:3]}")
                 result = None
@@ -102,7 +102,10 @@ def _how_stopped(exitcode: int | None) -> str:
     if exitcode is None:
         return "stopped answering"
     if exitcode < 0:
-        return f"was killed by signal {signal.Signals(-exitcode).name}"
+        try:
+            return f"was killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
 
 
