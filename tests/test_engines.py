@@ -134,7 +134,7 @@ def test_each_prompt_has_its_own_seed_whoever_samples_it():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"engine": "sglang"}, "rollout.engine must be one of builtin, vllm, got 'sglang'"),
+    ({"engine": "sglang"}, "rollout.engine must be one of builtin, vllm, worker, got 'sglang'"),
     ({"vllm": VLLMSettings(mode="server", url="http://x:1")}, "the rollout.vllm section applies to rollout.engine vllm only"),
     ({"engine": "vllm", "vllm": VLLMSettings(mode="server")}, "rollout.vllm.url is required"),
     ({"engine": "vllm", "vllm": VLLMSettings(mode="remote")}, "rollout.vllm.mode must be one of colocate, server"),

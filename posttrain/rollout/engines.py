@@ -6,6 +6,8 @@ with `rollout.engine.generate`'s signature and get a `Rollout`; which engine is 
     builtin  posttrain's own engine (`rollout/engine.py`): the fast CPU decoder, any HF model on a GPU
     vllm     vLLM (`rollout/vllm_engine.py`), in the trainer's process or a `posttrain vllm-serve`
              server, the policy's weights synced after every change
+    worker   the built-in engine in a process of its own (`rollout/worker_engine.py`), the policy's
+             weights pushed when they change: what asynchronous generation runs the built-in engine as
 
 A new engine is one module with a `generate`-like callable and one `Engine` entry.
 """
@@ -29,7 +31,7 @@ class RolloutSettings:
     """What a value given to the section itself meant (`config._primary_hint`): `--rollout vllm` is --rollout.engine vllm."""
 
     engine: str = "builtin"
-    """builtin (posttrain's engine: the faster one on a CPU, measured in docs/rollout.md) | vllm (vLLM, for GPUs: `pip install 'posttrain[vllm]'`)."""
+    """builtin (posttrain's engine: the faster one on a CPU, measured in docs/rollout.md) | vllm (vLLM, for GPUs: `pip install 'posttrain[vllm]'`) | worker (the built-in engine in a process of its own)."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """vLLM's settings (rollout.engine vllm): colocate or server, its memory, the server's url."""
 
@@ -75,6 +77,17 @@ def _vllm(settings: RolloutSettings):
     return VLLMEngine(settings.vllm)
 
 
+def _worker(settings: RolloutSettings):
+    from posttrain.rollout.worker_engine import WorkerEngine
+
+    return WorkerEngine()
+
+
+def _worker_card(settings: RolloutSettings) -> dict[str, Any]:
+    return {"name": "worker", "process": "spawn", "generation": "builtin",
+            "weight_sync": "full weights (LoRA folded) whenever the policy changed, before it samples again"}
+
+
 def _vllm_unsupported(sampling: SamplingConfig) -> str | None:
     from posttrain.rollout.vllm_engine import unsupported
 
@@ -102,6 +115,9 @@ ENGINES: dict[str, Engine] = {
                       _builtin, lambda sampling: None, lambda settings: {"name": "builtin"}),
     "vllm": Engine("vllm", "vLLM (paged attention, prefix caching, CUDA graphs): for GPUs; colocate or `posttrain vllm-serve`",
                    _vllm, _vllm_unsupported, _vllm_card),
+    "worker": Engine("worker", "the built-in engine in a process of its own, its weights pushed when they change: "
+                     "what asynchronous generation (data.async_generation) runs the built-in engine as",
+                     _worker, lambda sampling: None, _worker_card),
 }
 
 
