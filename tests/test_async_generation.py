@@ -244,26 +244,33 @@ def test_a_run_stopped_with_batches_in_flight_resumes_sampling_them_again(tmp_pa
     assert any("2 batch(es) sampled ahead and not trained" in note for note in card["notes"])
 
 
-def test_a_generation_worker_that_dies_stops_the_run_with_a_checkpoint_and_one_line(tmp_path, capsys):
-    from posttrain.cli import main
+def test_a_generation_worker_that_dies_stops_the_run_with_a_checkpoint_and_one_line(tmp_path, monkeypatch):
+    """The worker is killed under the generation thread's third batch: the trainer stops at the batch
+    it waits for, with one line, its steps checkpointed."""
+    import dataclasses
+
+    from posttrain.rollout import engines
     from posttrain.rollout.worker_engine import WorkerEngine
 
-    killed, call = [], WorkerEngine.__call__
+    class Dying(WorkerEngine):
+        calls = 0
 
-    def killing(self, *args, **kwargs):
-        if self.syncs >= 3 and not killed:  # the third batch's weights are in: kill the worker under it
-            os.kill(self.pid, signal.SIGKILL)
-            killed.append(True)
-        return call(self, *args, **kwargs)
+        def __call__(self, *args, **kwargs):
+            Dying.calls += threading.current_thread().name == "posttrain-generation"
+            if Dying.calls == 3:
+                os.kill(self.pid, signal.SIGKILL)
+                self.process.join(timeout=10)
+            return super().__call__(*args, **kwargs)
 
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(WorkerEngine, "__call__", killing)
-        code = main(["grpo", *SMALL, "--max-steps", str(STEPS), "--data.max_staleness", "1", "--data.async_generation", "true",
-                     "--reward", "callable:tests.rewards_for_tests.digits", "--output-dir", str(tmp_path / "run")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code != 0 and killed
-    assert len(err) == 1 and "generation worker" in err[0] and "checkpoint step-" in err[0] and "--resume" in err[0]
+    entry = dataclasses.replace(engines.ENGINES["worker"], make=lambda settings: Dying(threads=1))
+    monkeypatch.setitem(engines.ENGINES, "worker", entry)
+    config = config_of(tmp_path / "run", "--data.max_staleness", "1", "--data.async_generation", "true")
+    with pytest.raises(UserError, match=r"generation worker \(pid \d+\) was killed by signal SIGKILL.*while sampling ahead, "
+                                        r"\d steps done; checkpoint step-\d written\); to resume") as caught:
+        online.run(config, reward=digits)
+    assert "\n" not in str(caught.value) and "--resume" in str(caught.value) and Dying.calls >= 3
     assert list((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert not [thread for thread in threading.enumerate() if thread.name == "posttrain-generation"]
 
 
 def test_async_generation_without_staleness_or_under_torchrun_is_one_line(tmp_path, monkeypatch):

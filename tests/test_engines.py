@@ -190,7 +190,7 @@ def test_a_server_dying_mid_run_checkpoints_and_the_run_resumes(tmp_path, monkey
     the run stops with one line, step-2 is checkpointed (checkpoint_every is 10), --resume finishes."""
     fake_vllm(monkeypatch, fail_after=3)
     config = small_config(tmp_path, "--max-steps", "4")
-    with pytest.raises(UserError, match=r"unreachable .*while sampling step 3; checkpoint step-2 written\); once it is back: "
+    with pytest.raises(UserError, match=r"unreachable .*while sampling step 3; checkpoint step-2 written\); to resume \(a server once it is back\): "
                                         r"posttrain grpo --resume .*run"):
         online.run(config, reward=digits)
     assert (tmp_path / "run" / "checkpoints" / "step-000002").is_dir()

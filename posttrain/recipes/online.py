@@ -464,7 +464,7 @@ def engine_lost(state: State, run_dir: RunDirectory, save: Callable[[int], None]
     resume = f"posttrain {ADVANTAGE_ESTIMATORS[state.config.loss.advantage].command} --resume {run_dir.path}"
     kept = f"checkpoint step-{done} written" if done > 0 else "no step had finished"
     when = f"while sampling ahead, {done} steps done" if state.config.data.max_staleness else f"while sampling step {done + 1}"
-    return UserError(f"{lost} ({when}; {kept}); once it is back: {resume}")
+    return UserError(f"{lost} ({when}; {kept}); to resume (a server once it is back): {resume}")
 
 
 def step_signal(batch: ScoredBatch, metrics: dict[str, Any], config: Config) -> StepSignal:

@@ -10,7 +10,7 @@ generation runs the built-in engine as: the trainer's process keeps training whi
 * **Weight sync**, as VLLMEngine: before every call the policy is fingerprinted
   (`weights_fingerprint`); when it changed since the last sync the full weights go to the worker as
   CPU tensors under their Hugging Face names (`hf_weights`, LoRA folded) and it copies them in.
-  `last_sync_s` and `syncs` as in VLLMEngine.
+  `last_sync_s`, `syncs` and `sync_seconds` as in VLLMEngine.
 * **Same tokens**: the worker runs `rollout.engine.generate` itself, so for the same weights, seed and
   settings the Rollout equals the in-process one (tests/test_worker_engine.py asserts it).
 * **Threads**: one call at a time (a lock around sync + generate): a producer thread and the
@@ -133,6 +133,8 @@ class WorkerEngine:
         """Seconds the last weight sync took (None: the call before found the weights unchanged)."""
         self.syncs = 0
         """Weight syncs so far (the first load counts)."""
+        self.sync_seconds = 0.0
+        """Seconds of every weight sync so far, the first load included (the recipe logs its growth over a step: `rollout/sync_s`)."""
 
     @property
     def pid(self) -> int | None:
@@ -207,6 +209,7 @@ class WorkerEngine:
                 raise
         self._synced, self._synced_model = weights_fingerprint(model), model
         self.syncs, self.last_sync_s = self.syncs + 1, time.perf_counter() - started
+        self.sync_seconds += self.last_sync_s
         logger.info("rollout: generation worker (pid %d) loaded the policy in %.1fs", self.process.pid, self.last_sync_s)
 
     def _push(self, weights: dict[str, torch.Tensor]) -> None:
@@ -224,7 +227,9 @@ class WorkerEngine:
         self._push({name: tensor.to("cpu", copy=True).contiguous() for name, tensor in hf_weights(model)})
         self._synced, self._synced_model = fingerprint, model
         self.syncs += 1
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.sync_seconds += seconds
+        return seconds
 
     def __call__(self, model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
                  seed: int = 0, shard: tuple[int, int] | None = None, draws: tuple[Sequence[int], int] | None = None,
