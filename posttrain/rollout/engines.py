@@ -34,6 +34,8 @@ class RolloutSettings:
     """builtin (posttrain's engine: the faster one on a CPU, measured in docs/rollout.md) | vllm (vLLM, for GPUs: `pip install 'posttrain[vllm]'`) | worker (the built-in engine in a process of its own)."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """vLLM's settings (rollout.engine vllm): colocate or server, its memory, the server's url."""
+    worker_threads: int | None = None
+    """rollout.engine worker: the worker process's torch threads; None: the trainer's, or half of them under data.async_generation (the two share the CPU cores: measured in docs/off_policy.md)."""
 
     def validate(self, sampling: SamplingConfig | None = None, prefix: str = "rollout.") -> None:
         """Refuse an unknown engine, bad vLLM settings, and sampling settings the engine cannot honour."""
@@ -43,6 +45,9 @@ class RolloutSettings:
             if self.engine != "vllm":
                 raise UserError(f"the {prefix}vllm section applies to {prefix}engine vllm only (engine is {self.engine})")
             self.vllm.validate(f"{prefix}vllm.")
+        if self.worker_threads is not None and (self.engine == "vllm" or self.worker_threads < 1):
+            raise UserError(f"{prefix}worker_threads applies to the built-in engine's worker (engine worker, or builtin under "
+                            f"data.async_generation) and must be >= 1, got {self.worker_threads} (engine {self.engine})")
         problem = ENGINES[self.engine].unsupported(sampling) if sampling is not None else None
         if problem is not None:
             raise UserError(problem)
@@ -80,11 +85,11 @@ def _vllm(settings: RolloutSettings):
 def _worker(settings: RolloutSettings):
     from posttrain.rollout.worker_engine import WorkerEngine
 
-    return WorkerEngine()
+    return WorkerEngine(threads=settings.worker_threads)
 
 
 def _worker_card(settings: RolloutSettings) -> dict[str, Any]:
-    return {"name": "worker", "process": "spawn", "generation": "builtin",
+    return {"name": "worker", "process": "spawn", "generation": "builtin", "threads": settings.worker_threads,
             "weight_sync": "full weights (LoRA folded) whenever the policy changed, before it samples again"}
 
 
