@@ -56,7 +56,7 @@ def main() -> None:
     engine.close()
     print(f"threads {torch.get_num_threads()}; worker start {start_s:.2f}s; in-process {local * 1e3:.1f} ms; "
           f"worker {worker * 1e3:.1f} ms (+{(worker - local) * 1e3:.1f} ms); after a weight change {synced * 1e3:.1f} ms")
-    print(f"RESULT worker_rollout: ours={worker * 1e3:.1f} peer={local * 1e3:.1f} unit=ms ratio={worker / local:.2f}")
+    print(f"RESULT worker_rollout: ours={worker * 1e3:.1f} peer={local * 1e3:.1f} unit=ms ratio={local / worker:.2f}")
 
 
 if __name__ == "__main__":
