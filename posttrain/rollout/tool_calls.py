@@ -8,7 +8,6 @@ and its status. No tool runs here: running them is `rollout/tools.py`.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
