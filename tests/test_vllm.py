@@ -242,6 +242,22 @@ def test_grpo_run_on_vllm(tmp_path):
     assert card["links"]["data"]["engine"]["name"] == "vllm"
 
 
+def test_grpo_with_generation_overlapping_training_on_a_server(tmp_path, server):
+    """data.async_generation against `posttrain vllm-serve`: a generation thread samples while the
+    trainer trains, the server's weights pushed as they change; no batch older than k; the held-out
+    evaluation (the trainer's own weights) and the generation thread share the engine in turns."""
+    pushes = json.loads(urllib.request.urlopen(server["url"] + "/health").read())["weight_pushes"]
+    config = small_config(tmp_path, "--max-steps", "4", "--acceptance.eval_every", "2", "--data.max_staleness", "1",
+                          "--data.async_generation", "true", "--rollout.vllm.mode", "server", "--rollout.vllm.url", server["url"])
+    run_dir = online.run(config, reward=digits)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if row["step"] > 0 and "offpolicy/staleness_max" in row]
+    assert len(steps) == 4 and all(row["offpolicy/staleness_max"] <= 1 for row in steps)
+    card = json.loads((run_dir / "run_card.json").read_text())
+    assert card["links"]["data"]["engine"]["name"] == "vllm" and card["links"]["data"]["staleness"].startswith("asynchronous")
+    assert json.loads(urllib.request.urlopen(server["url"] + "/health").read())["weight_pushes"] >= pushes + 3
+
+
 def test_tool_episodes_on_vllm(tmp_path):
     """Tool episodes draw every turn through vLLM, ids in and out."""
     from posttrain.rollout.episodes import EpisodeSampler, ToolSettings
