@@ -176,8 +176,12 @@ class WorkerEngine:
         if stuck:
             process.kill()
         process.join(timeout=5)  # a killed process's end is seen a moment after its pipe closes
-        how = (f"did not answer within {self.timeout_s:g}s and was stopped" if stuck
-               else f"{_how_stopped(process.exitcode)} (out of memory?)")
+        if stuck:
+            how = f"did not answer within {self.timeout_s:g}s and was stopped"
+        elif process.exitcode == -signal.SIGKILL:
+            how = f"{_how_stopped(process.exitcode)} (out of memory?)"
+        else:  # its own traceback went to stderr; a script without `if __name__ == "__main__":` ends so under spawn
+            how = f"{_how_stopped(process.exitcode)} (its error is above; a script must start under if __name__ == '__main__')"
         self._forget()
         raise EngineUnavailable(f"rollout: the generation worker (pid {process.pid}) {how}; a run stops here and "
                                 "resumes from its checkpoint, a next call starts a new worker") from None
