@@ -34,12 +34,11 @@ from typing import Any, Callable
 import torch
 
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS
-from posttrain.config import to_dict
 from posttrain.data.async_generation import AsyncBatches, generation_copy
 from posttrain.data.context import PromptSet, check_prompts_fit, heldout_budget
 from posttrain.data.examples import Task, derived_seed, require_examples
 from posttrain.data.prompts import convention_record
-from posttrain.data.scored_batch import ScoredBatch, online_data_card, sample_and_score
+from posttrain.data.scored_batch import ScoredBatch, sample_and_score
 from posttrain.data.screening import LAYOUTS, screen_problems
 from posttrain.data.staleness import PendingBatches
 from posttrain.data.stream import PromptStream
@@ -50,7 +49,6 @@ from posttrain.hardware import Placement, cpu_placement, resolve
 from posttrain.evaluation.acceptance import (
     IN_DISTRIBUTION,
     HeldOutSet,
-    acceptance_card,
     heldout_checker,
     evaluate_sets,
     independence,
@@ -63,20 +61,19 @@ from posttrain.models.forward import TrainingForward, policy_and_critic, policy_
 from posttrain.models.loading import load_policy
 from posttrain.losses.policy_gradient import PolicyModels, UpdateSettings, loss_rows, prepare
 from posttrain.losses.policy_gradient import step as loss_step
-from posttrain.losses.policy_gradient_config import loss_card, off_policy_meaning
 from posttrain.optim import Trainable, make_optimizer
-from posttrain.recipes.online_config import Config
+from posttrain.recipes.online_card import make_card
+from posttrain.recipes.online_config import Config, sampling_engine
 from posttrain.rewards import Verifier, as_verifier
 from posttrain.rewards.defaults import default_reward
-from posttrain.runs import RunDirectory, new_card, plot_metrics
+from posttrain.runs import RunDirectory, plot_metrics
 from posttrain.runs.plots import plot_sets
 from posttrain.runs.checkpoint import seed_everything
 from posttrain.runs.faults import memory_guard
 from posttrain.runs.timer import Timer
-from posttrain.rollout.engines import RolloutSettings, engine_card
 from posttrain.rollout.sampler import Sampler, engine_of, single_turn
 from posttrain.rollout.vllm_backends import EngineUnavailable
-from posttrain.runs.skeleton import StepLoop, card_run_part, card_writer, closing, open_run, start, warn_if_unsafe
+from posttrain.runs.skeleton import StepLoop, card_writer, closing, open_run, start, warn_if_unsafe
 from posttrain.runs.training_state import restore_training, save_training
 
 logger = logging.getLogger(__name__)
@@ -206,21 +203,6 @@ def tool_sampler(config: Config, tokenizer) -> Sampler:
     from posttrain.rollout.episodes import make_sampler
 
     return make_sampler(config.tools, tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox), make_engine(sampling_engine(config)))
-
-
-def sampling_engine(config: Config) -> RolloutSettings:
-    """The engine that samples: `config.rollout`'s, except that asynchronous generation
-    (`data.async_generation`) runs the built-in engine in a worker process of its own (`worker`),
-    so that generation and the trainer's forwards run at once; on a CPU the worker then takes half
-    the trainer's threads unless `rollout.worker_threads` says (on 2 cores, 2 + 1 threads stepped
-    1.03 s against 1.53 s for 2 + 2: docs/off_policy.md)."""
-    rollout = config.rollout
-    if not config.data.async_generation or rollout.engine not in ("builtin", "worker"):
-        return rollout
-    threads = rollout.worker_threads
-    if threads is None and config.hardware.device in ("cpu", "auto") and not torch.cuda.is_available():
-        threads = max(1, torch.get_num_threads() // 2)
-    return dataclasses.replace(rollout, engine="worker", worker_threads=threads)
 
 
 def sample(state: State, timer: Timer | None = None, serves: int | None = None, policy=None, version: int | None = None) -> ScoredBatch:
@@ -512,42 +494,3 @@ def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_
                     logger.warning(message)
     state.world.barrier()
     return metrics
-
-
-def make_card(config: Config, state: State, reward: Any, changes: list[str] = ()) -> dict[str, Any]:
-    """The run card: the four links, each written by its link's home, and the run's own part (with
-    `changes`, what a resume accepted)."""
-    estimator = ADVANTAGE_ESTIMATORS[config.loss.advantage]
-    card = new_card(estimator.command, config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
-    card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
-    card["links"]["data"] = online_data_card(config.data, state.train, state.held_out, config.sampling,
-                                             grouped=estimator.min_group_size > 1, screening=state.screening)
-    card["links"]["data"]["engine"] = engine_card(sampling_engine(config))
-    if config.tools.enabled:
-        from posttrain.rollout.episodes import tools_card
-
-        card["links"]["data"]["episodes"] = tools_card(config.tools, state.sampler.toolbox)
-    card["links"]["reward"] = reward_link(config, state, reward)
-    # The loss link states the setting (auto's rule is the same whatever the data); what auto resolved to
-    # for these batches goes with them, so that a change of data.max_staleness alone is a data-link change.
-    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference)
-    if config.data.max_staleness:
-        card["links"]["data"]["staleness_correction"] = off_policy_meaning(config.loss, config.data.max_staleness)
-    acceptance = card["links"]["acceptance"] = acceptance_card(dataclasses.asdict(config.acceptance), config.data.task,
-                                                               len(state.held_out), state.verifier, state.checker, state.shifted)
-    if not acceptance["independent"]:
-        card["notes"].append(f"acceptance is not independent: {acceptance['independence_reason']}")
-    card_run_part(card, config, state.placement, state.world, list(changes))
-    return card
-
-
-def reward_link(config: Config, state: State, reward: Any) -> dict[str, Any]:
-    """The card's reward link: the verifier as it describes itself, whether it was passed as a
-    Python object or named in the config, where the estimator puts it, and what resolved it."""
-    link = {**state.verifier.describe(), "passed_as": "python object" if reward is not None else "config name"}
-    placement = ADVANTAGE_ESTIMATORS[config.loss.advantage].reward_placement
-    if placement is not None:
-        link["placement"] = placement
-    link["resolved_from"] = (f"the task's gold format ({state.train.reward_kind})" if config.reward == "auto" and reward is None
-                             else "set by the user")
-    return link
