@@ -128,7 +128,7 @@ def test_every_entry_names_real_settings_and_a_real_command():
         assert entry.command == ("ppo" if entry.needs_critic else "grpo")
         # A rollout KL metric needs the old log-probs precomputed, which only a critic guarantees.
         assert entry.kl_metric == "update" or entry.needs_critic, name
-    assert {name for name, e in ADVANTAGE_ESTIMATORS.items() if e.per_token} == {"gae", "reinforce_pp", "reinforce_pp_baseline"}
+    assert {name for name, e in ADVANTAGE_ESTIMATORS.items() if e.per_token} == {"gae", "reinforce_pp", "reinforce_pp_baseline", "distill"}
 
 
 def config(advantage, **loss):
@@ -137,7 +137,7 @@ def config(advantage, **loss):
 
 
 def test_an_unknown_estimator_is_one_line_naming_the_table():
-    with pytest.raises(UserError, match=r"^loss.advantage must be one of group, gae, rloo, reinforce_pp, reinforce_pp_baseline, "
+    with pytest.raises(UserError, match=r"^loss.advantage must be one of group, gae, rloo, reinforce_pp, reinforce_pp_baseline, distill, "
                                          r"got 'vtrace'$"):
         config("vtrace")
 

@@ -159,6 +159,38 @@ def reinforce_returns(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.
     return torch.where(mask, returns, torch.zeros_like(returns))
 
 
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Discounted returns over each row's counted tokens, the uncounted ones (tool observations,
+    padding) skipped:
+
+        G_t = r_t + gamma * G_t'   (t' the next counted token of the row; 0 after the last)
+
+    gamma = 1 is `reinforce_returns` (the reward to go); gamma = 0 leaves each token its own
+    reward (on-policy distillation's usual choice: each token answers for its own KL only).
+
+    Args:
+        token_rewards: (N, T) per-token rewards.
+        mask: (N, T) bool, True = the token counts.
+        gamma: discount in [0, 1].
+
+    Returns:
+        (N, T) returns, 0 where mask is False.
+
+    Example: rewards [0.3, -0.6, 0.4] on three counted tokens, gamma 0.5 -> [0.1, -0.4, 0.4].
+    """
+    counted = torch.where(mask, token_rewards, torch.zeros_like(token_rewards))
+    if gamma == 0:
+        return counted
+    if gamma == 1:
+        return reinforce_returns(token_rewards, mask)
+    returns = torch.zeros_like(counted)
+    running = torch.zeros_like(counted[:, 0])
+    for t in range(counted.shape[1] - 1, -1, -1):
+        running = torch.where(mask[:, t], counted[:, t] + gamma * running, running)
+        returns[:, t] = running
+    return torch.where(mask, returns, torch.zeros_like(returns))
+
+
 def gae(
     token_rewards: torch.Tensor,
     values: torch.Tensor,

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from posttrain.algorithms.advantages import explained_variance, gae, grpo_advantages, masked_mean, reinforce_returns, rloo_advantages
+from posttrain.algorithms.advantages import discounted_returns, explained_variance, gae, grpo_advantages, masked_mean, reinforce_returns
+from posttrain.algorithms.advantages import rloo_advantages
 from posttrain.algorithms.advantages import whiten as whiten_tokens
 from posttrain.algorithms.kl import kl_in_reward
 
@@ -40,6 +41,25 @@ class StepRewards:
     """The KL's weight in the reward (0 when the KL is a loss term or there is none)."""
     values: torch.Tensor | None = None
     """(N, T) the critic's values of the rollout, for estimators that need a critic."""
+    token_rewards: torch.Tensor | None = None
+    """(N, T) per-token rewards of a dense reward (a teacher's, `algorithms/distill.py`), 0 off the
+    mask; None: the reward is the sequence's alone. Per-sequence estimators add each row's sum to its
+    reward, per-token ones add each token's to its token reward (`sequence_rewards`, `with_token_rewards`)."""
+
+
+def sequence_rewards(inputs: StepRewards) -> torch.Tensor:
+    """(N,) each row's reward plus the sum of its per-token rewards (a dense reward summed over the
+    sequence, for the estimators with one advantage per sequence); NaN rows stay NaN."""
+    if inputs.token_rewards is None:
+        return inputs.rewards
+    return inputs.rewards + inputs.token_rewards.sum(-1).to(inputs.rewards.dtype)
+
+
+def with_token_rewards(inputs: StepRewards, token_rewards: torch.Tensor) -> torch.Tensor:
+    """(N, T) `token_rewards` plus the dense reward's own on the counted tokens (unchanged without one)."""
+    if inputs.token_rewards is None:
+        return token_rewards
+    return token_rewards + torch.where(inputs.mask, inputs.token_rewards, torch.zeros_like(inputs.token_rewards)).to(token_rewards.dtype)
 
 
 @dataclass(frozen=True)
@@ -121,8 +141,9 @@ def silent_fraction(rewards: torch.Tensor, counted: torch.Tensor, group_size: in
 
 def group_estimate(inputs: StepRewards, scale: str, eps: float, unbiased_std: bool) -> Estimate:
     """GRPO's group-relative advantages (`grpo_advantages`), each sequence's reward first charged
-    beta x the sum of its per-token KL estimates when the KL is placed in the reward."""
-    rewards = inputs.rewards
+    beta x the sum of its per-token KL estimates when the KL is placed in the reward (a dense
+    reward's tokens summed into it first, `sequence_rewards`)."""
+    rewards = sequence_rewards(inputs)
     if inputs.kl is not None and inputs.kl_beta:  # every sampled token of a row pays: the row counts in its group's baseline
         rewards = kl_in_reward(rewards, inputs.kl, inputs.sampled, inputs.kl_beta, per_token=False)
     return Estimate(grpo_advantages(rewards, inputs.group_size, scale=scale, eps=eps, unbiased_std=unbiased_std))
@@ -146,7 +167,7 @@ def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten: bool, no
     values, mask = inputs.values, inputs.mask
     kl = inputs.kl if inputs.kl is not None else torch.zeros_like(values)
     rewards = standardized_rewards(inputs.rewards) if normalize_rewards else inputs.rewards
-    token_rewards = kl_in_reward(torch.nan_to_num(rewards, nan=0.0), kl, mask, inputs.kl_beta, per_token=True)
+    token_rewards = with_token_rewards(inputs, kl_in_reward(torch.nan_to_num(rewards, nan=0.0), kl, mask, inputs.kl_beta, per_token=True))
     advantages, returns = gae(token_rewards, values, mask, gamma, lam)
     if whiten:
         advantages = whiten_tokens(advantages, mask)
@@ -157,8 +178,9 @@ def gae_estimate(inputs: StepRewards, gamma: float, lam: float, whiten: bool, no
 def rloo_estimate(inputs: StepRewards) -> Estimate:
     """REINFORCE leave-one-out (Ahmadian et al. arXiv:2402.14740 eq. 6): each sequence's reward
     minus the mean of the others in its group (`rloo_advantages`), each first charged beta x the
-    sum of its per-token KL estimates when the KL is placed in the reward (as the paper and TRL do)."""
-    rewards = inputs.rewards
+    sum of its per-token KL estimates when the KL is placed in the reward (as the paper and TRL do;
+    a dense reward's tokens summed into it first, `sequence_rewards`)."""
+    rewards = sequence_rewards(inputs)
     if inputs.kl is not None and inputs.kl_beta:
         rewards = kl_in_reward(rewards, inputs.kl, inputs.sampled, inputs.kl_beta, per_token=False)
     return Estimate(rloo_advantages(rewards, inputs.group_size))
@@ -169,7 +191,7 @@ def _reinforce_pp(inputs: StepRewards, rewards: torch.Tensor, whiten: bool) -> E
     when the KL is in the reward), whitened over the batch's counted tokens when asked."""
     mask = inputs.mask
     kl = inputs.kl if inputs.kl is not None else torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device)
-    token_rewards = kl_in_reward(torch.nan_to_num(rewards, nan=0.0), kl, mask, inputs.kl_beta, per_token=True)
+    token_rewards = with_token_rewards(inputs, kl_in_reward(torch.nan_to_num(rewards, nan=0.0), kl, mask, inputs.kl_beta, per_token=True))
     returns = reinforce_returns(token_rewards, mask)
     advantages = whiten_tokens(returns, mask) if whiten else returns
     return Estimate(advantages, metrics={"returns/mean": masked_mean(returns, mask)})
@@ -187,6 +209,28 @@ def reinforce_pp_baseline_estimate(inputs: StepRewards, whiten: bool) -> Estimat
     each reward minus its group's mean first (`grpo_advantages` with scale none), then as
     REINFORCE++: per-token returns with the KL when in the reward, whitened over the batch."""
     return _reinforce_pp(inputs, grpo_advantages(inputs.rewards, inputs.group_size, scale="none"), whiten)
+
+
+def distill_estimate(inputs: StepRewards, discount: float, baseline: str) -> Estimate:
+    """On-policy distillation's per-token advantages (Thinking Machines 2025, Tinker's
+    `kl_discount_factor`; Qwen3 arXiv:2505.09388 section 4.5):
+
+        A_t = sum_{t' >= t} discount^(t' - t) r_t'  +  (R - b)
+
+    r_t the dense reward of each counted token (the teacher's, minus beta x the KL estimate when the
+    KL is placed in the reward), discounted over the row's later counted tokens (`discounted_returns`:
+    0, the default, leaves each token its own reward), plus the sequence reward R of a weighted sum
+    with a task reward (`teacher:DIR+0.5*exact`) on every token, minus the group's mean with
+    `baseline` group (none: b = 0). Not whitened: the teacher's log-ratio has a scale of its own.
+    Unscored rows (NaN R) get 0 and no loss."""
+    mask = inputs.mask
+    dense = inputs.token_rewards if inputs.token_rewards is not None else torch.zeros(mask.shape, device=mask.device)
+    if inputs.kl is not None and inputs.kl_beta:
+        dense = dense - inputs.kl_beta * torch.where(mask, inputs.kl.detach(), torch.zeros_like(inputs.kl))
+    sequence = grpo_advantages(inputs.rewards, inputs.group_size, scale="none") if baseline == "group" else inputs.rewards
+    advantages = discounted_returns(dense.float(), mask, discount) + torch.nan_to_num(sequence.float(), nan=0.0)[:, None]
+    return Estimate(torch.where(mask, advantages, torch.zeros_like(advantages)),
+                    metrics={"distill/token_reward": masked_mean(dense.float(), mask)})
 
 
 _REINFORCE_KL = "per-token penalty: -beta x the {estimator} estimate in each token's reward, summed into every earlier token's return"
@@ -240,6 +284,19 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         reward_placement="verifier score minus its group's mean, on the last response token", describe=_REINFORCE_WHITEN,
         peers="verl adv_estimator=reinforce_plus_plus_baseline; OpenRLHF advantage_estimator=reinforce_baseline",
         signal_scope="group",
+    ),
+    "distill": AdvantageEstimator(
+        name="distill", command="grpo",
+        algorithm="On-policy distillation (per-token teacher reward, discounted over the row's tokens, no critic)",
+        estimate=distill_estimate, section="distill", needs_critic=False, per_token=True, min_group_size=1,
+        kl_in_reward="per-token penalty: -beta x the {estimator} estimate added to each token's reward before the discount",
+        kl_metric="update",
+        plotted=("reward/mean", "heldout/pass@1", "distill/reverse_kl", "distill/teacher_logprob", "length/mean", "loss", "entropy"),
+        reward_placement="each token's teacher reward on that token; a task reward of the sum (minus its group mean with baseline group) on every token",
+        describe=lambda settings: {"discount": settings["discount"], "sequence_baseline": settings["baseline"]},
+        peers="Thinking Machines / Tinker on-policy distillation (kl_discount_factor); verl, NeMo-RL, prime-rl, SkyRL; "
+              "TRL GKDTrainer (lmbda=1, beta=1: the reverse KL on student samples, full-vocabulary)",
+        signal_scope="batch",
     ),
 }
 """Every advantage estimator by its `loss.advantage` name."""

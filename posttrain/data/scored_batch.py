@@ -100,8 +100,7 @@ class ScoredBatch:
     def to(self, device: torch.device | str) -> ScoredBatch:
         """The same batch with the rollout and the rewards on `device` (the step's one boundary);
         `owners` stays on the CPU (row bookkeeping, which indexes device tensors)."""
-        scores = dataclasses.replace(self.scores, rewards=self.scores.rewards.to(device))
-        return dataclasses.replace(self, rollout=self.rollout.to(device), scores=scores)
+        return dataclasses.replace(self, rollout=self.rollout.to(device), scores=self.scores.to(device))
 
     @property
     def valid(self) -> torch.Tensor:
@@ -162,7 +161,9 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     batch (the one a single process would sample) and takes the same refill decisions. `truncated`:
     what a completion that hit max_new_tokens without stopping gets (`rewards.scores.truncation_policy`).
     `step` (the steps done before the one the batch serves) seeds the rounds; `version`, the
-    training steps `policy`'s weights had taken, is recorded in the batch (None: `step`, on-policy)."""
+    training steps `policy`'s weights had taken, is recorded in the batch (None: `step`, on-policy).
+    A dense reward (`verifier.dense`: a teacher's) then scores every token of the final batch
+    (`Scores.dense`)."""
     world = world or World()
     B, G = prompts, group_size
     dynamic = refill_rounds is not None
@@ -226,6 +227,9 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
     # One device for the batch's tensors (the rollout's, where the sampler left it): the verifier scores
     # on the host, and a batch whose rewards and masks lie apart breaks whatever combines them.
     merged_scores = dataclasses.replace(merged_scores, rewards=merged_scores.rewards.to(merged.mask.device))
+    if verifier.dense:  # a teacher scores every sampled token of the final batch (each rank its own rows)
+        with timer("scoring"):
+            merged_scores.dense = [term.to(merged.mask.device) for term in verifier.token_terms(merged, torch.cat(owner_parts), world)]
     return ScoredBatch(rollout=merged, examples=kept_examples, rendered=kept_rendered, scores=merged_scores,
                        owners=torch.cat(owner_parts), stats=stats, rows_sampled=sampled, failures=failures,
                        version=step if version is None else version, serves=step + 1)

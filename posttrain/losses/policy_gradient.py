@@ -29,6 +29,7 @@ import torch
 
 from posttrain.algorithms import aggregate, clipped_value_loss, exact_kl, kl_estimate, masked_mean, sampler_mismatch, token_logprobs
 from posttrain.algorithms import effective_sample_size, importance_weights, truncated_importance_weights
+from posttrain.algorithms.distill import reverse_kl_per_token, teacher_token_rewards
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
 from posttrain.algorithms.logprobs import token_entropy
 from posttrain.algorithms.surrogates import SURROGATES
@@ -123,7 +124,8 @@ def loss_rows(batch: ScoredBatch, mask_truncated: bool) -> torch.Tensor:
 def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, world: World) -> tuple[UpdateBatch, dict[str, Any]]:
     """What the update reads of a sampled and scored batch (on the models' device): the old and
     reference log-probs and the critic's values (no-grad forwards, each rank on its own rows), the
-    KL in the reward when placed there, and the advantages of `loss.advantage`'s estimator.
+    KL in the reward when placed there, a dense reward's token rewards against the old log-probs
+    (`dense_rewards`: a teacher's, `batch.scores.dense`), and the advantages of `loss.advantage`'s estimator.
 
     Returns (the `UpdateBatch`, the metrics measured before the update: the estimator's own, the
     rollout's kl/estimate for estimators that measure it there, advantages/abs_mean for
@@ -137,6 +139,7 @@ def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, 
     metrics: dict[str, Any] = {}
     with models.placement.autocast():
         old_logprobs, ref_logprobs, old_values = rollout_forwards(models, batch, mask, settings, world)
+    token_rewards = dense_rewards(batch.scores.dense, old_logprobs, mask, metrics) if batch.scores.dense else None
     in_reward = ref_logprobs is not None and loss.kl.placement == "reward"
     rollout_kl = ref_logprobs is not None and (in_reward or estimator.kl_metric == "rollout")
     kl = kl_estimate(old_logprobs, ref_logprobs, loss.kl.estimator) if rollout_kl else None
@@ -144,7 +147,7 @@ def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, 
         metrics["kl/estimate"] = float(masked_mean(kl, mask)) if kl is not None else None
     estimate = estimator.estimate(
         StepRewards(batch.scores.rewards, mask, rollout.mask, settings.group_size, kl=kl,
-                    kl_beta=loss.kl.beta if in_reward else 0.0, values=old_values),
+                    kl_beta=loss.kl.beta if in_reward else 0.0, values=old_values, token_rewards=token_rewards),
         **loss.estimator_settings())
     metrics.update({name: None if math.isnan(value) else float(value) for name, value in estimate.metrics.items()})
     if not estimator.per_token:
@@ -153,12 +156,29 @@ def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, 
                        ref_logprobs=ref_logprobs, old_values=old_values, returns=estimate.returns), metrics
 
 
+def dense_rewards(terms: list, student_logprobs: torch.Tensor, mask: torch.Tensor, metrics: dict[str, Any]) -> torch.Tensor:
+    """(N, T) the per-token rewards of a reward's dense terms (`Scores.dense`: each a teacher's
+    log-probs of the sampled tokens and its weight) against the student's log-probs before the
+    update (`algorithms.distill.teacher_token_rewards`), summed over the terms; adds to `metrics`
+    each term's `distill/reverse_kl` (the mean per-token k1 estimate of KL(student || teacher)) and
+    `distill/teacher_logprob` (the teacher's mean log-prob of the sampled tokens), suffixed by the
+    term's name when there are several."""
+    total = torch.zeros(mask.shape, device=mask.device)
+    for term in terms:
+        suffix = f"/{term.name}" if len(terms) > 1 else ""
+        total = total + teacher_token_rewards(term.logprobs, student_logprobs, mask, term.weight)
+        kl = reverse_kl_per_token(term.logprobs, student_logprobs, mask)
+        metrics[f"distill/reverse_kl{suffix}"] = None if math.isnan(float(kl)) else float(kl)
+        metrics[f"distill/teacher_logprob{suffix}"] = float(masked_mean(term.logprobs.float(), mask))
+    return total
+
+
 def rollout_forwards(models: PolicyModels, batch: ScoredBatch, mask: torch.Tensor, settings: UpdateSettings, world: World):
     """The no-grad forwards before the update, each rank on its own rows: the old log-probs (None
     when not precomputed: `precomputes_old`), the reference's (None without one) and, with a
     critic, its values; each (N, T)."""
     rollout, temperature, micro = batch.rollout, settings.temperature, settings.update.micro_batch_size
-    precomputed = precomputes_old(settings.loss, settings.update)
+    precomputed = precomputes_old(settings.loss, settings.update, dense=bool(batch.scores.dense))
     old_logprobs = rank_logprobs(models.policy_model, rollout, batch.owners, world, temperature, micro) if precomputed else None
     ref_logprobs = rank_logprobs(models.reference, rollout, batch.owners, world, temperature, micro) if models.reference else None
     old_values = None

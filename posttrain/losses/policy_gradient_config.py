@@ -73,6 +73,16 @@ class ReinforceAdvantage:
 
 
 @dataclass
+class DistillAdvantage:
+    """`loss.advantage: distill` (on-policy distillation): each token's teacher reward, discounted over the row's later tokens."""
+
+    discount: float = 0.0
+    """gamma over the row's later tokens: 0 (Thinking Machines' and Tinker's default) gives each token its own reward only; 1 the whole reward to go."""
+    baseline: Literal["none", "group"] = "none"
+    """The sequence part of a mixed reward (`teacher:DIR+0.5*exact`): none: R on every token; group: R minus its group's mean (needs data.group_size >= 2)."""
+
+
+@dataclass
 class Gspo:
     """`loss.surrogate: gspo`: the sequence ratio exp(mean log r), clipped (its range is narrow: it bounds a geometric mean)."""
 
@@ -218,13 +228,15 @@ class Loss:
     """What a value given to the section itself meant (`config._primary_hint`): `--loss rloo` is --loss.advantage rloo."""
 
     advantage: str = "group"
-    """The advantage estimator (`algorithms/estimators.py`): group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO); rloo: leave-one-out group baseline (RLOO); reinforce_pp: per-token KL-penalised returns, batch-whitened (REINFORCE++); reinforce_pp_baseline: the group mean subtracted first."""
+    """The advantage estimator (`algorithms/estimators.py`): group: group-relative advantages, no critic (GRPO); gae: per-token GAE from a learned critic (PPO); rloo: leave-one-out group baseline (RLOO); reinforce_pp: per-token KL-penalised returns, batch-whitened (REINFORCE++); reinforce_pp_baseline: the group mean subtracted first; distill: each token's own dense reward (a teacher's: on-policy distillation)."""
     group: GroupAdvantage = field(default_factory=GroupAdvantage)
     """loss.advantage group's settings."""
     gae: GaeAdvantage = field(default_factory=GaeAdvantage)
     """loss.advantage gae's settings."""
     reinforce: ReinforceAdvantage = field(default_factory=ReinforceAdvantage)
     """loss.advantage reinforce_pp's and reinforce_pp_baseline's settings."""
+    distill: DistillAdvantage = field(default_factory=DistillAdvantage)
+    """loss.advantage distill's settings."""
     surrogate: str = "clip"
     """The surrogate (`algorithms/surrogates.py`): clip: the PPO clipped ratio per token; gspo: the clipped sequence ratio (needs aggregation seq_mean_token_mean); cispo: the clipped, stopped importance weight times log pi."""
     clip: Clip = field(default_factory=Clip)
@@ -275,6 +287,8 @@ class Loss:
             raise UserError(f"loss.clip.dual must be > 1, got {clip.dual}")
         if kl.beta < 0 or group.eps < 0:
             raise UserError("loss.kl.beta and loss.group.eps must be >= 0")
+        if not 0 <= self.distill.discount <= 1:
+            raise UserError(f"loss.distill.discount must be in [0, 1], got {self.distill.discount}")
         if not 0 <= gae.gamma <= 1 or not 0 <= gae.lam <= 1:
             raise UserError(f"loss.gae.gamma and loss.gae.lam must be in [0, 1], got {gae.gamma}, {gae.lam}")
         if kl.reference_refresh_every and kl.beta == 0:
@@ -359,12 +373,13 @@ class Update:
             raise UserError("update.epochs, update.mini_batches and update.micro_batch_size must be >= 1")
 
 
-def precomputes_old(loss: Loss, update: Update) -> bool:
+def precomputes_old(loss: Loss, update: Update, dense: bool = False) -> bool:
     """Whether a no-grad forward computes the old log-probs before the update (else the first
     forward's, detached: ratio exactly 1). A critic's value targets are the rollout's, and several
-    epochs or mini-batches, or a KL in the reward, need the old policy's log-probs fixed."""
+    epochs or mini-batches, a KL in the reward, or a dense reward that reads the student's log-probs
+    (`dense`: a teacher's), need the old policy's log-probs fixed."""
     return (ADVANTAGE_ESTIMATORS[loss.advantage].needs_critic or update.epochs > 1 or update.mini_batches > 1
-            or loss.kl.placement == "reward")
+            or loss.kl.placement == "reward" or dense)
 
 
 def off_policy_objective(loss: Loss, max_staleness: int) -> OffPolicyObjective:
@@ -392,13 +407,14 @@ def off_policy_meaning(loss: Loss, max_staleness: int | None) -> str:
 
 
 def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConfig, reference: Any,
-              max_staleness: int | None = None) -> dict[str, Any]:
+              max_staleness: int | None = None, dense: bool = False) -> dict[str, Any]:
     """The run card's loss link: the algorithm, every section that applies (the critic's only with
     an estimator that needs one), the estimator's and surrogate's card text, where the KL goes, the
     reference (`reference`: None, or a reference model with `adapter_disabled`), how the old
     log-probs are had (`precomputes_old`), the distribution the log-probs are taken under
     (`sampling`'s temperature and truncation), the sampler correction and the off-policy objective
-    (resolved for `max_staleness`, the run's data.max_staleness; None: its rule)."""
+    (resolved for `max_staleness`, the run's data.max_staleness; None: its rule); `dense`: the reward
+    has per-token terms (a teacher's) that read the old log-probs."""
     estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
     return {
         "algorithm": estimator.algorithm,
@@ -411,7 +427,7 @@ def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConf
         "surrogate_as_peers_spell_it": SURROGATES[loss.surrogate].peers,
         "kl_placement_meaning": loss.kl_meaning(),
         "reference": "none (kl.beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
-        "old_logprobs": "recomputed by a no-grad forward before the update" if precomputes_old(loss, update) else "the on-policy forward, detached (ratio exactly 1)",
+        "old_logprobs": "recomputed by a no-grad forward before the update" if precomputes_old(loss, update, dense) else "the on-policy forward, detached (ratio exactly 1)",
         "logprob_distribution": f"softmax(logits / {sampling.temperature}) over the full vocabulary"
         + (" (sampling truncated by top-p/top-k: the sampler's distribution differs)" if sampling.truncates else ""),
         "sampler_correction_meaning": (f"truncated importance sampling: each token's surrogate x min(exp(old - sampler log-prob), {loss.sampler_correction_cap})"

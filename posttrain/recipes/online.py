@@ -62,7 +62,7 @@ from posttrain.models.loading import load_policy
 from posttrain.losses.policy_gradient import PolicyModels, UpdateSettings, loss_rows, prepare
 from posttrain.losses.policy_gradient import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
-from posttrain.recipes.online_card import make_card
+from posttrain.recipes.online_card import make_card, teacher_heldout
 from posttrain.recipes.online_config import Config, sampling_engine
 from posttrain.rewards import Verifier, as_verifier
 from posttrain.rewards.defaults import default_reward
@@ -139,7 +139,10 @@ def setup(config: Config, reward: Any = None, world: World | None = None, placem
                                     exclude_weak_tests=config.data.exclude_weak_tests)
     require_examples(train, config.data.prompts_per_step, setting="data.prompts_per_step")  # a step would repeat them
     verifier = as_verifier(reward, training_reward(config, train), config.reward_options, config.unsafe_no_sandbox,
-                           placement=placement, world=world)
+                           placement=placement, world=world, tokenizer=tokenizer, temperature=config.sampling.temperature)
+    if verifier.dense and config.data.dynamic_sampling:
+        raise UserError(f"data.dynamic_sampling drops groups whose sequence rewards are equal, but {verifier.name} rewards each "
+                        "token (a teacher's reward differs within every group): set data.dynamic_sampling false")
     checker = heldout_checker(config.acceptance.checker, held_out, config.reward_options, config.unsafe_no_sandbox,
                               placement=placement, world=world)
     warn_if_unsafe(config.unsafe_no_sandbox)
@@ -339,6 +342,8 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
         card["run"]["batches_regenerated_on_resume"] = regenerated
         card["notes"].append(f"resumed at step {state.step}: {regenerated} batch(es) sampled ahead and not trained were "
                              "dropped and are sampled again with the restored weights")
+    if state.verifier.dense:  # the teacher's own held-out score, for reference beside the student's
+        card["links"]["reward"]["teacher_heldout"] = teacher_heldout(config, state)
     card["links"]["acceptance"]["divergence_alarm_threshold"] = alarm.describe()
     card["training_signal"] = signal.card()
 
@@ -463,6 +468,8 @@ def step_signal(batch: ScoredBatch, metrics: dict[str, Any], config: Config) -> 
     estimator = ADVANTAGE_ESTIMATORS[config.loss.advantage]
     counted = loss_rows(batch, config.loss.mask_truncated) & batch.rollout.mask.any(dim=1)
     silent = estimator.silent_fraction(batch.scores.rewards, counted, config.data.group_size)
+    if batch.scores.dense and metrics.get("distill/reverse_kl"):  # a teacher that disagrees with the student rewards every token
+        silent = 0.0
     return StepSignal(rows=batch.rows_sampled, infra_errors=batch.stats["errors/infra"], data_errors=batch.stats["errors/data"],
                       reasons=[f"{row['status']}: {row['reason']}" for row in batch.failures],
                       zero_variance_fraction=batch.stats.get("groups/zero_variance_fraction"), grad_norm=metrics.get("grad_norm"),

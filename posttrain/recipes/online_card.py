@@ -34,7 +34,8 @@ def make_card(config: Config, state, reward: Any, changes: list[str] = ()) -> di
     card["links"]["reward"] = reward_link(config, state, reward)
     # The loss link states the setting (auto's rule is the same whatever the data); what auto resolved to
     # for these batches goes with them, so that a change of data.max_staleness alone is a data-link change.
-    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference)
+    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference,
+                                      dense=state.verifier.dense)
     if config.data.max_staleness:
         card["links"]["data"]["staleness_correction"] = off_policy_meaning(config.loss, config.data.max_staleness)
     acceptance = card["links"]["acceptance"] = acceptance_card(dataclasses.asdict(config.acceptance), config.data.task,
@@ -54,4 +55,39 @@ def reward_link(config: Config, state, reward: Any) -> dict[str, Any]:
         link["placement"] = placement
     link["resolved_from"] = (f"the task's gold format ({state.train.reward_kind})" if config.reward == "auto" and reward is None
                              else "set by the user")
+    if state.verifier.dense:
+        link["dense"] = ("per-token reward weight x (log p_teacher - log p_student) on each sampled token the loss reads "
+                         "(tool observations and padding get none), the student's log-probs those of the policy before the update; "
+                         f"summed into each sequence's reward by loss.advantage {config.loss.advantage}"
+                         if not ADVANTAGE_ESTIMATORS[config.loss.advantage].per_token else
+                         "per-token reward weight x (log p_teacher - log p_student) on each sampled token the loss reads "
+                         "(tool observations and padding get none), the student's log-probs those of the policy before the update; "
+                         f"each token's own in loss.advantage {config.loss.advantage}")
     return link
+
+
+def teacher_heldout(config: Config, state) -> dict[str, Any]:
+    """Each teacher's own held-out score, for reference beside the student's: greedy pass@1 by the
+    run's held-out checker on the held-out split, sampled by the built-in engine in this process
+    (an engine that holds the student's weights must not receive the teacher's), rank 0 only.
+    Teacher name -> {pass@1, pass@1_ci95, n}; empty without a teacher."""
+    from posttrain.evaluation.acceptance import evaluate_task
+    from posttrain.rollout.engines import RolloutSettings, make_engine
+    from posttrain.rollout.episodes import make_sampler
+
+    teachers = [verifier for _, verifier in getattr(state.verifier, "components", [(1.0, state.verifier)]) if verifier.dense]
+    if not teachers or not state.world.main:
+        return {}
+    sampler = make_sampler(config.tools, state.tokenizer, config.reward_options.sandbox(config.unsafe_no_sandbox),
+                           make_engine(RolloutSettings()))
+    scores = {}
+    with state.placement.autocast():
+        for teacher in teachers:
+            teacher.model.to(state.placement.device)
+            result = evaluate_task(teacher.model, state.tokenizer, state.held_out, checker=state.checker, temperature=config.sampling.temperature,
+                                   max_new_tokens=config.acceptance.max_new_tokens or config.sampling.max_new_tokens, seed=config.seed,
+                                   system_prompt=config.data.system_prompt, sampler=sampler, label=f"teacher {teacher.name}")
+            if teacher.offload:
+                teacher.model.to("cpu")
+            scores[teacher.name] = {key: result.get(key) for key in ("pass@1", "pass@1_ci95", "n")}
+    return scores

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from posttrain.rewards.pool import WorkerGone, get_pool
@@ -17,11 +18,30 @@ from posttrain.rewards.verdict import Verdict
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TokenTerm:
+    """One dense (per-token) term of a batch's reward: a scoring model's log-probs of every sampled
+    token, read against the student's own (`algorithms.distill.teacher_token_rewards`): the token
+    reward is weight x (logprobs - the student's)."""
+
+    name: str
+    weight: float
+    logprobs: Any
+    """(N, T) float32 torch tensor, 0 off the rollout's mask."""
+
+    def to(self, device) -> TokenTerm:
+        return TokenTerm(self.name, self.weight, self.logprobs.to(device))
+
+
 class Verifier:
-    """Base class. Subclasses set `name`, implement `score`, and may set `in_worker`."""
+    """Base class. Subclasses set `name`, implement `score`, and may set `in_worker`. A dense reward
+    (a teacher's) also sets `dense` and implements `token_terms`: its `batch` then scores the
+    sequence part (0 for a teacher alone)."""
 
     name = "verifier"
     in_worker = False
+    dense = False
+    """True: the reward has per-token terms (`token_terms`) beside the sequence verdicts."""
     timeout_s = 10.0
     """hard deadline for one `score` call in a worker (the pool kills the worker past it)"""
     retry_timeouts = False
@@ -69,6 +89,11 @@ class Verifier:
     def describe(self) -> dict[str, Any]:
         """Settings for the run card."""
         return {"verifier": self.name}
+
+    def token_terms(self, rollout, owners, world) -> list[TokenTerm]:
+        """The dense terms of a sampled batch (`rollout`: N rows; `owners` (N,) the rank that owns each
+        row; `world` the run's `distributed.World`): none for a sequence-level verifier."""
+        return []
 
 
 def _score_guarded(verifier: Verifier, completion: Any, example: Any) -> Verdict:

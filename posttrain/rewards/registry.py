@@ -2,7 +2,7 @@
 and weighted composition.
 
 Names: `math`, `exact`, `numeric`, `choice`, `integer`, `letter`, `text_match`, `math_equal` and `rg_answer` (checkers), `format`, `rg`, `humaneval`, `mbpp`, `io`, `stdio`,
-`callable:<dotted.path>`, and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
+`callable:<dotted.path>`, `rm:<directory>`, `judge:<model>`, `teacher:<model>` (a dense, per-token reward), and sums of them such as `0.9*math+0.1*format` (a missing weight is 1).
 `as_verifier` turns what a recipe was given (a Verifier, a plain callable, or nothing and a name)
 into one verifier.
 """
@@ -77,6 +77,16 @@ class WeightedSum(Verifier):
         return {"verifier": self.name,
                 "components": [{"weight": w, **v.describe()} for w, v in self.components]}
 
+    @property
+    def dense(self) -> bool:
+        """Whether any term is dense (a teacher's per-token reward)."""
+        return any(verifier.dense for _, verifier in self.components)
+
+    def token_terms(self, rollout, owners, world) -> list:
+        """Every dense term of every component, its weight times the component's."""
+        return [type(term)(term.name, weight * term.weight, term.logprobs)
+                for weight, verifier in self.components for term in verifier.token_terms(rollout, owners, world)]
+
 
 @dataclass(frozen=True)
 class RewardContext:
@@ -102,7 +112,11 @@ class RewardContext:
     clip: float | None = None
     """rm:: clamp the normalised reward to [-clip, clip]; None: no clamp."""
     offload: str | None = None
-    """rm:, judge:: `cpu` keeps the scoring model on the CPU between calls."""
+    """rm:, judge:, teacher:: `cpu` keeps the scoring model on the CPU between calls."""
+    tokenizer: Any = None
+    """The policy's tokenizer (teacher:: the teacher's must be the same; None: not checked)."""
+    temperature: float = 1.0
+    """teacher:: the sampling temperature, at which the teacher's log-probs are taken (the student's are)."""
 
 
 RewardFactory = Callable[[str, RewardContext], Verifier]
@@ -231,12 +245,13 @@ class RewardOptions:
 
 def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str, options: RewardOptions | None = None,
                 unsafe_no_sandbox: bool = False, *, for_checker: bool = False, setting: str | None = None,
-                placement: Any = None, world: Any = None) -> Verifier:
+                placement: Any = None, world: Any = None, tokenizer: Any = None, temperature: float = 1.0) -> Verifier:
     """The reward a recipe scores with: a `Verifier` as is; an object with a `batch(completions,
     examples)` method as a `BatchFunctionVerifier` (one call per batch); a plain callable
     `fn(completion, example)` as a `FunctionVerifier` (in this process, named `python:<qualname>`);
     otherwise (None) the verifier called `name` with `options`, built in the run's `placement` and
-    `world` (a held-out checker, `for_checker`, never takes partial credit), whose ValueError becomes
+    `world` (a held-out checker, `for_checker`, never takes partial credit; a teacher checks its
+    tokenizer against the policy's `tokenizer` and reads log-probs at `temperature`), whose ValueError becomes
     a one-line `UserError` naming `setting` (default `reward`, or `acceptance.checker` for a checker)."""
     if isinstance(reward, Verifier):
         return reward
@@ -250,7 +265,7 @@ def as_verifier(reward: Verifier | Callable[[str, dict], Any] | None, name: str,
             sandbox=options.sandbox(unsafe_no_sandbox), fraction=options.partial_credit and not for_checker,
             extraction=None if _is_code(name) else options.extraction, tests="all" if for_checker else options.tests,
             placement=placement, world=world, batch_size=options.batch_size, normalisation=options.normalisation, clip=options.clip,
-            offload=options.offload))
+            offload=options.offload, tokenizer=tokenizer, temperature=temperature))
     except (ValueError, TypeError) as error:
         raise UserError(f"{setting or ('acceptance.checker' if for_checker else 'reward')}: {error}") from None
     if options.extraction and _is_code(name):
@@ -284,3 +299,16 @@ def _judge_factory(spec: str, context: RewardContext) -> Verifier:
 
 
 register_reward("judge", _judge_factory, "judge:<model>")
+
+
+def _teacher_factory(spec: str, context: RewardContext) -> Verifier:
+    """`teacher:<model>`: a frozen teacher scoring each sampled token (on-policy distillation,
+    posttrain/rewards/teacher.py) on the run's placement, checked against the policy's tokenizer;
+    imported here so that `import posttrain.rewards` stays free of torch and transformers."""
+    from posttrain.rewards.teacher import TeacherReward
+
+    return TeacherReward(spec, placement=context.placement, tokenizer=context.tokenizer, temperature=context.temperature,
+                         batch_size=context.batch_size, offload=context.offload)
+
+
+register_reward("teacher", _teacher_factory, "teacher:<model>")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from posttrain.rewards.base import Verifier
+from posttrain.rewards.base import TokenTerm, Verifier
 from posttrain.rewards.verdict import Verdict
 
 
@@ -23,6 +24,13 @@ class Scores:
     data_errors: int
     components: dict[str, float]
     """Mean of each weighted-sum component over the scored rows (for metrics)."""
+    dense: list[TokenTerm] = field(default_factory=list)
+    """The reward's per-token terms (a teacher's log-probs of the sampled tokens), empty for a
+    sequence-level reward; the loss link turns them into token rewards against the student's log-probs."""
+
+    def to(self, device) -> Scores:
+        """The same scores with the rewards and the dense terms' tensors on `device`."""
+        return dataclasses.replace(self, rewards=self.rewards.to(device), dense=[term.to(device) for term in self.dense])
 
     @classmethod
     def of(cls, verdicts: Sequence[Verdict]) -> Scores:
