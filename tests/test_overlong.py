@@ -148,3 +148,37 @@ def test_explain(capsys):
     assert main(["explain", "overlong", "--buffer", "0"]) == 2
     err = capsys.readouterr().err
     assert "0 < buffer <= max_tokens" in err and len(err.strip().splitlines()) == 1
+
+
+def test_length_is_the_policys_own_tokens_not_the_observations():
+    """`sample_and_score` measures L with the loss mask: a rollout whose first 2 completion positions are
+    attended but not the policy's (as a tool's observation tokens are: attention True, mask False)
+    has L = mask tokens. With max_new_tokens 6, max_tokens 6 and buffer 2, a row of 6 attended
+    positions and 4 policy tokens gets 0 (by the attention it would get -1)."""
+    import dataclasses
+
+    from posttrain.data.examples import Example, Task
+    from posttrain.data.scored_batch import sample_and_score
+    from posttrain.data.stream import PromptStream
+    from posttrain.models import load_model
+    from posttrain.rewards import get_verifier
+    from posttrain.rollout import SamplingConfig
+    from posttrain.rollout.sampler import single_turn
+    from posttrain.runs.timer import Timer
+
+    def with_observations(*args, **kwargs):
+        rollout = single_turn(*args, **kwargs)
+        mask = rollout.mask.clone()
+        mask[:, :2] = False  # pretend the first two positions were a tool's
+        return dataclasses.replace(rollout, attention=rollout.completion_attention_mask, mask=mask)
+
+    policy, tokenizer = load_model("tiny")
+    task = Task(name="t", split="train", examples=[Example(id=str(i), prompt=f"{i}+1=", answer=str(i + 1)) for i in range(4)],
+                reward_kind="number")
+    batch = sample_and_score(policy, tokenizer, PromptStream(task, 0), get_verifier("exact"), prompts=2, group_size=4,
+                             sampling=SamplingConfig(max_new_tokens=6), seed=0, step=0, timer=Timer(), sampler=with_observations,
+                             overlong=Overlong(max_tokens=6, buffer=2))
+    own = batch.rollout.mask.sum(-1)
+    assert batch.rollout.lengths.max() == 6 and own.max() == 4
+    shaping = [verdict.details["overlong"] for verdict in batch.scores.verdicts]
+    assert shaping == overlong_shaping(own, 6, 2).tolist() == [0.0] * 8
