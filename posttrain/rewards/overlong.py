@@ -66,7 +66,7 @@ class Overlong:
         from posttrain.algorithms.overlong import overlong_shaping  # here: torch stays out of config and --help
 
         shaping = overlong_shaping(lengths, self.max_tokens, self.buffer, self.penalty).tolist()
-        return [Verdict.ok(verdict.reward + value, f"{verdict.reason}; overlong: {value:+.4g} (reward_options.overlong)",
+        return [Verdict.ok(verdict.reward + value, f"{verdict.reason}; overlong: {value:+.4g} (reward_options.overlong)" if value else verdict.reason,
                            **{**verdict.details, "overlong": value, "task_reward": verdict.reward}) if verdict.status == "ok" else verdict
                 for verdict, value in zip(verdicts, shaping)]
 
