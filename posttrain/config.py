@@ -127,6 +127,14 @@ def _check_moved(name: str, moved: dict[str, str], source: str) -> None:
         raise UserError(f"{source}: {name} moved to {moved[name]}")
 
 
+def _check_moved_below(name: str, value: Any, moved: dict[str, str], source: str) -> None:
+    """A mapping given to a plain key whose sub-key moved elsewhere: `reward: {overlong: ...}` (or
+    `--reward.overlong.max_tokens 8`) is one line, `reward.overlong moved to reward_options.overlong`."""
+    if isinstance(value, dict):
+        for key in value:
+            _check_moved(f"{name}.{key}", moved, source)
+
+
 def _apply(config, values: dict[str, Any], source: str, prefix: str = "", moved: dict[str, str] | None = None) -> None:
     """Set fields of dataclass instance `config` from a (possibly nested) mapping, checking types.
     `moved`: the renamed keys declared above this section (dotted from the top)."""
@@ -151,6 +159,7 @@ def _apply(config, values: dict[str, Any], source: str, prefix: str = "", moved:
             else:
                 _apply(current, value, source, f"{name}.", moved)
         else:
+            _check_moved_below(name, value, moved, source)
             setattr(config, key, _coerce(value, hints[key], f"{source}: {name}"))
 
 
@@ -202,7 +211,13 @@ def _replaced(section, values: dict[str, Any], source: str, prefix: str, moved: 
         _check_moved(f"{prefix}{key}", moved, source)
         if key not in fields:
             raise UserError(f"{source}: unknown key '{prefix}{key}' (known keys under {prefix.rstrip('.')}: {', '.join(sorted(fields))})")
-        changes[key] = _coerce(value, hints[key], f"{source}: {prefix}{key}")
+        current = getattr(section, key)
+        if dataclasses.is_dataclass(current):  # a section inside a frozen section (reward_options.overlong)
+            if not isinstance(value, dict):
+                raise UserError(f"{source}: '{prefix}{key}' is a section; give a mapping of its keys")
+            changes[key] = _replaced(current, value, source, f"{prefix}{key}.", moved)
+        else:
+            changes[key] = _coerce(value, hints[key], f"{source}: {prefix}{key}")
     try:
         return dataclasses.replace(section, **changes)
     except UserError as error:

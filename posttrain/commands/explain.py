@@ -302,6 +302,21 @@ def explain_decoupled(args) -> int:
     return _emit(args, result, lines)
 
 
+def explain_overlong(args) -> int:
+    from posttrain.algorithms.overlong import overlong_shaping
+    from posttrain.rewards.overlong import FORMULA
+
+    shaping = overlong_shaping(_tensor(args.lengths), args.max_tokens, args.buffer, args.penalty).tolist()
+    start = args.max_tokens - args.buffer
+    lines = [f"DAPO soft overlong punishment (arXiv:2503.14476 eq. 13), reward_options.overlong: max_tokens {args.max_tokens}, "
+             f"buffer {args.buffer}, penalty {args.penalty:g}",
+             f"  {FORMULA}",
+             f"  L counts the policy's own tokens; the ramp runs over L in ({start}, {args.max_tokens}]"]
+    lines += [f"  L = {length:g}: shaping {value:+.4f}" for length, value in zip(args.lengths, shaping)]
+    lines.append("  Added to ok rewards only (after reward_options.truncated); an unscorable row stays unscored.")
+    return _emit(args, {"lengths": args.lengths, "shaping": shaping}, lines)
+
+
 def _pair_loss(function, *values, **settings):
     """The loss of one pair from a reference-free objective, and its gradient w.r.t. each input."""
     inputs = [_tensor([value]).requires_grad_(True) for value in values]
@@ -452,5 +467,13 @@ def add_examples(parser) -> None:
     kto.add_argument("--label", choices=["desirable", "undesirable"], required=True)
     kto.set_defaults(func=_library_errors_are_user_errors(explain_kto))
 
-    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, simpo, orpo, kto):
+    overlong = commands.add_parser("overlong", help="DAPO's soft overlong punishment of completion lengths")
+    overlong.add_argument("--max-tokens", type=int, default=20, help="L_max: past it the shaping is -penalty")
+    overlong.add_argument("--buffer", type=int, default=4, help="L_cache: the ramp's width, ending at max_tokens")
+    overlong.add_argument("--penalty", type=float, default=1.0)
+    overlong.add_argument("--lengths", type=int, nargs="+", default=[15, 18, 25],
+                          help="completion lengths in policy tokens (default: before, inside and past the ramp)")
+    overlong.set_defaults(func=_library_errors_are_user_errors(explain_overlong))
+
+    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, simpo, orpo, kto, overlong):
         sub.add_argument("--json", action="store_true", help="print one JSON object")

@@ -23,6 +23,7 @@ from posttrain.data.tasks import heldout_size_from
 from posttrain.distributed import World
 from posttrain.errors import UserError
 from posttrain.rewards import Verdict, Verifier
+from posttrain.rewards.overlong import Overlong, overlong_metrics
 from posttrain.rewards.scores import Scores, score_rows
 from posttrain.rollout import Rollout, SamplingConfig
 from posttrain.rollout.transcripts import episode_metrics, episode_verdicts, transcript_text
@@ -120,6 +121,7 @@ class ScoredBatch:
             "length/mean": float(lengths.mean()), "length/max": int(lengths.max()),
             "truncated_fraction": float(self.rollout.truncated.float().mean()),
             **episode_metrics(self.rollout),
+            **overlong_metrics(self.scores.verdicts),
         }
 
     def throughput(self) -> tuple[float, dict[str, tuple[float, tuple[str, ...]]]]:
@@ -143,6 +145,7 @@ class ScoredBatch:
                 "example": self.examples[b].id, "prompt": self.rendered[b], "completion": self.rollout.texts[row],
                 "reward": verdict.reward, "status": verdict.status, "reason": verdict.reason,
                 "truncated": bool(self.rollout.truncated[row]),
+                **({"overlong": verdict.details["overlong"]} if "overlong" in verdict.details else {}),
                 **({"version": self.version} if with_version else {}),
                 **({"transcript": transcript_text(self.rollout.episodes[row]),
                     "turns": self.rollout.episodes[row]["turns"]} if self.rollout.episodes else {}),
@@ -153,13 +156,15 @@ class ScoredBatch:
 def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier, *, prompts: int, group_size: int,
                      sampling: SamplingConfig, seed: int, step: int, timer, system_prompt: str | None = None,
                      refill_rounds: int | None = None, world: World | None = None,
-                     sampler: Sampler = single_turn, truncated: str = "score", version: int | None = None) -> ScoredBatch:
+                     sampler: Sampler = single_turn, truncated: str = "score", version: int | None = None,
+                     overlong: Overlong | None = None) -> ScoredBatch:
     """Sample (with `sampler`: one turn by default) and score `prompts` (B) x `group_size` (G) rows. With `refill_rounds` (DAPO dynamic
     sampling), groups without signal are dropped and replaced by fresh prompts for up to that many
     extra rounds (the batch may stay short). Under torchrun each rank samples and scores its block
     of each round's prompts and the results are gathered, so every rank returns the same global
     batch (the one a single process would sample) and takes the same refill decisions. `truncated`:
-    what a completion that hit max_new_tokens without stopping gets (`rewards.scores.truncation_policy`).
+    what a completion that hit max_new_tokens without stopping gets (`rewards.scores.truncation_policy`);
+    `overlong`, DAPO's soft overlong punishment, then shapes the ok rewards by the policy's own tokens.
     `step` (the steps done before the one the batch serves) seeds the rounds; `version`, the
     training steps `policy`'s weights had taken, is recorded in the batch (None: `step`, on-policy).
     A dense reward (`verifier.dense`: a teacher's) then scores every token of the final batch
@@ -191,6 +196,8 @@ def sample_and_score(policy, tokenizer, stream: PromptStream, verifier: Verifier
                 scores = score_rows(verifier, rollout.texts, rows, index, rollout.truncated.tolist(), truncated)
                 if rollout.episodes is not None:  # a row whose tool broke is infra_error, whatever it answered
                     scores = Scores.of(episode_verdicts(rollout, scores.verdicts))
+                if overlong is not None and overlong.enabled:  # L: the policy's own tokens (the loss mask), not the tools'
+                    scores = Scores.of(overlong.shape(scores.verdicts, rollout.mask.sum(-1)))
         owners = torch.arange(world.size).repeat_interleave(torch.tensor([len(b) for b in world.blocks(len(examples))]) * G)
         if world.active:  # every rank gets the whole round, in global row order (through the CPU: a pickled
             # CUDA tensor would unpickle onto the sender's GPU index)

@@ -222,7 +222,7 @@ def sample(state: State, timer: Timer | None = None, serves: int | None = None, 
             policy, state.tokenizer, state.stream, state.verifier, prompts=config.data.prompts_per_step,
             group_size=config.data.group_size, sampling=config.sampling, seed=config.seed, step=serves - 1, timer=timer,
             system_prompt=config.data.system_prompt, refill_rounds=refill_rounds, world=state.world, sampler=state.sampler,
-            truncated=config.reward_options.truncated, version=version,
+            truncated=config.reward_options.truncated, overlong=config.reward_options.overlong, version=version,
         )
 
 

@@ -48,11 +48,14 @@ def make_card(config: Config, state, reward: Any, changes: list[str] = ()) -> di
 
 def reward_link(config: Config, state, reward: Any) -> dict[str, Any]:
     """The card's reward link: the verifier as it describes itself, whether it was passed as a
-    Python object or named in the config, where the estimator puts it, and what resolved it."""
+    Python object or named in the config, where the estimator puts it, DAPO's overlong shaping when on
+    (`reward_options.overlong`: formula and values), and what resolved it."""
     link = {**state.verifier.describe(), "passed_as": "python object" if reward is not None else "config name"}
     placement = ADVANTAGE_ESTIMATORS[config.loss.advantage].reward_placement
     if placement is not None:
         link["placement"] = placement
+    if config.reward_options.overlong.enabled:
+        link["overlong"] = config.reward_options.overlong.card()
     link["resolved_from"] = (f"the task's gold format ({state.train.reward_kind})" if config.reward == "auto" and reward is None
                              else "set by the user")
     if state.verifier.dense:

@@ -61,8 +61,9 @@ class Acceptance(evaluation_settings.Acceptance):
 
 @dataclass
 class Config(PolicyFields):
-    MOVED: ClassVar[dict[str, str]] = MOVED
-    """The keys the loss split renamed (`losses/policy_gradient_config.MOVED`): `loss.kl_beta moved to loss.kl.beta`."""
+    MOVED: ClassVar[dict[str, str]] = {**MOVED, "reward.overlong": "reward_options.overlong"}
+    """The keys the loss split renamed (`losses/policy_gradient_config.MOVED`): `loss.kl_beta moved to loss.kl.beta`; and
+    issue 43's `reward.overlong`, which lives with the reward's other settings (`reward` is the verifier's name)."""
 
     data: Data = field(default_factory=Data)
     """Link 1: prompts and groups."""
@@ -106,6 +107,7 @@ class Config(PolicyFields):
         data.validate()  # sizes, format and columns (`data/source.TaskSource`)
         self.tools.validate()
         self.rollout.validate(self.sampling)
+        self.reward_options.overlong.validate(self.policy_token_budget())
         if loss.sampler_correction == "tis" and self.sampling.greedy:
             raise UserError("loss.sampler_correction tis needs sampled rollouts (sampling.greedy is true: there is no sampler distribution)")
         off_policy = off_policy_objective(loss, data.max_staleness)
@@ -122,6 +124,14 @@ class Config(PolicyFields):
         rows = data.prompts_per_step * data.group_size
         if rows % update.mini_batches:
             raise UserError(f"{rows} rows per step (prompts_per_step x group_size) do not split into {update.mini_batches} mini-batches")
+
+    def policy_token_budget(self) -> int:
+        """The most tokens of its own the policy can write in one row: sampling.max_new_tokens; in a
+        tool episode max_turns x that, or tools.max_episode_tokens if less (which counts the observations too)."""
+        if not self.tools.enabled:
+            return self.sampling.max_new_tokens
+        turns = self.tools.max_turns * self.sampling.max_new_tokens
+        return turns if self.tools.max_episode_tokens is None else min(turns, self.tools.max_episode_tokens)
 
 
 def grpo_config() -> Config:

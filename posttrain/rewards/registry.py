@@ -10,7 +10,7 @@ into one verifier.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +21,7 @@ from posttrain.rewards.checkers import IntegerChecker, LetterChecker, MathChecke
 from posttrain.rewards.code import CODE_POLICIES, CODE_TESTS, HumanEvalVerifier, IOVerifier, MBPPVerifier, StdioVerifier
 from posttrain.rewards.custom import BatchFunctionVerifier, CallableVerifier, FunctionVerifier
 from posttrain.rewards.format import FormatVerifier
+from posttrain.rewards.overlong import Overlong
 from posttrain.rewards.gym import ReasoningGymVerifier
 from posttrain.rewards.sandbox import SandboxConfig
 from posttrain.rewards.verdict import Verdict
@@ -222,6 +223,8 @@ class RewardOptions:
     truncated: str = "score"
     """Online training: a completion that reached max_new_tokens without stopping is scored as is (`score`), scored minus x
     (`penalty:<x>`, TRL's missing_eos_penalty), or left out of the baselines and the loss (`exclude`, counted as a data error)."""
+    overlong: Overlong = field(default_factory=Overlong)
+    """Online training: DAPO's soft overlong punishment (arXiv:2503.14476 eq. 13), added to each ok reward after `truncated`: 0 up to max_tokens - buffer policy tokens, then linear to -penalty at max_tokens, -penalty beyond (`rewards/overlong.py`; off unless max_tokens is set)."""
     offload: str | None = None
     """rm: and judge:: `cpu` keeps the scoring model on the CPU between scoring calls (moved to the run's device for each), freeing GPU memory for training."""
 
