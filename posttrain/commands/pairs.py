@@ -1,5 +1,5 @@
 """`posttrain pairs --model M --data.task T --group-size G --out pairs.jsonl`: preference pairs from
-verified samples (see posttrain/recipes/pairs.py). Every field of `PairSettings` is a flag
+verified samples (see posttrain/recipes/pairs.py); `--unpaired` KTO rows, `--sft` a teacher's SFT rows. Every field of `PairSettings` is a flag
 (`--key value`, dotted for the sampling section: `--sampling.temperature 0.8`), or a key of
 `--config FILE`."""
 
@@ -19,9 +19,10 @@ def register(subparsers) -> None:
     """Add the `pairs` command."""
     parser = config_command(
         subparsers, "pairs", "posttrain.recipes.pairs",
-        "sample G answers per prompt, score them with a verifier, write (correct, incorrect) pairs", config="PairSettings",
+        "sample G answers per prompt, score them with a verifier, write (correct, incorrect) pairs (or --sft rows)", config="PairSettings",
         description="Sample G answers per training prompt, score them with the task's verifier, and write "
-                    "(correct, incorrect) preference pairs plus a .meta.json provenance sidecar. "
+                    "(correct, incorrect) preference pairs plus a .meta.json provenance sidecar; --unpaired: KTO rows; "
+                    "--sft: SFT rows of the model's (a teacher's) samples for posttrain sft. "
                     "--temperature, --top-p, --top-k and --max-new-tokens are short for --sampling.<key>.",
     )
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
