@@ -110,11 +110,13 @@ def test_max_tokens_caps_the_file_and_stops_sampling(tmp_path, capsys):
         (["--unpaired"], "--unpaired does not apply with --sft"),
         (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
         (["--pairs-per-prompt", "2"], "--pairs-per-prompt does not apply with --sft"),
+        (["--group-size", "0"], "--group-size must be at least 1 (samples per prompt), got 0"),
     ],
 )
 def test_bad_sft_arguments_are_one_line(tmp_path, capsys, extra, message):
     out = tmp_path / "teacher.jsonl"
-    assert main([*PAIRS, *extra, "--out", str(out)]) == 2
+    argv = with_flags(PAIRS, *extra) if extra[0] in PAIRS else [*PAIRS, *extra]  # the command line refuses a key given twice
+    assert main([*argv, "--out", str(out)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("posttrain: ")]
     assert len(errors) == 1 and message in errors[0], errors
     assert not out.exists()

@@ -130,7 +130,9 @@ class PairSettings:
         for name, value in (("model", self.model), ("data.task", self.data.task), ("out", self.out)):
             if not value:
                 raise UserError(f"--{name}: required (posttrain pairs --model M --data.task T --out FILE.jsonl)")
-        if self.group_size < (1 if self.sft else 2):
+        if self.sft and self.group_size < 1:
+            raise UserError(f"--group-size must be at least 1 (samples per prompt), got {self.group_size}")
+        if not self.sft and self.group_size < 2:
             raise UserError(f"--group-size must be at least 2 (a pair needs two answers), got {self.group_size}")
         self.data.validate(prefix="--data.")
         for name, value in (("pairs_per_prompt", self.pairs_per_prompt), ("batch_size", self.batch_size)):
