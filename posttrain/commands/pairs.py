@@ -1,9 +1,11 @@
 """`posttrain pairs --model M --data.task T --group-size G --out pairs.jsonl`: preference pairs from
-verified samples (see posttrain/recipes/pairs.py). Every field of `PairSettings` is a flag
+verified samples (see posttrain/recipes/pairs.py); `--unpaired` KTO rows, `--sft` a teacher's SFT rows. Every field of `PairSettings` is a flag
 (`--key value`, dotted for the sampling section: `--sampling.temperature 0.8`), or a key of
 `--config FILE`."""
 
 from __future__ import annotations
+
+import shlex
 
 from posttrain.commands._recipe import config_command
 from posttrain.errors import UserError
@@ -17,9 +19,10 @@ def register(subparsers) -> None:
     """Add the `pairs` command."""
     parser = config_command(
         subparsers, "pairs", "posttrain.recipes.pairs",
-        "sample G answers per prompt, score them with a verifier, write (correct, incorrect) pairs", config="PairSettings",
+        "sample G answers per prompt, score them with a verifier, write (correct, incorrect) pairs (or --sft rows)", config="PairSettings",
         description="Sample G answers per training prompt, score them with the task's verifier, and write "
-                    "(correct, incorrect) preference pairs plus a .meta.json provenance sidecar. "
+                    "(correct, incorrect) preference pairs plus a .meta.json provenance sidecar; --unpaired: KTO rows; "
+                    "--sft: SFT rows of the model's (a teacher's) samples for posttrain sft. "
                     "--temperature, --top-p, --top-k and --max-new-tokens are short for --sampling.<key>.",
     )
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -28,6 +31,11 @@ def register(subparsers) -> None:
                         help="replace an existing --out file and its sidecar (refused without it, before any work)")
     parser.add_argument("--unpaired", action="store_true",
                         help="write KTO's unpaired rows (prompt, completion, label) from every scored answer instead of pairs")
+    parser.add_argument("--sft", action="store_true",
+                        help="write SFT rows (prompt, completion) of --model's samples (a teacher) for posttrain sft; "
+                             "--keep all|correct, --distinct, --max-rows N, --max-tokens N")
+    parser.add_argument("--distinct", action="store_true",
+                        help="with --sft: one row per distinct completion of a prompt (repeats dropped, counted)")
     parser.set_defaults(func=handle)
 
 
@@ -54,13 +62,16 @@ def handle(args) -> int:
     from posttrain.recipes.pairs import PairSettings, build_pairs
 
     overrides = settings_overrides(list(args.overrides or []), args.stop)
-    for flag in ("overwrite", "unpaired"):
+    for flag in ("overwrite", "unpaired", "sft", "distinct"):
         if getattr(args, flag):
             overrides[flag] = True
     settings = build_config(PairSettings, args.config, overrides)
     result = build_pairs(settings)
     print("\n".join(summary_lines(result)))
     print(f"wrote {settings.out} and {provenance_path(settings.out)}")
+    if result.get("sft"):
+        system = f" --data.system_prompt {shlex.quote(settings.data.system_prompt)}" if settings.data.system_prompt else ""
+        print(f"next: posttrain sft --data.task {shlex.quote(str(settings.out))}{system} --model STUDENT --output-dir DIR")
     return 0
 
 
@@ -68,6 +79,15 @@ def summary_lines(result: dict) -> list[str]:
     """What `posttrain pairs` prints of `build_pairs`' provenance record: what was written and what
     was skipped (with a judge: ties, below --preference-margin, apart from the judge's failures),
     then who labelled."""
+    if result.get("sft"):
+        dropped = result["dropped"]
+        return [f"{result['rows']} SFT rows, {result['completion_tokens']} completion tokens, from {result['prompts_with_rows']} of "
+                f"{result['prompts']} prompts (--keep {result['keep']}: {result['keep_means']}; of {result['samples']} samples dropped: "
+                f"{dropped['rejected']} rejected, {dropped['unscored']} unscored, {dropped['empty']} empty, {dropped['duplicates']} repeats "
+                f"({result['duplicates']} seen), {dropped['over_budget']} over budget{'; budget reached' if result['budget_reached'] else ''}; "
+                f"{result['rows_truncated']} rows cut at max_new_tokens; verdict errors: {result['verdict_errors']})",
+                f"teacher: model {result['model']} (G={result['group_size']}, seed {result['seed']}); verifier {result['verifier']} "
+                f"accepted {result['samples_correct']} of {result['samples']} samples"]
     if result.get("unpaired"):
         what = (f"{result['rows']} unpaired rows ({result['desirable']} desirable, {result['undesirable']} undesirable) from "
                 f"{result['prompts'] - result['prompts_unscored']} of {result['prompts']} prompts (rows from groups with both kinds: "

@@ -58,6 +58,21 @@ def reward_card(pairs: str, provenance: dict[str, Any] | None) -> dict[str, Any]
     }
 
 
+def rows_card(path: str, provenance: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The SFT run card's account of where a file's rows came from, as its sidecar records it (None:
+    no sidecar). A `posttrain pairs --sft` file: "samples of model M (teacher), keep K, verifier V"
+    with its row and completion-token counts, the budget a comparison run matches."""
+    if not provenance:
+        return None
+    what = f"{provenance.get('kind', 'rows')}: samples of model {provenance.get('model')}"
+    if provenance.get("sft"):
+        what += f", --keep {provenance.get('keep')} ({provenance.get('keep_means')}), verifier {provenance.get('verifier')}"
+    keys = ("model", "verifier", "task", "seed", "group_size", "keep", "distinct", "rows", "completion_tokens", "samples",
+            "samples_correct", "max_rows", "max_tokens", "budget_reached", "sha256")
+    return {"rows_from": what, **{key: provenance[key] for key in keys if key in provenance},
+            "provenance_file": str(provenance_path(path)), "provenance_file_matches": provenance["file_matches"]}
+
+
 def write_with_provenance(out: str | Path, rows: list[dict], provenance: dict[str, Any]) -> None:
     """The JSONL file, then its sidecar (`provenance` plus the file's SHA-256, added to the dict),
     each written atomically, so a crash leaves no half-written file under either name."""

@@ -39,6 +39,7 @@ import torch
 
 from posttrain.data.examples import Task, derived_seed
 from posttrain.data.files import RowTable, RowView, check_columns, is_data_source, map_row, read_rows, resolve_columns
+from posttrain.data.provenance import read_provenance, rows_card
 from posttrain.data.source import TaskSource
 from posttrain.data.tasks import default_eval_size, heldout_size_from, load_splits
 from posttrain.data.tokenize import TokenizedBatch, has_chat_template, tokenize_prompt_response, with_tools
@@ -327,6 +328,9 @@ def _load_rows(data: Data, seed: int, tokenizer, options: dict) -> SFTData:
             **report.dropped(),
             "tool_transcripts": sum(any(m["role"] == "tool" for m in row.messages) for row in train if row.is_chat),
             **({"tools": list(data.tools)} if data.tools else {})}
+    provenance = rows_card(data.task, read_provenance(data.task)) if Path(data.task).is_file() else None
+    if provenance:  # a `posttrain pairs --sft` file (or any file with a sidecar): where its rows came from
+        card["provenance"] = provenance
     return SFTData(train, held, encode, None, card)
 
 

@@ -12,6 +12,13 @@ With `--unpaired`, the file holds KTO's unpaired rows instead (`{"id", "prompt",
 desirable when correct, the groups that pairing skips (all correct, all incorrect) included and
 counted; `posttrain dpo --loss.type kto` trains on it.
 
+With `--sft`, the file holds SFT rows of the model's samples instead (`{"id", "prompt", "completion",
+"metadata"}`): `--model` is a teacher, `--keep all` writes every non-empty sample (plain
+distillation) and `--keep correct` only those the verifier accepts (rejection sampling, RFT);
+`--max-rows` / `--max-tokens` cap the file (whole rows in sampling order) so that a comparison run can
+match a token budget; the sidecar counts the completion tokens written (`data/teacher_sft.py`).
+`posttrain sft --data.task FILE` trains on it, and its run card says where the rows came from.
+
 With `--labeller judge:MODEL`, a judge labels instead of the verifier: each prompt's distinct
 answers are paired in sampling order ((0, 1), (2, 3), ...: each answer once), the judge compares each
 pair in both orders (P(A > B) = 1/2 [P_AB + 1 - P_BA], `algorithms.judge.pairwise_preference`), the
@@ -40,6 +47,7 @@ from posttrain.data.examples import derived_seed, verifier_input
 from posttrain.data.pairing import label_all, pair_up
 from posttrain.data.provenance import provenance_path, write_with_provenance
 from posttrain.data.source import TaskSource
+from posttrain.data.teacher_sft import KEEP, Budget, TeacherRows
 from posttrain.data.tasks import is_generated
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, resolve
@@ -95,6 +103,16 @@ class PairSettings:
     unpaired: bool = False
     """Write KTO's unpaired rows (prompt, completion, label) instead of pairs: every distinct scored answer, desirable when correct,
     the all-correct and all-incorrect groups included (`posttrain dpo --loss.type kto` reads the file)."""
+    sft: bool = False
+    """Write SFT rows (prompt, completion) of the model's samples instead of pairs: `--model` is a teacher, `posttrain sft --data.task OUT` trains on them."""
+    keep: str | None = None
+    """--sft: all (every non-empty sample: plain distillation) | correct (only samples the verifier accepts: rejection sampling, RFT); None: all."""
+    distinct: bool = False
+    """--sft: one row per distinct completion of a prompt (repeats dropped); default every sample, repeats included as the teacher sampled them (counted either way)."""
+    max_rows: int | None = None
+    """--sft: write at most this many rows (whole rows in sampling order; sampling stops once reached). None: no cap."""
+    max_tokens: int | None = None
+    """--sft: write at most this many completion tokens (the teacher's tokenizer, EOS excluded), to match a comparison run's budget. None: no cap."""
     correct_threshold: float = 1.0
     """A verdict is correct when its reward is >= this, incorrect below."""
     sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(max_new_tokens=32))
@@ -112,7 +130,9 @@ class PairSettings:
         for name, value in (("model", self.model), ("data.task", self.data.task), ("out", self.out)):
             if not value:
                 raise UserError(f"--{name}: required (posttrain pairs --model M --data.task T --out FILE.jsonl)")
-        if self.group_size < 2:
+        if self.sft and self.group_size < 1:
+            raise UserError(f"--group-size must be at least 1 (samples per prompt), got {self.group_size}")
+        if not self.sft and self.group_size < 2:
             raise UserError(f"--group-size must be at least 2 (a pair needs two answers), got {self.group_size}")
         self.data.validate(prefix="--data.")
         for name, value in (("pairs_per_prompt", self.pairs_per_prompt), ("batch_size", self.batch_size)):
@@ -129,6 +149,24 @@ class PairSettings:
         self.rollout.validate(self.sampling, prefix="--rollout.")
         if self.unpaired and self.pairs_per_prompt != 1:
             raise UserError("--pairs-per-prompt does not apply with --unpaired (every distinct scored answer is a row); leave it unset")
+        self._validate_sft()
+
+    def _validate_sft(self) -> None:
+        sft_only = {"keep": self.keep is not None, "distinct": self.distinct, "max_rows": self.max_rows is not None,
+                    "max_tokens": self.max_tokens is not None}
+        if not self.sft:
+            given = [name for name, set_ in sft_only.items() if set_]
+            if given:
+                raise UserError(f"--{given[0].replace('_', '-')} applies to SFT rows only: add --sft (posttrain pairs --sft --keep all|correct ...)")
+            return
+        for other, value in (("--unpaired", self.unpaired), ("--labeller", self.labeller is not None), ("--pairs-per-prompt", self.pairs_per_prompt != 1)):
+            if value:
+                raise UserError(f"{other} does not apply with --sft (SFT rows are the teacher's samples, kept by --keep); leave it unset")
+        if self.keep is not None and self.keep not in KEEP:
+            raise UserError(f"--keep must be one of {', '.join(KEEP)}, got {self.keep!r}")
+        for name in ("max_rows", "max_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
 
 def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str, Any]:
@@ -151,7 +189,10 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
     model.eval()
     labelled = Labelled(dict.fromkeys(JUDGE_OUTCOMES if judge else ("paired", "all_correct", "all_incorrect", "unscored"), 0),
                         {"labelled_by": judge.name if judge else verifier.name, "sampled_from": settings.model})
+    teacher = (TeacherRows(settings.keep or "all", settings.correct_threshold, settings.distinct,
+                           Budget(settings.max_rows, settings.max_tokens), tokenizer) if settings.sft else None)
     engine = make_engine(settings.rollout)
+    sampled = 0
     for start in range(0, len(examples), settings.batch_size):
         chunk = examples[start : start + settings.batch_size]
         prompts = [render_prompt(tokenizer, e.prompt_input, system_prompt=settings.data.system_prompt) for e in chunk]
@@ -160,14 +201,23 @@ def build_pairs(settings: PairSettings, model=None, tokenizer=None) -> dict[str,
                              seed=derived_seed(settings.seed, "pairs", str(start)))
         verdicts = verifier.batch(rollout.texts, [verifier_input(chunk[b], prompts[b]) for b in rollout.prompt_index.tolist()])
         labelled.count_errors(verdicts)
-        G = settings.group_size
+        G, truncated = settings.group_size, rollout.truncated.tolist()
         for b, example in enumerate(chunk):
-            label_group(settings, judge, example, prompts[b], rollout.texts[b * G : (b + 1) * G], verdicts[b * G : (b + 1) * G],
-                        labelled)
+            texts, group_verdicts = rollout.texts[b * G : (b + 1) * G], verdicts[b * G : (b + 1) * G]
+            if teacher is not None:
+                labelled.rows += teacher.add(example, texts, group_verdicts, truncated[b * G : (b + 1) * G], labelled.origin)
+            else:
+                label_group(settings, judge, example, prompts[b], texts, group_verdicts, labelled)
+        sampled += len(chunk)
+        if teacher is not None and teacher.budget.full:
+            logger.info("--max-rows/--max-tokens reached after %d of %d prompts: sampling stops", sampled, len(examples))
+            break
     if not labelled.rows:
-        raise UserError(_no_rows(settings, judge, labelled, len(examples)))
-    provenance = _provenance(settings, verifier, judge, labelled, {"train": train, "held_out": held_out, "prompts": len(examples)},
+        raise UserError(teacher.explain(sampled, settings.group_size) if teacher else _no_rows(settings, judge, labelled, len(examples)))
+    provenance = _provenance(settings, verifier, judge, labelled, {"train": train, "held_out": held_out, "prompts": sampled},
                              placement)
+    if teacher is not None:
+        provenance.update({"kind": "SFT rows from a teacher's samples", **teacher.provenance()})
     write_with_provenance(settings.out, labelled.rows, provenance)
     return provenance
 
@@ -376,7 +426,7 @@ def _provenance(settings: PairSettings, verifier, judge, labelled: Labelled, spl
             "prompts_all_correct": outcomes["all_correct"], "prompts_all_incorrect": outcomes["all_incorrect"],
             "prompts_unscored": outcomes["unscored"], "duplicates_dropped": labelled.duplicates,
         })
-    elif judge is None:
+    elif judge is None and not settings.sft:
         provenance.update({
             "pairs": len(rows), "prompts_paired": outcomes["paired"], "prompts_skipped_all_correct": outcomes["all_correct"],
             "prompts_skipped_all_incorrect": outcomes["all_incorrect"], "prompts_skipped_unscored": outcomes["unscored"],

@@ -168,6 +168,8 @@ def make_card(config: Config, data: SFTData) -> dict:
     card = new_card("sft", config.seed, config=to_dict(config))
     card["links"]["data"] = data.card
     card["links"]["reward"] = {"kind": "none (imitation of " + ("gold answers)" if data.task is not None else "the rows' completions)")}
+    if "provenance" in data.card:
+        card["links"]["reward"]["rows_from"] = data.card["provenance"]["rows_from"]
     card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True,
                              "loss_on": config.data.loss_on if data.task is None else "the response (gold answer in response_template)"}
     card["links"]["acceptance"] = acceptance_card(data, config.data.task, config.acceptance.checker)
