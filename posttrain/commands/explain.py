@@ -302,6 +302,34 @@ def explain_decoupled(args) -> int:
     return _emit(args, result, lines)
 
 
+def explain_entropy(args) -> int:
+    import torch
+
+    from posttrain.algorithms.logprobs import entropy
+
+    if len(args.logits) < 2:
+        raise UserError(f"--logits needs at least 2 values (a distribution over candidates), got {len(args.logits)}")
+    if args.coef < 0:
+        raise UserError(f"--coef must be >= 0 (loss.entropy.coef is a bonus), got {args.coef}")
+    logits = _tensor(args.logits).requires_grad_(True)
+    value = entropy(logits, args.temperature)
+    (grad,) = torch.autograd.grad(value, logits)  # through the library's own entropy, as the loss step differentiates it
+    probabilities = torch.softmax(logits.detach() / args.temperature, dim=-1)
+    analytic = -probabilities * (probabilities.log() + value.detach()) / args.temperature
+    result = {"probabilities": probabilities.tolist(), "entropy": value.item(), "grad": grad.tolist(),
+              "analytic_grad": analytic.tolist(), "bonus": -args.coef * value.item(), "bonus_grad": (-args.coef * grad).tolist()}
+    lines = [
+        f"Entropy bonus at one position (loss.entropy.coef {args.coef:g}): logits {args.logits}, temperature {args.temperature:g}",
+        f"  p = softmax(logits / T)            = {_round(result['probabilities'], 6)}",
+        f"  H = -sum_v p_v log p_v             = {value.item():.6f}   (max log {len(args.logits)} = {math.log(len(args.logits)):.6f})",
+        f"  dH/dlogits (autograd)              = {_round(result['grad'], 6)}",
+        f"  -p_v (log p_v + H) / T (analytic)  = {_round(result['analytic_grad'], 6)}",
+        f"  this token's loss term -coef H     = {result['bonus']:.6f}; its gradient -coef dH/dlogits = {_round(result['bonus_grad'], 6)}",
+        "  A step down that gradient raises the rarer candidates' logits and lowers the likeliest's: the entropy rises.",
+    ]
+    return _emit(args, result, lines)
+
+
 def _pair_loss(function, *values, **settings):
     """The loss of one pair from a reference-free objective, and its gradient w.r.t. each input."""
     inputs = [_tensor([value]).requires_grad_(True) for value in values]
@@ -434,6 +462,12 @@ def add_examples(parser) -> None:
     decoupled.add_argument("--upper", type=float, default=rule.upper, help="mode mask: w above is 0")
     decoupled.set_defaults(func=_library_errors_are_user_errors(explain_decoupled))
 
+    entropy = commands.add_parser("entropy", help="the entropy bonus at one position: p, H and its gradient")
+    entropy.add_argument("--logits", type=float, nargs="+", default=[1.0, 0.0, -1.0], help="logits of the candidates")
+    entropy.add_argument("--coef", type=float, default=0.01, help="loss.entropy.coef")
+    entropy.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature T")
+    entropy.set_defaults(func=_library_errors_are_user_errors(explain_entropy))
+
     simpo = commands.add_parser("simpo", help="SimPO loss of one pair (no reference)")
     orpo = commands.add_parser("orpo", help="ORPO loss of one pair (no reference)")
     for sub in (simpo, orpo):
@@ -452,5 +486,5 @@ def add_examples(parser) -> None:
     kto.add_argument("--label", choices=["desirable", "undesirable"], required=True)
     kto.set_defaults(func=_library_errors_are_user_errors(explain_kto))
 
-    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, simpo, orpo, kto):
+    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, entropy, simpo, orpo, kto):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
