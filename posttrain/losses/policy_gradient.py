@@ -290,7 +290,7 @@ def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], mi
     behaviour = batch.rollout.sampler_logprobs[rows]
     objective, surrogate = settings.objective, SURROGATES[loss_cfg.surrogate]
     # A surrogate that draws at random gets a seed of the step's and the micro-batch's: a rerun draws alike.
-    seed = {"seed": batch.seed * 1_000_003 + int(rows[0])} if surrogate.seeded and len(rows) else {}
+    seed = {"seed": (batch.seed * 1_000_003 + int(rows[0])) % 2**63} if surrogate.seeded and len(rows) else {}
     per_token, stats = surrogate.function(logprobs, behaviour if objective.ratio_to_behaviour else old,
                                           batch.advantages[rows], mask, **loss_cfg.surrogate_settings(), **seed)
     sums: dict[str, torch.Tensor] = {}
