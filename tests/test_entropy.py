@@ -144,7 +144,7 @@ def test_the_bonus_does_not_depend_on_the_micro_batch_split(aggregation):
 def test_kl_cov_by_hand():
     """One row, log pi [-1, -2, -3], old = log pi - [0.1, 0, 0], A [1, 0, -1]: means -2 and 0, so
     cov = [(1)(1), (0)(0), (-1)(-1)] = [1, 0, 1]; fraction 0.4 of 3 tokens -> floor(1.2) = 1 token,
-    the tie to the first: I_KL = {0}. loss = [-e^0.1 + |0.1|, -0 x 1, -(-1) x 1] = [-0.005171, 0, 1];
+    the tie to the first: I_KL = {0}. loss = [-e^0.1 + |0.1|, -0 x 1, -(-1) x 1] = [-1.005171, 0, 1];
     d loss_0 / d log pi_0 = -e^0.1 + 1 = -0.105171 (unclipped; the penalty's slope is +1)."""
     logprobs = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64, requires_grad=True)
     old = logprobs.detach() - torch.tensor([[0.1, 0.0, 0.0]], dtype=torch.float64)
@@ -212,6 +212,14 @@ def test_explain_entropy(capsys):
     assert result["bonus_grad"] == pytest.approx([0.0282587, -0.0140770, -0.0141817], abs=1e-7)
     uniform = run_json(capsys, "entropy", "--logits", "0", "0", "0", "0")
     assert uniform["entropy"] == pytest.approx(math.log(4)) and uniform["grad"] == pytest.approx([0.0] * 4)
+
+
+def test_explain_kl_cov(capsys):
+    """The by-hand row of `test_kl_cov_by_hand` through the CLI."""
+    result = run_json(capsys, "kl_cov", "--logprob", "-1", "-2", "-3", "--old", "-1.1", "-2", "-3", "--advantages", "1", "0", "-1",
+                      "--fraction", "0.4")
+    assert result["covariance"] == pytest.approx([1.0, 0.0, 1.0]) and result["penalised"] == [True, False, False]
+    assert result["loss"] == pytest.approx(-math.exp(0.1) + 0.1 + 1.0) and result["grad"] == pytest.approx([1 - math.exp(0.1), 0.0, 1.0])
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -302,6 +302,29 @@ def explain_decoupled(args) -> int:
     return _emit(args, result, lines)
 
 
+def explain_kl_cov(args) -> int:
+    import torch
+
+    from posttrain.algorithms.covariance import kl_cov_surrogate, token_covariance
+
+    columns = (args.logprob, args.old, args.advantages)
+    if len({len(column) for column in columns}) != 1:
+        raise UserError(f"--logprob, --old and --advantages need one value per token each, got {', '.join(str(len(c)) for c in columns)}")
+    if not 0 < args.fraction <= 1 or args.coef < 0:
+        raise UserError(f"need 0 < --fraction <= 1 and --coef >= 0, got {args.fraction}, {args.coef}")
+    logprobs, old, advantages = (_tensor([column]) for column in columns)
+    mask = torch.ones_like(logprobs, dtype=torch.bool)
+    loss, grad, stats = _token_grad(lambda lp: kl_cov_surrogate(lp, old, advantages, mask, args.fraction, args.coef), logprobs)
+    covariance = token_covariance(logprobs, advantages, mask)[0].tolist()
+    penalised = stats["cov_penalised"][0].tolist()
+    lines = ["KL-Cov on one sequence (arXiv:2505.22617): loss_t = -r_t A_t + coef |log r_t| on the top fraction of tokens by covariance",
+             f"  log pi {args.logprob}, log pi_old {args.old}, A {args.advantages}, fraction {args.fraction:g}, coef {args.coef:g}",
+             f"  cov_t = (A_t - mean A)(log pi_t - mean log pi) = {_round(covariance, 6)}",
+             f"  penalised (top max(1, floor(fraction x {len(args.logprob)}))) = {penalised}",
+             f"  loss = {loss:.6f} (summed over tokens); d loss / d log pi_t = {_round(grad, 6)}"]
+    return _emit(args, {"covariance": covariance, "penalised": penalised, "loss": loss, "grad": grad}, lines)
+
+
 def explain_entropy(args) -> int:
     import torch
 
@@ -468,6 +491,14 @@ def add_examples(parser) -> None:
     entropy.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature T")
     entropy.set_defaults(func=_library_errors_are_user_errors(explain_entropy))
 
+    kl_cov = commands.add_parser("kl_cov", help="KL-Cov on one sequence: covariances, the penalised tokens, loss and gradient")
+    kl_cov.add_argument("--logprob", type=float, nargs="+", required=True, help="log pi of each token")
+    kl_cov.add_argument("--old", type=float, nargs="+", required=True, help="log pi_old of each token")
+    kl_cov.add_argument("--advantages", type=float, nargs="+", required=True, help="A of each token")
+    kl_cov.add_argument("--fraction", type=float, default=2e-4, help="loss.kl_cov.fraction (at least one token)")
+    kl_cov.add_argument("--coef", type=float, default=1.0, help="loss.kl_cov.coef")
+    kl_cov.set_defaults(func=_library_errors_are_user_errors(explain_kl_cov))
+
     simpo = commands.add_parser("simpo", help="SimPO loss of one pair (no reference)")
     orpo = commands.add_parser("orpo", help="ORPO loss of one pair (no reference)")
     for sub in (simpo, orpo):
@@ -486,5 +517,5 @@ def add_examples(parser) -> None:
     kto.add_argument("--label", choices=["desirable", "undesirable"], required=True)
     kto.set_defaults(func=_library_errors_are_user_errors(explain_kto))
 
-    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, entropy, simpo, orpo, kto):
+    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, entropy, kl_cov, simpo, orpo, kto):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
