@@ -175,7 +175,7 @@ def test_every_surrogate_names_its_section_and_its_statistics():
 
 
 def test_an_unknown_surrogate_is_one_line_naming_the_table():
-    with pytest.raises(UserError, match=r"^loss.surrogate must be one of clip, gspo, cispo, got 'sapo'$"):
+    with pytest.raises(UserError, match=r"^loss.surrogate must be one of clip, gspo, cispo, clip_cov, kl_cov, got 'sapo'$"):
         config("group", surrogate="sapo")
 
 

@@ -167,6 +167,8 @@ def test_the_shared_reinforce_section_is_accepted_by_both_of_its_estimators(tmp_
     ("reinforce_pp_baseline", "cispo", ["--loss.kl.beta", "0.05"]),
     ("group", "gspo", ["--loss.aggregation", "seq_mean_token_mean", "--update.mini_batches", "2"]),
     ("rloo", "cispo", ["--update.epochs", "2"]),
+    ("group", "clip_cov", ["--update.epochs", "2", "--loss.clip_cov.fraction", "0.2", "--loss.clip_cov.lower", "0"]),
+    ("group", "kl_cov", ["--update.mini_batches", "2", "--loss.kl_cov.fraction", "0.2"]),
 ])
 def test_every_estimator_and_surrogate_trains_on_the_tiny_model(tmp_path, advantage, surrogate, extra):
     run_dir = online.run(config(tmp_path, "--loss.advantage", advantage, "--loss.surrogate", surrogate, *extra), reward=digits)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.algorithms.covariance import clip_cov_surrogate, kl_cov_surrogate
 from posttrain.algorithms.policy import cispo_surrogate, clipped_surrogate, sequence_clipped_surrogate
 
 
@@ -34,6 +35,8 @@ class Surrogate:
     """The `loss.aggregation` values it is defined under (None: any)."""
     peers: str = ""
     """The same surrogate as the peers spell it, for the run card."""
+    seeded: bool = False
+    """It draws at random: the loss step passes `seed` (from the step's seed and the micro-batch), so a rerun draws alike."""
 
 
 def _clip(logprobs, old_logprobs, advantages, mask, low: float, high: float, dual: float | None):
@@ -46,6 +49,15 @@ def _gspo(logprobs, old_logprobs, advantages, mask, low: float, high: float):
 
 def _cispo(logprobs, old_logprobs, advantages, mask, low: float, high: float):
     return cispo_surrogate(logprobs, old_logprobs, advantages, low, high)
+
+
+def _clip_cov(logprobs, old_logprobs, advantages, mask, low: float, high: float, fraction: float, lower: float, upper: float,
+              seed: int = 0):
+    return clip_cov_surrogate(logprobs, old_logprobs, advantages, mask, low, high, fraction, lower, upper, seed)
+
+
+def _kl_cov(logprobs, old_logprobs, advantages, mask, fraction: float, coef: float):
+    return kl_cov_surrogate(logprobs, old_logprobs, advantages, mask, fraction, coef)
 
 
 SURROGATES: dict[str, Surrogate] = {
@@ -71,6 +83,22 @@ SURROGATES: dict[str, Surrogate] = {
         describe=lambda s: (f"CISPO: -sg(clip(r, {s['low']}, {s['high']})) A log pi per token, absolute bounds on the ratio, "
                             "every token keeps its gradient (arXiv:2506.13585 section 3.1)"),
         peers="TRL GRPOTrainer loss_type=cispo (epsilon_high = our high); open-instruct loss_fn=cispo; verl loss_mode=cispo",
+    ),
+    "clip_cov": Surrogate(
+        name="clip_cov", function=_clip_cov, section="clip_cov",
+        fractions=(("clip/low", "clipped_low"), ("clip/high", "clipped_high"), ("clip/cov", "cov_clipped")),
+        describe=lambda s: (f"Clip-Cov: the PPO clipped ratio (clip [1 - {s['low']}, 1 + {s['high']}]) with the gradient of a "
+                            f"seeded random {s['fraction']:g} of the tokens whose (A - mean A)(log pi - mean log pi) lies in "
+                            f"({s['lower']:g}, {s['upper']:g}) removed, over each micro-batch's tokens (arXiv:2505.22617, Clip-Cov)"),
+        peers="verl loss_mode=clip_cov (clip_cov_ratio = our fraction, clip_cov_lb / clip_cov_ub = our lower / upper)",
+        seeded=True,
+    ),
+    "kl_cov": Surrogate(
+        name="kl_cov", function=_kl_cov, section="kl_cov",
+        fractions=(("cov/penalised", "cov_penalised"),),
+        describe=lambda s: (f"KL-Cov: -r A per token, unclipped, plus {s['coef']:g} x |log r| on the top {s['fraction']:g} of "
+                            "the tokens by (A - mean A)(log pi - mean log pi), over each micro-batch's tokens (arXiv:2505.22617, KL-Cov)"),
+        peers="verl loss_mode=kl_cov (kl_cov_ratio = our fraction, ppo_kl_coef = our coef)",
     ),
 }
 """Every surrogate by its `loss.surrogate` name."""

@@ -315,6 +315,55 @@ def explain_overlong(args) -> int:
     lines += [f"  L = {length:g}: shaping {value:+.4f}" for length, value in zip(args.lengths, shaping)]
     lines.append("  Added to ok rewards only (after reward_options.truncated); an unscorable row stays unscored.")
     return _emit(args, {"lengths": args.lengths, "shaping": shaping}, lines)
+def explain_kl_cov(args) -> int:
+    import torch
+
+    from posttrain.algorithms.covariance import kl_cov_surrogate, token_covariance
+
+    columns = (args.logprob, args.old, args.advantages)
+    if len({len(column) for column in columns}) != 1:
+        raise UserError(f"--logprob, --old and --advantages need one value per token each, got {', '.join(str(len(c)) for c in columns)}")
+    if not 0 < args.fraction <= 1 or args.coef < 0:
+        raise UserError(f"need 0 < --fraction <= 1 and --coef >= 0, got {args.fraction}, {args.coef}")
+    logprobs, old, advantages = (_tensor([column]) for column in columns)
+    mask = torch.ones_like(logprobs, dtype=torch.bool)
+    loss, grad, stats = _token_grad(lambda lp: kl_cov_surrogate(lp, old, advantages, mask, args.fraction, args.coef), logprobs)
+    covariance = token_covariance(logprobs, advantages, mask)[0].tolist()
+    penalised = stats["cov_penalised"][0].tolist()
+    lines = ["KL-Cov on one sequence (arXiv:2505.22617): loss_t = -r_t A_t + coef |log r_t| on the top fraction of tokens by covariance",
+             f"  log pi {args.logprob}, log pi_old {args.old}, A {args.advantages}, fraction {args.fraction:g}, coef {args.coef:g}",
+             f"  cov_t = (A_t - mean A)(log pi_t - mean log pi) = {_round(covariance, 6)}",
+             f"  penalised (top max(1, floor(fraction x {len(args.logprob)}))) = {penalised}",
+             f"  loss = {loss:.6f} (summed over tokens); d loss / d log pi_t = {_round(grad, 6)}"]
+    return _emit(args, {"covariance": covariance, "penalised": penalised, "loss": loss, "grad": grad}, lines)
+
+
+def explain_entropy(args) -> int:
+    import torch
+
+    from posttrain.algorithms.logprobs import entropy
+
+    if len(args.logits) < 2:
+        raise UserError(f"--logits needs at least 2 values (a distribution over candidates), got {len(args.logits)}")
+    if args.coef < 0:
+        raise UserError(f"--coef must be >= 0 (loss.entropy.coef is a bonus), got {args.coef}")
+    logits = _tensor(args.logits).requires_grad_(True)
+    value = entropy(logits, args.temperature)
+    (grad,) = torch.autograd.grad(value, logits)  # through the library's own entropy, as the loss step differentiates it
+    probabilities = torch.softmax(logits.detach() / args.temperature, dim=-1)
+    analytic = -probabilities * (probabilities.log() + value.detach()) / args.temperature
+    result = {"probabilities": probabilities.tolist(), "entropy": value.item(), "grad": grad.tolist(),
+              "analytic_grad": analytic.tolist(), "bonus": -args.coef * value.item(), "bonus_grad": (-args.coef * grad).tolist()}
+    lines = [
+        f"Entropy bonus at one position (loss.entropy.coef {args.coef:g}): logits {args.logits}, temperature {args.temperature:g}",
+        f"  p = softmax(logits / T)            = {_round(result['probabilities'], 6)}",
+        f"  H = -sum_v p_v log p_v             = {value.item():.6f}   (max log {len(args.logits)} = {math.log(len(args.logits)):.6f})",
+        f"  dH/dlogits (autograd)              = {_round(result['grad'], 6)}",
+        f"  -p_v (log p_v + H) / T (analytic)  = {_round(result['analytic_grad'], 6)}",
+        f"  this token's loss term -coef H     = {result['bonus']:.6f}; its gradient -coef dH/dlogits = {_round(result['bonus_grad'], 6)}",
+        "  A step down that gradient raises the rarer candidates' logits and lowers the likeliest's: the entropy rises.",
+    ]
+    return _emit(args, result, lines)
 
 
 def _pair_loss(function, *values, **settings):
@@ -449,6 +498,20 @@ def add_examples(parser) -> None:
     decoupled.add_argument("--upper", type=float, default=rule.upper, help="mode mask: w above is 0")
     decoupled.set_defaults(func=_library_errors_are_user_errors(explain_decoupled))
 
+    entropy = commands.add_parser("entropy", help="the entropy bonus at one position: p, H and its gradient")
+    entropy.add_argument("--logits", type=float, nargs="+", default=[1.0, 0.0, -1.0], help="logits of the candidates")
+    entropy.add_argument("--coef", type=float, default=0.01, help="loss.entropy.coef")
+    entropy.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature T")
+    entropy.set_defaults(func=_library_errors_are_user_errors(explain_entropy))
+
+    kl_cov = commands.add_parser("kl_cov", help="KL-Cov on one sequence: covariances, the penalised tokens, loss and gradient")
+    kl_cov.add_argument("--logprob", type=float, nargs="+", required=True, help="log pi of each token")
+    kl_cov.add_argument("--old", type=float, nargs="+", required=True, help="log pi_old of each token")
+    kl_cov.add_argument("--advantages", type=float, nargs="+", required=True, help="A of each token")
+    kl_cov.add_argument("--fraction", type=float, default=2e-4, help="loss.kl_cov.fraction (at least one token)")
+    kl_cov.add_argument("--coef", type=float, default=1.0, help="loss.kl_cov.coef")
+    kl_cov.set_defaults(func=_library_errors_are_user_errors(explain_kl_cov))
+
     simpo = commands.add_parser("simpo", help="SimPO loss of one pair (no reference)")
     orpo = commands.add_parser("orpo", help="ORPO loss of one pair (no reference)")
     for sub in (simpo, orpo):
@@ -475,5 +538,5 @@ def add_examples(parser) -> None:
                           help="completion lengths in policy tokens (default: before, inside and past the ramp)")
     overlong.set_defaults(func=_library_errors_are_user_errors(explain_overlong))
 
-    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, simpo, orpo, kto, overlong):
+    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, entropy, kl_cov, simpo, orpo, kto, overlong):
         sub.add_argument("--json", action="store_true", help="print one JSON object")

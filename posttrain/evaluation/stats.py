@@ -1,4 +1,5 @@
-"""Statistics of acceptance: confidence intervals, pass@k, paired gains, unpaired differences (the alarms are in alarms.py)."""
+"""Statistics of acceptance: confidence intervals, pass@k, paired gains, unpaired differences, and the
+trend of a logged metric over recent steps (the alarms are in alarms.py)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,18 @@ def unpaired_difference_ci(start: float, start_ci: list, end: float, end_ci: lis
     difference = end - start
     return (difference, difference - math.hypot(end - end_low, start_high - start),
             difference + math.hypot(end_high - end, start - start_low))
+
+
+def least_squares_slope(values: Sequence[float]) -> float | None:
+    """The ordinary least-squares slope of `values` against their step index 0, 1, ..., n - 1 (one
+    step apart): sum (x - mean x)(y - mean y) / sum (x - mean x)^2, per step; None under 2 points.
+    The recipes log it over the last few steps of `entropy` as `entropy/slope` (docs/metrics.md).
+
+    Example: [3.0, 2.5, 2.0] -> -0.5; [1.0, 2.0, 1.0, 2.0] -> 0.2 (centred x -1.5, -0.5,
+    0.5, 1.5 and y -0.5, 0.5, -0.5, 0.5: sum xy 1, sum x^2 5).
+    """
+    n = len(values)
+    if n < 2:
+        return None
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / sum((x - mean_x) ** 2 for x in range(n))

@@ -6,7 +6,7 @@ of `algorithms/surrogates.py`: PPO's clipped ratio, GSPO, CISPO) against the pro
 log-probs) or, under `loss.off_policy.objective behaviour`, the behaviour policy (the sampler's
 log-probs), times the decoupled objective's importance weight pi_prox / pi_behav when a stale batch
 asks for it (`loss.off_policy`, `algorithms/importance.py`) or truncated importance sampling, the KL
-term in the loss and a critic's clipped value loss, and measures the exact KL to the reference
+term in the loss, the entropy bonus (`loss.entropy`) and a critic's clipped value loss, and measures the exact KL to the reference
 before it and the sampler-trainer mismatch.
 
 `step` runs `update.epochs` passes over `update.mini_batches` mini-batches, one optimizer step each,
@@ -31,6 +31,7 @@ from posttrain.algorithms import aggregate, clipped_value_loss, exact_kl, kl_est
 from posttrain.algorithms import effective_sample_size, importance_weights, truncated_importance_weights
 from posttrain.algorithms.distill import reverse_kl_per_token, teacher_token_rewards
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
+from posttrain.algorithms.logprobs import entropy as entropy_with_grad
 from posttrain.algorithms.logprobs import token_entropy
 from posttrain.algorithms.surrogates import SURROGATES
 from posttrain.data.scored_batch import ScoredBatch
@@ -260,6 +261,8 @@ def _update(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, 
     present |= {"tis"} if settings.loss.sampler_correction == "tis" else set()
     present |= {"offpolicy"} if settings.objective.weighted else set()
     metrics = _step_metrics(sums, extremes, grad_norms, world, present, [name for name, _ in surrogate.fractions])
+    if settings.loss.entropy.coef > 0:
+        metrics["entropy/bonus"] = settings.loss.entropy.coef * metrics["entropy"]
     if models.has_critic:
         metrics["critic_only"] = settings.critic_only
     return metrics, world.reduce(first_logprobs.masked_fill(~mask, 0.0))
@@ -280,8 +283,9 @@ class _Micro:
 class _MicroLoss:
     """A micro-batch's forward: its loss, the zero term that keeps every parameter in the graph
     (with a critic DDP waits for all of them), its (n, T) log-probs and (n, T, V) logits, the
-    surrogate's per-token statistics, its detached float64 sums over the counted tokens, and the
-    largest importance weight of the decoupled objective (-inf: none)."""
+    surrogate's per-token statistics, its detached float64 sums over the counted tokens, the
+    largest importance weight of the decoupled objective (-inf: none) and, under an entropy bonus,
+    the (n, T) entropies it used (detached; None: the metric computes its own)."""
 
     loss: torch.Tensor
     anchor: Any
@@ -290,22 +294,25 @@ class _MicroLoss:
     stats: dict[str, torch.Tensor]
     sums: dict[str, torch.Tensor]
     weight_max: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], micro: _Micro, settings: UpdateSettings) -> _MicroLoss:
     """One micro-batch's forward and loss: the surrogate against the proximal policy (the old
     log-probs; the behaviour policy's under objective behaviour), with the decoupled objective's or
-    TIS's weights and the KL in the loss when configured, aggregated with the mini-batch's
-    normalisers, plus the critic's value loss."""
+    TIS's weights, the KL in the loss and the entropy bonus when configured, aggregated with the
+    mini-batch's normalisers, plus the critic's value loss."""
     loss_cfg, critic_cfg, rows, mask = settings.loss, settings.critic, micro.rows, micro.mask
     P, T = batch.rollout.prompt_ids.shape[1], batch.rollout.completion_ids.shape[1]
     logits, values = trainer(inputs, rows, P, T, detach_hidden=settings.critic_only)
     logprobs = token_logprobs(logits, batch.rollout.completion_ids[rows], settings.temperature)
     old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()  # the proximal policy's
     behaviour = batch.rollout.sampler_logprobs[rows]
-    objective = settings.objective
-    per_token, stats = SURROGATES[loss_cfg.surrogate].function(logprobs, behaviour if objective.ratio_to_behaviour else old,
-                                                               batch.advantages[rows], mask, **loss_cfg.surrogate_settings())
+    objective, surrogate = settings.objective, SURROGATES[loss_cfg.surrogate]
+    # A surrogate that draws at random gets a seed of the step's and the micro-batch's: a rerun draws alike.
+    seed = {"seed": (batch.seed * 1_000_003 + int(rows[0])) % 2**63} if surrogate.seeded and len(rows) else {}
+    per_token, stats = surrogate.function(logprobs, behaviour if objective.ratio_to_behaviour else old,
+                                          batch.advantages[rows], mask, **loss_cfg.surrogate_settings(), **seed)
     sums: dict[str, torch.Tensor] = {}
     weight_max = None
     if objective.weighted:  # the batch was drawn by an older policy: weight by pi_prox / pi_behav
@@ -320,6 +327,10 @@ def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], mi
         if loss_cfg.kl.placement == "loss":
             per_token = per_token + loss_cfg.kl.beta * kl
         sums["kl"] = (kl.detach() * mask).sum().double()
+    entropy = None
+    if loss_cfg.entropy.coef > 0:  # the bonus: - coef x H_t on the policy's own tokens, with its gradient
+        entropy = entropy_with_grad(logits, settings.temperature)
+        per_token = per_token - loss_cfg.entropy.coef * entropy
     normalisers = (micro.global_tokens, micro.global_sequences)
     loss = aggregate(per_token, mask, loss_cfg.aggregation, *normalisers, max_length=settings.max_length)
     if values is not None:
@@ -329,7 +340,7 @@ def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], mi
         sums["value_loss"] = value_loss.detach().double()
         sums["clip/value"] = (value_clipped.float() * mask).sum().double()
     anchor = 0.0 * logits.sum() if values is not None else 0.0
-    return _MicroLoss(loss, anchor, logprobs, logits, stats, sums, weight_max)
+    return _MicroLoss(loss, anchor, logprobs, logits, stats, sums, weight_max, None if entropy is None else entropy.detach())
 
 
 def _staleness_weighted(per_token: torch.Tensor, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
@@ -355,7 +366,8 @@ def _add_token_stats(sums: dict, extremes: torch.Tensor, result: _MicroLoss, mic
     stats, mask = result.stats, micro.mask
     for name, key in (*SURROGATES[settings.loss.surrogate].fractions, ("ratio", "ratio")):
         sums[name] += (stats[key].float() * mask).sum().double()
-    sums["entropy"] += (token_entropy(result.logits, settings.temperature) * mask).sum().double()
+    entropy = result.entropy if result.entropy is not None else token_entropy(result.logits, settings.temperature)
+    sums["entropy"] += (entropy * mask).sum().double()
     ratios = stats["ratio"].double()
     low = ratios.masked_fill(~mask, float("inf")).min()
     high = ratios.masked_fill(~mask, float("-inf")).max()

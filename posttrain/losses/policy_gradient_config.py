@@ -1,8 +1,8 @@
 """The settings of the policy-gradient loss link, one section per axis: `loss.advantage` names the
 estimator (`algorithms/estimators.py`), whose own settings are `loss.<its section>` (group, gae,
 reinforce); `loss.surrogate` names the surrogate (`algorithms/surrogates.py`), whose own settings
-are `loss.<its section>` (clip, gspo, cispo); `loss.aggregation` how per-token losses become one; `loss.kl` the KL
-to the reference and where it goes; `loss.off_policy` what the step does with a batch an older policy sampled
+are `loss.<its section>` (clip, gspo, cispo, clip_cov, kl_cov); `loss.aggregation` how per-token losses become one; `loss.kl` the KL
+to the reference and where it goes; `loss.entropy` the entropy bonus; `loss.off_policy` what the step does with a batch an older policy sampled
 (`off_policy_objective` resolves its `auto`). `Critic` and `Update` are the value model's and the update's
 sections. Each checks what it can alone in `validate`; what spans sections is the recipe config's.
 `precomputes_old` says whether these sections need the old log-probs fixed before the update, and
@@ -100,6 +100,43 @@ class Cispo:
     """Absolute lower bound of the weight (0: none)."""
     high: float = 5.0
     """Absolute upper bound of the weight (TRL's recommended epsilon_high; MiniMax-M1 tunes it)."""
+
+
+@dataclass
+class ClipCov:
+    """`loss.surrogate: clip_cov` (Clip-Cov, arXiv:2505.22617): the PPO clip, and a random share of the
+    high-covariance tokens left out of the gradient. Defaults: verl's."""
+
+    low: float = 0.2
+    """Ratio clipped below at 1 - low (as loss.clip.low)."""
+    high: float = 0.2
+    """Ratio clipped above at 1 + high (as loss.clip.high)."""
+    fraction: float = 2e-4
+    """The share of a micro-batch's counted tokens whose gradient is removed (verl clip_cov_ratio; at least one token)."""
+    lower: float = 1.0
+    """The covariance band's lower end (verl clip_cov_lb)."""
+    upper: float = 5.0
+    """The covariance band's upper end (verl clip_cov_ub)."""
+
+
+@dataclass
+class KlCov:
+    """`loss.surrogate: kl_cov` (KL-Cov, arXiv:2505.22617): the unclipped ratio, and coef x |log r| on the
+    top share of tokens by covariance. Defaults: verl's."""
+
+    fraction: float = 2e-4
+    """The share of a micro-batch's counted tokens penalised, the highest covariance first (verl kl_cov_ratio; at least one token)."""
+    coef: float = 1.0
+    """The penalty's weight (verl ppo_kl_coef)."""
+
+
+@dataclass
+class Entropy:
+    """`loss.entropy`: a bonus on the policy's entropy at each of its own counted tokens."""
+
+    coef: float = 0.0
+    """Each token's loss gets - coef x H_t, H_t the entropy of softmax(logits / temperature) there, aggregated like the
+    surrogate (0: off, and nothing is computed; > 0 holds entropy up; negative is refused: lower the temperature instead)."""
 
 
 @dataclass
@@ -238,13 +275,19 @@ class Loss:
     distill: DistillAdvantage = field(default_factory=DistillAdvantage)
     """loss.advantage distill's settings."""
     surrogate: str = "clip"
-    """The surrogate (`algorithms/surrogates.py`): clip: the PPO clipped ratio per token; gspo: the clipped sequence ratio (needs aggregation seq_mean_token_mean); cispo: the clipped, stopped importance weight times log pi."""
+    """The surrogate (`algorithms/surrogates.py`): clip: the PPO clipped ratio per token; gspo: the clipped sequence ratio (needs aggregation seq_mean_token_mean); cispo: the clipped, stopped importance weight times log pi; clip_cov / kl_cov: the clip with high-covariance tokens detached, or the unclipped ratio with them penalised (arXiv:2505.22617)."""
     clip: Clip = field(default_factory=Clip)
     """loss.surrogate clip's settings."""
     gspo: Gspo = field(default_factory=Gspo)
     """loss.surrogate gspo's settings."""
     cispo: Cispo = field(default_factory=Cispo)
     """loss.surrogate cispo's settings."""
+    clip_cov: ClipCov = field(default_factory=ClipCov)
+    """loss.surrogate clip_cov's settings."""
+    kl_cov: KlCov = field(default_factory=KlCov)
+    """loss.surrogate kl_cov's settings."""
+    entropy: Entropy = field(default_factory=Entropy)
+    """The entropy bonus (coef 0: none)."""
     aggregation: str = "token_mean"
     """token_mean | seq_mean_token_mean (GRPO paper) | seq_mean_token_sum | seq_mean_token_sum_norm (Dr. GRPO)."""
     kl: KL = field(default_factory=KL)
@@ -281,6 +324,13 @@ class Loss:
             raise UserError(f"loss.gspo.low must be in [0, 1) and loss.gspo.high >= 0, got {self.gspo.low}, {self.gspo.high}")
         if not 0 <= self.cispo.low < self.cispo.high:
             raise UserError(f"loss.cispo needs 0 <= low < high (absolute bounds on the ratio), got {self.cispo.low}, {self.cispo.high}")
+        if not 0 <= self.clip_cov.low < 1 or self.clip_cov.high < 0 or not 0 < self.clip_cov.fraction <= 1 \
+                or self.clip_cov.lower >= self.clip_cov.upper:
+            raise UserError(f"loss.clip_cov needs 0 <= low < 1, high >= 0, 0 < fraction <= 1 and lower < upper, got {self.clip_cov}")
+        if not 0 < self.kl_cov.fraction <= 1 or self.kl_cov.coef < 0:
+            raise UserError(f"loss.kl_cov needs 0 < fraction <= 1 and coef >= 0, got fraction {self.kl_cov.fraction}, coef {self.kl_cov.coef}")
+        if not self.entropy.coef >= 0:
+            raise UserError(f"loss.entropy.coef must be >= 0 (a bonus; a negative one would drive the entropy down), got {self.entropy.coef}")
         if clip.low < 0 or clip.low >= 1 or clip.high < 0:
             raise UserError(f"loss.clip.low must be in [0, 1) and loss.clip.high >= 0, got {clip.low}, {clip.high}")
         if clip.dual is not None and clip.dual <= 1:
@@ -314,6 +364,11 @@ class Loss:
         owned = {entry.section for table in (ADVANTAGE_ESTIMATORS, SURROGATES) for entry in table.values()}
         mine = {ADVANTAGE_ESTIMATORS[self.advantage].section, SURROGATES[self.surrogate].section}
         return {key: value for key, value in dataclasses.asdict(self).items() if key in mine or key not in owned}
+
+    def entropy_meaning(self) -> str:
+        """What `loss.entropy` does, in words (for the run card, when coef > 0)."""
+        return (f"- {self.entropy.coef:g} x H_t added to each token's loss, H_t the entropy of the policy's softmax(logits / temperature) "
+                "at that token, with its gradient, aggregated like the policy loss")
 
     def kl_meaning(self) -> str:
         """What `kl.placement` does for this advantage estimator, in words (for the run card)."""
@@ -426,6 +481,7 @@ def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConf
         "surrogate_meaning": SURROGATES[loss.surrogate].describe(loss.surrogate_settings()),
         "surrogate_as_peers_spell_it": SURROGATES[loss.surrogate].peers,
         "kl_placement_meaning": loss.kl_meaning(),
+        **({"entropy_bonus_meaning": loss.entropy_meaning()} if loss.entropy.coef > 0 else {}),
         "reference": "none (kl.beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
         "old_logprobs": "recomputed by a no-grad forward before the update" if precomputes_old(loss, update, dense) else "the on-policy forward, detached (ratio exactly 1)",
         "logprob_distribution": f"softmax(logits / {sampling.temperature}) over the full vocabulary"

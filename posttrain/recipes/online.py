@@ -56,6 +56,7 @@ from posttrain.evaluation.acceptance import (
 )
 from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.evaluation.signal import SignalLost, StepSignal, TrainingSignal
+from posttrain.evaluation.stats import least_squares_slope
 from posttrain.models import make_critic, make_reference
 from posttrain.models.forward import TrainingForward, policy_and_critic, policy_logits
 from posttrain.models.loading import load_policy
@@ -115,6 +116,8 @@ class State:
     pending: PendingBatches | AsyncBatches = field(default_factory=PendingBatches)
     """The batches sampled ahead of the steps that train them (`data.max_staleness` k >= 1; `data/staleness.py`), by a
     generation thread with `data.async_generation` (`data/async_generation.py`)."""
+    entropy_history: list[float] = field(default_factory=list)
+    """The last ENTROPY_WINDOW steps' `entropy`, for `entropy/slope` (not checkpointed: a resumed run starts it again)."""
 
 
 def setup(config: Config, reward: Any = None, world: World | None = None, placement: Placement | None = None) -> State:
@@ -255,6 +258,8 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
         update_batch, metrics = prepare(models, batch, settings, state.world)
     with timer("update"):
         metrics.update(loss_step(models, update_batch, settings, state.world))
+    state.entropy_history = (state.entropy_history + [metrics["entropy"]])[-ENTROPY_WINDOW:]
+    metrics["entropy/slope"] = least_squares_slope(state.entropy_history)  # per step; None until two steps
     state.step += 1
     state.pending.published(state.step, state.policy)  # mode (b): the generation thread may sample with these weights
     refresh_every = config.loss.kl.reference_refresh_every
@@ -265,6 +270,10 @@ def step(state: State, batch: ScoredBatch, timer: Timer | None = None) -> dict[s
     if state.critic is not None:
         metrics["critic_lr"] = state.scheduler.get_last_lr()[1]
     return metrics
+
+
+ENTROPY_WINDOW = 10
+"""The steps `entropy/slope` is fitted over."""
 
 
 def loss_inputs(state: State) -> tuple[PolicyModels, UpdateSettings]:
