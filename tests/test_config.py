@@ -193,7 +193,7 @@ def test_every_shipped_preset_builds_its_recipes_config(tmp_path):
     from posttrain.config import PRESETS
     from posttrain.recipes import dpo_config, iterative_dpo, online_config, rm, sft
 
-    online = {name: online_config.grpo_config for name in ("grpo", "rloo", "reinforce", "gspo", "cispo")}
+    online = {name: online_config.grpo_config for name in ("grpo", "rloo", "reinforce", "gspo", "cispo", "distill")}
     offline = {name: dpo_config.Config for name in ("dpo", "orpo", "kto", "simpo", "cpo")}
     recipes = {"sft": sft.Config, **online, "ppo": online_config.ppo_config, **offline, "iterative": iterative_dpo.Config, "rm": rm.Config}
     names = sorted(path.stem for path in PRESETS.glob("*.yaml"))

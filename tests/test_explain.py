@@ -64,6 +64,17 @@ def test_kl(capsys):
     assert result["expected"]["k2"] != pytest.approx(result["exact"])
 
 
+def test_distill_three_tokens(capsys):
+    # log p_teacher - log p_student = [0.2, -0.6, 0]: the first token rewarded, the second punished, the third agreed
+    result = run_json(capsys, "distill")
+    assert result["token_rewards"] == pytest.approx([0.2, -0.6, 0.0])
+    assert result["reverse_kl_per_token"] == pytest.approx(0.4 / 3)
+    assert result["advantages"] == pytest.approx([0.2, -0.6, 0.0])  # discount 0: each token's own
+    assert result["sequence_sum"] == pytest.approx(-0.4)
+    to_go = run_json(capsys, "distill", "--discount", "1", "--weight", "0.5")
+    assert to_go["advantages"] == pytest.approx([-0.2, -0.3, 0.0])
+
+
 def test_text_output_is_readable(capsys):
     assert main(["explain", "advantages", "--rewards", "0", "1", "0", "0"]) == 0
     out = capsys.readouterr().out
@@ -85,6 +96,9 @@ def test_text_output_is_readable(capsys):
         (["dpo", "--chosen", "-2", "--rejected", "-4", "--ref-chosen", "-3", "--ref-rejected", "-3", "--beta", "0"], "--beta"),
         (["decoupled", "--logprob", "-1", "--proximal", "-1", "-2", "--behaviour", "-1", "--advantage", "1"], "one value per token"),
         (["decoupled", "--logprob", "-1", "--proximal", "-1", "--behaviour", "-1", "--advantage", "1", "--cap", "0"], "--cap > 0"),
+        (["distill", "--teacher", "-1", "-2", "--student", "-1"], "one log-prob per token"),
+        (["distill", "--teacher", "0.5", "--student", "-1"], "<= 0"),
+        (["distill", "--discount", "2"], "--discount"),
     ],
 )
 def test_bad_arguments_one_line_exit_2(capsys, argv, message):

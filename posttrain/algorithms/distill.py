@@ -30,18 +30,20 @@ def teacher_token_rewards(teacher_logprobs: torch.Tensor, student_logprobs: torc
         weight: the term's weight in the reward (`0.5*teacher:DIR` -> 0.5).
 
     Returns:
-        (N, T) float32 rewards.
+        (N, T) rewards, float32 (float64 for float64 inputs).
 
     Example: teacher log-probs [-0.5, -1.0, -0.2], student [-0.7, -0.4, -0.2] -> rewards
     [0.2, -0.6, 0.0]: the first token is likelier under the teacher (rewarded), the second less
     (punished), the third agrees (0); their sum -0.4 is minus the sequence's k1 reverse KL.
     """
-    rewards = teacher_logprobs.float() - student_logprobs.detach().float()
+    dtype = torch.promote_types(teacher_logprobs.dtype, torch.float32)  # float32, or float64 given float64
+    rewards = teacher_logprobs.to(dtype) - student_logprobs.detach().to(dtype)
     return torch.where(mask, weight * rewards, torch.zeros_like(rewards))
 
 
 def reverse_kl_per_token(teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """0-dim: the mean over the counted tokens of log p_student - log p_teacher (the k1 estimate of
     KL(student || teacher) per token; NaN with no counted token). Shapes (N, T); mask bool."""
-    difference = (student_logprobs.detach().float() - teacher_logprobs.float())[mask]
+    dtype = torch.promote_types(teacher_logprobs.dtype, torch.float32)
+    difference = (student_logprobs.detach().to(dtype) - teacher_logprobs.to(dtype))[mask]
     return difference.mean() if difference.numel() else difference.new_tensor(float("nan"))

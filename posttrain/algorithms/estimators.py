@@ -228,9 +228,10 @@ def distill_estimate(inputs: StepRewards, discount: float, baseline: str) -> Est
     if inputs.kl is not None and inputs.kl_beta:
         dense = dense - inputs.kl_beta * torch.where(mask, inputs.kl.detach(), torch.zeros_like(inputs.kl))
     sequence = grpo_advantages(inputs.rewards, inputs.group_size, scale="none") if baseline == "group" else inputs.rewards
-    advantages = discounted_returns(dense.float(), mask, discount) + torch.nan_to_num(sequence.float(), nan=0.0)[:, None]
+    dtype = torch.promote_types(dense.dtype, torch.float32)
+    advantages = discounted_returns(dense.to(dtype), mask, discount) + torch.nan_to_num(sequence.to(dtype), nan=0.0)[:, None]
     return Estimate(torch.where(mask, advantages, torch.zeros_like(advantages)),
-                    metrics={"distill/token_reward": masked_mean(dense.float(), mask)})
+                    metrics={"distill/token_reward": masked_mean(dense.to(dtype), mask)})
 
 
 _REINFORCE_KL = "per-token penalty: -beta x the {estimator} estimate in each token's reward, summed into every earlier token's return"

@@ -220,6 +220,35 @@ def explain_reinforce(args) -> int:
     return _emit(args, {"returns": returns}, lines)
 
 
+def explain_distill(args) -> int:
+    import torch
+
+    from posttrain.algorithms.distill import reverse_kl_per_token, teacher_token_rewards
+    from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
+
+    if len(args.teacher) != len(args.student):
+        raise UserError(f"--teacher and --student need one log-prob per token each, got {len(args.teacher)} and {len(args.student)}")
+    if any(value > 0 for value in args.teacher + args.student):
+        raise UserError("--teacher and --student are log-probabilities: each must be <= 0")
+    if not 0 <= args.discount <= 1:
+        raise UserError(f"--discount must be in [0, 1], got {args.discount}")
+    teacher, student = _tensor([args.teacher]), _tensor([args.student])
+    mask = torch.ones_like(teacher, dtype=torch.bool)
+    rewards = teacher_token_rewards(teacher, student, mask, args.weight).double()
+    inputs = StepRewards(rewards=_tensor([0.0]), mask=mask, sampled=mask, group_size=1, token_rewards=rewards)
+    advantages = ADVANTAGE_ESTIMATORS["distill"].estimate(inputs, discount=args.discount, baseline="none").advantages[0].tolist()
+    kl = float(reverse_kl_per_token(teacher, student, mask))
+    result = {"token_rewards": rewards[0].tolist(), "sequence_sum": float(rewards.sum()), "reverse_kl_per_token": kl,
+              "advantages": advantages}
+    lines = ["On-policy distillation (teacher:MODEL): each sampled token's reward r_t = weight x (log p_teacher - log p_student)",
+             f"  log p_teacher {args.teacher}", f"  log p_student {args.student}, weight {args.weight:g}",
+             f"  token rewards r_t               = {_round(result['token_rewards'])}",
+             f"  reverse KL estimate per token   = {kl:.4f}   (mean of log p_student - log p_teacher)",
+             f"  loss.advantage distill, discount {args.discount:g}: A_t = {_round(advantages)}",
+             f"  group / rloo / reinforce_pp sum the row's tokens into its reward first: {result['sequence_sum']:.4f}"]
+    return _emit(args, result, lines)
+
+
 def _token_grad(surrogate, logprobs, aggregate_mode: str | None = None):
     """The loss and d loss / d log pi_t of a one-row surrogate (mean over the row's tokens when
     `aggregate_mode` is given, else the sum of the per-token losses)."""
@@ -530,6 +559,13 @@ def add_examples(parser) -> None:
     kto.add_argument("--label", choices=["desirable", "undesirable"], required=True)
     kto.set_defaults(func=_library_errors_are_user_errors(explain_kto))
 
+    distill = commands.add_parser("distill", help="the teacher's per-token reward (on-policy distillation) and its advantages")
+    distill.add_argument("--teacher", type=float, nargs="+", default=[-0.5, -1.0, -0.2], help="the teacher's log-prob of each sampled token")
+    distill.add_argument("--student", type=float, nargs="+", default=[-0.7, -0.4, -0.2], help="the student's log-prob of each sampled token")
+    distill.add_argument("--weight", type=float, default=1.0, help="the teacher's weight in the reward (0.5*teacher:DIR -> 0.5)")
+    distill.add_argument("--discount", type=float, default=0.0, help="loss.distill.discount")
+    distill.set_defaults(func=_library_errors_are_user_errors(explain_distill))
+
     overlong = commands.add_parser("overlong", help="DAPO's soft overlong punishment of completion lengths")
     overlong.add_argument("--max-tokens", type=int, default=20, help="L_max: past it the shaping is -penalty")
     overlong.add_argument("--buffer", type=int, default=4, help="L_cache: the ramp's width, ending at max_tokens")
@@ -538,5 +574,5 @@ def add_examples(parser) -> None:
                           help="completion lengths in policy tokens (default: before, inside and past the ramp)")
     overlong.set_defaults(func=_library_errors_are_user_errors(explain_overlong))
 
-    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, entropy, kl_cov, simpo, orpo, kto, overlong):
+    for sub in (advantages, clip, dpo, kl, rloo, reinforce, gspo, cispo, decoupled, entropy, kl_cov, simpo, orpo, kto, overlong, distill):
         sub.add_argument("--json", action="store_true", help="print one JSON object")

@@ -448,7 +448,8 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
         card["training_signal"], card["alarms"] = signal.card(), list(alarm.rings) + signal.rings
         loop.end_step(done, metrics, save=lambda: save(done),
             after_log=plot if "heldout/pass@1" in metrics and world.main else None,
-            reward="n/a" if metrics["reward/mean"] is None else f"{metrics['reward/mean']:.3f}")
+            reward="n/a" if metrics["reward/mean"] is None else f"{metrics['reward/mean']:.3f}",
+            **({"reverse_kl": f"{metrics['distill/reverse_kl']:.4f}"} if metrics.get("distill/reverse_kl") is not None else {}))
         try:
             signal.stop(done, batch.failures, run_dir.path, write=world.main)
         except SignalLost as lost:
