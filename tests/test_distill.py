@@ -211,3 +211,40 @@ def test_whole_run_logs_the_distillation_and_the_teachers_score(tmp_path, teache
     assert card["links"]["loss"]["old_logprobs"].startswith("recomputed")
     assert card["links"]["loss"]["algorithm"].startswith("On-policy distillation")
     assert card["training_signal"]["steps_without_reward_signal"] == 0  # the sequence rewards are all 0: the teacher's are the signal
+
+
+def test_lora_student_learns_from_the_teacher_with_its_base_untouched(tmp_path, teacher_dir):
+    config = small_config(tmp_path, "--reward", f"teacher:{teacher_dir}", "--loss.advantage", "distill", "--lora_rank", "4")
+    state = grpo.setup(config)
+    named = lambda trainable: {n: p.detach().clone() for n, p in state.policy.named_parameters() if p.requires_grad == trainable}  # noqa: E731
+    adapters, base, teacher = named(True), named(False), weights_hash(state.verifier.model)
+    assert adapters and base
+    for _ in range(2):
+        metrics = grpo.step(state, grpo.sample(state))
+    assert metrics["distill/reverse_kl"] > 0 and metrics["grad_norm"] > 0
+    assert any(not torch.equal(adapters[n], p) for n, p in state.policy.named_parameters() if n in adapters)
+    assert all(torch.equal(base[n], p) for n, p in state.policy.named_parameters() if n in base)
+    assert weights_hash(state.verifier.model) == teacher
+
+
+def test_tool_observations_get_no_teacher_reward(teacher_dir):
+    """A scripted two-turn episode (a call, the tool's observation, an answer; tests/test_episodes.py):
+    the teacher reads the policy's tokens only, and the observation's tokens get no reward."""
+    from posttrain.distributed import World
+    from posttrain.losses.policy_gradient import dense_rewards
+    from posttrain.models.forward import completion_logprobs
+    from tests.test_episodes import run as episode
+
+    model, tokenizer = build_tiny_model()
+    rollout = episode(tokenizer, model)
+    observation = rollout.attention & ~rollout.mask
+    assert observation.any() and rollout.mask.any()
+    teacher = TeacherReward(str(teacher_dir), tokenizer=tokenizer, batch_size=4)
+    [term] = teacher.token_terms(rollout, torch.zeros(1, dtype=torch.long), World())
+    assert torch.all(term.logprobs[observation] == 0) and torch.all(term.logprobs[rollout.mask] < 0)
+    student = completion_logprobs(model, rollout, rollout.forward_inputs(), 1.0, 4)
+    metrics = {}
+    rewards = dense_rewards([term], student, rollout.mask, metrics)
+    assert torch.all(rewards[observation] == 0)
+    assert torch.allclose(rewards[rollout.mask], (term.logprobs - student)[rollout.mask])
+    assert metrics["distill/reverse_kl"] == pytest.approx(float((student - term.logprobs)[rollout.mask].mean()), abs=1e-6)

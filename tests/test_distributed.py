@@ -289,3 +289,26 @@ def test_grpo_with_tool_episodes_two_processes_equal_one(tmp_path):
     samples = lambda d: (d / "samples.jsonl").read_text()  # noqa: E731
     assert samples(tmp_path / "one") == samples(tmp_path / "two") and '"transcript": "[model] ' in samples(tmp_path / "one")
     assert any("turns/mean" in row for row in metrics(tmp_path / "two"))
+
+
+def test_distillation_two_processes_equal_one(tmp_path):
+    """A teacher's per-token reward under torchrun: each rank scores its own rows with the teacher and the
+    pieces are summed, so 2 processes train the steps of 1 (losses, weights, the reverse KL)."""
+    from posttrain.models.tiny import build_tiny_model
+
+    torch.manual_seed(1)
+    model, tokenizer = build_tiny_model()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    model.save_pretrained(tmp_path / "teacher")
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    args = [*with_flags(GRPO, "--reward", f"teacher:{tmp_path / 'teacher'}", "--loss.kl.beta", "0"), "--loss.advantage", "distill",
+            "--max-steps", "2"]
+    run([*args, "--output-dir", str(tmp_path / "one")], 1)
+    run([*args, "--output-dir", str(tmp_path / "two")], 2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", 2)
+    for row_one, row_two in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two")):
+        if "distill/reverse_kl" in row_one:
+            assert row_one["distill/reverse_kl"] > 0
+            assert row_two["distill/reverse_kl"] == pytest.approx(row_one["distill/reverse_kl"], abs=1e-5)
