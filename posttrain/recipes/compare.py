@@ -140,7 +140,7 @@ ROWS = (
     Row("orpo", "ORPO (lambda 0.1, NLL 1.0)", "dpo", ("--loss.type", "orpo"), (("loss", "objective", "odds ratio + NLL 1.0"), NO_REFERENCE)),
     Row("distill", "On-policy distillation", "grpo", ("--reward", f"teacher:{TEACHER}", "--loss.advantage", "distill"),
         (("reward", "reward", "a teacher per token (log p_teacher - log p_student)"),
-         ("loss", "advantage estimator", "each token's own teacher reward (the preset's KL to the start, beta 0.01 in the loss, kept)")),
+         ("loss", "advantage estimator", "each token's own teacher reward, the preset's KL to the start kept")),
         needs_teacher=True),
     Row("sft_teacher", "SFT on the teacher's samples", "sft", (),
         (("data", "source", "the teacher's samples, offline (sampled once from the teacher), not the student's own"),
