@@ -196,7 +196,7 @@ def test_sft_teacher_row_budget_arithmetic():
     command = compare.row_command(ROWS["sft_teacher"], "S", "F.jsonl", Path("D"), config, "/models/teacher", 47)
     assert command[:3] == ["sft", "--config", "tiny-sft"]
     for flag, value in (("--model", "S"), ("--max-steps", "47"), ("--checkpoint-every", "47"), ("--data.task", "F.jsonl"),
-                        ("--data.eval_size", "8"), ("--batch_size", "32"), ("--micro_batch_size", "32")):
+                        ("--data.eval_size", "8"), ("--data.train_size", "1504"), ("--batch_size", "32"), ("--micro_batch_size", "32")):
         assert command[command.index(flag) + 1] == value
     assert compare.links_changed(ROWS["sft_teacher"]).startswith("vs On-policy distillation: data: source (the teacher's samples")
 

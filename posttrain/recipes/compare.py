@@ -328,7 +328,8 @@ def teacher_samples(steps: int) -> int:
 
 def sft_steps(rows: int) -> int:
     """The SFT row's steps: one epoch over the teacher's rows less the `SFT_HELDOUT_ROWS` held out,
-    `SFT_BATCH_SIZE` a step, at least 1 (1536 rows: (1536 - 8) // 32 = 47 steps)."""
+    `SFT_BATCH_SIZE` a step, at least 1 (1536 rows: (1536 - 8) // 32 = 47 steps, on 47 x 32 = 1504
+    rows, its data.train_size: the 24 left over would not fill a step)."""
     return max(1, (rows - SFT_HELDOUT_ROWS) // SFT_BATCH_SIZE)
 
 
@@ -374,8 +375,9 @@ def row_command(row: Row, start: str, pairs_file: str, run_dir: Path, config: Co
         family += ["--data.eval_size", str(config.eval_size), "--data.prompts_per_step", str(PROMPTS_PER_STEP),
                    "--data.group_size", str(GROUP_SIZE)]
     elif row.command == "sft":
-        family = ["--data.task", pairs_file, "--data.eval_size", str(SFT_HELDOUT_ROWS), "--batch_size", str(SFT_BATCH_SIZE),
-                  "--micro_batch_size", str(SFT_BATCH_SIZE)]
+        family = ["--data.task", pairs_file, "--data.eval_size", str(SFT_HELDOUT_ROWS),
+                  "--data.train_size", str((steps or config.steps) * SFT_BATCH_SIZE),  # each trained row once (the preset's is 20000)
+                  "--batch_size", str(SFT_BATCH_SIZE), "--micro_batch_size", str(SFT_BATCH_SIZE)]
     else:
         family = ["--data.pairs", pairs_file, "--data.heldout_pairs", "0", "--batch_size", str(PAIRS_PER_STEP),
                   "--micro_batch_size", str(PAIRS_PER_STEP)]
