@@ -131,10 +131,10 @@ def markdown(table: dict[str, Any]) -> str:
     lines += ["", "Gain over the start on every held-out set (paired 95% intervals):", "",
               "| row | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
               "| start (pass@1) | " + " | ".join(cell(start["sets"][name]) for name in names) + " |"]
-    lines += [f"| {row['label']} | " + " | ".join(gain_text(row["sets"][name]["gain"]) for name in names) + " |"
-              for row in table["rows"] if row["status"] == "ok"]
     if table.get("teacher"):
         lines.append("| teacher (pass@1) | " + " | ".join(cell(table["teacher"]["sets"][name]) for name in names) + " |")
+    lines += [f"| {row['label']} | " + " | ".join(gain_text(row["sets"][name]["gain"]) for name in names) + " |"
+              for row in table["rows"] if row["status"] == "ok"]
     lines += ["", ("Every row's command is in comparison.json (START, PAIRS, UNPAIRED, TEACHER_SFT, TEACHER and DIR: the start, "
                    "the pairs file, the unpaired rows, the teacher's SFT rows, the teacher, this directory); "
                    "its run directory and log (logs/) are here."), "", f"What this cannot conclude: {table['footer']}",
