@@ -15,7 +15,7 @@ import pytest
 from posttrain.config import build_config, parse_overrides
 from posttrain.evaluation.comparison_report import closing_lines
 from posttrain.evaluation.stats import paired_difference_ci
-from posttrain.recipes import compare, dpo_config, online_config
+from posttrain.recipes import compare, dpo_config, online_config, sft
 from posttrain.recipes.demo import preset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def test_every_gain_is_paired_over_the_start_problems(comparison):
             assert result["n"] == table["start"]["sets"][name]["n"]
 
 
-KEY_PARTS = {"loss.advantage": "advantage estimator", "loss.group": "advantage estimator", "loss.gae": "advantage estimator",
+KEY_PARTS = {"reward": "reward", "loss.advantage": "advantage estimator", "loss.group": "advantage estimator", "loss.gae": "advantage estimator",
              "loss.reinforce": "advantage estimator", "critic": "advantage estimator", "loss.surrogate": "surrogate",
              "loss.aggregation": "aggregation", "loss.kl": "KL placement", "update": "update", "optim": "optimizer",
              "loss.type": "objective", "loss.nll_weight": "objective", "loss.beta": "objective"}
@@ -97,7 +97,7 @@ def _config(row):
     return _flat(dataclasses.asdict(config))
 
 
-@pytest.mark.parametrize("name", [row.name for row in compare.ROWS if row.name != "kto"])
+@pytest.mark.parametrize("name", [row.name for row in compare.ROWS if row.name not in ("kto", "sft_teacher")])
 def test_links_column_names_the_parts_whose_keys_differ_from_the_base(name):
     """Every config key that differs from the family's base row belongs to a part the column names,
     and every named part of the loss has such a key (but the reference, which a loss type drops)."""
@@ -107,7 +107,7 @@ def test_links_column_names_the_parts_whose_keys_differ_from_the_base(name):
     parts = {next(part for prefix, part in KEY_PARTS.items() if key == prefix or key.startswith(prefix + ".")) for key in differing}
     named = {part for link, part, _ in row.changed}
     assert parts <= named and named - parts <= {"reference"}, (differing, named)
-    assert all(link == "loss" for link, _, _ in row.changed)
+    assert all(link == ("reward" if part == "reward" else "loss") for link, part, _ in row.changed)
 
 
 def test_links_rloo_against_grpo():
@@ -161,3 +161,96 @@ def test_every_input_is_checked_before_any_work(tmp_path, capsys, flags, message
     (out / "comparison.json").write_text("{}")
     assert main(["compare", "--output-dir", str(out), "--sft-steps", "1", "--eval-size", "2", "--rows", "dpo", *arguments]) == 2
     assert sorted(path.name for path in out.iterdir()) == ["comparison.json", "earlier"]
+
+
+# --- the teacher's rows (issue 43): on-policy distillation and SFT on the teacher's samples ---------------
+
+def test_distill_row_is_the_grpo_row_with_the_teacher_as_reward():
+    """The distillation row's command is GRPO's (preset, start, budget) with `--reward teacher:<dir>`
+    in place of `--reward exact` and `--loss.advantage distill`: the teacher is substituted at run
+    time, TEACHER in comparison.json."""
+    config = compare.Config(teacher="t")
+    grpo = compare.row_command(ROWS["grpo"], "S", "P", Path("D"), config)
+    distill = compare.row_command(ROWS["distill"], "S", "P", Path("D"), config, teacher="/models/teacher")
+    assert grpo.index("--reward") == grpo.index("exact") - 1
+    without_reward = grpo[:grpo.index("--reward")] + grpo[grpo.index("--reward") + 2:]
+    assert distill == [*without_reward, "--reward", "teacher:/models/teacher", "--loss.advantage", "distill"]
+    assert "teacher:TEACHER" in compare.describe(ROWS["distill"], config)["command"]
+    assert compare.links_changed(ROWS["distill"]).startswith("reward: reward (a teacher per token (log p_teacher - log p_student)); "
+                                                             "loss: advantage estimator (each token's own teacher reward")
+
+
+def test_sft_teacher_row_budget_arithmetic():
+    """12 steps x 16 prompts x G = 8 = 1536 teacher samples, the distillation row's; SFT holds 8 out
+    and takes 32 a step: (1536 - 8) // 32 = 47 steps; a file of 10 rows still trains 1 step."""
+    config = compare.Config(steps=12, teacher="t")
+    assert compare.teacher_samples(12) == 12 * 16 * 8 == 1536
+    assert compare.sft_steps(1536) == 47 and compare.sft_steps(10) == 1
+    assert compare.row_steps(ROWS["sft_teacher"], config, None) == 47 and compare.row_steps(ROWS["sft_teacher"], config, 300) == 9
+    assert compare.row_steps(ROWS["distill"], config, 300) == 12
+    sampling = compare.sampling_arguments("teacher_sft", "/models/teacher", Path("teacher_sft.jsonl"), config,
+                                          build_config(sft.Config, preset("tiny-sft"), {}))
+    assert sampling[:3] == ["pairs", "--model", "/models/teacher"]
+    assert sampling[-5:] == ["--sft", "--keep", "all", "--max-rows", "1536"]
+    assert sampling[sampling.index("--data.max_prompts") + 1] == "192" and sampling[sampling.index("--group_size") + 1] == "8"
+    command = compare.row_command(ROWS["sft_teacher"], "S", "F.jsonl", Path("D"), config, "/models/teacher", 47)
+    assert command[:3] == ["sft", "--config", "tiny-sft"]
+    for flag, value in (("--model", "S"), ("--max-steps", "47"), ("--checkpoint-every", "47"), ("--data.task", "F.jsonl"),
+                        ("--data.eval_size", "8"), ("--data.train_size", "1504"), ("--batch_size", "32"), ("--micro_batch_size", "32")):
+        assert command[command.index(flag) + 1] == value
+    assert compare.links_changed(ROWS["sft_teacher"]).startswith("vs On-policy distillation: data: source (the teacher's samples")
+
+
+def test_teacher_rows_need_a_teacher(tmp_path, capsys):
+    """Selected by --rows without --teacher: one line before any work; by default: left out (logged)."""
+    from posttrain.cli import main
+
+    assert [row.name for row in compare.Config().selected() if row.needs_teacher] == []
+    assert [row.name for row in compare.Config(teacher="t").selected() if row.needs_teacher] == ["distill", "sft_teacher"]
+    out = tmp_path / "out"
+    assert main(["compare", "--output-dir", str(out), "--rows", "grpo,sft_teacher"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["posttrain: error: --rows sft_teacher: needs --teacher DIR (a model directory, or a run directory with final/)"], err
+    assert main(["compare", "--output-dir", str(out), "--rows", "distill", "--teacher", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--teacher {tmp_path / 'nope'}: no such directory" in err[0], err
+    assert not out.exists()
+
+
+def _tiny_model_directory(directory: Path, seed: int, noise: float) -> Path:
+    """The tiny architecture with random weights (`noise` more than build_tiny_model's), saved as a model directory."""
+    import torch
+
+    from posttrain.models.tiny import build_tiny_model
+
+    torch.manual_seed(seed)
+    model, tokenizer = build_tiny_model()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(noise * torch.randn_like(parameter))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_teacher_rows_end_to_end(tmp_path):
+    """--rows distill,sft_teacher, one step, from a random tiny start with a random tiny teacher (a run
+    directory's final/): the teacher sampled once (16 x 8 = 128 rows asked), both rows finish and are
+    scored on the start's problems, and the table names the teacher and its pass@1."""
+    start = _tiny_model_directory(tmp_path / "start", 0, 0.0)
+    teacher = _tiny_model_directory(tmp_path / "teacher-run" / "final", 1, 0.5)
+    config = compare.Config(output_dir=str(tmp_path / "out"), rows=("distill", "sft_teacher"), steps=1, eval_size=8,
+                            start=str(start), teacher=str(tmp_path / "teacher-run"))
+    out = compare.run(config)
+    table = json.loads((out / "comparison.json").read_text())
+    assert [(row["name"], row["status"]) for row in table["rows"]] == [("distill", "ok"), ("sft_teacher", "ok")], table["rows"]
+    assert table["teacher"]["model"] == str(teacher.resolve()) and set(table["teacher"]["sets"]) == set(table["start"]["sets"])
+    sampled = table["teacher_sft"]
+    assert 0 < sampled["rows"] <= 128 and sampled["keep"] == "all"
+    sft_row = table["rows"][1]
+    assert sft_row["base"] == "distill" and sft_row["steps"] == compare.sft_steps(sampled["rows"])
+    assert (out / "sft_teacher" / "checkpoints" / f"step-{sft_row['steps']:06d}" / "model").is_dir()
+    log = (out / "logs" / "distill.log").read_text().splitlines()[0]
+    assert f"--reward teacher:{teacher.resolve()}" in log
+    text = (out / "comparison.md").read_text()
+    assert f"Teacher `{teacher.resolve()}`: held-out pass@1" in text and "| teacher (pass@1) |" in text

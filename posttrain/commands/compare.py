@@ -3,6 +3,7 @@ scored on the same held-out problems (posttrain/recipes/compare.py; docs/algorit
 
     posttrain compare                                   # the whole table, runs/compare
     posttrain compare --rows grpo,rloo,dpo --steps 4 --start runs/compare-old/sft
+    posttrain compare --rows grpo,distill,sft_teacher --teacher runs/tiny-grpo-teacher --start runs/compare-old/sft
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def _rows_epilog(parser: argparse.ArgumentParser) -> None:
     )
 
     width = max(len(row.name) for row in ROWS)
-    parser.epilog = "rows (--rows NAME,NAME,...; default: all):\n" + "\n".join(
+    parser.epilog = "rows (--rows NAME,NAME,...; default: all, those needing --teacher only with one):\n" + "\n".join(
         f"  {row.name:<{width}}  {row.label}: {links_changed(row)}" for row in ROWS)
 
 
@@ -37,6 +38,8 @@ def register(subparsers) -> None:
     parser.add_argument("--output-dir", default="runs/compare", help="where it all goes (default runs/compare; an earlier comparison there is replaced)")
     parser.add_argument("--start", metavar="DIR", help="reuse this SFT checkpoint (a model directory or an SFT run directory) instead of training one")
     parser.add_argument("--pairs", metavar="FILE", help="reuse this pairs file instead of sampling one from the start (the offline rows' same inputs again)")
+    parser.add_argument("--teacher", metavar="DIR", help="the teacher of the distill and sft_teacher rows: a model directory, or a run "
+                                                         "directory (its final/, else its newest checkpoint); without it those rows are left out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every process (default 1)")
     parser.set_defaults(func=handle)
 
@@ -47,7 +50,8 @@ def handle(args: argparse.Namespace) -> int:
 
     rows = None if args.rows is None else tuple(name.strip() for name in args.rows.split(",") if name.strip())
     config = compare.Config(output_dir=args.output_dir, rows=rows, steps=args.steps, sft_steps=args.sft_steps,
-                            eval_size=args.eval_size, seed=args.seed, start=args.start, pairs=args.pairs, threads=args.threads)
+                            eval_size=args.eval_size, seed=args.seed, start=args.start, pairs=args.pairs, threads=args.threads,
+                            teacher=args.teacher)
     config.validate()  # a bad row name is one line before any work
     out = compare.run(config)
     print("\n".join(closing_lines(out)))

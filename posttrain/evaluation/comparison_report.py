@@ -43,13 +43,17 @@ class Measured:
     """Held-out set -> the start's `evaluate_task` result."""
     start_seconds: float
     provenance: dict[str, dict]
-    """The offline files' sidecars by `Row.data` (pairs, unpaired)."""
+    """The offline files' sidecars by `Row.data` (pairs, unpaired, teacher_sft)."""
     pairs_given: str | None
     """The --pairs file, when given (else pairs.jsonl, sampled from the start)."""
     checked: tuple[bool, str]
     """The held-out checker's independence of the reward (`acceptance.independence`)."""
     seconds: float = 0.0
     """The whole comparison's wall time."""
+    teacher: str | None = None
+    """The teacher's model directory (--teacher), when given."""
+    teacher_sets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Held-out set -> the teacher's `evaluate_task` result (the same problems as the start's)."""
 
 
 def paired_gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +64,8 @@ def paired_gain(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
 
 def comparison(settings: dict[str, Any], footer: str, measured: Measured, outcomes: list[Outcome]) -> dict[str, Any]:
     """comparison.json: the `settings` (steps, eval_size, seed, budgets, reward, checker, threads),
-    the start on every set, the offline files (their sidecars by `Row.data`), each row (command,
+    the start on every set, the teacher on every set (None without one), the offline files (their
+    sidecars by `Row.data`, the teacher's SFT rows too), each row (command,
     links, wall, peak RSS, every set's pass@1 and paired gain, or its error), the checker's
     independence, the `footer` (what the table cannot conclude)."""
     def point(result: dict[str, Any]) -> dict[str, Any]:
@@ -81,6 +86,9 @@ def comparison(settings: dict[str, Any], footer: str, measured: Measured, outcom
         "unpaired": provenance.get("unpaired") and {"file": "unpaired.jsonl", **{key: provenance["unpaired"].get(key) for key in (
             "rows", "desirable", "undesirable", "rows_from_mixed_groups", "rows_from_all_correct_groups", "rows_from_all_incorrect_groups",
             "prompts", "verifier", "model", "group_size")}},
+        "teacher": measured.teacher and {"model": measured.teacher, "sets": {name: point(result) for name, result in measured.teacher_sets.items()}},
+        "teacher_sft": provenance.get("teacher_sft") and {"file": "teacher_sft.jsonl", **{key: provenance["teacher_sft"].get(key) for key in (
+            "rows", "completion_tokens", "samples", "prompts", "keep", "model", "group_size")}},
         "rows": rows,
         "checker": {"name": settings["checker"], "independent": independent, "independence_reason": why},
         "footer": footer,
@@ -108,8 +116,9 @@ def markdown(table: dict[str, Any]) -> str:
              f"`{settings['reward']}`; offline rows: {settings['pairs_per_step']} pairs per step from one pairs file"
              + _pairs_text(table["pairs"]) + _unpaired_text(table.get("unpaired")) + ". Held-out checker `integer` "
              f"({'independent of' if table['checker']['independent'] else 'NOT independent of'} the reward: "
-             f"{table['checker']['independence_reason']}); gains paired over the same problems, 95% intervals.", "",
-             "| row | links changed (vs GRPO / DPO) | held-out pass@1 | gain over the start (paired) | wall | peak RSS | flags |",
+             f"{table['checker']['independence_reason']}); gains paired over the same problems, 95% intervals."
+             + _teacher_text(table), "",
+             "| row | links changed (vs GRPO / DPO, or the row named) | held-out pass@1 | gain over the start (paired) | wall | peak RSS | flags |",
              "|---|---|---|---|---|---|---|"]
     for row in table["rows"]:
         flags = "`" + " ".join(row["flags"]) + "`" if row["flags"] else "(none)"
@@ -122,10 +131,12 @@ def markdown(table: dict[str, Any]) -> str:
     lines += ["", "Gain over the start on every held-out set (paired 95% intervals):", "",
               "| row | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
               "| start (pass@1) | " + " | ".join(cell(start["sets"][name]) for name in names) + " |"]
+    if table.get("teacher"):
+        lines.append("| teacher (pass@1) | " + " | ".join(cell(table["teacher"]["sets"][name]) for name in names) + " |")
     lines += [f"| {row['label']} | " + " | ".join(gain_text(row["sets"][name]["gain"]) for name in names) + " |"
               for row in table["rows"] if row["status"] == "ok"]
-    lines += ["", ("Every row's command is in comparison.json (START, PAIRS, UNPAIRED and DIR: the start, the pairs file, the "
-                   "unpaired rows, this directory); "
+    lines += ["", ("Every row's command is in comparison.json (START, PAIRS, UNPAIRED, TEACHER_SFT, TEACHER and DIR: the start, "
+                   "the pairs file, the unpaired rows, the teacher's SFT rows, the teacher, this directory); "
                    "its run directory and log (logs/) are here."), "", f"What this cannot conclude: {table['footer']}",
               "", f"Wall time of the whole comparison: {table['seconds']:.0f} s (the start: {start['seconds']:.0f} s)."]
     return "\n".join(lines)
@@ -137,6 +148,24 @@ def _pairs_text(pairs: dict[str, Any] | None) -> str:
     if pairs["given"]:
         return f" (`{pairs['file']}`, given by --pairs: not sampled from this start by this comparison)"
     return f" ({pairs['pairs']} pairs from {pairs['prompts']} prompts, sampled from the start, labelled by `{pairs['verifier']}`)"
+
+
+def _teacher_text(table: dict[str, Any]) -> str:
+    """The teacher's sentence: its held-out pass@1 (what distillation moves the start towards), its SFT
+    rows, and which link each teacher row changed (the point of the three rows)."""
+    teacher, rows, settings = table.get("teacher"), table.get("teacher_sft"), table["settings"]
+    if not teacher:
+        return ""
+    text = (f" Teacher `{teacher['model']}`: held-out pass@1 {cell(teacher['sets'][IN_DISTRIBUTION])}, the same problems and "
+            "checker. On-policy distillation vs GRPO: the reward link changed (the teacher per token instead of the program, "
+            "the same samples drawn). SFT on the teacher's samples vs on-policy distillation: the data link changed (the "
+            "teacher's own samples, offline, instead of the student's scored by the teacher), and so the loss (NLL)")
+    if rows:
+        steps = next((row["steps"] for row in table["rows"] if row["data"] == "teacher_sft"), "?")
+        text += (f"; its file holds {rows['rows']} rows ({rows['completion_tokens']} completion tokens) of "
+                 f"{settings['teacher_samples']} samples asked for, as many as distillation scores, {settings['sft_heldout_rows']} "
+                 f"held out, {settings['sft_batch_size']} a step: {steps} steps")
+    return text + "."
 
 
 def _unpaired_text(unpaired: dict[str, Any] | None) -> str:
