@@ -210,7 +210,9 @@ def test_whole_run_logs_the_distillation_and_the_teachers_score(tmp_path, teache
     assert set(reward["teacher_heldout"][f"teacher:{teacher_dir}"]) == {"pass@1", "pass@1_ci95", "n"}
     assert card["links"]["loss"]["old_logprobs"].startswith("recomputed")
     assert card["links"]["loss"]["algorithm"].startswith("On-policy distillation")
-    assert card["training_signal"]["steps_without_reward_signal"] == 0  # the sequence rewards are all 0: the teacher's are the signal
+    # The sequence rewards are all 0 (every group "without variance"): the teacher's token rewards are the signal.
+    assert card["training_signal"]["steps_without_reward_signal"] == 0
+    assert card["training_signal"]["zero_variance_group_fraction"] is None
 
 
 def test_lora_student_learns_from_the_teacher_with_its_base_untouched(tmp_path, teacher_dir):

@@ -478,11 +478,13 @@ def step_signal(batch: ScoredBatch, metrics: dict[str, Any], config: Config) -> 
     estimator = ADVANTAGE_ESTIMATORS[config.loss.advantage]
     counted = loss_rows(batch, config.loss.mask_truncated) & batch.rollout.mask.any(dim=1)
     silent = estimator.silent_fraction(batch.scores.rewards, counted, config.data.group_size)
-    if batch.scores.dense and metrics.get("distill/reverse_kl"):  # a teacher that disagrees with the student rewards every token
-        silent = 0.0
+    zero_variance = batch.stats.get("groups/zero_variance_fraction")
+    if batch.scores.dense and metrics.get("distill/reverse_kl"):
+        # A teacher that disagrees with the student rewards every token: the sequence rewards' variance is not the signal.
+        silent, zero_variance = 0.0, None
     return StepSignal(rows=batch.rows_sampled, infra_errors=batch.stats["errors/infra"], data_errors=batch.stats["errors/data"],
                       reasons=[f"{row['status']}: {row['reason']}" for row in batch.failures],
-                      zero_variance_fraction=batch.stats.get("groups/zero_variance_fraction"), grad_norm=metrics.get("grad_norm"),
+                      zero_variance_fraction=zero_variance, grad_norm=metrics.get("grad_norm"),
                       silent_fraction=float(silent), scope=estimator.signal_scope)
 
 
