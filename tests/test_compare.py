@@ -206,7 +206,7 @@ def test_teacher_rows_need_a_teacher(tmp_path, capsys):
     from posttrain.cli import main
 
     assert [row.name for row in compare.Config().selected() if row.needs_teacher] == []
-    assert [row.name for row in compare.Config(teacher="t").selected() if row.needs_teacher] == ["distill", "sft_teacher"]
+    assert [row.name for row in compare.Config(teacher="t").selected() if row.needs_teacher] == ["distill_group", "distill", "sft_teacher"]
     out = tmp_path / "out"
     assert main(["compare", "--output-dir", str(out), "--rows", "grpo,sft_teacher"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

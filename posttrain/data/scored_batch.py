@@ -269,8 +269,8 @@ def online_data_card(data: Any, train: Task, held_out: Task, sampling: SamplingC
     the `sampling` settings, the answer convention a data file's rows carry (`data.prompts.convention_record`:
     how answers are read, the instruction the prompts end with), the rows `data.strict: false` dropped
     from a data file (`rows_bad`, `rows_bad_reasons`: counted by kind), and `screening` (what the code
-    problems' screening removed; None: left out). G is `group_size` when `grouped` (the advantages compare a prompt's completions),
-    else `samples_per_prompt`. With `data.max_staleness` k >= 1 the source says the samples may be
+    problems' screening removed; None: left out). G is `group_size` when `grouped` (several samples of each prompt, or advantages
+    that compare a prompt's completions: the same data link whatever the estimator makes of it), else `samples_per_prompt`. With `data.max_staleness` k >= 1 the source says the samples may be
     up to k steps old, and `staleness` how they were produced (`data/staleness.py`)."""
     k = data.max_staleness
     return {

@@ -25,7 +25,7 @@ def make_card(config: Config, state, reward: Any, changes: list[str] = ()) -> di
     card = new_card(estimator.command, config.seed, model=config.model, lora_rank=config.lora_rank, config=to_dict(config))
     card["run"]["reference_refreshed_at"] = list(state.reference_refreshed_at)
     card["links"]["data"] = online_data_card(config.data, state.train, state.held_out, config.sampling,
-                                             grouped=estimator.min_group_size > 1, screening=state.screening)
+                                             grouped=estimator.min_group_size > 1 or config.data.group_size > 1, screening=state.screening)
     card["links"]["data"]["engine"] = engine_card(sampling_engine(config))
     if config.tools.enabled:
         from posttrain.rollout.episodes import tools_card
