@@ -192,7 +192,7 @@ def test_sft_teacher_row_budget_arithmetic():
                                           build_config(sft.Config, preset("tiny-sft"), {}))
     assert sampling[:3] == ["pairs", "--model", "/models/teacher"]
     assert sampling[-5:] == ["--sft", "--keep", "all", "--max-rows", "1536"]
-    assert sampling[sampling.index("--data.max_prompts") + 1] == "192" and sampling[sampling.index("--group_size") + 1] == "8"
+    assert sampling[sampling.index("--data.max_prompts") + 1] == "240" and sampling[sampling.index("--group_size") + 1] == "8"  # 192 prompts + a quarter: --max-rows sets the size
     command = compare.row_command(ROWS["sft_teacher"], "S", "F.jsonl", Path("D"), config, "/models/teacher", 47)
     assert command[:3] == ["sft", "--config", "tiny-sft"]
     for flag, value in (("--model", "S"), ("--max-steps", "47"), ("--checkpoint-every", "47"), ("--data.task", "F.jsonl"),

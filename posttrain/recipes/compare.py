@@ -312,14 +312,17 @@ def sampling_arguments(kind: str, model: str, out_file: Path, config: Config, sf
     """`posttrain pairs` arguments of one offline file: G samples of each of steps x prompts per step
     training prompts (as many answers as each online row draws; the start's held-out split kept apart),
     labelled by `REWARD`; `unpaired`: KTO's rows of the same samples; `teacher_sft`: the teacher's
-    samples as SFT rows, every one kept, at most `teacher_samples` of them (as many as the
-    distillation row scores)."""
+    samples as SFT rows, every one kept, exactly `teacher_samples` of them (as many as the
+    distillation row scores: a quarter more prompts are offered, and --max-rows stops the sampling there)."""
     data = sft_config.data
     kind_flags = {"pairs": [], "unpaired": ["--unpaired"],
                   "teacher_sft": ["--sft", "--keep", "all", "--max-rows", str(teacher_samples(config.steps))]}[kind]
+    prompts = config.steps * PROMPTS_PER_STEP
+    if kind == "teacher_sft":  # a quarter more prompts than the rows need, so that --max-rows, not the prompts the held-out
+        prompts += prompts // 4  # split removes from the first ones (44 of 800 at seed 0), sets the file's size exactly
     return ["pairs", "--model", model, "--out", str(out_file), "--group_size", str(GROUP_SIZE), "--verifier", REWARD,
             "--data.task", data.task, "--data.task_options", json.dumps(data.task_options),
-            "--data.max_prompts", str(config.steps * PROMPTS_PER_STEP), "--data.eval_size", str(config.eval_size),
+            "--data.max_prompts", str(prompts), "--data.eval_size", str(config.eval_size),
             "--sampling.max_new_tokens", str(sft_config.acceptance.max_new_tokens), "--seed", str(config.seed), *kind_flags]
 
 
