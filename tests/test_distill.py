@@ -160,7 +160,7 @@ def test_token_rewards_are_the_teacher_minus_the_student_on_the_loss_mask(tmp_pa
     expected = torch.where(update.mask, teacher - student, torch.zeros_like(student))
     assert torch.allclose(update.advantages, expected, atol=1e-5)  # discount 0, no task reward: each token's own
     assert metrics["distill/reverse_kl"] == pytest.approx(float((student - teacher)[update.mask].mean()), abs=1e-5)
-    assert update.old_logprobs is not None  # the student's log-probs were fixed before the update
+    assert update.old_logprobs is None  # the reward read its own forward: the loss link is GRPO's, ratio exactly 1
 
 
 def test_mixed_reward_weights_teacher_and_task(tmp_path, teacher_dir):
@@ -208,7 +208,7 @@ def test_whole_run_logs_the_distillation_and_the_teachers_score(tmp_path, teache
     reward = card["links"]["reward"]
     assert reward["verifier"] == f"teacher:{teacher_dir}" and "log p_teacher - log p_student" in reward["dense"]
     assert set(reward["teacher_heldout"][f"teacher:{teacher_dir}"]) == {"pass@1", "pass@1_ci95", "n"}
-    assert card["links"]["loss"]["old_logprobs"].startswith("recomputed")
+    assert card["links"]["loss"]["old_logprobs"].startswith("the on-policy forward")  # the teacher changes the reward link only
     assert card["links"]["loss"]["algorithm"].startswith("On-policy distillation")
     # The sequence rewards are all 0 (every group "without variance"): the teacher's token rewards are the signal.
     assert card["training_signal"]["steps_without_reward_signal"] == 0

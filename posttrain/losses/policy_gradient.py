@@ -125,8 +125,10 @@ def loss_rows(batch: ScoredBatch, mask_truncated: bool) -> torch.Tensor:
 def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, world: World) -> tuple[UpdateBatch, dict[str, Any]]:
     """What the update reads of a sampled and scored batch (on the models' device): the old and
     reference log-probs and the critic's values (no-grad forwards, each rank on its own rows), the
-    KL in the reward when placed there, a dense reward's token rewards against the old log-probs
-    (`dense_rewards`: a teacher's, `batch.scores.dense`), and the advantages of `loss.advantage`'s estimator.
+    KL in the reward when placed there, a dense reward's token rewards against the student's log-probs
+    before the update (`dense_rewards`: a teacher's, `batch.scores.dense`; the old log-probs when the loss
+    fixes them, else a no-grad forward of the reward's own, so the loss link is the same with or without a
+    teacher), and the advantages of `loss.advantage`'s estimator.
 
     Returns (the `UpdateBatch`, the metrics measured before the update: the estimator's own, the
     rollout's kl/estimate for estimators that measure it there, advantages/abs_mean for
@@ -140,7 +142,14 @@ def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, 
     metrics: dict[str, Any] = {}
     with models.placement.autocast():
         old_logprobs, ref_logprobs, old_values = rollout_forwards(models, batch, mask, settings, world)
-    token_rewards = dense_rewards(batch.scores.dense, old_logprobs, mask, metrics) if batch.scores.dense else None
+    token_rewards = None
+    if batch.scores.dense:  # a teacher's log-probs against the student's before the update (the old ones when the loss fixes them)
+        student = old_logprobs
+        if student is None:
+            with models.placement.autocast():
+                student = rank_logprobs(models.policy_model, rollout, batch.owners, world, settings.temperature,
+                                        settings.update.micro_batch_size)
+        token_rewards = dense_rewards(batch.scores.dense, student, mask, metrics)
     in_reward = ref_logprobs is not None and loss.kl.placement == "reward"
     rollout_kl = ref_logprobs is not None and (in_reward or estimator.kl_metric == "rollout")
     kl = kl_estimate(old_logprobs, ref_logprobs, loss.kl.estimator) if rollout_kl else None
@@ -179,7 +188,7 @@ def rollout_forwards(models: PolicyModels, batch: ScoredBatch, mask: torch.Tenso
     when not precomputed: `precomputes_old`), the reference's (None without one) and, with a
     critic, its values; each (N, T)."""
     rollout, temperature, micro = batch.rollout, settings.temperature, settings.update.micro_batch_size
-    precomputed = precomputes_old(settings.loss, settings.update, dense=bool(batch.scores.dense))
+    precomputed = precomputes_old(settings.loss, settings.update)
     old_logprobs = rank_logprobs(models.policy_model, rollout, batch.owners, world, temperature, micro) if precomputed else None
     ref_logprobs = rank_logprobs(models.reference, rollout, batch.owners, world, temperature, micro) if models.reference else None
     old_values = None

@@ -428,13 +428,12 @@ class Update:
             raise UserError("update.epochs, update.mini_batches and update.micro_batch_size must be >= 1")
 
 
-def precomputes_old(loss: Loss, update: Update, dense: bool = False) -> bool:
+def precomputes_old(loss: Loss, update: Update) -> bool:
     """Whether a no-grad forward computes the old log-probs before the update (else the first
     forward's, detached: ratio exactly 1). A critic's value targets are the rollout's, and several
-    epochs or mini-batches, a KL in the reward, or a dense reward that reads the student's log-probs
-    (`dense`: a teacher's), need the old policy's log-probs fixed."""
+    epochs or mini-batches, or a KL in the reward, need the old policy's log-probs fixed."""
     return (ADVANTAGE_ESTIMATORS[loss.advantage].needs_critic or update.epochs > 1 or update.mini_batches > 1
-            or loss.kl.placement == "reward" or dense)
+            or loss.kl.placement == "reward")
 
 
 def off_policy_objective(loss: Loss, max_staleness: int) -> OffPolicyObjective:
@@ -462,14 +461,13 @@ def off_policy_meaning(loss: Loss, max_staleness: int | None) -> str:
 
 
 def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConfig, reference: Any,
-              max_staleness: int | None = None, dense: bool = False) -> dict[str, Any]:
+              max_staleness: int | None = None) -> dict[str, Any]:
     """The run card's loss link: the algorithm, every section that applies (the critic's only with
     an estimator that needs one), the estimator's and surrogate's card text, where the KL goes, the
     reference (`reference`: None, or a reference model with `adapter_disabled`), how the old
     log-probs are had (`precomputes_old`), the distribution the log-probs are taken under
     (`sampling`'s temperature and truncation), the sampler correction and the off-policy objective
-    (resolved for `max_staleness`, the run's data.max_staleness; None: its rule); `dense`: the reward
-    has per-token terms (a teacher's) that read the old log-probs."""
+    (resolved for `max_staleness`, the run's data.max_staleness; None: its rule)."""
     estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
     return {
         "algorithm": estimator.algorithm,
@@ -483,7 +481,7 @@ def loss_card(loss: Loss, critic: Critic, update: Update, sampling: SamplingConf
         "kl_placement_meaning": loss.kl_meaning(),
         **({"entropy_bonus_meaning": loss.entropy_meaning()} if loss.entropy.coef > 0 else {}),
         "reference": "none (kl.beta = 0)" if reference is None else ("LoRA base (adapters disabled)" if reference.adapter_disabled else "frozen copy of the initial policy"),
-        "old_logprobs": "recomputed by a no-grad forward before the update" if precomputes_old(loss, update, dense) else "the on-policy forward, detached (ratio exactly 1)",
+        "old_logprobs": "recomputed by a no-grad forward before the update" if precomputes_old(loss, update) else "the on-policy forward, detached (ratio exactly 1)",
         "logprob_distribution": f"softmax(logits / {sampling.temperature}) over the full vocabulary"
         + (" (sampling truncated by top-p/top-k: the sampler's distribution differs)" if sampling.truncates else ""),
         "sampler_correction_meaning": (f"truncated importance sampling: each token's surrogate x min(exp(old - sampler log-prob), {loss.sampler_correction_cap})"

@@ -34,8 +34,7 @@ def make_card(config: Config, state, reward: Any, changes: list[str] = ()) -> di
     card["links"]["reward"] = reward_link(config, state, reward)
     # The loss link states the setting (auto's rule is the same whatever the data); what auto resolved to
     # for these batches goes with them, so that a change of data.max_staleness alone is a data-link change.
-    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference,
-                                      dense=state.verifier.dense)
+    card["links"]["loss"] = loss_card(config.loss, config.critic, config.update, config.sampling, state.reference)
     if config.data.max_staleness:
         card["links"]["data"]["staleness_correction"] = off_policy_meaning(config.loss, config.data.max_staleness)
     acceptance = card["links"]["acceptance"] = acceptance_card(dataclasses.asdict(config.acceptance), config.data.task,
@@ -60,11 +59,11 @@ def reward_link(config: Config, state, reward: Any) -> dict[str, Any]:
                              else "set by the user")
     if state.verifier.dense:
         link["dense"] = ("per-token reward weight x (log p_teacher - log p_student) on each sampled token the loss reads "
-                         "(tool observations and padding get none), the student's log-probs those of the policy before the update; "
+                         "(tool observations and padding get none), the student's log-probs those of the policy before the update (a no-grad forward, or the loss's old log-probs when it fixes them); "
                          f"summed into each sequence's reward by loss.advantage {config.loss.advantage}"
                          if not ADVANTAGE_ESTIMATORS[config.loss.advantage].per_token else
                          "per-token reward weight x (log p_teacher - log p_student) on each sampled token the loss reads "
-                         "(tool observations and padding get none), the student's log-probs those of the policy before the update; "
+                         "(tool observations and padding get none), the student's log-probs those of the policy before the update (a no-grad forward, or the loss's old log-probs when it fixes them); "
                          f"each token's own in loss.advantage {config.loss.advantage}")
     return link
 
