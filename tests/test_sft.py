@@ -131,7 +131,8 @@ def test_sft_resume_with_its_acceptance_section(tmp_path):
     assert main([*common, "--max-steps", "3", "--output-dir", str(tmp_path / "straight")]) == 0
     assert main([*common, "--max-steps", "2", "--checkpoint-every", "1", "--output-dir", str(tmp_path / "run")]) == 0
     saved = load_yaml(tmp_path / "run" / "config.yaml")
-    assert saved["acceptance"] == {"eval_every": 2, "max_new_tokens": 4, "checker": None, "sets": []}
+    assert saved["acceptance"] == {"eval_every": 2, "max_new_tokens": 4, "checker": None, "sets": [], "task": None, "task_options": None,
+                                   "eval_size": None, "split_seed": None}
     assert not {"eval_every", "max_new_tokens", "checker", "sets"} & set(saved)
     assert main(["sft", "--resume", str(tmp_path / "run"), "--max-steps", "3"]) == 0
 

@@ -158,3 +158,32 @@ def test_cli_teacher_rows_then_sft(tmp_path):
     assert provenance["provenance_file_matches"] is True
     assert card["links"]["reward"]["rows_from"].startswith("SFT rows from a teacher's samples: samples of model tiny, --keep all")
     assert card["links"]["data"]["train_rows"] + card["links"]["data"]["heldout_rows"] == meta["rows"]
+    # The rows' provenance names the task they were sampled apart from: SFT scores its held-out split too,
+    # the same problems and checker an online run from the same task, size and seed scores (`posttrain checklist`).
+    acceptance = card["links"]["acceptance"]
+    assert acceptance["heldout_task"].startswith(f"arithmetic held-out split ({meta['eval_size']} problems, split seed {meta['seed']}")
+    assert acceptance["sets"]["in_distribution"] == {"task": "arithmetic", "size": meta["eval_size"], "checker": acceptance["checker"]}
+    assert card["links"]["data"]["removed_heldout_task_overlap"] == 0  # sampled from the training split only
+    rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["heldout/pass@1"] is not None and rows[-1]["heldout/nll"] is not None
+
+
+def test_sft_rows_drop_prompts_of_the_heldout_task_and_task_settings_need_rows(tmp_path, capsys):
+    from posttrain.cli import main
+    from posttrain.data.tasks import load_splits
+
+    _, held_out = load_splits("arithmetic", eval_size=20, seed=0, options={"digits": 2})
+    leaked = [{"prompt": example.prompt_input, "completion": "<answer>0</answer>"} for example in held_out.examples[:3]]
+    fresh = [{"prompt": f"{a}+{a}=", "completion": f"<answer>{2 * a}</answer>"} for a in range(10, 30)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in leaked + fresh))
+    assert main(["sft", "--data.task", str(data), "--data.eval_size", "2", "--max-steps", "1", "--batch_size", "4",
+                 "--acceptance.task", "arithmetic", "--acceptance.task_options", '{"digits": 2}', "--acceptance.eval_size", "20",
+                 "--acceptance.split_seed", "0", "--acceptance.max_new_tokens", "2", "--output-dir", str(tmp_path / "run")]) == 0
+    card = json.loads((tmp_path / "run" / "run_card.json").read_text())
+    assert card["links"]["data"]["removed_heldout_task_overlap"] + card["links"]["data"]["train_rows"] == 21  # 23 rows, 2 held out
+    assert card["links"]["data"]["removed_heldout_task_overlap"] >= 1
+    capsys.readouterr()
+    assert main(["sft", "--config", "tiny-sft", "--acceptance.task", "arithmetic", "--max-steps", "1",
+                 "--output-dir", str(tmp_path / "gold")]) == 2
+    assert "acceptance.task applies to SFT rows" in capsys.readouterr().err

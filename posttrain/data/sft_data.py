@@ -277,12 +277,18 @@ class SFTData:
     held_out: list
     encode: Callable[[list], TokenizedBatch]
     task: Task | None
-    """The held-out task of the gold-answer form (None for SFT rows)."""
+    """The held-out task scored by pass@1: the gold-answer form's, or for SFT rows the task their
+    provenance (or acceptance.task) names (`recipes/sft.rows_acceptance`); None: held-out NLL only."""
     card: dict
     checker: Verifier | None = None
     """The held-out checker of `task` (built once, with the run's reward_options)."""
     shifted: list = field(default_factory=list)
     """The shifted held-out sets (`HeldOutSet`s) beside `task`."""
+
+    @property
+    def rows_file(self) -> bool:
+        """Whether the run imitates a file's SFT rows (else a task's gold answers)."""
+        return self.card.get("kind") == "SFT rows"
 
 
 def load_data(data: Data, seed: int, tokenizer) -> SFTData:

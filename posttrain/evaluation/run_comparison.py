@@ -63,7 +63,8 @@ def link_summary(run: Run, link: str) -> str:
     view = link_view(run, link)
     if link == "data":
         options = view.get("options")
-        return f"{view.get('source') or 'gold answers (imitation)'}; task {view.get('task')}" + (f" {json.dumps(options)}" if options else "")
+        source = view.get("source") or ("SFT rows (imitation)" if view.get("kind") == "SFT rows" else "gold answers (imitation)")
+        return f"{source}; task {view.get('task')}" + (f" {json.dumps(options)}" if options else "")
     if link == "reward":
         return str(view.get("verifier") or view.get("kind") or json.dumps(view))
     if link == "loss":

@@ -67,12 +67,20 @@ def acceptance_card(data: SFTData, task: str, checker: str | None) -> dict:
     """The run card's acceptance link: the held-out split of the task spec `task` and its checker
     (`checker`: the acceptance.checker setting, None for the task's default), with the resolved
     checker's settings and the held-out sets; for SFT rows, the held-out rows and their NLL."""
-    card = ({"heldout": f"{task} eval split", "checker": checker or "task default (strict)"}
-            if data.task is not None else {"heldout": f"{len(data.held_out)} held-out rows of {task}", "metric": "token-mean NLL"})
+    if data.rows_file:
+        card = {"heldout": f"{len(data.held_out)} held-out rows of {task}", "metric": "token-mean NLL"}
+        if data.task is not None:
+            spec = data.card["heldout_task"]
+            card.update({"heldout_task": f"{spec['task']} held-out split ({spec['eval_size']} problems, split seed {spec['split_seed']}, "
+                                         "disjoint from the rows' prompts)", "checker": data.checker.name})
+            task = spec["task"]
+    else:
+        card = {"heldout": f"{task} eval split", "checker": checker or "task default (strict)"}
     if data.checker is not None:
+        imitated = "rows' completions" if data.rows_file else "gold answers"
         card.update({
             "checker_settings": data.checker.describe(), "independent": True,
-            "independence_reason": f"SFT has no reward: it imitates the gold answers, which the checker {data.checker.name} scores",
+            "independence_reason": f"SFT has no reward: it imitates the {imitated}, which the checker {data.checker.name} scores",
             "sets": {IN_DISTRIBUTION: {"task": task, "size": len(data.task), "checker": data.checker.name},
                      **{held.name: held.spec for held in data.shifted}}})
     return card

@@ -13,6 +13,7 @@ evaluation in `posttrain.evaluation.sft`; the Acceptance and Config sections are
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import ClassVar
@@ -45,13 +46,22 @@ logger = logging.getLogger(__name__)
 class Acceptance(evaluation_settings.Acceptance):
     """Link 4, acceptance (`evaluation/settings.Acceptance`: checker, eval_every, max_new_tokens,
     sets): held-out accuracy of a task's gold-answer form, scored by a checker written apart from
-    any reward, and the held-out NLL (always; the only measure of SFT rows). Shifted sets apply to a
-    task's gold answers only."""
+    any reward, and the held-out NLL (always). SFT rows (a file) are scored on a task's held-out
+    split too when their provenance names the task they were sampled from (`posttrain pairs --sft`),
+    or `task` names one, as DPO's pairs are; shifted sets apply to a task's gold answers only."""
 
     max_new_tokens: int = 24
     """Generation budget of the held-out evaluation (the tiny model writes one character a token)."""
     eval_every: int = 0
     """Evaluate held-out accuracy every N steps (0: only at the end; SFT does not evaluate its start)."""
+    task: str | None = None
+    """SFT rows only: the task whose held-out split scores pass@1; None: the task the rows' provenance sidecar records (none: NLL only)."""
+    task_options: dict | None = None
+    """SFT rows only: its options (None: the provenance's)."""
+    eval_size: int | None = None
+    """SFT rows only: held-out problems (None: the provenance's, so the split is the one the rows' prompts avoided; else 200)."""
+    split_seed: int | None = None
+    """SFT rows only: the seed of the task's train/held-out split (None: the provenance's, else `seed`)."""
 
 
 @dataclasses.dataclass
@@ -149,8 +159,12 @@ def with_acceptance(data: SFTData, config: Config, placement, world, model, toke
     """`data` with its held-out checker and shifted sets (a task's gold answers only: SFT rows have
     held-out NLL alone), built before the run directory exists, a bad name one line; a
     held-out prompt that cannot fit the model's positions with acceptance.max_new_tokens is one line."""
-    if data.task is None:
-        return data
+    if data.rows_file:
+        return rows_acceptance(data, config, placement, world, model, tokenizer)
+    own = [name for name in ("task", "task_options", "eval_size", "split_seed") if getattr(config.acceptance, name) is not None]
+    if own:
+        raise UserError(f"acceptance.{own[0]} applies to SFT rows (a file); a task's gold answers are scored on its own held-out "
+                        "split (data.eval_size)")
     trained = Task(config.data.task, "train", data.train, data.task.reward_kind)
     shifted = shifted_sets(config.acceptance.sets, trained, config.data.task, config.data.task_options, config.seed,
                            len(data.held_out), config.reward_options, config.unsafe_no_sandbox)
@@ -163,15 +177,38 @@ def with_acceptance(data: SFTData, config: Config, placement, world, model, toke
                                       placement=placement, world=world), shifted=shifted)
 
 
+def rows_acceptance(data: SFTData, config: Config, placement, world, model, tokenizer) -> SFTData:
+    """SFT rows with a held-out task: the split `evaluation.preference.heldout_task` resolves from
+    `acceptance` and the rows' provenance sidecar (the task, options, size and seed the rows were
+    sampled apart from), its checker, and the training rows whose prompt is a held-out problem's
+    dropped and counted (`data.card["removed_heldout_task_overlap"]`); `data` as is without a task."""
+    from posttrain.data.provenance import read_provenance
+    from posttrain.evaluation.preference import heldout_task
+
+    provenance = read_provenance(config.data.task) if Path(config.data.task).is_file() else None
+    held_out, spec = heldout_task(config.acceptance, provenance, config.seed)
+    if held_out is None:
+        return data
+    held_prompts = {json.dumps(example.prompt_input, sort_keys=True) for example in held_out.examples}
+    kept = [row for row in data.train if row.is_chat or json.dumps(row.prompt, sort_keys=True) not in held_prompts]
+    card = {**data.card, "train_rows": len(kept), "removed_heldout_task_overlap": len(data.train) - len(kept),
+            "heldout_task": {key: spec[key] for key in ("task", "options", "eval_size", "split_seed")}}
+    check_prompts_fit(model, tokenizer, [PromptSet("held-out", held_out.examples, config.acceptance.max_new_tokens, "acceptance.max_new_tokens")],
+                      system_prompt=config.data.system_prompt)
+    checker = heldout_checker(spec["checker"] if config.acceptance.checker is None else config.acceptance.checker, held_out,
+                              config.reward_options, config.unsafe_no_sandbox, placement=placement, world=world)
+    return dataclasses.replace(data, train=kept, task=held_out, checker=checker, card=card)
+
+
 def make_card(config: Config, data: SFTData) -> dict:
     """The run card's four links for SFT (the run's own part: `card_run_part`)."""
     card = new_card("sft", config.seed, config=to_dict(config))
     card["links"]["data"] = data.card
-    card["links"]["reward"] = {"kind": "none (imitation of " + ("gold answers)" if data.task is not None else "the rows' completions)")}
+    card["links"]["reward"] = {"kind": "none (imitation of " + ("the rows' completions)" if data.rows_file else "gold answers)")}
     if "provenance" in data.card:
         card["links"]["reward"]["rows_from"] = data.card["provenance"]["rows_from"]
     card["links"]["loss"] = {"objective": "masked NLL", "aggregation": "token_mean (global token count)", "includes_eos": True,
-                             "loss_on": config.data.loss_on if data.task is None else "the response (gold answer in response_template)"}
+                             "loss_on": config.data.loss_on if data.rows_file else "the response (gold answer in response_template)"}
     card["links"]["acceptance"] = acceptance_card(data, config.data.task, config.acceptance.checker)
     return card
 
