@@ -117,7 +117,7 @@ class State:
     """The batches sampled ahead of the steps that train them (`data.max_staleness` k >= 1; `data/staleness.py`), by a
     generation thread with `data.async_generation` (`data/async_generation.py`)."""
     entropy_history: list[float] = field(default_factory=list)
-    """The last ENTROPY_WINDOW steps' `entropy`, for `entropy/slope` (not checkpointed: a resumed run starts it again)."""
+    """The last ENTROPY_WINDOW steps' `entropy`, for `entropy/slope` (checkpointed: a resumed run fits the same steps)."""
 
 
 def setup(config: Config, reward: Any = None, world: World | None = None, placement: Placement | None = None) -> State:
@@ -340,6 +340,7 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     state.step, state.stream.position = saved["step"], saved.get("stream_position", 0)
     state.pending.restore(saved.get(PENDING))  # mode (a): trained as they were; mode (b): sampled again
     state.reference_refreshed_at = saved.get("reference_refreshed_at", [])
+    state.entropy_history = saved.get("entropy_history", [])
     alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []),
                             rings=saved.get("alarm_rings", []), reward_spread=saved.get("alarm_reward_spread"))
     signal = TrainingSignal(stop_after=config.acceptance.signal_stop_after, window=config.acceptance.signal_window,
@@ -413,7 +414,8 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
             run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
             extra_state={"stream_position": state.pending.stream_position(state.stream), "alarm_history": alarm.history, "alarm_rings": alarm.rings,
                          "alarm_reward_spread": alarm.reward_spread,
-                         "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state()},
+                         "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state(),
+                         "entropy_history": state.entropy_history},
             extra_objects={PENDING: state.pending.state()} if config.data.max_staleness else None)
 
     engine = engine_of(state.sampler)
