@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,25 @@ def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
     if type(model.get_input_embeddings()) is not torch.nn.Embedding:
         return f"input embedding of type {type(model.get_input_embeddings()).__name__}"
     return None
+
+
+@dataclass
+class RowCache:
+    """One row's keys and values after a turn (``LlamaDecoder.export``), for ``LlamaDecoder.resume``.
+
+    c columns: the row's context up to, not including, its last sampled token, with any holes the
+    row's cache had (masked columns between a turn and the tokens appended after it); leading left
+    padding is stripped.
+    """
+
+    keys: torch.Tensor
+    """(L, K, D, c), stored transposed as in the decoder's cache."""
+    values: torch.Tensor
+    """(L, K, c, D)."""
+    key_bias: torch.Tensor
+    """(c,) float: 0 = attend, -inf = a hole."""
+    position: int
+    """The position id of the next token the row reads (its last sampled token)."""
 
 
 def _without_cpu_autocast(method):
@@ -190,6 +210,84 @@ class LlamaDecoder:
         self.sharing = kernels.Sharing.distinct(B)
         if self.kernels:
             H, rows = self.heads, max(B, max_rows)
+            self.scratch = (torch.empty(rows, H, D), torch.empty(rows, H, capacity), torch.empty(rows, H * D))
+        self._make_views()
+        return self.lm_head(self._norm(x[:, -1], self.final_norm)).float()
+
+    @torch.inference_mode()
+    def export(self, rows: list[int]) -> list[RowCache]:
+        """Copies of cache rows ``rows`` (indices into the current rows): every column written so far,
+        less the left padding. Taken when a row ends a turn, before ``select`` drops it."""
+        L, _, n, K, S, D = self.kv.shape
+        keys, values = self.kv[:, 0].view(L, n, K, D, S), self.kv[:, 1]  # keys stored (D, S)
+        index = torch.tensor(rows, dtype=torch.long, device=self.key_bias.device)
+        bias = self.key_bias.index_select(0, index)[:, :self.column]  # (k, column)
+        firsts = (bias == 0).int().argmax(-1).tolist()  # each row's first real column (one synchronisation)
+        positions = self.positions.index_select(0, index).tolist()
+        return [RowCache(keys[:, row, :, :, first:self.column].clone(), values[:, row, :, first:self.column].clone(),
+                         bias[j, first:].clone(), positions[j])
+                for j, (row, first) in enumerate(zip(rows, firsts))]
+
+    @torch.inference_mode()
+    @_without_cpu_autocast
+    def resume(self, caches: list[RowCache | None], new_ids: torch.Tensor, new_mask: torch.Tensor,
+               new_tokens: int, max_rows: int = 0) -> torch.Tensor:
+        """Rebuild the cache from exported rows and run each row's new tokens on top (a prefill that
+        starts from a cache): the next turn of an episode without re-reading its earlier turns.
+
+        Layout: the n cached parts right-aligned in columns ``[0, W)`` (W = the widest), then the new
+        tokens right-aligned in ``[W, W + M)``; the columns a shorter row leaves empty before its new
+        tokens are a hole (key bias -inf), and position ids run on from each row's ``position``, so
+        holes and padding shift nothing. A row without a cache (None) is a plain left-padded prompt.
+
+        Args:
+            caches: n ``RowCache`` or None. new_ids: (n, M) long, right-aligned. new_mask: (n, M)
+            bool, True = real token (each row has at least one). new_tokens: tokens to be decoded
+            after (capacity). max_rows: as in ``prefill``.
+
+        Returns:
+            (n, V) float32 next-token logits.
+        """
+        n, M = new_ids.shape
+        L, K, D = len(self.layers), self.kv_heads, self.head_dim
+        device, dtype = self.embed.device, self.embed.dtype
+        widths = [0 if cache is None else cache.key_bias.shape[0] for cache in caches]
+        W = max(widths)
+        capacity = -(-(W + M + new_tokens) // 16) * 16  # the kernels read keys 16 columns at a time
+        self.buffer = torch.empty(L, 2, max(n, max_rows), K, capacity, D, dtype=dtype, device=device)
+        self.kv = self.buffer[:, :, :n]
+        keys, values = self.kv[:, 0].view(L, n, K, D, capacity), self.kv[:, 1]
+        self.key_bias = torch.zeros(n, capacity, dtype=dtype, device=device)
+        for row, (cache, width) in enumerate(zip(caches, widths)):
+            self.key_bias[row, :W - width] = float("-inf")
+            if cache is not None:
+                keys[:, row, :, :, W - width:W] = cache.keys
+                values[:, row, :, W - width:W] = cache.values
+                self.key_bias[row, W - width:W] = cache.key_bias
+        self.key_bias[:, W:W + M].masked_fill_(~new_mask, float("-inf"))
+        starts = torch.tensor([0 if cache is None else cache.position for cache in caches], device=device)
+        position_ids = starts[:, None] + (new_mask.long().cumsum(-1) - 1).clamp(min=0)  # (n, M)
+        self.positions = position_ids[:, -1] + 1
+        self.column = W + M
+        cos, sin_signed = self._cos_sin(position_ids)  # (n, M, 1, D)
+        # Query i (column W + i) sees the unmasked columns up to its own; the diagonal keeps padding rows finite.
+        columns = torch.arange(W + M, device=device)
+        causal = columns[None, :] <= (W + torch.arange(M, device=device))[:, None]  # (M, W + M)
+        allowed = (causal & (self.key_bias[:, None, :W + M] == 0)) | (columns[None, :] == W + torch.arange(M, device=device)[:, None])
+        allowed = allowed.unsqueeze(1)  # (n, 1, M, W + M)
+        x = F.embedding(new_ids, self.embed)  # (n, M, d)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._norm(x, layer.input_norm), cos, sin_signed)  # (n, M, *, D)
+            keys[index, :, :, :, W:W + M] = k.permute(0, 2, 3, 1)
+            values[index, :, :, W:W + M] = v.transpose(1, 2)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys[index, :, :, :, :W + M].transpose(-1, -2), values[index, :, :, :W + M],
+                attn_mask=allowed, scale=self.scaling, enable_gqa=self.heads != K)  # (n, H, M, D)
+            x = layer.o.plus(attn.transpose(1, 2).reshape(n * M, -1), x.reshape(n * M, -1)).view(n, M, -1)
+            x = self._mlp(layer, x.view(n * M, -1)).view(n, M, -1)
+        self.sharing = kernels.Sharing.distinct(n)
+        if self.kernels:
+            H, rows = self.heads, max(n, max_rows)
             self.scratch = (torch.empty(rows, H, D), torch.empty(rows, H, capacity), torch.empty(rows, H * D))
         self._make_views()
         return self.lm_head(self._norm(x[:, -1], self.final_norm)).float()
