@@ -259,6 +259,10 @@ class LlamaDecoder:
         keys, values = self.kv[:, 0].view(L, n, K, D, capacity), self.kv[:, 1]
         self.key_bias = torch.zeros(n, capacity, dtype=dtype, device=device)
         for row, (cache, width) in enumerate(zip(caches, widths)):
+            # Masked columns are still multiplied by their zero attention weight: never leave them
+            # uninitialised (0 * NaN is NaN), unlike the columns every row writes.
+            keys[:, row, :, :, :W - width] = 0
+            values[:, row, :, :W - width] = 0
             self.key_bias[row, :W - width] = float("-inf")
             if cache is not None:
                 keys[:, row, :, :, W - width:W] = cache.keys
