@@ -106,13 +106,13 @@ def test_a_session_resumes_rows_in_any_order_and_chunk_beside_fresh_prompts(tiny
     session = Session()
     first = session.generate(model, tokenizer, prompts, group_size=2, sampling=sampling, seed=3, max_batch_size=2)
     assert torch.equal(first.completion_ids, generate(model, tokenizer, prompts, group_size=2, sampling=sampling, seed=3).completion_ids)
-    rows = [4, 1, 5, 2]
+    rows = [4, 1, 5, 0, 2]
     contexts = [prompts[r // 2] + first.completion_ids[r, first.mask[r]].tolist() + [7] * (1 + r) for r in rows]
-    contexts.append(prompts[0] + [9, 9])  # place 0 was kept, but with other ids: prefilled, not resumed
-    places = (rows + [0], 6)
+    contexts[3] = prompts[0] + [9, 9]  # place 0 was kept, but with other ids: prefilled in a chunk with a resumed row
+    places = (rows, 6)
     second = session.generate(model, tokenizer, contexts, sampling=sampling, seed=4, draws=places, max_batch_size=2)
     expected = generate(model, tokenizer, contexts, sampling=sampling, seed=4, draws=places)
-    assert session.resumed == len(rows)
+    assert session.resumed == len(rows) - 1
     assert torch.equal(second.completion_ids, expected.completion_ids) and torch.equal(second.mask, expected.mask)
     assert second.texts == expected.texts and torch.equal(second.prompt_ids, expected.prompt_ids)
     torch.testing.assert_close(second.logprobs, expected.logprobs, rtol=0, atol=LOGPROB_TOLERANCE)
@@ -130,3 +130,49 @@ def test_the_generic_decoder_re_prefills(tiny):
     expected = generate(model, tokenizer, [context], sampling=sampling, seed=2, backend="hf")
     assert session.resumed == 0 and not session.kept
     assert torch.equal(second.completion_ids, expected.completion_ids) and torch.equal(second.logprobs, expected.logprobs)
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch_ops", "kernels"])
+@pytest.mark.parametrize("name", ["llama-untied-gqa4", "qwen3-qk-norm"])
+def test_resumed_rows_read_the_logits_of_a_fresh_prefill(name, use_kernels):
+    """Decoder level, grouped-query and q/k-norm attention, both decode paths: three rows end a turn at
+    different steps (each exported as it leaves the cache), then read ragged new tokens on top and
+    decode two more; every logit equals a fresh prefill of the whole context and the same decodes."""
+    from tests.test_rollout_decoders import build
+
+    from posttrain.rollout import kernels
+    from posttrain.rollout.engine import _left_pad
+    from posttrain.rollout.llama_decoder import LlamaDecoder
+
+    if use_kernels and kernels.load() is None:
+        pytest.skip("no C compiler for the rollout kernels")
+    model = build(name)
+    prompts, ends = [[5, 17, 33, 8, 9, 60, 4], [70, 71, 72], [11, 12, 13, 14]], [1, 4, 2]  # row r ends after ends[r] decodes
+    turn = torch.randint(4, 101, (3, 4), generator=torch.Generator().manual_seed(0))  # fed tokens, (rows, steps)
+    decoder = LlamaDecoder(model, use_kernels=use_kernels)
+    decoder.prefill(*_left_pad(prompts, 0, 7), 7 + 8, max_rows=3)
+    caches, rows = [None] * 3, [0, 1, 2]
+    for step in range(5):
+        ended = [j for j, r in enumerate(rows) if ends[r] == step]
+        for j, cache in zip(ended, decoder.export(ended)):
+            caches[rows[j]] = cache
+        still = [j for j, r in enumerate(rows) if ends[r] > step]
+        if not still:
+            break
+        if len(still) < len(rows):
+            decoder.select(torch.tensor(still))
+            rows = [rows[j] for j in still]
+        decoder.decode(turn[rows, step])
+    # Each context: the prompt, the tokens decoded, then ragged new ids (the engine's first is the row's pending token).
+    new = [[40 + r] * (2 * r + 1) for r in range(3)]
+    contexts = [prompts[r] + turn[r, :ends[r]].tolist() + new[r] for r in range(3)]
+    new_ids, new_mask = _left_pad(new, 0, max(map(len, new)))
+    resumed = [decoder.resume(caches, new_ids, new_mask, 4, max_rows=3)]
+    fresh = LlamaDecoder(model, use_kernels=use_kernels)
+    width = max(map(len, contexts))
+    expected = [fresh.prefill(*_left_pad(contexts, 0, width), width + 4, max_rows=3)]
+    for token in ([3, 4, 5], [6, 7, 8]):
+        resumed.append(decoder.decode(torch.tensor(token)))
+        expected.append(fresh.decode(torch.tensor(token)))
+    for got, want in zip(resumed, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=LOGPROB_TOLERANCE)
