@@ -258,16 +258,13 @@ class LlamaDecoder:
         self.kv = self.buffer[:, :, :n]
         keys, values = self.kv[:, 0].view(L, n, K, D, capacity), self.kv[:, 1]
         self.key_bias = torch.zeros(n, capacity, dtype=dtype, device=device)
-        for row, (cache, width) in enumerate(zip(caches, widths)):
-            # Masked columns are still multiplied by their zero attention weight: never leave them
-            # uninitialised (0 * NaN is NaN), unlike the columns every row writes.
-            keys[:, row, :, :, :W - width] = 0
-            values[:, row, :, :W - width] = 0
-            self.key_bias[row, :W - width] = float("-inf")
-            if cache is not None:
-                keys[:, row, :, :, W - width:W] = cache.keys
-                values[:, row, :, W - width:W] = cache.values
-                self.key_bias[row, W - width:W] = cache.key_bias
+        if W > 0:  # the kept columns right-aligned; zeros before them (masked, but still multiplied by 0)
+            empty = RowCache(keys.new_zeros(L, K, D, 0), values.new_zeros(L, K, 0, D), self.key_bias.new_zeros(0), 0)
+            caches_or_empty = [empty if cache is None else cache for cache in caches]
+            keys[:, :, :, :, :W] = torch.stack([F.pad(cache.keys, (W - width, 0)) for cache, width in zip(caches_or_empty, widths)], 1)
+            values[:, :, :, :W] = torch.stack([F.pad(cache.values, (0, 0, W - width, 0)) for cache, width in zip(caches_or_empty, widths)], 1)
+            self.key_bias[:, :W] = torch.stack([F.pad(cache.key_bias, (W - width, 0), value=float("-inf"))
+                                                for cache, width in zip(caches_or_empty, widths)])
         self.key_bias[:, W:W + M].masked_fill_(~new_mask, float("-inf"))
         starts = torch.tensor([0 if cache is None else cache.position for cache in caches], device=device)
         position_ids = starts[:, None] + (new_mask.long().cumsum(-1) - 1).clamp(min=0)  # (n, M)
