@@ -70,19 +70,14 @@ def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
 
 @dataclass
 class RowCache:
-    """One row's keys and values after a turn (``LlamaDecoder.export``), for ``LlamaDecoder.resume``.
-
-    c columns: the row's context up to, not including, its last sampled token, with any holes the
-    row's cache had (masked columns between a turn and the tokens appended after it); leading left
-    padding is stripped.
-    """
+    """One row's keys and values after a turn (``LlamaDecoder.export``), for ``LlamaDecoder.resume``:
+    the c tokens of its context before its last sampled token, packed (no padding, no holes: rope is
+    already in the keys, so a column's place in the cache does not matter, only its mask)."""
 
     keys: torch.Tensor
     """(L, K, D, c), stored transposed as in the decoder's cache."""
     values: torch.Tensor
     """(L, K, c, D)."""
-    key_bias: torch.Tensor
-    """(c,) float: 0 = attend, -inf = a hole."""
     position: int
     """The position id of the next token the row reads (its last sampled token)."""
 
@@ -216,17 +211,19 @@ class LlamaDecoder:
 
     @torch.inference_mode()
     def export(self, rows: list[int]) -> list[RowCache]:
-        """Copies of cache rows ``rows`` (indices into the current rows): every column written so far,
-        less the left padding. Taken when a row ends a turn, before ``select`` drops it."""
+        """Copies of cache rows ``rows`` (indices into the current rows): the columns written so far
+        that the row attends to (its left padding and holes dropped). Taken when a row ends a turn,
+        before ``select`` drops it."""
         L, _, n, K, S, D = self.kv.shape
         keys, values = self.kv[:, 0].view(L, n, K, D, S), self.kv[:, 1]  # keys stored (D, S)
         index = torch.tensor(rows, dtype=torch.long, device=self.key_bias.device)
-        bias = self.key_bias.index_select(0, index)[:, :self.column]  # (k, column)
-        firsts = (bias == 0).int().argmax(-1).tolist()  # each row's first real column (one synchronisation)
+        real = (self.key_bias.index_select(0, index)[:, :self.column] == 0).cpu()  # (k, column): one synchronisation
         positions = self.positions.index_select(0, index).tolist()
-        return [RowCache(keys[:, row, :, :, first:self.column].clone(), values[:, row, :, first:self.column].clone(),
-                         bias[j, first:].clone(), positions[j])
-                for j, (row, first) in enumerate(zip(rows, firsts))]
+        caches = []
+        for row, columns, position in zip(rows, real, positions):
+            columns = columns.nonzero().squeeze(1).to(keys.device)
+            caches.append(RowCache(keys[:, row].index_select(-1, columns), values[:, row].index_select(-2, columns), position))
+        return caches
 
     @torch.inference_mode()
     @_without_cpu_autocast
@@ -235,10 +232,11 @@ class LlamaDecoder:
         """Rebuild the cache from exported rows and run each row's new tokens on top (a prefill that
         starts from a cache): the next turn of an episode without re-reading its earlier turns.
 
-        Layout: the n cached parts right-aligned in columns ``[0, W)`` (W = the widest), then the new
-        tokens right-aligned in ``[W, W + M)``; the columns a shorter row leaves empty before its new
-        tokens are a hole (key bias -inf), and position ids run on from each row's ``position``, so
-        holes and padding shift nothing. A row without a cache (None) is a plain left-padded prompt.
+        Layout: the n packed caches right-aligned in columns ``[0, W)`` (W = the longest), then the
+        new tokens right-aligned in ``[W, W + M)``; the columns a shorter row leaves empty before its
+        new tokens are a hole (key bias -inf, dropped again by ``export``), and position ids run on
+        from each row's ``position``, so padding and holes shift nothing. A row without a cache
+        (None) is a plain left-padded prompt.
 
         Args:
             caches: n ``RowCache`` or None. new_ids: (n, M) long, right-aligned. new_mask: (n, M)
@@ -251,20 +249,20 @@ class LlamaDecoder:
         n, M = new_ids.shape
         L, K, D = len(self.layers), self.kv_heads, self.head_dim
         device, dtype = self.embed.device, self.embed.dtype
-        widths = [0 if cache is None else cache.key_bias.shape[0] for cache in caches]
+        widths = [0 if cache is None else cache.keys.shape[-1] for cache in caches]
         W = max(widths)
         capacity = -(-(W + M + new_tokens) // 16) * 16  # the kernels read keys 16 columns at a time
         self.buffer = torch.empty(L, 2, max(n, max_rows), K, capacity, D, dtype=dtype, device=device)
         self.kv = self.buffer[:, :, :n]
         keys, values = self.kv[:, 0].view(L, n, K, D, capacity), self.kv[:, 1]
         self.key_bias = torch.zeros(n, capacity, dtype=dtype, device=device)
-        if W > 0:  # the kept columns right-aligned; zeros before them (masked, but still multiplied by 0)
-            empty = RowCache(keys.new_zeros(L, K, D, 0), values.new_zeros(L, K, 0, D), self.key_bias.new_zeros(0), 0)
-            caches_or_empty = [empty if cache is None else cache for cache in caches]
-            keys[:, :, :, :, :W] = torch.stack([F.pad(cache.keys, (W - width, 0)) for cache, width in zip(caches_or_empty, widths)], 1)
-            values[:, :, :, :W] = torch.stack([F.pad(cache.values, (0, 0, W - width, 0)) for cache, width in zip(caches_or_empty, widths)], 1)
-            self.key_bias[:, :W] = torch.stack([F.pad(cache.key_bias, (W - width, 0), value=float("-inf"))
-                                                for cache, width in zip(caches_or_empty, widths)])
+        if W > 0:  # the kept columns right-aligned, zeros before them: masked, but still multiplied by 0
+            packed = [(cache.keys, cache.values) if cache is not None else (keys.new_zeros(L, K, D, 0), values.new_zeros(L, K, 0, D))
+                      for cache in caches]
+            keys[:, :, :, :, :W] = torch.stack([F.pad(k, (W - k.shape[-1], 0)) for k, _ in packed], 1)
+            values[:, :, :, :W] = torch.stack([F.pad(v, (0, 0, W - v.shape[-2], 0)) for _, v in packed], 1)
+            self.key_bias[:, :W].masked_fill_(torch.arange(W, device=device)[None, :] < W - torch.tensor(widths, device=device)[:, None],
+                                              float("-inf"))
         self.key_bias[:, W:W + M].masked_fill_(~new_mask, float("-inf"))
         starts = torch.tensor([0 if cache is None else cache.position for cache in caches], device=device)
         position_ids = starts[:, None] + (new_mask.long().cumsum(-1) - 1).clamp(min=0)  # (n, M)
