@@ -9,6 +9,10 @@ The loop, per chunk of prompts:
 
 Randomness: one uniform number per (row, step) from a table drawn with the seed for all N rows up
 front, so a row's sample does not depend on chunking, compaction or which rows share its batch.
+
+``Session``: the same loop across calls (the turns of tool episodes). Each row's cache is exported
+as it ends (step 3), and a later call whose prompt begins with that row's ids resumes it in step 1
+(``decoder.resume``: only the new tokens are run) instead of prefilling the whole prompt.
 """
 
 from __future__ import annotations

@@ -20,6 +20,11 @@ is the single-turn rollout, token for token); turn k draws its uniform numbers f
 by (seed, k) and indexed by the row's place in the whole batch, so a row samples the same tokens
 whichever rank runs it and whichever other rows are still going.
 
+The KV cache: with the built-in engine an episode batch's turns go through one `engine.Session`,
+so a later turn reads only its new tokens (the last sampled token and the observation) on top of
+the row's cache instead of re-prefilling prompt and earlier turns; the same tokens either way
+(tests/test_episode_cache.py). Other engines re-prefill each turn.
+
 Also here: `ToolSettings` (the `tools` section), `make_sampler` (a tools section -> a sampler) and
 `tools_card` (the run card's account of the tools).
 """
