@@ -44,10 +44,12 @@ CODE = "print(sum(range(1000)))"
 
 
 def first_turn_calls(turn: list[int], draw=generate):
-    """`draw` (`generate` or a `Session`'s) whose turn-1 texts say CALL and count as finished (ids and
+    """`draw` (`generate` or a `Session`) whose turn-1 texts say CALL and count as finished (ids and
     log-probs untouched: the EOS is banned so every row has the same length); later turns as sampled."""
 
     def wrapped(*args, **kwargs):
+        if isinstance(draw, Session):
+            draw.keep = turn[0] == 0  # as the sampler's own session: turn 2 is the last (max_turns 2)
         rollout = draw(*args, **kwargs)
         turn[0] += 1
         if turn[0] > 1:
@@ -64,7 +66,7 @@ def episode_seconds(model, tokenizer, prompts, group_size, sampling, rounds, con
     toolbox = resolve_tools(["python"])
     for _ in range(rounds + 1):  # the first round starts the sandbox slots and packs the weights
         turn = [0]
-        draw = Session().generate if continue_cache else generate  # one session per episode batch, as the sampler's own
+        draw = Session() if continue_cache else generate  # one session per episode batch, as the sampler's own
         sampler = EpisodeSampler(tokenizer, toolbox, ToolSettings(names=["python"], max_turns=2), generate_fn=first_turn_calls(turn, draw))
         started = time.perf_counter()
         rollout = sampler(model, tokenizer, [None] * len(prompts), prompts, group_size=group_size, sampling=sampling, seed=1)

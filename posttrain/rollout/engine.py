@@ -181,7 +181,7 @@ def _run_chunk(decoder, id_lists, first, count, sampling, uniforms, eos_ids, sto
         prompt_ids, prompt_mask = _left_pad(chunk, pad_id, max(len(ids) for ids in chunk))
         logits = decoder.prefill(prompt_ids.to(device), prompt_mask.to(device), prompt_ids.shape[1] + T, max_rows=n)
     on_end = None
-    if resume is not None and hasattr(decoder, "export"):
+    if resume is not None and resume.keep and hasattr(decoder, "export"):
         def on_end(cache_rows, chunk_rows):
             for row, state in zip(chunk_rows, decoder.export(cache_rows)):
                 resume.kept[first * group_size + row] = state
@@ -326,6 +326,8 @@ class _Resume:
     """Row (b * G + g of this call) -> its cache as the row ended."""
     resumed: int = 0
     """Prompts that read only their new tokens (the decoder could resume them)."""
+    keep: bool = True
+    """Export the rows as they end (False: no call follows)."""
 
 
 class Session:
@@ -349,6 +351,9 @@ class Session:
         """Row place (prompt index * G + g in the whole batch) -> its state after the last call."""
         self.resumed = 0
         """Prompts resumed from a kept cache so far (the tests read it)."""
+        self.keep = True
+        """Keep the rows of the next call; False: it is the last (an episode's last allowed turn), so
+        its rows' caches are not copied out."""
 
     def generate(self, model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
                  seed: int = 0, max_batch_size: int = 64, backend: str = "auto", add_special_tokens: bool = False,
@@ -367,7 +372,7 @@ class Session:
             kept = self.kept.get(place) if group_size == 1 else None
             caches.append(kept if kept is not None and ids[:len(kept.ids)] == kept.ids else None)
         self.kept = {}  # rows that did not come back have ended their episodes
-        return _Resume(caches)
+        return _Resume(caches, keep=self.keep)
 
     def _keep(self, resume: _Resume, id_lists, completions: torch.Tensor, lengths: torch.Tensor, places: list[int],
               group_size: int) -> None:

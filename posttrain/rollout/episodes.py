@@ -150,7 +150,10 @@ class EpisodeSampler:
         transcript and counts); `seed` and `shard` as in `generate`."""
         settings, G = self.settings, group_size
         first, total = shard if shard is not None else (0, len(prompts))
-        draw = Session() if self.continue_cache and self.generate is generate else self.generate  # one batch's turns
+        draw = self.generate
+        if self.continue_cache and self.generate is generate:
+            draw = Session()  # one per episode batch: its rows' caches go on from turn to turn
+            draw.keep = settings.max_turns > 1
         turn_rollout = draw(policy, tokenizer, list(prompts), group_size=G, sampling=sampling, seed=seed, shard=shard)
         N = turn_rollout.prompt_ids.shape[0]
         eos_ids = set(stop_token_ids(policy, tokenizer, sampling))
@@ -168,6 +171,8 @@ class EpisodeSampler:
                 break
             turn += 1
             contexts = [prompt_ids[r] + rows[r].ids for r in still]
+            if isinstance(draw, Session):
+                draw.keep = turn < settings.max_turns  # no turn follows the last allowed one
             turn_rollout = draw(policy, tokenizer, contexts, group_size=1, sampling=sampling,
                                          seed=_turn_seed(seed, turn), draws=([first * G + r for r in still], total * G))
             active = still
