@@ -66,10 +66,15 @@ class CountingSession(Session):
         CountingSession.made.append(self)
 
 
-def _episodes(tiny, continue_cache, settings, sampling, prompts, seed):
+def _episodes(tiny, continue_cache, settings, sampling, prompts, seed, shard=None):
     model, tokenizer = tiny
     sampler = EpisodeSampler(tokenizer, LengthyToolbox(), settings, continue_cache=continue_cache)
-    return sampler(model, tokenizer, [None] * len(prompts), prompts, group_size=2, sampling=sampling, seed=seed)
+    return sampler(model, tokenizer, [None] * len(prompts), prompts, group_size=2, sampling=sampling, seed=seed, shard=shard)
+
+
+def _prompts(tokenizer):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"{i}+{3 * i}="}], add_generation_prompt=True,
+                                          tokenize=False) for i in range(4)]
 
 
 @pytest.mark.parametrize("settings", [ToolSettings(names=["add"], max_turns=3),
@@ -80,8 +85,7 @@ def test_a_continued_cache_samples_the_episodes_of_re_prefilling(tiny, monkeypat
     monkeypatch.setattr(episodes_module, "parse_tool_calls", every_turn_calls)
     monkeypatch.setattr(episodes_module, "Session", CountingSession)
     CountingSession.made.clear()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{i}+{3 * i}="}], add_generation_prompt=True,
-                                             tokenize=False) for i in range(4)]
+    prompts = _prompts(tokenizer)
     sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, stop_token_ids=STOPS)
     cached = _episodes(tiny, True, settings, sampling, prompts, seed=5)
     assert len(CountingSession.made) == 1 and CountingSession.made[0].resumed > 0
@@ -95,6 +99,18 @@ def test_a_continued_cache_samples_the_episodes_of_re_prefilling(tiny, monkeypat
     assert cached.texts == plain.texts and cached.episodes == plain.episodes
     torch.testing.assert_close(cached.logprobs, plain.logprobs, rtol=0, atol=LOGPROB_TOLERANCE)
     torch.testing.assert_close(cached.sampler_logprobs, plain.sampler_logprobs, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
+def test_a_shard_resumes_its_rows_of_the_whole_batch(tiny, monkeypatch):
+    """torchrun's ranks: rows are kept and found by their place in the whole batch (`shard`, `draws`)."""
+    monkeypatch.setattr(episodes_module, "parse_tool_calls", every_turn_calls)
+    prompts, settings = _prompts(tiny[1]), ToolSettings(names=["add"], max_turns=3)
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, stop_token_ids=STOPS)
+    whole = _episodes(tiny, True, settings, sampling, prompts, seed=5)
+    part = _episodes(tiny, True, settings, sampling, prompts[2:], seed=5, shard=(2, 4))
+    assert part.texts == whole.texts[4:] and part.episodes == whole.episodes[4:]
+    width = part.completion_ids.shape[1]
+    assert torch.equal(part.completion_ids, whole.completion_ids[4:, :width]) and not whole.mask[4:, width:].any()
 
 
 def test_a_session_resumes_rows_in_any_order_and_chunk_beside_fresh_prompts(tiny):

@@ -19,6 +19,12 @@ This decoder reads the model's own weights and keeps only what a decode step nee
   small fraction of the copy's cost), because writes through ``param.data`` do not bump the
   version counter. Elsewhere, plain ``F.linear`` on fused weights.
 
+Across calls (the turns of tool episodes, ``engine.Session``): ``export`` copies a row's cache out
+as it ends a turn, packed (its padding and holes dropped), and ``resume`` rebuilds a cache from such
+rows and runs only each row's new tokens on top, with per-row position ids and a masked hole where
+a row has fewer new tokens than the longest (tests/test_episode_cache.py: the logits of a fresh
+prefill of the whole context).
+
 It is checked against the model's own forward (logits) and against ``model.generate`` (greedy
 tokens) in tests/test_rollout_decoders.py. PEFT LoRA layers are supported by folding the active
 adapters into the copy of the weights (``decoder_weights.py``; the model is not touched).
