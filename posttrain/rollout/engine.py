@@ -247,7 +247,7 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
 
 def _generate(model, tokenizer, prompts, *, group_size, sampling, seed, max_batch_size, backend, add_special_tokens,
               shard, draws, session: Session | None = None) -> Rollout:
-    """`generate`; with a `session`, rows it kept are resumed and the rows that end on a stop are kept."""
+    """`generate`; with a `session`, the rows it kept are resumed and every row is kept as it ends."""
     sampling = sampling or SamplingConfig()
     if backend not in BACKENDS:
         raise UserError(f"backend must be one of {BACKENDS}, got {backend!r}")
