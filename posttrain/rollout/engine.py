@@ -180,12 +180,13 @@ def _run_chunk(decoder, id_lists, first, count, sampling, uniforms, eos_ids, sto
     else:
         prompt_ids, prompt_mask = _left_pad(chunk, pad_id, max(len(ids) for ids in chunk))
         logits = decoder.prefill(prompt_ids.to(device), prompt_mask.to(device), prompt_ids.shape[1] + T, max_rows=n)
-    on_end = None
-    if resume is not None and resume.keep and hasattr(decoder, "export"):
-        def on_end(cache_rows, chunk_rows):
-            for row, state in zip(chunk_rows, decoder.export(cache_rows)):
-                resume.kept[first * group_size + row] = state
-    return _generate_chunk(decoder, logits, group_size, sampling, uniforms[rows], eos_ids, stops, pad_id, on_end)
+    def export(cache_rows, chunk_rows):
+        for row, state in zip(chunk_rows, decoder.export(cache_rows)):
+            resume.kept[first * group_size + row] = state
+
+    keeps = resume is not None and resume.keep and hasattr(decoder, "export")
+    return _generate_chunk(decoder, logits, group_size, sampling, uniforms[rows], eos_ids, stops, pad_id,
+                           export if keeps else None)
 
 
 def batch_places(count: int, shard: tuple[int, int] | None, draws: tuple[Sequence[int], int] | None) -> tuple[list[int], int]:
