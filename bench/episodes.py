@@ -4,17 +4,19 @@
    (`rollout.episodes.EpisodeSampler`, the library's own sampler): turn 1 generates `--turn-tokens`
    tokens per row (EOS banned until then, so every row has the same length), every row calls the
    `python` tool (the bubblewrap sandbox: a real round trip per row), the result is appended as
-   observation tokens, and turn 2 generates `--turn-tokens` more (re-prefilling prompt + turn 1 +
-   observation). The random tiny model writes no tool call, so turn 1's TEXT (never its ids) is
+   observation tokens, and turn 2 generates `--turn-tokens` more: through one `engine.Session`, each
+   row's KV cache continued from turn 1 (turn 2 reads only the observation), and, beside it, with
+   `continue_cache` off (re-prefilling prompt + turn 1 + observation, as before the session). The random tiny model writes no tool call, so turn 1's TEXT (never its ids) is
    replaced by a fixed call before the sampler parses it: the tokens, the tool run and the re-prefill
    are all real. Beside it, the floor: one `generate` call producing the same 2 x `--turn-tokens`
-   generated tokens per row in a single turn. ratio = floor / episode (1.0: tool turns cost nothing).
+   generated tokens per row in a single turn. ratio = floor / episode (1.0: tool turns cost nothing),
+   for the continued episode.
 2. The python tool's calls/s (`rollout.tools.python_tool_rate`: a batch of `--calls` programs through
    the worker pool's sandbox slots) vs the unsandboxed way peers run a tool's code: a fresh
    `python -c` subprocess per call, `--workers` at a time.
 
 Usage: .venv/bin/python bench/episodes.py [--turn-tokens 32] [--calls 64] [--rounds 3]
-Ends with: RESULT episode_overhead: ... and RESULT python_tool: ... (R > 1: ours is faster).
+Ends with: RESULT episode_overhead: ... (the continued cache) and RESULT python_tool: ... (R > 1: ours is faster).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from posttrain.models.tiny import build_tiny_model
 from posttrain.rollout import SamplingConfig, generate
+from posttrain.rollout.engine import Session
 from posttrain.rollout.episodes import EpisodeSampler, ToolSettings
 from posttrain.rollout.tools import python_tool_rate, resolve_tools
 
@@ -40,12 +43,14 @@ CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(sum(range(100
 CODE = "print(sum(range(1000)))"
 
 
-def first_turn_calls(turn: list[int]):
-    """`generate` whose turn-1 texts say CALL and count as finished (ids and log-probs untouched: the
-    EOS is banned so every row has the same length); later turns as sampled."""
+def first_turn_calls(turn: list[int], draw=generate):
+    """`draw` (`generate` or a `Session`) whose turn-1 texts say CALL and count as finished (ids and
+    log-probs untouched: the EOS is banned so every row has the same length); later turns as sampled."""
 
     def wrapped(*args, **kwargs):
-        rollout = generate(*args, **kwargs)
+        if isinstance(draw, Session):
+            draw.keep = turn[0] == 0  # as the sampler's own session: turn 2 is the last (max_turns 2)
+        rollout = draw(*args, **kwargs)
         turn[0] += 1
         if turn[0] > 1:
             return rollout
@@ -55,13 +60,14 @@ def first_turn_calls(turn: list[int]):
     return wrapped
 
 
-def episode_seconds(model, tokenizer, prompts, group_size, sampling, rounds) -> tuple[float, dict]:
+def episode_seconds(model, tokenizer, prompts, group_size, sampling, rounds, continue_cache) -> tuple[float, dict]:
     """Best wall seconds of one episode batch, and the last batch's episode counts."""
     best, counts = float("inf"), {}
     toolbox = resolve_tools(["python"])
     for _ in range(rounds + 1):  # the first round starts the sandbox slots and packs the weights
         turn = [0]
-        sampler = EpisodeSampler(tokenizer, toolbox, ToolSettings(names=["python"], max_turns=2), generate_fn=first_turn_calls(turn))
+        draw = Session() if continue_cache else generate  # one session per episode batch, as the sampler's own
+        sampler = EpisodeSampler(tokenizer, toolbox, ToolSettings(names=["python"], max_turns=2), generate_fn=first_turn_calls(turn, draw))
         started = time.perf_counter()
         rollout = sampler(model, tokenizer, [None] * len(prompts), prompts, group_size=group_size, sampling=sampling, seed=1)
         elapsed = time.perf_counter() - started
@@ -110,11 +116,13 @@ def main() -> None:
                for i in range(args.prompts)]
     turn = SamplingConfig(max_new_tokens=args.turn_tokens, min_new_tokens=args.turn_tokens, temperature=1.0)
     whole = dataclasses.replace(turn, max_new_tokens=2 * args.turn_tokens, min_new_tokens=2 * args.turn_tokens)
-    episode, counts = episode_seconds(model, tokenizer, prompts, args.group_size, turn, args.rounds)
+    episode, counts = episode_seconds(model, tokenizer, prompts, args.group_size, turn, args.rounds, continue_cache=True)
+    prefilled, _ = episode_seconds(model, tokenizer, prompts, args.group_size, turn, args.rounds, continue_cache=False)
     floor = single_turn_seconds(model, tokenizer, prompts, args.group_size, whole, args.rounds)
     rows = args.prompts * args.group_size
     print(f"episode batch: {rows} rows, {counts['turns']} turns, {counts['calls']} python calls, {counts['generated']} generated "
-          f"+ {counts['observation_tokens']} observation tokens: best {episode:.3f} s")
+          f"+ {counts['observation_tokens']} observation tokens: best {episode:.3f} s (KV cache continued), "
+          f"{prefilled:.3f} s (turn 2 re-prefilled, ratio {floor / prefilled:.2f})")
     print(f"single turn, the same {rows} x {2 * args.turn_tokens} generated tokens: best {floor:.3f} s")
     print(f"RESULT episode_overhead: ours={episode:.3f} peer={floor:.3f} unit=s ratio={floor / episode:.2f}")
     ours = python_tool_rate(args.calls, code=CODE, workers=args.workers)

@@ -9,6 +9,10 @@ The loop, per chunk of prompts:
 
 Randomness: one uniform number per (row, step) from a table drawn with the seed for all N rows up
 front, so a row's sample does not depend on chunking, compaction or which rows share its batch.
+
+``Session``: the same loop across calls (the turns of tool episodes). Each row's cache is exported
+as it ends (step 3), and a later call whose prompt begins with that row's ids resumes it in step 1
+(``decoder.resume``: only the new tokens are run) instead of prefilling the whole prompt.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +28,7 @@ from posttrain.errors import UserError
 from posttrain.rollout import decoder_weights
 from posttrain.rollout.batch import Rollout
 from posttrain.rollout.hf_decoder import HFDecoder
-from posttrain.rollout.llama_decoder import LlamaDecoder, unsupported_reason
+from posttrain.rollout.llama_decoder import LlamaDecoder, RowCache, unsupported_reason
 from posttrain.rollout.sampling import SamplingConfig, sample_step
 
 logger = logging.getLogger(__name__)
@@ -110,12 +115,13 @@ class _StopStrings:
         return text[:min(ends)] if ends else text
 
 
-def _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, uniforms, eos_ids, stops, pad_id):
-    """Sample G completions for each of the chunk's B prompts. Returns per-row tensors (n = B * G) on
-    the prompts' device. One host synchronisation per decode step: the (n,) "done" flags (with the
-    tokens, when stop strings are checked on the host)."""
-    B, P = prompt_ids.shape
-    device = prompt_ids.device
+def _generate_chunk(decoder, logits, group_size, sampling, uniforms, eos_ids, stops, pad_id, on_end=None):
+    """Sample G completions for each of the chunk's B prompts, from the decoder's cache of them and
+    their (B, V) next-token `logits`. Returns per-row tensors (n = B * G) on the logits' device. One
+    host synchronisation per decode step: the (n,) "done" flags (with the tokens, when stop strings
+    are checked on the host). on_end: called with (cache rows, chunk rows) of the rows that end, before
+    they leave the cache (a `Session` exports them)."""
+    B, device = logits.shape[0], logits.device
     n, T = B * group_size, sampling.max_new_tokens
     completions = torch.full((n, T), pad_id, dtype=torch.long, device=device)
     host_completions = torch.full((n, T), pad_id, dtype=torch.long) if stops is not None else None
@@ -123,7 +129,6 @@ def _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, unif
     logprobs = torch.zeros(n, T, device=device)
     lengths = torch.zeros(n, dtype=torch.long, device=device)
     finished = torch.zeros(n, dtype=torch.bool, device=device)
-    logits = decoder.prefill(prompt_ids, prompt_mask, P + T, max_rows=n)  # (B, V)
     expand = torch.arange(B).repeat_interleave(group_size)  # prompt b -> rows b*G .. b*G+G-1
     decoder.select(expand)
     logits = logits.index_select(0, expand.to(device))  # (n, V)
@@ -144,6 +149,9 @@ def _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, unif
         else:
             done_host = done.cpu()  # the step's one synchronisation (a no-op on the CPU)
         finished[active_host[done_host].to(device)] = True
+        if on_end is not None and (step == T - 1 or bool(done_host.any())):  # every row, as it leaves the cache
+            ended = torch.arange(len(active_host)) if step == T - 1 else done_host.nonzero().squeeze(1)
+            on_end(ended.tolist(), active_host[ended].tolist())
         if step == T - 1 or bool(done_host.all()):
             break
         if bool(done_host.any()):  # compact: ended rows leave the cache and stop costing compute
@@ -155,14 +163,30 @@ def _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, unif
     return completions, sampler_logprobs, logprobs, lengths, finished
 
 
-def _run_chunk(decoder, id_lists, first, count, sampling, uniforms, eos_ids, stops, pad_id, group_size):
-    """Prompts ``first .. first + count`` (whole groups): left-pad them and sample their rows."""
+def _run_chunk(decoder, id_lists, first, count, sampling, uniforms, eos_ids, stops, pad_id, group_size, resume=None):
+    """Prompts ``first .. first + count`` (whole groups): left-pad them, prefill them and sample their
+    rows. resume: a `_Resume` (a `Session` call): the chunk's rows with a kept cache read only their
+    new tokens, and every row is exported as it ends, for the next call."""
     chunk = id_lists[first:first + count]
-    prompt_ids, prompt_mask = _left_pad(chunk, pad_id, max(len(ids) for ids in chunk))
-    prompt_ids, prompt_mask = prompt_ids.to(eos_ids.device), prompt_mask.to(eos_ids.device)
     rows = slice(first * group_size, (first + len(chunk)) * group_size)
-    return _generate_chunk(decoder, prompt_ids, prompt_mask, group_size, sampling, uniforms[rows], eos_ids, stops,
-                           pad_id)
+    T, device, n = sampling.max_new_tokens, eos_ids.device, len(chunk) * group_size
+    caches = resume.caches[first:first + count] if resume is not None and hasattr(decoder, "resume") else [None]
+    if any(cache is not None for cache in caches):
+        new = [ids if cache is None else ids[len(cache.ids) - 1:] for ids, cache in zip(chunk, caches)]
+        new_ids, new_mask = _left_pad(new, pad_id, max(map(len, new)))
+        resume.resumed += sum(cache is not None for cache in caches)
+        logits = decoder.resume([None if cache is None else cache.state for cache in caches], new_ids.to(device),
+                                new_mask.to(device), T, max_rows=n)
+    else:
+        prompt_ids, prompt_mask = _left_pad(chunk, pad_id, max(len(ids) for ids in chunk))
+        logits = decoder.prefill(prompt_ids.to(device), prompt_mask.to(device), prompt_ids.shape[1] + T, max_rows=n)
+    def export(cache_rows, chunk_rows):
+        for row, state in zip(chunk_rows, decoder.export(cache_rows)):
+            resume.kept[first * group_size + row] = state
+
+    keeps = resume is not None and resume.keep and hasattr(decoder, "export")
+    return _generate_chunk(decoder, logits, group_size, sampling, uniforms[rows], eos_ids, stops, pad_id,
+                           export if keeps else None)
 
 
 def batch_places(count: int, shard: tuple[int, int] | None, draws: tuple[Sequence[int], int] | None) -> tuple[list[int], int]:
@@ -217,6 +241,14 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
         decoder keeps its weight copy and cache in bfloat16. The uniforms are drawn on the CPU, so
         the same seed gives the same draws on every device.
     """
+    return _generate(model, tokenizer, prompts, group_size=group_size, sampling=sampling, seed=seed,
+                     max_batch_size=max_batch_size, backend=backend, add_special_tokens=add_special_tokens,
+                     shard=shard, draws=draws)
+
+
+def _generate(model, tokenizer, prompts, *, group_size, sampling, seed, max_batch_size, backend, add_special_tokens,
+              shard, draws, session: Session | None = None) -> Rollout:
+    """`generate`; with a `session`, the rows it kept are resumed and every row is kept as it ends."""
     sampling = sampling or SamplingConfig()
     if backend not in BACKENDS:
         raise UserError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -235,6 +267,7 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     rows = torch.tensor([i * G + g for i in indices for g in range(G)], dtype=torch.long)
     uniforms = uniforms[rows].to(device)  # drawn on the CPU: the same draws on every device
     prompts_per_chunk = max(1, max_batch_size // G)
+    resume = session._resume(id_lists, [i * G for i in indices], G) if session is not None else None
     started = time.perf_counter()
     was_training = model.training
     model.eval()  # no dropout while sampling; the caller's mode is restored below
@@ -243,7 +276,7 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
             decoder = _make_decoder(model, backend, max(map(len, id_lists)) + T,
                                     batch_hint=min(B, prompts_per_chunk) * G)
             pieces = [_run_chunk(decoder, id_lists, first, prompts_per_chunk, sampling, uniforms, eos_ids, stops,
-                                 pad_id, G) for first in range(0, B, prompts_per_chunk)]
+                                 pad_id, G, resume) for first in range(0, B, prompts_per_chunk)]
     finally:
         model.train(was_training)
         if device.type != "cpu":
@@ -263,6 +296,8 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     if stops is not None:
         texts = [stops.cut(text) if done else text for text, done in zip(texts, finished.tolist())]
+    if session is not None:
+        session._keep(resume, id_lists, completions, lengths, [i * G + g for i in indices for g in range(G)], G)
     elapsed = time.perf_counter() - started
     logger.debug("rollout: %d rows, %d tokens in %.2fs (%.1f tokens/s)", B * G, int(lengths.sum()), elapsed,
                 int(lengths.sum()) / max(elapsed, 1e-9))
@@ -271,3 +306,84 @@ def generate(model, tokenizer, prompts, *, group_size: int = 1, sampling: Sampli
         sampler_logprobs=sampler_logprobs[:, :width] * mask, logprobs=logprobs[:, :width] * mask,
         finished=finished, truncated=~finished, texts=texts,
         prompt_index=torch.arange(B, device=device).repeat_interleave(G), group_size=G, sampling=sampling, pad_token_id=pad_id)
+
+
+@dataclass
+class _Kept:
+    """A row's decoder state between two `Session.generate` calls."""
+
+    ids: list[int]
+    """Every token the row has read or sampled: its prompt, then its completion (the last one not yet in the cache)."""
+    state: RowCache
+
+
+@dataclass
+class _Resume:
+    """One `Session.generate` call's view of the session: what each prompt resumes, what its rows keep."""
+
+    caches: list[_Kept | None]
+    """Per prompt: the kept state whose ids begin its prompt; None: prefilled from scratch."""
+    kept: dict[int, RowCache] = field(default_factory=dict)
+    """Row (b * G + g of this call) -> its cache as the row ended."""
+    resumed: int = 0
+    """Prompts that read only their new tokens (the decoder could resume them)."""
+    keep: bool = True
+    """Export the rows as they end (False: no call follows)."""
+
+
+class Session:
+    """The built-in engine across the turns of a batch of episodes: `generate`, keeping each row's KV
+    cache from one call to the next, so a turn reads only its new tokens (the observation) instead of
+    re-prefilling the prompt and every earlier turn.
+
+    A row is known by its place in the whole batch (`generate`'s `shard` / `draws`: the index its
+    uniform numbers are drawn by). A call resumes a prompt from the state kept for its place when the
+    ids kept there (the earlier prompt and what was sampled) begin the prompt; anything else (another
+    place, other ids, group_size > 1, the generic decoder) is prefilled as `generate` does. What is
+    sampled is `generate`'s (same seeds, same uniforms, same stops); the log-probs agree up to float
+    rounding (the attention over a cache built in pieces sums in another order: tests/test_episode_cache.py).
+
+    Each call keeps every row's cache as the row ends (on a stop or at max_new_tokens) and forgets what
+    the previous call kept: memory is one turn's caches, about the KV cache `generate` held anyway.
+    """
+
+    def __init__(self):
+        self.kept: dict[int, _Kept] = {}
+        """Row place (prompt index * G + g in the whole batch) -> its state after the last call."""
+        self.resumed = 0
+        """Prompts resumed from a kept cache so far (the tests read it)."""
+        self.keep = True
+        """Keep the rows of the next call; False: it is the last (an episode's last allowed turn), so
+        its rows' caches are not copied out."""
+
+    def generate(self, model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
+                 seed: int = 0, max_batch_size: int = 64, backend: str = "auto", add_special_tokens: bool = False,
+                 shard: tuple[int, int] | None = None, draws: tuple[Sequence[int], int] | None = None) -> Rollout:
+        """`generate`, same arguments and result; see the class docstring for what is kept."""
+        return _generate(model, tokenizer, prompts, group_size=group_size, sampling=sampling, seed=seed,
+                         max_batch_size=max_batch_size, backend=backend, add_special_tokens=add_special_tokens,
+                         shard=shard, draws=draws, session=self)
+
+    __call__ = generate
+
+    def _resume(self, id_lists: list[list[int]], places: list[int], group_size: int) -> _Resume:
+        """Match each prompt (its first row's place in `places`) with the state kept there."""
+        caches = []
+        for ids, place in zip(id_lists, places):
+            kept = self.kept.get(place) if group_size == 1 else None
+            caches.append(kept if kept is not None and ids[:len(kept.ids)] == kept.ids else None)
+        self.kept = {}  # rows that did not come back have ended their episodes
+        return _Resume(caches, keep=self.keep)
+
+    def _keep(self, resume: _Resume, id_lists, completions: torch.Tensor, lengths: torch.Tensor, places: list[int],
+              group_size: int) -> None:
+        """Store the rows `resume.kept` exported with their ids. completions: (N, T); lengths: (N,)."""
+        self.resumed += resume.resumed
+        if resume.resumed:
+            logger.debug("rollout: %d of %d prompts resumed from their kept cache", resume.resumed, len(id_lists))
+        if not resume.kept:
+            return
+        lengths, completions = lengths.tolist(), completions.tolist()
+        for row, state in resume.kept.items():
+            ids = id_lists[row // group_size] + completions[row][:lengths[row]]
+            self.kept[places[row]] = _Kept(ids, state)

@@ -20,6 +20,11 @@ is the single-turn rollout, token for token); turn k draws its uniform numbers f
 by (seed, k) and indexed by the row's place in the whole batch, so a row samples the same tokens
 whichever rank runs it and whichever other rows are still going.
 
+The KV cache: with the built-in engine an episode batch's turns go through one `engine.Session`,
+so a later turn reads only its new tokens (the last sampled token and the observation) on top of
+the row's cache instead of re-prefilling prompt and earlier turns; the same tokens either way
+(tests/test_episode_cache.py). Other engines re-prefill each turn.
+
 Also here: `ToolSettings` (the `tools` section), `make_sampler` (a tools section -> a sampler) and
 `tools_card` (the run card's account of the tools).
 """
@@ -34,7 +39,7 @@ from typing import Any, ClassVar, Literal
 from posttrain.data.context import context_limit
 from posttrain.errors import UserError
 from posttrain.rollout.batch import Rollout
-from posttrain.rollout.engine import generate, stop_token_ids
+from posttrain.rollout.engine import Session, generate, stop_token_ids
 from posttrain.rollout.environments import Step, environment_factory, environment_schemas, environment_step
 from posttrain.rollout.sampling import SamplingConfig
 from posttrain.rollout.tool_calls import ToolCall, parse_tool_calls
@@ -125,11 +130,15 @@ class EpisodeSampler:
         settings: `ToolSettings`.
         generate_fn: the turn generator, `rollout.generate`'s signature (tests script it).
         environment: instead of the toolbox, a factory of environments (`rollout/environments.py`), one per episode.
+        continue_cache: with the built-in `generate`, draw an episode batch's turns through one
+            `engine.Session`: each row's KV cache goes on from turn to turn (a turn reads only its
+            observation). False, or any other engine: every turn re-prefills its whole context.
     """
 
     def __init__(self, tokenizer, toolbox, settings: ToolSettings, generate_fn: Callable[..., Rollout] = generate,
-                 environment: Callable[[], Any] | None = None):
+                 environment: Callable[[], Any] | None = None, continue_cache: bool = True):
         self.toolbox, self.settings, self.generate, self.environment = toolbox, settings, generate_fn, environment
+        self.continue_cache = continue_cache
         self.observations = ObservationFormat(tokenizer)
         schemas = environment_schemas(environment) if environment is not None else toolbox.schemas()
         self.tools = schemas if settings.describe == "auto" else None
@@ -141,7 +150,11 @@ class EpisodeSampler:
         transcript and counts); `seed` and `shard` as in `generate`."""
         settings, G = self.settings, group_size
         first, total = shard if shard is not None else (0, len(prompts))
-        turn_rollout = self.generate(policy, tokenizer, list(prompts), group_size=G, sampling=sampling, seed=seed, shard=shard)
+        draw = self.generate
+        if self.continue_cache and self.generate is generate:
+            draw = Session()  # one per episode batch: its rows' caches go on from turn to turn
+            draw.keep = settings.max_turns > 1
+        turn_rollout = draw(policy, tokenizer, list(prompts), group_size=G, sampling=sampling, seed=seed, shard=shard)
         N = turn_rollout.prompt_ids.shape[0]
         eos_ids = set(stop_token_ids(policy, tokenizer, sampling))
         prompt_ids = [ids[keep].tolist() for ids, keep in zip(turn_rollout.prompt_ids.cpu(), turn_rollout.prompt_attention_mask.cpu())]
@@ -158,7 +171,9 @@ class EpisodeSampler:
                 break
             turn += 1
             contexts = [prompt_ids[r] + rows[r].ids for r in still]
-            turn_rollout = self.generate(policy, tokenizer, contexts, group_size=1, sampling=sampling,
+            if isinstance(draw, Session):
+                draw.keep = turn < settings.max_turns  # no turn follows the last allowed one
+            turn_rollout = draw(policy, tokenizer, contexts, group_size=1, sampling=sampling,
                                          seed=_turn_seed(seed, turn), draws=([first * G + r for r in still], total * G))
             active = still
         rollout = assemble_rollout(first_turn, rows)

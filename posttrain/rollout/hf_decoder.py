@@ -5,7 +5,8 @@ and the independent reference the fast decoder is tested against.
 
 A decoder holds the KV cache of the rows still being generated. The engine calls, in order:
 ``prefill`` (the B distinct prompts, once), ``select`` (expand each prompt's cache to its G rows,
-later drop finished rows), then ``decode`` once per new token.
+later drop finished rows), then ``decode`` once per new token. It has no ``export`` / ``resume``:
+the turns of an episode re-prefill their whole context on it (``engine.Session`` falls back).
 """
 
 from __future__ import annotations

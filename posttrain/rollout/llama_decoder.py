@@ -19,6 +19,12 @@ This decoder reads the model's own weights and keeps only what a decode step nee
   small fraction of the copy's cost), because writes through ``param.data`` do not bump the
   version counter. Elsewhere, plain ``F.linear`` on fused weights.
 
+Across calls (the turns of tool episodes, ``engine.Session``): ``export`` copies a row's cache out
+as it ends a turn, packed (its padding and holes dropped), and ``resume`` rebuilds a cache from such
+rows and runs only each row's new tokens on top, with per-row position ids and a masked hole where
+a row has fewer new tokens than the longest (tests/test_episode_cache.py: the logits of a fresh
+prefill of the whole context).
+
 It is checked against the model's own forward (logits) and against ``model.generate`` (greedy
 tokens) in tests/test_rollout_decoders.py. PEFT LoRA layers are supported by folding the active
 adapters into the copy of the weights (``decoder_weights.py``; the model is not touched).
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +72,20 @@ def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
     if type(model.get_input_embeddings()) is not torch.nn.Embedding:
         return f"input embedding of type {type(model.get_input_embeddings()).__name__}"
     return None
+
+
+@dataclass
+class RowCache:
+    """One row's keys and values after a turn (``LlamaDecoder.export``), for ``LlamaDecoder.resume``:
+    the c tokens of its context before its last sampled token, packed (no padding, no holes: rope is
+    already in the keys, so a column's place in the cache does not matter, only its mask)."""
+
+    keys: torch.Tensor
+    """(L, K, D, c), stored transposed as in the decoder's cache."""
+    values: torch.Tensor
+    """(L, K, c, D)."""
+    position: int
+    """The position id of the next token the row reads (its last sampled token)."""
 
 
 def _without_cpu_autocast(method):
@@ -190,6 +211,88 @@ class LlamaDecoder:
         self.sharing = kernels.Sharing.distinct(B)
         if self.kernels:
             H, rows = self.heads, max(B, max_rows)
+            self.scratch = (torch.empty(rows, H, D), torch.empty(rows, H, capacity), torch.empty(rows, H * D))
+        self._make_views()
+        return self.lm_head(self._norm(x[:, -1], self.final_norm)).float()
+
+    @torch.inference_mode()
+    def export(self, rows: list[int]) -> list[RowCache]:
+        """Copies of cache rows ``rows`` (indices into the current rows): the columns written so far
+        that the row attends to (its left padding and holes dropped). Taken when a row ends a turn,
+        before ``select`` drops it."""
+        L, _, n, K, S, D = self.kv.shape
+        keys, values = self.kv[:, 0].view(L, n, K, D, S), self.kv[:, 1]  # keys stored (D, S)
+        index = torch.tensor(rows, dtype=torch.long, device=self.key_bias.device)
+        real = (self.key_bias.index_select(0, index)[:, :self.column] == 0).cpu()  # (k, column): one synchronisation
+        positions = self.positions.index_select(0, index).tolist()
+        caches = []
+        for row, columns, position in zip(rows, real, positions):
+            columns = columns.nonzero().squeeze(1).to(keys.device)
+            caches.append(RowCache(keys[:, row].index_select(-1, columns), values[:, row].index_select(-2, columns), position))
+        return caches
+
+    @torch.inference_mode()
+    @_without_cpu_autocast
+    def resume(self, caches: list[RowCache | None], new_ids: torch.Tensor, new_mask: torch.Tensor,
+               new_tokens: int, max_rows: int = 0) -> torch.Tensor:
+        """Rebuild the cache from exported rows and run each row's new tokens on top (a prefill that
+        starts from a cache): the next turn of an episode without re-reading its earlier turns.
+
+        Layout: the n packed caches right-aligned in columns ``[0, W)`` (W = the longest), then the
+        new tokens right-aligned in ``[W, W + M)``; the columns a shorter row leaves empty before its
+        new tokens are a hole (key bias -inf, dropped again by ``export``), and position ids run on
+        from each row's ``position``, so padding and holes shift nothing. A row without a cache
+        (None) is a plain left-padded prompt.
+
+        Args:
+            caches: n ``RowCache`` or None. new_ids: (n, M) long, right-aligned. new_mask: (n, M)
+            bool, True = real token (each row has at least one). new_tokens: tokens to be decoded
+            after (capacity). max_rows: as in ``prefill``.
+
+        Returns:
+            (n, V) float32 next-token logits.
+        """
+        n, M = new_ids.shape
+        L, K, D = len(self.layers), self.kv_heads, self.head_dim
+        device, dtype = self.embed.device, self.embed.dtype
+        widths = [0 if cache is None else cache.keys.shape[-1] for cache in caches]
+        W = max(widths)
+        capacity = -(-(W + M + new_tokens) // 16) * 16  # the kernels read keys 16 columns at a time
+        self.buffer = torch.empty(L, 2, max(n, max_rows), K, capacity, D, dtype=dtype, device=device)
+        self.kv = self.buffer[:, :, :n]
+        keys, values = self.kv[:, 0].view(L, n, K, D, capacity), self.kv[:, 1]
+        self.key_bias = torch.zeros(n, capacity, dtype=dtype, device=device)
+        if W > 0:  # the kept columns right-aligned, zeros before them: masked, but still multiplied by 0
+            packed = [(cache.keys, cache.values) if cache is not None else (keys.new_zeros(L, K, D, 0), values.new_zeros(L, K, 0, D))
+                      for cache in caches]
+            keys[:, :, :, :, :W] = torch.stack([F.pad(k, (W - k.shape[-1], 0)) for k, _ in packed], 1)
+            values[:, :, :, :W] = torch.stack([F.pad(v, (0, 0, W - v.shape[-2], 0)) for _, v in packed], 1)
+            self.key_bias[:, :W].masked_fill_(torch.arange(W, device=device)[None, :] < W - torch.tensor(widths, device=device)[:, None],
+                                              float("-inf"))
+        self.key_bias[:, W:W + M].masked_fill_(~new_mask, float("-inf"))
+        starts = torch.tensor([0 if cache is None else cache.position for cache in caches], device=device)
+        position_ids = starts[:, None] + (new_mask.long().cumsum(-1) - 1).clamp(min=0)  # (n, M)
+        self.positions = position_ids[:, -1] + 1
+        self.column = W + M
+        cos, sin_signed = self._cos_sin(position_ids)  # (n, M, 1, D)
+        # Query i (column W + i) sees the unmasked columns up to its own; the diagonal keeps padding rows finite.
+        columns = torch.arange(W + M, device=device)
+        causal = columns[None, :] <= (W + torch.arange(M, device=device))[:, None]  # (M, W + M)
+        allowed = (causal & (self.key_bias[:, None, :W + M] == 0)) | (columns[None, :] == W + torch.arange(M, device=device)[:, None])
+        allowed = allowed.unsqueeze(1)  # (n, 1, M, W + M)
+        x = F.embedding(new_ids, self.embed)  # (n, M, d)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, self._norm(x, layer.input_norm), cos, sin_signed)  # (n, M, *, D)
+            keys[index, :, :, :, W:W + M] = k.permute(0, 2, 3, 1)
+            values[index, :, :, W:W + M] = v.transpose(1, 2)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys[index, :, :, :, :W + M].transpose(-1, -2), values[index, :, :, :W + M],
+                attn_mask=allowed, scale=self.scaling, enable_gqa=self.heads != K)  # (n, H, M, D)
+            x = layer.o.plus(attn.transpose(1, 2).reshape(n * M, -1), x.reshape(n * M, -1)).view(n, M, -1)
+            x = self._mlp(layer, x.view(n * M, -1)).view(n, M, -1)
+        self.sharing = kernels.Sharing.distinct(n)
+        if self.kernels:
+            H, rows = self.heads, max(n, max_rows)
             self.scratch = (torch.empty(rows, H, D), torch.empty(rows, H, capacity), torch.empty(rows, H * D))
         self._make_views()
         return self.lm_head(self._norm(x[:, -1], self.final_norm)).float()
