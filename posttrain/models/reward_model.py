@@ -90,8 +90,9 @@ class RewardModel(torch.nn.Module):
 
 def batch_rewards(model: RewardModel, batch, rows=slice(None), shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(n,) chosen and (n,) rejected rewards of `rows` of a `PreferenceBatch` (tokenised pairs),
-    in one forward of the 2n sequences, each pair's prompt computed once for both responses
-    (`shared_prompt_rewards`) where the model allows: the trainer's function of `posttrain rm`."""
+    in one forward of the 2n sequences, each pair's common prefix (its prompt, and the response
+    tokens both answers begin with) computed once for both rows (`shared_prompt_rewards`) where the
+    model allows: the trainer's function of `posttrain rm`."""
     chosen, rejected = batch.chosen, batch.rejected
     width = max(chosen.input_ids.shape[1], rejected.input_ids.shape[1])
 
@@ -100,19 +101,46 @@ def batch_rewards(model: RewardModel, batch, rows=slice(None), shared_prompt: bo
 
     input_ids = torch.cat([pad(chosen.input_ids), pad(rejected.input_ids)])
     attention = torch.cat([pad(chosen.attention_mask), pad(rejected.attention_mask)])
-    rewards = shared_prompt_rewards(model, input_ids, attention, torch.cat([pad(chosen.mask), pad(rejected.mask)])) if shared_prompt else None
+    rewards = None
+    if shared_prompt:
+        n = input_ids.shape[0] // 2
+        shared = common_prefix_lengths(input_ids[:n], attention[:n], input_ids[n:], attention[n:]).repeat(2)  # (2n,)
+        own = attention.bool() & (attention.long().cumsum(-1) > shared[:, None])  # (2n, L): each row's tokens after the shared ones
+        rewards = shared_prompt_rewards(model, input_ids, attention, own)
     if rewards is None:
         rewards = model(input_ids, attention)
     n = rewards.shape[0] // 2
     return rewards[:n], rewards[n:]
 
 
+def common_prefix_lengths(ids: torch.Tensor, attention_mask: torch.Tensor, other_ids: torch.Tensor,
+                          other_attention_mask: torch.Tensor) -> torch.Tensor:
+    """(n,) how many leading real tokens row i of (n, L) `ids` shares with row i of (n, L')
+    `other_ids` (either padding side), capped so that both rows keep at least one token of their
+    own: the pooled EOS is each row's own. A causal model's hidden states over that prefix are the
+    same in both rows, so a pair's chosen and rejected rows need it computed once.
+    Example: [q, q, a, b, EOS] and [q, q, a, c, d, EOS] -> 3; [q, EOS] and [q, EOS, x, EOS] -> 1."""
+    def real_first(tokens: torch.Tensor, mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        real = mask.bool()  # (n, L) -> the real tokens moved to columns 0 .. length - 1, padded to `width`
+        rows, columns = real.nonzero(as_tuple=True)
+        laid = tokens.new_zeros(tokens.shape[0], width)
+        laid[rows, real.long().cumsum(-1)[rows, columns] - 1] = tokens[rows, columns]
+        return laid, real.sum(-1)
+
+    width = max(ids.shape[1], other_ids.shape[1])
+    (first, lengths), (second, other_lengths) = real_first(ids, attention_mask, width), real_first(other_ids, other_attention_mask, width)
+    both = torch.arange(width, device=ids.device) < torch.minimum(lengths, other_lengths)[:, None]  # (n, width)
+    shared = ((first == second) & both).long().cumprod(-1).sum(-1)
+    return torch.minimum(shared, torch.minimum(lengths, other_lengths) - 1).clamp(min=0)
+
+
 def shared_prompt_rewards(model: RewardModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           mask: torch.Tensor) -> torch.Tensor | None:
     """(N,) rewards of (N, L) rows (prompt then response; `mask` True on response tokens) with each
     distinct prompt computed once: a pair's chosen and rejected rows share theirs, and with short
-    answers the prompt is most of each row. The rows are re-laid as [left-padded prompt |
-    right-padded response | one pad column] (width P + T + 1) and run through
+    answers the prompt is most of each row. "Prompt" is whatever leads `mask`: `batch_rewards` gives
+    a pair's whole common prefix, the response tokens both answers begin with included. The rows
+    are re-laid as [left-padded prompt | right-padded response | one pad column] (width P + T + 1) and run through
     `forward.shared_prefix_logits` for T + 1 positions, whose hidden state t is the state after the
     prompt's last token plus t response tokens: t = the response's length pools its EOS. None (the
     caller runs the plain forward) for a model that path does not support, or a row without a prompt
