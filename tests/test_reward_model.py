@@ -423,20 +423,26 @@ def test_common_prefix_lengths_by_hand():
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
-def test_pairs_sharing_response_tokens_equal_the_plain_forward(padding_side):
-    """Chosen and rejected answers that begin alike ("<answer>4" in both, a chosen answer that is a
-    prefix of the rejected one): computed once for the pair, the rewards and every parameter's
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_pairs_sharing_response_tokens_equal_the_plain_forward(padding_side, attention):
+    """Chosen and rejected answers that begin alike ("<answer>4" in both; "12" a prefix of "12, I
+    think"), and a pair sharing only its prompt: computed once a pair (SDPA: one packed row a pair,
+    `packed_pair_rewards`; eager attention: the shared KV cache), the rewards and every parameter's
     gradient equal the plain (2n, L) forward's."""
     from posttrain.data import PreferencePair, tokenize_preference_pairs
-    from posttrain.models.reward_model import batch_rewards
+    from posttrain.models.reward_model import batch_rewards, packed_pair_rewards
 
     policy, tokenizer = load_model("tiny")
+    policy.config._attn_implementation = attention
     tokenizer.padding_side = padding_side
     model = RewardModel.from_policy(policy, seed=2)
     pairs = [PreferencePair("a", "12+34=", "<answer>46</answer>", "<answer>47</answer> or so"),
              PreferencePair("b", "7+5=", "12", "12, I think"),
              PreferencePair("c", "1+1=", "two", "three")]
     batch = tokenize_preference_pairs(tokenizer, pairs)
+    packed = packed_pair_rewards(model, batch.chosen.input_ids, batch.chosen.attention_mask, batch.rejected.input_ids,
+                                 batch.rejected.attention_mask)
+    assert (packed is not None) == (attention == "sdpa"), "the packed rows run under SDPA only"
     results = []
     for shared in (True, False):
         model.zero_grad(set_to_none=True)
@@ -447,7 +453,7 @@ def test_pairs_sharing_response_tokens_equal_the_plain_forward(padding_side):
     assert torch.allclose(shared_rewards, plain_rewards, atol=1e-5)
     assert set(shared_grads) == set(plain_grads)
     for name, grad in plain_grads.items():
-        assert torch.allclose(shared_grads[name], grad, atol=1e-5), name
+        assert torch.allclose(shared_grads[name], grad, rtol=1e-4, atol=1e-5), name
 
 
 def test_out_of_memory_while_scoring_names_the_scoring_knobs(exported, monkeypatch):
