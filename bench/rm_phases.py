@@ -5,12 +5,15 @@ for the model TRL trains (AutoModelForSequenceClassification on TRL's right-padd
 the steps interleaved so that a shared machine's load falls on all alike. `positions` is how many
 token positions the decoder ran per step (what the matmuls scale with).
 
-Layouts of ours (`models.reward_model.batch_rewards`):
-  prefix: each pair's whole common prefix (prompt + the response tokens both answers begin with) once
-  prompt: each pair's prompt once (the layout before the common prefix)
+Layouts of ours (`models.reward_model.batch_rewards` and the paths it falls back to):
+  packed: one row a pair, [common prefix | chosen's own | rejected's own] under a 4D mask (the default)
+  cache:  each pair's common prefix (prompt + the response tokens both answers begin with) once, through a shared KV cache
+  prompt: each pair's prompt once through the shared KV cache (the layout before the common prefix)
   plain:  the (2M, L) right-padded rows, as TRL
 
-    .venv/bin/python bench/rm_phases.py [--steps 3] [--layouts prefix,prompt,plain] [--trl] [--ops] [--model smollm2-135m]
+    .venv/bin/python bench/rm_phases.py [--steps 3] [--layouts packed,prompt] [--trl] [--ops] [--model smollm2-135m]
+
+Each side holds a model and its AdamW state (~2.2 GB for SmolLM2-135M): four at once need ~10 GB.
 
 `--ops`: a torch.profiler table of the last step of each (the top operators by self CPU time).
 Not a benchmark with a RESULT line: bench/rm.py is the number; this says why.
@@ -31,7 +34,7 @@ import torch
 from posttrain.algorithms.reward_model import bradley_terry_loss
 from posttrain.config import build_config
 from posttrain.data.stream import data_order
-from posttrain.models.reward_model import batch_rewards, export, shared_prompt_rewards
+from posttrain.models.reward_model import batch_rewards, common_prefix_lengths, export, shared_prompt_rewards
 from posttrain.recipes import rm
 from posttrain.runs.skeleton import start
 
@@ -41,10 +44,16 @@ from rm import BATCH, LR, make_pairs, rm_overrides  # noqa: E402  bench/rm.py's 
 PHASES = ("encode", "forward", "backward", "clip", "optimizer", "zero_grad")
 
 
-def prompt_layout(model, batch, rows=slice(None)):
-    """The layout before the common prefix: each pair's prompt once (`shared_prompt_rewards` on the response mask)."""
-    cat = lambda name: torch.cat([getattr(batch.chosen, name)[rows], getattr(batch.rejected, name)[rows]])  # noqa: E731
-    rewards = shared_prompt_rewards(model, cat("input_ids"), cat("attention_mask"), cat("mask"))
+def cache_layout(model, batch, common_prefix: bool = True):
+    """Each pair's common prefix (or, with `common_prefix` False, its prompt: the layout before)
+    once through the shared KV cache (`shared_prompt_rewards`), the right-padded rows of one width."""
+    cat = lambda name: torch.cat([getattr(batch.chosen, name), getattr(batch.rejected, name)])  # noqa: E731
+    ids, attention, own = cat("input_ids"), cat("attention_mask"), cat("mask")
+    if common_prefix:
+        n = ids.shape[0] // 2
+        shared = common_prefix_lengths(ids[:n], attention[:n], ids[n:], attention[n:]).repeat(2)
+        own = attention.bool() & (attention.long().cumsum(-1) > shared[:, None])
+    rewards = shared_prompt_rewards(model, ids, attention, own)
     n = rewards.shape[0] // 2
     return rewards[:n], rewards[n:]
 
@@ -98,7 +107,7 @@ class Side:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="steps per side; the median of those after the first is reported")
-    parser.add_argument("--layouts", default="prefix,prompt,plain")
+    parser.add_argument("--layouts", default="packed,prompt")
     parser.add_argument("--trl", action="store_true", help="also the model TRL trains, on TRL's padded batch")
     parser.add_argument("--ops", action="store_true")
     parser.add_argument("--model", default="smollm2-135m")
@@ -117,7 +126,7 @@ def main() -> None:
         state.model.train()
         if not sides:
             export(state.model, state.tokenizer, workdir / "rm", {})  # TRL's start: the same weights
-        function = {"prefix": batch_rewards, "prompt": prompt_layout,
+        function = {"packed": batch_rewards, "cache": cache_layout, "prompt": lambda model, batch: cache_layout(model, batch, False),
                     "plain": lambda model, batch: batch_rewards(model, batch, shared_prompt=False)}[layout]
 
         def ours(batch, state=state, function=function):
