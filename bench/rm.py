@@ -393,7 +393,7 @@ def main() -> None:
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; {wall:.0f} s in all")
     print(f"model {arguments.model} float32 CPU; training: {BATCH} pairs/step (~{statistics.mean(ours['tokens']):.0f} tokens/step), "
           f"AdamW lr {LR} (TRL: {peer['optimizer']}{' fused' if peer['fused'] else ''}), {arguments.warmup} warm-up + {arguments.steps} "
-          f"timed steps, median, {'sequential' if arguments.sequential else 'steps interleaved'}; same pairs and tokens every step, first-step loss equal (max |loss diff| over the steps "
+          f"timed steps, median, {'sequential' if arguments.sequential else 'steps interleaved'}; same pairs and tokens every step, first-step loss within {LOSS_TOLERANCE:g} (max |loss diff| over the steps "
           f"{loss_difference:.1e}); scoring: {arguments.completions} completions (~{scoring['tokens'] / arguments.completions:.0f} "
           f"tokens each), batches of {SCORE_BATCH}, {arguments.repeats} passes, median; raw rewards equal "
           f"(max |diff| {scoring['max_difference']:.1e})")
