@@ -37,6 +37,11 @@ rebuilds it through the recipe (the same seeded head).
 
     .venv/bin/python bench/rm.py [--steps 3] [--warmup 1] [--repeats 3] [--completions 64] [--threads 1] [--sequential] [--model smollm2-135m]
 
+Beside each side's wall seconds per step, its CPU seconds per step (median, the process's own CPU
+time: both sides are single-threaded, so on an idle machine the two agree, and on a loaded one the
+CPU seconds still compare the work), and on the line before the RESULT lines their ratio (TRL/ours)
+and both first-step losses in full (equal to the bit, or how far apart).
+
 The last three lines are `RESULT rm_step: ... unit=s/step ratio=R` (R = peer/ours),
 `RESULT rm_step_memory: ... unit=MiB ratio=R` (peak RSS, R = peer/ours) and
 `RESULT rm_scoring: ... unit=completions/s ratio=R` (R = ours/peer): R > 1 means we are better.
@@ -140,15 +145,16 @@ def run_ours(model: str, steps: int, warmup: int, workdir: Path) -> dict:
     state.encode = recording
     state.model.train()  # as rm.run does before its loop
     rss_before = rss_mib()
-    durations, losses = [], []
+    durations, cpu, losses = [], [], []
     for done in range(1, total + 1):
         step_gate()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         metrics = rm.step(state, done)
         durations.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
         step_done()
         losses.append(metrics["loss"])
-    return {"durations": durations, "losses": losses, "pairs": used, "setup_seconds": setup_seconds,
+    return {"durations": durations, "cpu_seconds": cpu, "losses": losses, "pairs": used, "setup_seconds": setup_seconds,
             "rss_before_steps_mib": rss_before, "peak_rss_mib": peak_rss_mib(), "threads": torch.get_num_threads(), "tokens": tokens}
 
 
@@ -175,7 +181,9 @@ def run_trl(steps: int, warmup: int, workdir: Path) -> dict:
         train_sampling_strategy="sequential", report_to=[], logging_strategy="no", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, seed=0, dataset_num_proc=None,
     )
-    trainer = trl.RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[gated_clock(starts, marks, total)])
+    cpu_marks: list[float] = []  # process time at the start and after each step (the gate's wait takes none)
+    trainer = trl.RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                callbacks=[gated_clock(starts, marks, total), cpu_clock(cpu_marks)])
     setup_seconds = time.perf_counter() - started
     losses, tokens = [], []
     compute_loss = trainer.compute_loss
@@ -191,9 +199,26 @@ def run_trl(steps: int, warmup: int, workdir: Path) -> dict:
     trainer.train()
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
     durations = [end - start for start, end in zip(starts, marks)]
-    return {"durations": durations, "losses": losses, "tokens": tokens, "setup_seconds": setup_seconds,
+    return {"durations": durations, "cpu_seconds": [b - a for a, b in zip(cpu_marks, cpu_marks[1:])], "losses": losses, "tokens": tokens,
+            "setup_seconds": setup_seconds,
             "rss_before_steps_mib": rss_before, "peak_rss_mib": peak_rss_mib(), "threads": torch.get_num_threads(),
             "trl": trl.__version__, "optimizer": type(optimizer).__name__, "fused": bool(optimizer.param_groups[0].get("fused"))}
+
+
+def cpu_clock(marks: list[float]):
+    """A TrainerCallback appending the process's CPU time at train begin and at each step end, after
+    `gated_clock` (which waits for the parent's `go` there, blocked, without CPU time): consecutive
+    differences are each step's CPU seconds, which a loaded machine inflates far less than wall time."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            marks.append(time.process_time())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            marks.append(time.process_time())
+
+    return Clock()
 
 
 class Side(grpo.Side):
@@ -368,19 +393,24 @@ def main() -> None:
           f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; {wall:.0f} s in all")
     print(f"model {arguments.model} float32 CPU; training: {BATCH} pairs/step (~{statistics.mean(ours['tokens']):.0f} tokens/step), "
           f"AdamW lr {LR} (TRL: {peer['optimizer']}{' fused' if peer['fused'] else ''}), {arguments.warmup} warm-up + {arguments.steps} "
-          f"timed steps, median, {'sequential' if arguments.sequential else 'steps interleaved'}; same pairs and tokens every step, first-step loss equal (max |loss diff| over the steps "
+          f"timed steps, median, {'sequential' if arguments.sequential else 'steps interleaved'}; same pairs and tokens every step, first-step loss within {LOSS_TOLERANCE:g} (max |loss diff| over the steps "
           f"{loss_difference:.1e}); scoring: {arguments.completions} completions (~{scoring['tokens'] / arguments.completions:.0f} "
           f"tokens each), batches of {SCORE_BATCH}, {arguments.repeats} passes, median; raw rewards equal "
           f"(max |diff| {scoring['max_difference']:.1e})")
-    print(f"{'training step':<14} {'s/step':>7} {'best':>6} {'setup s':>8} {'RSS at step 1 MiB':>17} {'peak RSS MiB':>12}  "
+    print(f"{'training step':<14} {'s/step':>7} {'best':>6} {'CPU s':>6} {'setup s':>8} {'RSS at step 1 MiB':>17} {'peak RSS MiB':>12}  "
           f"{'losses':<30} all steps s (1-min load after each)")
     for label, result in (("ours", ours), ("TRL", peer)):
         print(f"{label:<14} {statistics.median(result['durations'][timed]):>7.3f} {min(result['durations'][timed]):>6.3f} "
+              f"{statistics.median(result['cpu_seconds'][timed]):>6.3f} "
               f"{result['setup_seconds']:>8.1f} {result['rss_before_steps_mib']:>17.0f} {result['peak_rss_mib']:>12.0f}  "
               f"{' '.join(f'{loss:.4f}' for loss in result['losses']):<30} {' '.join(f'{s:.2f} ({load:.1f})' for s, load in zip(result['durations'], result['loads']))}")
     print(f"{'scoring':<14} {'completions/s':>13}  all passes s")
     for label, name, rate in (("ours (rm:DIR)", "ours", ours_score), ("transformers", "peer", peer_score)):
         print(f"{label:<14} {rate:>13.1f}  {' '.join(f'{s:.2f}' for s in scoring['seconds'][name])}")
+    ours_cpu, peer_cpu = statistics.median(ours["cpu_seconds"][timed]), statistics.median(peer["cpu_seconds"][timed])
+    first = "equal to the bit" if ours["losses"][0] == peer["losses"][0] else f"{abs(ours['losses'][0] - peer['losses'][0]):.1e} apart"
+    print(f"CPU seconds per step (median): ours {ours_cpu:.3f}, TRL {peer_cpu:.3f}, cpu ratio {peer_cpu / ours_cpu:.2f}; "
+          f"first-step loss ours {ours['losses'][0]!r}, TRL {peer['losses'][0]!r} ({first})")
     print(f"RESULT rm_step: ours={ours_step:.3f} peer={peer_step:.3f} unit=s/step ratio={peer_step / ours_step:.2f}")
     print(f"RESULT rm_step_memory: ours={ours['peak_rss_mib']:.0f} peer={peer['peak_rss_mib']:.0f} unit=MiB "
           f"ratio={peer['peak_rss_mib'] / ours['peak_rss_mib']:.2f}")

@@ -17,6 +17,9 @@ range needs loss scaling, and every GPU this library targets has bfloat16.
 
 Under torchrun every rank takes `cuda:$LOCAL_RANK` (`torch.cuda.set_device`); a `cuda:N` there is an
 error (the launcher, not the config, chooses a rank's GPU).
+
+`keep_freed_memory` is the process's side of the host: glibc's malloc keeps what a step frees for the
+next step (the reward-model recipe sets it; the others are not measured with it yet).
 """
 
 from __future__ import annotations
@@ -175,3 +178,34 @@ def resolve(hardware: Hardware | None = None) -> Placement:
     if precision == "bf16" and device.type == "cpu":
         logger.warning("hardware.precision bf16 on the CPU: bfloat16 matmuls are much slower than float32 here")
     return Placement(device, precision)
+
+
+TRIM_THRESHOLD_BYTES = 1 << 30
+"""Freed memory glibc keeps at the top of the heap before returning it to the system (`keep_freed_memory`)."""
+MMAP_THRESHOLD_BYTES = 32 << 20
+"""Allocations from this size up get their own mapping (glibc's largest allowed threshold): below it, the heap."""
+
+
+def keep_freed_memory() -> bool:
+    """Make this process's C allocator (glibc's malloc) keep the memory a training step frees for the
+    next step, instead of handing it back to the system and taking it again: by default glibc trims
+    the heap and maps each large block anew, so every CPU step faults in fresh pages for its
+    gradients and activations (the kernel zeroes each 4 KiB page). The thresholds become fixed
+    (`TRIM_THRESHOLD_BYTES`, `MMAP_THRESHOLD_BYTES`): blocks under 32 MiB come from the heap and are
+    reused, and up to 1 GiB of freed heap stays in the process. Peak memory is what the step needs
+    either way; between steps the process keeps it. What it saves is in bench/RESULTS.md (rm).
+    Returns False where the C library is not glibc (nothing changed)."""
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    trim, mmap = -1, -3  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD (malloc.h)
+    kept = bool(libc.mallopt(trim, TRIM_THRESHOLD_BYTES)) and bool(libc.mallopt(mmap, MMAP_THRESHOLD_BYTES))
+    logger.debug("glibc malloc keeps freed memory: %s", kept)
+    return kept

@@ -388,3 +388,15 @@ def test_torchrun_bf16_mixed_two_processes_equal_one(tmp_path, strategy):
     assert one[1]["reward/mean"] == two[1]["reward/mean"] and one[1]["loss"] == pytest.approx(two[1]["loss"], rel=1e-2, abs=1e-4)
     assert one[2]["loss"] == pytest.approx(two[2]["loss"], rel=2e-2, abs=1e-4)
     assert json.loads((tmp_path / "two" / "run_card.json").read_text())["run"]["hardware"]["precision"] == "bf16-mixed"
+
+
+def test_keep_freed_memory_sets_glibc_thresholds_or_says_it_did_not():
+    """On Linux with glibc both mallopt calls succeed (True); elsewhere nothing changes (False). A
+    process that keeps its freed memory still allocates and frees as before."""
+    import platform
+
+    from posttrain.hardware import keep_freed_memory
+
+    kept = keep_freed_memory()
+    assert kept is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+    assert torch.ones(1 << 22).sum().item() == float(1 << 22)

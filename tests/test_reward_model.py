@@ -402,6 +402,60 @@ def test_shared_prompt_rewards_equal_the_plain_forward_in_value_and_gradient(pad
         assert torch.allclose(shared_grads[name], grad, atol=1e-5), name
 
 
+def test_common_prefix_lengths_by_hand():
+    """Row pairs (padding 0, either side): [5, 5, 7, 8, 2] / [5, 5, 7, 9, 4, 2] share 5 5 7 -> 3;
+    [5, 2] / [5, 2, 6, 2]: the first row is all prefix, capped at its length - 1 -> 1 (its EOS
+    stays its own); [3, 2] / [4, 2] -> 0; the same rows left-padded give the same lengths."""
+    from posttrain.models.reward_model import common_prefix_lengths
+
+    first = [[5, 5, 7, 8, 2], [5, 2], [3, 2]]
+    second = [[5, 5, 7, 9, 4, 2], [5, 2, 6, 2], [4, 2]]
+
+    def padded(rows, side):
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [0] * (width - len(row)) if side == "right" else [0] * (width - len(row)) + row for row in rows])
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) if side == "right" else [0] * (width - len(row)) + [1] * len(row)
+                             for row in rows])
+        return ids, mask
+
+    for side in ("right", "left"):
+        assert common_prefix_lengths(*padded(first, side), *padded(second, side)).tolist() == [3, 1, 0], side
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_pairs_sharing_response_tokens_equal_the_plain_forward(padding_side, attention):
+    """Chosen and rejected answers that begin alike ("<answer>4" in both; "12" a prefix of "12, I
+    think"), and a pair sharing only its prompt: computed once a pair (SDPA: one packed row a pair,
+    `packed_pair_rewards`; eager attention: the shared KV cache), the rewards and every parameter's
+    gradient equal the plain (2n, L) forward's."""
+    from posttrain.data import PreferencePair, tokenize_preference_pairs
+    from posttrain.models.reward_model import batch_rewards, packed_pair_rewards
+
+    policy, tokenizer = load_model("tiny")
+    policy.config._attn_implementation = attention
+    tokenizer.padding_side = padding_side
+    model = RewardModel.from_policy(policy, seed=2)
+    pairs = [PreferencePair("a", "12+34=", "<answer>46</answer>", "<answer>47</answer> or so"),
+             PreferencePair("b", "7+5=", "12", "12, I think"),
+             PreferencePair("c", "1+1=", "two", "three")]
+    batch = tokenize_preference_pairs(tokenizer, pairs)
+    packed = packed_pair_rewards(model, batch.chosen.input_ids, batch.chosen.attention_mask, batch.rejected.input_ids,
+                                 batch.rejected.attention_mask)
+    assert (packed is not None) == (attention == "sdpa"), "the packed rows run under SDPA only"
+    results = []
+    for shared in (True, False):
+        model.zero_grad(set_to_none=True)
+        chosen, rejected = batch_rewards(model, batch, shared_prompt=shared)
+        (3 * chosen.sum() - rejected.sum()).backward()
+        results.append((torch.cat([chosen, rejected]).detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (shared_rewards, shared_grads), (plain_rewards, plain_grads) = results
+    assert torch.allclose(shared_rewards, plain_rewards, atol=1e-5)
+    assert set(shared_grads) == set(plain_grads)
+    for name, grad in plain_grads.items():
+        assert torch.allclose(shared_grads[name], grad, rtol=1e-4, atol=1e-5), name
+
+
 def test_out_of_memory_while_scoring_names_the_scoring_knobs(exported, monkeypatch):
     verifier = get_verifier(f"rm:{exported}")
 

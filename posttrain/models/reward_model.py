@@ -89,10 +89,17 @@ class RewardModel(torch.nn.Module):
 
 
 def batch_rewards(model: RewardModel, batch, rows=slice(None), shared_prompt: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n,) chosen and (n,) rejected rewards of `rows` of a `PreferenceBatch` (tokenised pairs),
-    in one forward of the 2n sequences, each pair's prompt computed once for both responses
-    (`shared_prompt_rewards`) where the model allows: the trainer's function of `posttrain rm`."""
+    """(n,) chosen and (n,) rejected rewards of `rows` of a `PreferenceBatch` (tokenised pairs):
+    the trainer's function of `posttrain rm`. Each pair's common prefix (its prompt, and the
+    response tokens both answers begin with) is computed once for both rows where the model allows:
+    one row a pair (`packed_pair_rewards`), else a shared KV cache (`shared_prompt_rewards`), else
+    (or with `shared_prompt` False) one forward of the 2n right-padded rows."""
     chosen, rejected = batch.chosen, batch.rejected
+    if shared_prompt:
+        packed = packed_pair_rewards(model, chosen.input_ids[rows], chosen.attention_mask[rows], rejected.input_ids[rows],
+                                     rejected.attention_mask[rows])
+        if packed is not None:
+            return packed
     width = max(chosen.input_ids.shape[1], rejected.input_ids.shape[1])
 
     def pad(tensor: torch.Tensor) -> torch.Tensor:  # right-pad to a common width (pooling reads the mask)
@@ -100,10 +107,82 @@ def batch_rewards(model: RewardModel, batch, rows=slice(None), shared_prompt: bo
 
     input_ids = torch.cat([pad(chosen.input_ids), pad(rejected.input_ids)])
     attention = torch.cat([pad(chosen.attention_mask), pad(rejected.attention_mask)])
-    rewards = shared_prompt_rewards(model, input_ids, attention, torch.cat([pad(chosen.mask), pad(rejected.mask)])) if shared_prompt else None
+    rewards = None
+    if shared_prompt:
+        n = input_ids.shape[0] // 2
+        shared = common_prefix_lengths(input_ids[:n], attention[:n], input_ids[n:], attention[n:]).repeat(2)  # (2n,)
+        own = attention.bool() & (attention.long().cumsum(-1) > shared[:, None])  # (2n, L): each row's tokens after the shared ones
+        rewards = shared_prompt_rewards(model, input_ids, attention, own)
     if rewards is None:
         rewards = model(input_ids, attention)
     n = rewards.shape[0] // 2
+    return rewards[:n], rewards[n:]
+
+
+def _real_tokens_first(ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, width) `ids` with each row's real tokens moved to columns 0 .. length - 1 (either padding
+    side in, zeros after), and the (n,) lengths."""
+    real = attention_mask.bool()
+    rows, columns = real.nonzero(as_tuple=True)
+    laid = ids.new_zeros(ids.shape[0], width)
+    laid[rows, real.long().cumsum(-1)[rows, columns] - 1] = ids[rows, columns]
+    return laid, real.sum(-1)
+
+
+def common_prefix_lengths(ids: torch.Tensor, attention_mask: torch.Tensor, other_ids: torch.Tensor,
+                          other_attention_mask: torch.Tensor) -> torch.Tensor:
+    """(n,) how many leading real tokens row i of (n, L) `ids` shares with row i of (n, L')
+    `other_ids` (either padding side), capped so that both rows keep at least one token of their
+    own: the pooled EOS is each row's own. A causal model's hidden states over that prefix are the
+    same in both rows, so a pair's chosen and rejected rows need it computed once.
+    Example: [q, q, a, b, EOS] and [q, q, a, c, d, EOS] -> 3; [q, EOS] and [q, EOS, x, EOS] -> 1."""
+    width = max(ids.shape[1], other_ids.shape[1])
+    (first, lengths), (second, other_lengths) = _real_tokens_first(ids, attention_mask, width), \
+        _real_tokens_first(other_ids, other_attention_mask, width)
+    both = torch.arange(width, device=ids.device) < torch.minimum(lengths, other_lengths)[:, None]  # (n, width)
+    shared = ((first == second) & both).long().cumprod(-1).sum(-1)
+    return torch.minimum(shared, torch.minimum(lengths, other_lengths) - 1).clamp(min=0)
+
+
+def packed_pair_rewards(model: RewardModel, chosen_ids: torch.Tensor, chosen_mask: torch.Tensor, rejected_ids: torch.Tensor,
+                        rejected_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(n,) chosen and (n,) rejected rewards of n pairs ((n, L) ids and attention masks a side,
+    either padding side) in one decoder pass of n rows, each pair's common prefix
+    (`common_prefix_lengths`, c tokens) computed once. Row i is
+
+        [common prefix (c) | chosen's own tokens | rejected's own tokens | padding]
+
+    with position ids as in the separate rows (the rejected tokens' count on from c) and a 4D
+    attention mask in which each token sees the prefix and the earlier tokens of its own answer,
+    never the other answer's. No KV cache: one pass, as many weight-gradient products as layers,
+    and padding only to the longest pair. Equal to `model(...)` on the 2n rows in value and
+    gradient (tested). None (the caller takes another path) unless the model is a Llama-type
+    decoder under SDPA attention (which reads a boolean 4D mask as is)."""
+    from posttrain.models.forward import SUPPORTED_MODEL_TYPES  # here: forward.py imports the data package's batches
+
+    config = model.config
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or getattr(config, "_attn_implementation", None) != "sdpa":
+        return None
+    n, width = chosen_ids.shape[0], max(chosen_ids.shape[1], rejected_ids.shape[1])
+    chosen, chosen_lengths = _real_tokens_first(chosen_ids, chosen_mask, width)
+    rejected, rejected_lengths = _real_tokens_first(rejected_ids, rejected_mask, width)
+    shared = common_prefix_lengths(chosen_ids, chosen_mask, rejected_ids, rejected_mask)[:, None]  # (n, 1)
+    chosen_end, end = chosen_lengths[:, None], (chosen_lengths + rejected_lengths)[:, None] - shared  # (n, 1)
+    columns = torch.arange(int(end.max()), device=chosen_ids.device)[None, :]  # (1, W)
+    source = columns - chosen_end + shared  # (n, W): the rejected row's column of a rejected token
+    segment = (columns >= shared).long() + (columns >= chosen_end).long() + (columns >= end).long()  # 0 prefix, 1 chosen, 2 rejected, 3 pad
+    ids = torch.where(segment < 2, chosen.gather(1, columns.clamp(max=width - 1).expand(n, -1)),
+                      rejected.gather(1, source.clamp(0, width - 1)))
+    ids = torch.where(segment == 3, 0, ids)  # (n, W)
+    positions = torch.where(segment == 2, source, torch.where(segment == 3, 0, columns))  # (n, W)
+    query, key = segment[:, :, None], segment[:, None, :]  # (n, W, 1), (n, 1, W)
+    causal = columns[0][:, None] >= columns[0][None, :]  # (W, W)
+    diagonal = torch.eye(columns.shape[1], dtype=torch.bool, device=ids.device)  # a padding query sees itself: no empty softmax row
+    allowed = (causal & ((key == 0) | (key == query)) & (key != 3)) | diagonal  # (n, W, W)
+    hidden = model.decoder(input_ids=ids, attention_mask=allowed[:, None], position_ids=positions).last_hidden_state  # (n, W, H)
+    rows = torch.arange(n, device=hidden.device)
+    pooled = torch.cat([hidden[rows, chosen_lengths - 1], hidden[rows, end[:, 0] - 1]])  # (2n, H): each answer's EOS
+    rewards = model.score(pooled.to(model.score.weight.dtype)).squeeze(-1).float()
     return rewards[:n], rewards[n:]
 
 
@@ -111,8 +190,9 @@ def shared_prompt_rewards(model: RewardModel, input_ids: torch.Tensor, attention
                           mask: torch.Tensor) -> torch.Tensor | None:
     """(N,) rewards of (N, L) rows (prompt then response; `mask` True on response tokens) with each
     distinct prompt computed once: a pair's chosen and rejected rows share theirs, and with short
-    answers the prompt is most of each row. The rows are re-laid as [left-padded prompt |
-    right-padded response | one pad column] (width P + T + 1) and run through
+    answers the prompt is most of each row. "Prompt" is whatever leads `mask`: `batch_rewards` gives
+    a pair's whole common prefix, the response tokens both answers begin with included. The rows
+    are re-laid as [left-padded prompt | right-padded response | one pad column] (width P + T + 1) and run through
     `forward.shared_prefix_logits` for T + 1 positions, whose hidden state t is the state after the
     prompt's last token plus t response tokens: t = the response's length pools its EOS. None (the
     caller runs the plain forward) for a model that path does not support, or a row without a prompt

@@ -37,7 +37,7 @@ from posttrain.data.stream import data_order
 from posttrain.distributed import Parallel, World, wrap
 from posttrain.errors import UserError
 from posttrain.evaluation.reward_model import evaluate_reward_pairs
-from posttrain.hardware import Placement
+from posttrain.hardware import Placement, keep_freed_memory
 from posttrain.losses.reward_model import Loss, RewardModelSettings, loss_card, pair_margins
 from posttrain.losses.reward_model import step as loss_step
 from posttrain.models.forward import TrainingForward
@@ -165,6 +165,7 @@ def run(config: Config, resume: bool = False, resume_changed_config: bool = Fals
 def setup(config: Config, world: World, placement: Placement) -> State:
     """The reward model on the run's device (the backbone of `config.model` with a fresh head), the
     pairs split into training and held-out pairs, their margins: every check of the input."""
+    keep_freed_memory()  # each CPU step reuses the memory the last one freed instead of faulting in fresh pages
     policy, tokenizer = load_policy(config.model, config.lora_rank, config.lora_alpha, placement,
                                     gradient_checkpointing=config.memory.gradient_checkpointing)
     model = RewardModel.from_policy(policy, seed=config.seed)
