@@ -321,7 +321,7 @@ def test_the_docs_name_no_file_a_user_lacks_and_eval_examples_say_where_results_
     (["grpo", "--loss", "rloo"], "'loss' is a section, not a value; did you mean --loss.advantage rloo?"),
     (["ppo", "--loss", "gspo"], "'loss' is a section, not a value; did you mean --loss.surrogate gspo?"),
     (["grpo", "--loss", "kto"], "'loss' is a section, not a value; set its keys, e.g. --loss.advantage "
-                                "group|gae|rloo|reinforce_pp|reinforce_pp_baseline or --loss.surrogate clip|gspo|cispo"),
+                                "group|gae|rloo|reinforce_pp|reinforce_pp_baseline|distill or --loss.surrogate clip|gspo|cispo|clip_cov|kl_cov"),
     (["iterative-dpo", "--dpo.loss", "kto"], "'dpo.loss' is a section, not a value; did you mean --dpo.loss.type kto?"),
     (["sft", "--data", "my.jsonl"], "'data' is a section, not a value; did you mean --data.task my.jsonl?"),
     (["grpo", "--hardware", "cuda"], "'hardware' is a section, not a value; did you mean --hardware.device cuda?"),
