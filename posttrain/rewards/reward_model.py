@@ -19,6 +19,7 @@ population std stored at export; `batch`: over the batch's rows; `none`. Then
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +36,25 @@ from posttrain.rewards.verdict import Verdict
 logger = logging.getLogger(__name__)
 
 NORMALISATIONS = ("stored", "batch", "none")
+
+
+@contextlib.contextmanager
+def scoring_on_device(verifier, rows: int, what: str):
+    """A model-based reward's scoring call: `verifier.model` on `verifier.placement`'s device for the
+    call (moved there and back to the CPU around it under `verifier.offload`), yielding the device;
+    running out of memory is one line naming the scoring knobs (`rows` completions,
+    `verifier.batch_size` per forward; `what` names the model)."""
+    if verifier.offload:
+        verifier.model.to(verifier.placement.device)
+    try:
+        yield verifier.placement.device
+    except torch.OutOfMemoryError as error:
+        raise UserError(f"{verifier.name}: out of memory while scoring {rows} completions, {verifier.batch_size} per forward "
+                        f"({str(error).splitlines()[0]}); lower reward_options.batch_size, or set reward_options.offload cpu to keep "
+                        f"{what} off the GPU between scoring calls") from None
+    finally:
+        if verifier.offload:
+            verifier.model.to("cpu")
 
 
 class RewardModelVerifier(Verifier):
@@ -90,18 +110,8 @@ class RewardModelVerifier(Verifier):
         (`models.reward_model.shared_prompt_rewards`, equal to the plain forward up to float
         rounding). With `offload` the model visits the run's device for the call only. Out of
         memory is one line naming the scoring knobs."""
-        device = self.placement.device
-        if self.offload:
-            self.model.to(device)
-        try:
+        with scoring_on_device(self, len(sequences), "the reward model") as device:
             return self._raw_rewards(sequences, device, prompt_lengths)
-        except torch.OutOfMemoryError as error:
-            raise UserError(f"{self.name}: out of memory while scoring {len(sequences)} completions, {self.batch_size} per forward "
-                            f"({str(error).splitlines()[0]}); lower reward_options.batch_size, or set reward_options.offload cpu to keep "
-                            "the reward model off the GPU between scoring calls") from None
-        finally:
-            if self.offload:
-                self.model.to("cpu")
 
     @torch.no_grad()
     def _raw_rewards(self, sequences: list[list[int]], device, prompt_lengths: Sequence[int] | None = None) -> torch.Tensor:

@@ -29,14 +29,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from posttrain.errors import UserError
 from posttrain.hardware import cpu_placement
 from posttrain.models.forward import rank_logprobs
 from posttrain.models.loading import load_model
 from posttrain.models.reward_model import weights_hash
 from posttrain.rewards.base import TokenTerm, Verifier
+from posttrain.rewards.reward_model import scoring_on_device
 from posttrain.rewards.verdict import Verdict
 
 logger = logging.getLogger(__name__)
@@ -102,18 +101,8 @@ class TeacherReward(Verifier):
         """[one term, weight 1: the teacher's (N, T) float32 log-probs of `rollout`'s sampled tokens at
         the sampling temperature, 0 off its mask], computed on the run's device, `batch_size` rows
         per forward, each rank its own rows (`owners`), on the rollout's device."""
-        device = self.placement.device
-        if self.offload:
-            self.model.to(device)
-        try:
+        with scoring_on_device(self, rollout.completion_ids.shape[0], "the teacher") as device:
             logprobs = rank_logprobs(self.model, rollout.to(device), owners, world, self.temperature, self.batch_size)
-        except torch.OutOfMemoryError as error:
-            raise UserError(f"{self.name}: out of memory while scoring {rollout.completion_ids.shape[0]} completions, "
-                            f"{self.batch_size} per forward ({str(error).splitlines()[0]}); lower reward_options.batch_size, or set "
-                            "reward_options.offload cpu to keep the teacher off the GPU between scoring calls") from None
-        finally:
-            if self.offload:
-                self.model.to("cpu")
         return [TokenTerm(self.name, 1.0, logprobs.to(rollout.completion_ids.device))]
 
     def implementation(self) -> dict[str, str]:
