@@ -250,3 +250,17 @@ def test_tool_observations_get_no_teacher_reward(teacher_dir):
     assert torch.all(rewards[observation] == 0)
     assert torch.allclose(rewards[rollout.mask], (term.logprobs - student)[rollout.mask])
     assert metrics["distill/reverse_kl"] == pytest.approx(float((student - term.logprobs)[rollout.mask].mean()), abs=1e-6)
+
+
+def test_asynchronous_generation_scores_with_the_teacher(tmp_path):
+    """Mode (b): the generation thread samples with the worker engine and the teacher scores its batches
+    there; step 1's batch comes from the start's weights, which the teacher `tiny` shares: reward exactly 0."""
+    config = small_config(tmp_path, "--reward", "teacher:tiny", "--loss.advantage", "distill", "--max-steps", "3",
+                          "--data.max_staleness", "1", "--data.async_generation", "true")
+    run_dir = grpo.run(config)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"distill/reverse_kl"' in line]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert rows[0]["distill/reverse_kl"] == 0.0 and rows[0]["offpolicy/staleness_max"] == 0
+    assert all(row["offpolicy/staleness_max"] <= 1 for row in rows)
+    card = json.loads((run_dir / "run_card.json").read_text())
+    assert card["links"]["data"]["engine"]["name"] == "worker"  # the built-in engine in its own process
