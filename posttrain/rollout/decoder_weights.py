@@ -15,6 +15,7 @@ otherwise stay allocated through the update that follows). Layouts:
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -141,6 +142,41 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple:
         parameters = list(model.parameters())
         sums = torch.stack([p.sum(dtype=torch.float32) for p in parameters]).tolist() if parameters else []  # one sync on a GPU
         return tuple((p.data_ptr(), p._version, total) for p, total in zip(parameters, sums)) + adapters
+
+
+class WeightSyncs:
+    """The bookkeeping of an engine that holds weights of its own (`VLLMEngine`, `WorkerEngine`):
+    which model's weights, by `weights_fingerprint`, it holds, and what syncing them has cost. An
+    engine calls `init_syncs` once, asks `holds` before sending, and `record_sync` after."""
+
+    last_sync_s: float | None
+    """Seconds the last weight sync took (None: the call before found the weights unchanged)."""
+    syncs: int
+    """Weight syncs so far (the first load counts)."""
+    sync_seconds: float
+    """Seconds of every weight sync so far, the first load included (the recipe logs its growth over a step: `rollout/sync_s`)."""
+
+    def init_syncs(self) -> None:
+        self._synced: tuple | None = None
+        self._synced_model = None
+        self.last_sync_s, self.syncs, self.sync_seconds = None, 0, 0.0
+
+    def holds(self, model, fingerprint: tuple) -> bool:
+        """Whether the engine holds `model`'s weights as they are (`fingerprint`: `weights_fingerprint(model)`)."""
+        return self._synced_model is model and fingerprint == self._synced
+
+    def record_sync(self, model, fingerprint: tuple, started: float) -> float:
+        """The engine now holds `model`'s weights (`fingerprint`), sent since `started` (a
+        `time.perf_counter()`); returns the seconds it took, counted in `syncs` and `sync_seconds`."""
+        self._synced, self._synced_model = fingerprint, model
+        seconds = time.perf_counter() - started
+        self.syncs += 1
+        self.sync_seconds += seconds
+        return seconds
+
+    def forget_weights(self) -> None:
+        """The engine holds no known weights any more (its process is gone): the next call sends them."""
+        self._synced = self._synced_model = None
 
 
 def layout_for(weight: torch.Tensor, use_kernels: bool) -> str:

@@ -49,7 +49,7 @@ import torch
 from posttrain.data.examples import derived_seed
 from posttrain.errors import UserError
 from posttrain.rollout.batch import Rollout
-from posttrain.rollout.decoder_weights import weights_fingerprint
+from posttrain.rollout.decoder_weights import WeightSyncs, weights_fingerprint
 from posttrain.rollout.engine import _as_id_lists, _device_of, _left_pad, _StopStrings, batch_places, stop_token_ids
 from posttrain.rollout.vllm_backends import RemoteBackend, VLLMSettings, hf_weights, in_process_backend
 from posttrain.rollout.sampling import SamplingConfig
@@ -85,7 +85,7 @@ def sampling_params(sampling: SamplingConfig, group_size: int, seed: int, stop_i
             "logprobs": 0, "detokenize": bool(sampling.stop_strings), "skip_special_tokens": True}
 
 
-class VLLMEngine:
+class VLLMEngine(WeightSyncs):
     """`rollout.engine.generate`'s signature on vLLM (module docstring): `engine(model, tokenizer,
     prompts, group_size=, sampling=, seed=, shard=, draws=) -> Rollout`, the weights synced first.
 
@@ -98,14 +98,7 @@ class VLLMEngine:
     def __init__(self, settings: VLLMSettings | None = None, backend: Any = None):
         self.settings = settings or VLLMSettings()
         self.backend = backend
-        self._synced: tuple | None = None
-        self._synced_model: Any = None
-        self.last_sync_s: float | None = None
-        """Seconds the last weight sync took (None: the call before found the weights unchanged)."""
-        self.syncs = 0
-        """Weight syncs so far (the first load counts)."""
-        self.sync_seconds = 0.0
-        """Seconds of every weight sync so far (the recipe logs its growth over a step: `rollout/sync_s`)."""
+        self.init_syncs()
         self._lock = threading.Lock()  # one call at a time: a generation thread and the trainer's evaluation share an engine
 
     def _start(self, model, tokenizer) -> None:
@@ -117,26 +110,20 @@ class VLLMEngine:
         self.backend, loaded = in_process_backend(model, tokenizer, self.settings)
         if loaded:  # the exported directory's weights are the model's: no push before the first generation
             self.backend.loaded_by = self
-            self._synced, self._synced_model = weights_fingerprint(model), model
-            self.syncs, self.last_sync_s = 1, time.perf_counter() - started
-            self.sync_seconds += self.last_sync_s
+            self.last_sync_s = self.record_sync(model, weights_fingerprint(model), started)
             logger.info("rollout: vLLM loaded the policy in %.1fs (colocate)", self.last_sync_s)
 
     def sync(self, model) -> float | None:
         """Send `model`'s weights to vLLM if they changed since the last sync; returns the seconds it took (None: unchanged)."""
         fingerprint = weights_fingerprint(model)
         mine = getattr(self.backend, "loaded_by", self) is self  # in-process vLLM may hold another engine's weights
-        if mine and self._synced_model is model and fingerprint == self._synced:
+        if mine and self.holds(model, fingerprint):
             return None
         started = time.perf_counter()
         self.backend.load_weights(hf_weights(model))
         if hasattr(self.backend, "loaded_by"):
             self.backend.loaded_by = self
-        self._synced, self._synced_model = fingerprint, model
-        self.syncs += 1
-        seconds = time.perf_counter() - started
-        self.sync_seconds += seconds
-        return seconds
+        return self.record_sync(model, fingerprint, started)
 
     def __call__(self, model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
                  seed: int = 0, shard: tuple[int, int] | None = None, draws: tuple[Sequence[int], int] | None = None,

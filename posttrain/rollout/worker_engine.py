@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from posttrain.rollout.batch import Rollout
-from posttrain.rollout.decoder_weights import weights_fingerprint
+from posttrain.rollout.decoder_weights import WeightSyncs, weights_fingerprint
 from posttrain.rollout.engine import _device_of
 from posttrain.rollout.sampling import SamplingConfig
 from posttrain.rollout.vllm_backends import EngineUnavailable, export_for_vllm, hf_weights
@@ -109,7 +109,7 @@ def _how_stopped(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-class WorkerEngine:
+class WorkerEngine(WeightSyncs):
     """`rollout.engine.generate`'s signature, generation in a worker process (module docstring):
     `engine(model, tokenizer, prompts, group_size=, sampling=, seed=, shard=, draws=) -> Rollout`,
     the weights synced first.
@@ -127,14 +127,7 @@ class WorkerEngine:
         self._connection: Any = None
         self._finalizer: Any = None
         self._lock = threading.Lock()
-        self._synced: tuple | None = None
-        self._synced_model: Any = None
-        self.last_sync_s: float | None = None
-        """Seconds the last weight sync took (None: the call before found the weights unchanged)."""
-        self.syncs = 0
-        """Weight syncs so far (the first load counts)."""
-        self.sync_seconds = 0.0
-        """Seconds of every weight sync so far, the first load included (the recipe logs its growth over a step: `rollout/sync_s`)."""
+        self.init_syncs()
 
     @property
     def pid(self) -> int | None:
@@ -190,7 +183,7 @@ class WorkerEngine:
         if self._finalizer is not None:
             self._finalizer()  # joins and closes; idempotent
         self.process = self._connection = self._finalizer = None
-        self._synced = self._synced_model = None
+        self.forget_weights()
 
     def _start(self, model, tokenizer) -> None:
         started = time.perf_counter()
@@ -211,9 +204,7 @@ class WorkerEngine:
             except BaseException:
                 self._forget()  # a worker that could not load is not kept: the next call starts afresh
                 raise
-        self._synced, self._synced_model = weights_fingerprint(model), model
-        self.syncs, self.last_sync_s = self.syncs + 1, time.perf_counter() - started
-        self.sync_seconds += self.last_sync_s
+        self.last_sync_s = self.record_sync(model, weights_fingerprint(model), started)
         logger.info("rollout: generation worker (pid %d) loaded the policy in %.1fs", self.process.pid, self.last_sync_s)
 
     def _push(self, weights: dict[str, torch.Tensor]) -> None:
@@ -223,17 +214,13 @@ class WorkerEngine:
     def sync(self, model) -> float | None:
         """Send `model`'s weights to the worker if they changed since the last sync; returns the seconds it took (None: unchanged)."""
         fingerprint = weights_fingerprint(model)
-        if self._synced_model is model and fingerprint == self._synced:
+        if self.holds(model, fingerprint):
             return None
         started = time.perf_counter()
         # copies: torch pickles a CPU tensor by moving its storage to shared memory, which would
         # re-home the policy's own parameters (and change their fingerprint) were they sent as they are
         self._push({name: tensor.to("cpu", copy=True).contiguous() for name, tensor in hf_weights(model)})
-        self._synced, self._synced_model = fingerprint, model
-        self.syncs += 1
-        seconds = time.perf_counter() - started
-        self.sync_seconds += seconds
-        return seconds
+        return self.record_sync(model, fingerprint, started)
 
     def __call__(self, model, tokenizer, prompts, *, group_size: int = 1, sampling: SamplingConfig | None = None,
                  seed: int = 0, shard: tuple[int, int] | None = None, draws: tuple[Sequence[int], int] | None = None,
