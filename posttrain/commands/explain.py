@@ -1,4 +1,6 @@
-"""`posttrain explain`: the seed's worked examples, computed by the library's own functions.
+"""`posttrain explain`: the seed's worked examples, computed by the library's own functions (the
+policy-gradient, KL, reward-shaping and distillation examples here, the preference losses' in
+`_explain_preference.py`, the shared parts in `_explain_common.py`).
 
 Every number printed here comes out of `posttrain.algorithms` (float64 tensors), not out of
 separate arithmetic, so `explain` doubles as a check that the library matches the specification.
@@ -6,59 +8,14 @@ separate arithmetic, so `explain` doubles as a check that the library matches th
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 
+from posttrain.commands._explain_common import _emit, _library_errors_are_user_errors, _probability, _reward, _round, _tensor, _token_grad
+from posttrain.commands._explain_preference import explain_dpo, explain_kto, explain_orpo, explain_simpo
 from posttrain.errors import UserError
 
 # torch and posttrain.algorithms are imported inside the functions, so that `posttrain --help` and
 # the other commands start without torch.
-
-
-def _tensor(values):
-    """`values` as a float64 torch.Tensor."""
-    import torch
-
-    return torch.tensor(values, dtype=torch.float64)
-
-
-def _reward(text: str) -> float:
-    """A reward on the command line: a number, or `nan`/`none` for an unscorable sample."""
-    if text.lower() in ("nan", "none", "null"):
-        return math.nan
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
-def _probability(name: str, value: float) -> float:
-    if not (0.0 < value <= 1.0) or math.isnan(value):
-        raise UserError(f"{name} must be a probability in (0, 1], got {value}")
-    return value
-
-
-def _library_errors_are_user_errors(handler):
-    """The library rejects impossible settings (dual_clip <= 1, label_smoothing >= 0.5) with
-    ValueError; on the command line those are the user's arguments, so say so in one line."""
-
-    def wrapped(args) -> int:
-        try:
-            return handler(args)
-        except ValueError as error:
-            raise UserError(str(error)) from None
-
-    return wrapped
-
-
-def _emit(args, result: dict, lines: list[str]) -> int:
-    print(json.dumps(result) if args.json else "\n".join(lines))
-    return 0
-
-
-def _round(values, digits: int = 4) -> list[float]:
-    return [round(v, digits) for v in values]
 
 
 def explain_advantages(args) -> int:
@@ -125,43 +82,6 @@ def explain_clip(args) -> int:
         + f" = {-loss_value:.4f}   (to maximise)",
         f"  loss       = -objective = {loss_value:.4f}",
         f"  clipped    = {clipped}" + ("   (this token gives no gradient)" if clipped else ""),
-    ]
-    return _emit(args, result, lines)
-
-
-def explain_dpo(args) -> int:
-    from posttrain.losses.objectives import PREFERENCE_OBJECTIVES
-
-    if args.beta <= 0:
-        raise UserError(f"--beta must be > 0, got {args.beta}")
-    entry = PREFERENCE_OBJECTIVES[args.loss]
-    loss_fn = entry.pair_loss
-    if args.label_smoothing is not None and entry.label_smoothing == "refused":
-        raise UserError(f"--label-smoothing does not apply to --loss {args.loss}")
-    lengths = (args.chosen_length, args.rejected_length)
-    if entry.length_normalized and None in lengths:
-        raise UserError(f"--loss {args.loss} needs --chosen-length and --rejected-length (response tokens)")
-    # None keeps each loss's own default (0 for sigmoid, 0.1 for conservative and robust).
-    extra = {"label_smoothing": args.label_smoothing} if args.label_smoothing is not None else {}
-    losses, chosen_reward, rejected_reward = loss_fn(
-        _tensor([args.chosen]), _tensor([args.rejected]), _tensor([args.ref_chosen]), _tensor([args.ref_rejected]),
-        *(_tensor([length]) if length is not None else None for length in lengths), beta=args.beta, **extra,
-    )
-    logit = (chosen_reward - rejected_reward).item()
-    result = {
-        "logit": logit,
-        "loss": losses.item(),
-        "chosen_reward": chosen_reward.item(),
-        "rejected_reward": rejected_reward.item(),
-    }
-    gap = (args.chosen - args.ref_chosen) - (args.rejected - args.ref_rejected)
-    lines = [
-        f"DPO-family loss '{args.loss}' for one preference pair, beta = {args.beta}",
-        f"  relative gap h = ({args.chosen} - {args.ref_chosen}) - ({args.rejected} - {args.ref_rejected}) = {gap:g}",
-        f"  logit  beta*h  = {logit:.4f}",
-        f"  loss           = {losses.item():.4f}" + ("   = log(1 + exp(-beta*h))" if args.loss == "sigmoid" and not args.label_smoothing else ""),
-        f"  implicit rewards: chosen {chosen_reward.item():.4f}, rejected {rejected_reward.item():.4f}",
-        "  If the policy equals the reference, h = 0 and the sigmoid loss is ln 2 ~ 0.6931.",
     ]
     return _emit(args, result, lines)
 
@@ -247,19 +167,6 @@ def explain_distill(args) -> int:
              f"  loss.advantage distill, discount {args.discount:g}: A_t = {_round(advantages)}",
              f"  group / rloo / reinforce_pp sum the row's tokens into its reward first: {result['sequence_sum']:.4f}"]
     return _emit(args, result, lines)
-
-
-def _token_grad(surrogate, logprobs, aggregate_mode: str | None = None):
-    """The loss and d loss / d log pi_t of a one-row surrogate (mean over the row's tokens when
-    `aggregate_mode` is given, else the sum of the per-token losses)."""
-    from posttrain.algorithms import aggregate
-
-    logprobs = logprobs.clone().requires_grad_(True)
-    per_token, stats = surrogate(logprobs)
-    mask = logprobs.new_ones(logprobs.shape, dtype=bool)
-    loss = aggregate(per_token, mask, aggregate_mode) if aggregate_mode else per_token.sum()
-    loss.backward()
-    return loss.item(), logprobs.grad[0].tolist(), stats
 
 
 def explain_gspo(args) -> int:
@@ -393,52 +300,6 @@ def explain_entropy(args) -> int:
         "  A step down that gradient raises the rarer candidates' logits and lowers the likeliest's: the entropy rises.",
     ]
     return _emit(args, result, lines)
-
-
-def _pair_loss(function, *values, **settings):
-    """The loss of one pair from a reference-free objective, and its gradient w.r.t. each input."""
-    inputs = [_tensor([value]).requires_grad_(True) for value in values]
-    losses, _, _ = function(*inputs, **settings)
-    losses.sum().backward()
-    return losses.item(), [tensor.grad.item() for tensor in inputs]
-
-
-def explain_simpo(args) -> int:
-    from posttrain.algorithms import simpo_loss
-
-    loss, grad = _pair_loss(simpo_loss, args.chosen_mean, args.rejected_mean, beta=args.beta, gamma=args.gamma)
-    margin = args.beta * (args.chosen_mean - args.rejected_mean) - args.gamma
-    lines = ["SimPO for one pair (arXiv:2405.14734 eq. 6), no reference: -log sigmoid(beta m_c - beta m_r - gamma)",
-             f"  mean log-probs chosen {args.chosen_mean}, rejected {args.rejected_mean}; beta {args.beta}, gamma {args.gamma} "
-             f"(absolute; gamma/beta = {args.gamma / args.beta:.4g})",
-             f"  margin = {margin:.6f}, loss = {loss:.6f}; d loss / d m_c = {grad[0]:.6f}"]
-    return _emit(args, {"loss": loss, "grad": grad[0], "margin": margin}, lines)
-
-
-def explain_orpo(args) -> int:
-    from posttrain.algorithms import orpo_loss
-
-    loss, grad = _pair_loss(orpo_loss, args.chosen_mean, args.rejected_mean, lam=args.lam)
-    total = loss - args.chosen_mean  # the SFT term: the chosen's token-mean NLL
-    lines = ["ORPO for one pair (arXiv:2403.07691 eqs. 6-7), no reference: NLL(chosen) + lambda * -log sigmoid(log odds_c - log odds_r)",
-             f"  mean log-probs chosen {args.chosen_mean}, rejected {args.rejected_mean}; lambda {args.lam}",
-             f"  lambda * L_OR = {loss:.6f}; with the chosen NLL {-args.chosen_mean:.6f}: {total:.6f}"]
-    return _emit(args, {"loss": total, "odds_ratio_term": loss, "grad": grad[0] - 1.0}, lines)
-
-
-def explain_kto(args) -> int:
-    import torch
-
-    from posttrain.algorithms import kto_loss
-
-    log_ratio = _tensor([args.log_ratio]).requires_grad_(True)
-    losses, _, reference_point = kto_loss(log_ratio, _tensor(args.mismatched), torch.tensor([args.label == "desirable"]),
-                                          beta=args.beta)
-    losses.sum().backward()
-    lines = [f"KTO for one {args.label} completion (arXiv:2402.01306), reference point z0 = max(0, mean of the mismatched log-ratios)",
-             f"  log-ratio {args.log_ratio}, mismatched {args.mismatched} -> z0 {reference_point.item():.6f}, beta {args.beta}",
-             f"  loss = {losses.item():.6f}; d loss / d log-ratio = {log_ratio.grad.item():.6f}"]
-    return _emit(args, {"loss": losses.item(), "grad": log_ratio.grad.item(), "reference_point": reference_point.item()}, lines)
 
 
 def register(subparsers) -> None:
