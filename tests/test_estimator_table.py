@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from posttrain.algorithms import exact_kl
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, AdvantageEstimator, Estimate, StepRewards
 from posttrain.config import build_config
 from posttrain.data.examples import derived_seed
@@ -105,3 +106,33 @@ def test_prepare_and_step_from_the_library_equal_the_recipes_step(placement):
     assert {name: value for name, value in expected.items() if name not in ("lr", "entropy/slope")} == got
     for (name, mine), theirs in zip(models.policy_model.named_parameters(), state.policy.parameters(), strict=True):
         assert torch.equal(mine, theirs), name
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_exact_kl_from_the_kept_logits_equals_separate_forwards(mini_batches):
+    """`kl/exact` is measured on logits the step's forwards keep (the reference's no-grad forward;
+    the policy's old-log-prob forward with 2 mini-batches, the update's own forward with 1), not on
+    forwards of its own. It equals the exact KL of plain full forwards of both models before the
+    step, over the first 10 counted tokens in row order (here spanning micro-batches of one row), on
+    a policy moved away from its reference."""
+    overrides = {**SMALL, "exact_kl_tokens": 10, "loss": {**SMALL["loss"], "kl": {"beta": 0.05, "placement": "loss"}},
+                 "update": {"mini_batches": mini_batches, "micro_batch_size": 1}}
+    config = build_config(online_config.grpo_config, None, overrides)
+    state = online.setup(config, reward=digits)
+    batch = fixed_batch(state)
+    models = library_models(config)
+    with torch.no_grad():
+        for parameter in models.policy_model.parameters():
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(parameter.numel())))
+        inputs, P, T = batch.rollout.forward_inputs(), batch.rollout.prompt_ids.shape[1], batch.rollout.completion_ids.shape[1]
+        logits = models.policy_model(**inputs).logits[:, P - 1: P - 1 + T]
+        ref_logits = models.reference(**inputs).logits[:, P - 1: P - 1 + T]
+    rows, columns = batch.rollout.mask.nonzero()[:10].unbind(1)
+    assert len(set(rows.tolist())) >= 2  # the positions span rows, so micro-batches
+    expected = float(exact_kl(logits[rows, columns], ref_logits[rows, columns], temperature=config.sampling.temperature).mean())
+    settings = UpdateSettings(config.loss, config.update, config.critic, config.sampling.temperature, config.sampling.max_new_tokens,
+                              config.data.group_size, minibatch_seed=1, exact_kl_tokens=config.exact_kl_tokens)
+    update_batch, _ = prepare(models, batch, settings, World())
+    assert (update_batch.old_logprobs is not None) == (mini_batches > 1)
+    got = step(models, update_batch, settings, World())["kl/exact"]
+    assert expected > 1e-3 and got == pytest.approx(expected, rel=1e-5)

@@ -35,11 +35,11 @@ from posttrain.algorithms.logprobs import entropy as entropy_with_grad
 from posttrain.algorithms.logprobs import token_entropy
 from posttrain.algorithms.surrogates import SURROGATES
 from posttrain.data.scored_batch import ScoredBatch
-from posttrain.distributed import World, full_weights, gradient_sync, rank_micro_batches
+from posttrain.distributed import World, gradient_sync, rank_micro_batches
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement
 from posttrain.losses.policy_gradient_config import OffPolicy, OffPolicyObjective, off_policy_objective, precomputes_old
-from posttrain.models.forward import completion_logits, completion_values, rank_logprobs
+from posttrain.models.forward import LogitTap, completion_values, rank_logprobs
 from posttrain.optim import Trainable, clip_groups_and_step
 
 SUMMED = ("loss", "value_loss", "clip/value", "ratio", "kl", "entropy", "tokens", "tis/weight", "tis/capped",
@@ -85,6 +85,36 @@ class UpdateBatch:
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    exact_kl: ExactKL | None = None
+
+
+@dataclass
+class ExactKL:
+    """Where the exact KL to the reference is measured (each rank: the first `exact_kl_tokens`
+    counted tokens of its own rows, in row order) and both models' logits there, kept from forwards
+    the step runs anyway: the reference's no-grad forward in `prepare`; the policy's no-grad forward
+    of the old log-probs when there is one, else the update's own forward (then one optimizer step
+    follows every forward: the policy before the update either way)."""
+
+    reference: LogitTap
+    policy: LogitTap
+
+    @classmethod
+    def at(cls, mask: torch.Tensor, owners: torch.Tensor, world: World, max_tokens: int) -> ExactKL:
+        """The first `max_tokens` True positions of `mask` (N, T) in this rank's rows (`owners` (N,))."""
+        mine = (owners == world.rank).nonzero().squeeze(1)
+        positions = mask[mine].nonzero()[:max_tokens]  # (k, 2), row-major
+        rows, columns = mine[positions[:, 0]], positions[:, 1]
+        return cls(LogitTap(rows, columns), LogitTap(rows, columns))
+
+    def value(self, temperature: float, world: World) -> float | None:
+        """Exact KL(policy || reference) per token over every rank's positions (None: no positions)."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.reference.rows.device)
+        if self.policy.logits is not None and self.reference.logits is not None:
+            kl = exact_kl(self.policy.logits, self.reference.logits, temperature=temperature)
+            total += torch.stack([kl.sum().double(), kl.new_tensor(kl.numel(), dtype=torch.float64)])
+        kl_sum, count = world.reduce(total).tolist()
+        return kl_sum / count if count else None
 
 
 @dataclass(frozen=True)
@@ -140,8 +170,9 @@ def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, 
     estimator = ADVANTAGE_ESTIMATORS[loss.advantage]
     mask = rollout.mask & loss_rows(batch, loss.mask_truncated)[:, None]  # (N, T): the tokens that reach the loss
     metrics: dict[str, Any] = {}
+    probe = ExactKL.at(mask, batch.owners, world, settings.exact_kl_tokens) if models.reference and settings.exact_kl_tokens > 0 else None
     with models.placement.autocast():
-        old_logprobs, ref_logprobs, old_values = rollout_forwards(models, batch, mask, settings, world)
+        old_logprobs, ref_logprobs, old_values = rollout_forwards(models, batch, mask, settings, world, probe)
     token_rewards = None
     if batch.scores.dense:  # a teacher's log-probs against the student's before the update (the old ones when the loss fixes them)
         student = old_logprobs
@@ -163,7 +194,7 @@ def prepare(models: PolicyModels, batch: ScoredBatch, settings: UpdateSettings, 
     if not estimator.per_token:
         metrics["advantages/abs_mean"] = float(masked_mean(estimate.advantages.abs()[:, None].expand_as(mask), mask))
     return UpdateBatch(rollout, mask, estimate.advantages, batch.owners, seed=settings.minibatch_seed, old_logprobs=old_logprobs,
-                       ref_logprobs=ref_logprobs, old_values=old_values, returns=estimate.returns), metrics
+                       ref_logprobs=ref_logprobs, old_values=old_values, returns=estimate.returns, exact_kl=probe), metrics
 
 
 def dense_rewards(terms: list, student_logprobs: torch.Tensor, mask: torch.Tensor, metrics: dict[str, Any]) -> torch.Tensor:
@@ -183,14 +214,22 @@ def dense_rewards(terms: list, student_logprobs: torch.Tensor, mask: torch.Tenso
     return total
 
 
-def rollout_forwards(models: PolicyModels, batch: ScoredBatch, mask: torch.Tensor, settings: UpdateSettings, world: World):
+def rollout_forwards(models: PolicyModels, batch: ScoredBatch, mask: torch.Tensor, settings: UpdateSettings, world: World,
+                     probe: ExactKL | None = None):
     """The no-grad forwards before the update, each rank on its own rows: the old log-probs (None
     when not precomputed: `precomputes_old`), the reference's (None without one) and, with a
-    critic, its values; each (N, T)."""
+    critic, its values; each (N, T). `probe` keeps the reference's logits at its positions (and the
+    policy's, when the old log-probs are precomputed)."""
     rollout, temperature, micro = batch.rollout, settings.temperature, settings.update.micro_batch_size
     precomputed = precomputes_old(settings.loss, settings.update)
-    old_logprobs = rank_logprobs(models.policy_model, rollout, batch.owners, world, temperature, micro) if precomputed else None
-    ref_logprobs = rank_logprobs(models.reference, rollout, batch.owners, world, temperature, micro) if models.reference else None
+    old_logprobs = None
+    if precomputed:
+        old_logprobs = rank_logprobs(models.policy_model, rollout, batch.owners, world, temperature, micro,
+                                     tap=probe.policy if probe else None)
+    ref_logprobs = None
+    if models.reference:
+        ref_logprobs = rank_logprobs(models.reference, rollout, batch.owners, world, temperature, micro,
+                                     tap=probe.reference if probe else None)
     old_values = None
     if models.critic is not None:
         inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
@@ -203,17 +242,15 @@ def rollout_forwards(models: PolicyModels, batch: ScoredBatch, mask: torch.Tenso
 
 
 def step(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, world: World) -> dict[str, Any]:
-    """The update on a prepared batch: first the exact KL to the reference (`exact_kl_metric`, on
-    `settings.exact_kl_tokens` tokens), then the update (the epochs of mini-batches, one optimizer step
-    each), then the sampler-trainer mismatch: the rollout engine's log-probs of the sampled tokens
-    vs the training forward's before the update (the precomputed old log-probs, else the first
-    forward's). Returns the step's named metrics (floats)."""
+    """The update on a prepared batch (the epochs of mini-batches, one optimizer step each), with
+    two measures of the policy before it: the exact KL to the reference (`ExactKL`, on
+    `settings.exact_kl_tokens` tokens, from the logits the forwards kept) and the sampler-trainer
+    mismatch: the rollout engine's log-probs of the sampled tokens vs the training forward's (the
+    precomputed old log-probs, else the first forward's). Returns the step's named metrics (floats)."""
     metrics: dict[str, Any] = {}
-    if models.reference is not None and settings.exact_kl_tokens > 0:
-        with models.placement.autocast():
-            metrics["kl/exact"] = exact_kl_metric(models.policy_model, models.reference, batch, settings.exact_kl_tokens,
-                                                  settings.temperature, world)
     update_metrics, first_logprobs = _update(models, batch, settings, world)
+    if batch.exact_kl is not None:
+        metrics["kl/exact"] = batch.exact_kl.value(settings.temperature, world)
     trainer_logprobs = batch.old_logprobs if batch.old_logprobs is not None else first_logprobs
     mismatch = sampler_mismatch(trainer_logprobs, batch.rollout.logprobs, batch.mask)
     metrics.update({f"mismatch/{name}": float(value) for name, value in mismatch.items()})
@@ -262,6 +299,8 @@ def _update(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, 
                 extremes = _add_token_stats(sums, extremes, result, micro, settings)  # after backward: its activations are freed
                 if epoch == 0 and weight:  # every row is in exactly one micro-batch of an epoch
                     first_logprobs[rows] = result.logprobs.detach()
+                    if batch.exact_kl is not None and batch.old_logprobs is None:  # no old forward: this one is before the update
+                        batch.exact_kl.policy.take(rows, result.logits)
             grad_norms.append(_optimizer_step(models.policy, settings.critic_only))
     # An estimator that measures the KL on the rollout (`prepare`) reports that one, not the update's.
     kl_in_update = batch.ref_logprobs is not None and ADVANTAGE_ESTIMATORS[settings.loss.advantage].kl_metric == "update"
@@ -424,26 +463,3 @@ def _step_metrics(sums: dict, extremes: torch.Tensor, grad_norms: list[float], w
                         "offpolicy/truncated_fraction": totals["offpolicy/truncated"] / tokens,
                         "offpolicy/masked_fraction": totals["offpolicy/masked"] / tokens})
     return metrics
-
-
-@torch.no_grad()
-def exact_kl_metric(policy, reference, batch: UpdateBatch, max_tokens: int, temperature: float, world: World) -> float | None:
-    """Exact full-vocabulary KL(policy || reference) per token before the update, averaged over the
-    first `max_tokens` counted tokens of each rank's rows (cheap enough to log every step). Call it
-    under the run's precision (`placement.autocast()`); under FSDP2 every rank lends its shards."""
-    mask, rollout = batch.mask, batch.rollout
-    mine = (batch.owners == world.rank).nonzero().squeeze(1)
-    mine = mine[: int((mask[mine].sum(-1).cumsum(0) < max_tokens).sum()) + 1]
-    inputs, P, T = rollout.forward_inputs(), rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
-    total = torch.zeros(2, dtype=torch.float64, device=mask.device)
-    with full_weights(policy), full_weights(reference):
-        if len(mine):
-            _, logits = completion_logits(policy, inputs, mine, P, T)
-            _, ref_logits = completion_logits(reference, inputs, mine, P, T)
-            positions = mask[mine].nonzero()[:max_tokens]
-            if positions.numel():
-                rows, columns = positions[:, 0], positions[:, 1]
-                kl = exact_kl(logits[rows, columns], ref_logits[rows, columns], temperature=temperature)
-                total += torch.stack([kl.sum().double(), kl.new_tensor(kl.numel(), dtype=torch.float64)])
-    kl_sum, count = world.reduce(total).tolist()
-    return kl_sum / count if count else None

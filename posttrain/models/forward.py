@@ -32,6 +32,7 @@ and, for DPO, tests/test_dpo.py.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -197,32 +198,65 @@ def policy_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: in
     return completion_logits(model, inputs, rows, prompt_width, T, shared_prefix=shared_prefix)[1], None
 
 
+@dataclass
+class LogitTap:
+    """A few positions of a rollout (rows (k,), columns (k,) long) whose full-vocabulary logits a
+    forward that computes them anyway keeps, detached: `logits` (k, V), filled by `take` (e.g. the
+    exact KL to the reference measured on the forwards a step runs, not on forwards of its own)."""
+
+    rows: torch.Tensor
+    columns: torch.Tensor
+    logits: torch.Tensor | None = None
+
+    def take(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
+        """Keep the tapped positions among `rows` ((n,) long, the rollout rows of `logits`), from
+        their (n, T, V) logits; positions of other rows are left as they are."""
+        match = self.rows[:, None] == rows[None, :]  # (k, n)
+        inside = match.any(1)
+        if not bool(inside.any()):
+            return
+        if self.logits is None:
+            self.logits = logits.new_zeros(len(self.rows), logits.shape[-1])
+        self.logits[inside] = logits[match[inside].float().argmax(1), self.columns[inside]].detach().to(self.logits.dtype)
+
+    def local(self, rows: torch.Tensor) -> LogitTap:
+        """The same positions numbered within the sub-rollout `rollout.select(rows)` ((n,) long,
+        ascending, holding every tapped row)."""
+        return LogitTap(torch.searchsorted(rows, self.rows), self.columns)
+
+
 @torch.no_grad()
-def completion_logprobs(model, rollout, inputs: dict[str, torch.Tensor], temperature: float, micro_batch_size: int) -> torch.Tensor:
+def completion_logprobs(model, rollout, inputs: dict[str, torch.Tensor], temperature: float, micro_batch_size: int,
+                        tap: LogitTap | None = None) -> torch.Tensor:
     """(N, T) log-probs of a rollout's sampled tokens under `model` at `temperature` (float32, 0 at
-    padding), no grad, micro-batched."""
-    prompt_width, T = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    padding), no grad, micro-batched; `tap` keeps the logits of its positions on the way."""
+    prompt_width, (N, T) = rollout.prompt_ids.shape[1], rollout.completion_ids.shape
     pieces = []
-    for start in range(0, rollout.completion_ids.shape[0], micro_batch_size):
+    for start in range(0, N, micro_batch_size):
         rows = slice(start, start + micro_batch_size)
         _, logits = completion_logits(model, inputs, rows, prompt_width, T)
+        if tap is not None:
+            tap.take(torch.arange(start, min(N, start + micro_batch_size), device=logits.device), logits)
         pieces.append(token_logprobs(logits, rollout.completion_ids[rows], temperature))
     return torch.cat(pieces).masked_fill(~rollout.mask, 0.0)
 
 
-def rank_logprobs(model, rollout, owners: torch.Tensor, world: World, temperature: float, micro_batch_size: int) -> torch.Tensor:
+def rank_logprobs(model, rollout, owners: torch.Tensor, world: World, temperature: float, micro_batch_size: int,
+                  tap: LogitTap | None = None) -> torch.Tensor:
     """(N, T) log-probs of every sampled token under `model` (no grad): each rank computes the rows
     it owns (`owners` (N,) long) and the pieces are summed across ranks; in one process simply
     `completion_logprobs`. An FSDP2-sharded model is made whole for the pass, so ranks need not run
-    equally many forwards."""
+    equally many forwards. `tap` (positions in this rank's own rows) keeps their logits."""
     if not world.active:
-        return completion_logprobs(model, rollout, rollout.forward_inputs(), temperature, micro_batch_size)
+        return completion_logprobs(model, rollout, rollout.forward_inputs(), temperature, micro_batch_size, tap)
     mine = (owners == world.rank).nonzero().squeeze(1)
     full = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
     with full_weights(model):
         if len(mine):
-            part = rollout.select(mine)
-            full[mine] = completion_logprobs(model, part, part.forward_inputs(), temperature, micro_batch_size)
+            part, local = rollout.select(mine), None if tap is None else tap.local(mine)
+            full[mine] = completion_logprobs(model, part, part.forward_inputs(), temperature, micro_batch_size, local)
+            if tap is not None:
+                tap.logits = local.logits
     return world.reduce(full)
 
 
