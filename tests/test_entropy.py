@@ -21,6 +21,7 @@ from posttrain.algorithms.surrogates import SURROGATES
 from posttrain.distributed import World
 from posttrain.evaluation.stats import least_squares_slope
 from posttrain.losses import policy_gradient
+from posttrain.models.forward import scores_from_logits
 from posttrain.losses.policy_gradient_config import ClipCov, Critic, Entropy, Loss, Update
 from posttrain.optim import Trainable
 from tests.test_explain import run_json
@@ -64,8 +65,8 @@ class TableTrainer(torch.nn.Module):
         super().__init__()
         self.table = torch.nn.Parameter(logits.clone())
 
-    def forward(self, inputs, rows, P, T, detach_hidden=False):
-        return self.table[rows], None
+    def forward(self, inputs, rows, P, T, targets, temperature, entropy_grad=False, score_mask=None, detach_hidden=False):
+        return scores_from_logits(self.table[rows], targets, temperature, entropy_grad)
 
 
 def table_case(coef: float, aggregation: str = "token_mean", micro_batch_size: int = N, surrogate: str = "clip", **sections):
@@ -79,7 +80,7 @@ def table_case(coef: float, aggregation: str = "token_mean", micro_batch_size: i
     mask[1, -1] = mask[3, -1] = False
     old = token_logprobs(logits, targets, 0.8) + 0.3 * torch.rand(N, T, generator=generator) - 0.1
     rollout = SimpleNamespace(prompt_ids=torch.zeros(N, 1, dtype=torch.long), completion_ids=targets, forward_inputs=dict,
-                              sampler_logprobs=old, logprobs=old)
+                              sampler_logprobs=old, logprobs=old, mask=mask)
     batch = policy_gradient.UpdateBatch(rollout, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.zeros(N, dtype=torch.long),
                                         seed=0, old_logprobs=old)
     loss = Loss(aggregation=aggregation, surrogate=surrogate, entropy=Entropy(coef), **sections)
@@ -98,11 +99,11 @@ def full_micro_loss(trainer, batch, settings):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_the_bonus_is_minus_coef_times_the_entropy_aggregated_like_the_surrogate(aggregation):
-    """coef 0 is the surrogate alone (aggregate(clipped_surrogate)), no entropy computed; coef 0.3
-    is that minus 0.3 x aggregate(H) under the same normalisers, in value and in gradient."""
+    """coef 0 is the surrogate alone (aggregate(clipped_surrogate)), the entropy a metric without
+    gradient; coef 0.3 is that minus 0.3 x aggregate(H) under the same normalisers, in value and in gradient."""
     trainer, batch, settings = table_case(0.0, aggregation)
     plain, plain_grad = full_micro_loss(trainer, batch, settings)
-    assert plain.entropy is None
+    assert not plain.scores.entropy.requires_grad
     logits = trainer.table.detach().clone().requires_grad_(True)
     logprobs = token_logprobs(logits, batch.rollout.completion_ids, 0.8)
     per_token, _ = SURROGATES["clip"].function(logprobs, batch.old_logprobs, batch.advantages, batch.mask, low=0.2, high=0.2, dual=None)

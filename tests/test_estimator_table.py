@@ -22,7 +22,7 @@ from posttrain.distributed import World
 from posttrain.hardware import cpu_placement
 from posttrain.losses.policy_gradient import PolicyModels, UpdateSettings, prepare, step
 from posttrain.models import make_reference
-from posttrain.models.forward import TrainingForward, policy_logits
+from posttrain.models.forward import TrainingForward, policy_scores
 from posttrain.models.loading import load_policy
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes import online, online_config
@@ -74,7 +74,7 @@ def library_models(config):
     seed_everything(config.seed)
     policy, _ = load_policy(config.model, config.lora_rank, config.lora_alpha, placement)
     reference = make_reference(policy)
-    trainer = TrainingForward(policy, policy_logits, placement, shared_prefix=True)
+    trainer = TrainingForward(policy, policy_scores, placement, shared_prefix=True)
     total = config.max_steps * config.update.epochs * config.update.mini_batches
     optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, total)
     return PolicyModels(Trainable(trainer, optimizer, scheduler, config.optim.max_grad_norm), policy, reference=reference,

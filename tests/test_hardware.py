@@ -24,7 +24,7 @@ from posttrain.data import tokenize_preference_pairs, tokenize_prompt_response
 from posttrain.errors import UserError
 from posttrain.hardware import Hardware, Placement, resolve
 from posttrain.models import LoraSettings, apply_lora, load_model, make_critic
-from posttrain.models.forward import TrainingForward, batch_response_sums, policy_and_critic, policy_logits
+from posttrain.models.forward import TrainingForward, batch_response_sums, policy_and_critic, policy_scores
 from posttrain.models.loading import enable_gradient_checkpointing, load_policy
 from posttrain.models.memory import lean_mlp
 from posttrain.models.pair_forward import pair_logprobs
@@ -266,17 +266,16 @@ def test_gradient_checkpointing_same_loss_and_gradients_online(kind, lora):
     losses, models = [], []
     for model in (plain, checkpointed):
         if kind == "grpo":
-            trainer = TrainingForward(model, policy_logits)
+            trainer = TrainingForward(model, policy_scores)
         else:
             critic = make_critic(model, share_backbone=False)
             torch.manual_seed(1)  # the same value head for both
             torch.nn.init.normal_(critic.value_head.linear.weight, std=0.1)
             trainer = TrainingForward(torch.nn.ModuleDict({"policy": model, "critic": critic}), policy_and_critic)
-        logits, values = trainer(inputs, rows, P, T)
-        logprobs = token_logprobs(logits, rollout.completion_ids)
-        loss = -(logprobs * advantages[:, None] * rollout.mask).sum()
-        if values is not None:
-            loss = loss + (values * rollout.mask).pow(2).sum()
+        scores = trainer(inputs, rows, P, T, rollout.completion_ids, 1.0, score_mask=rollout.mask)
+        loss = -(scores.logprobs * advantages[:, None] * rollout.mask).sum()
+        if scores.values is not None:
+            loss = loss + (scores.values * rollout.mask).pow(2).sum()
         loss.backward()
         losses.append(loss.detach())
         models.append(trainer)

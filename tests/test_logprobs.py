@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from posttrain.algorithms import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
-from posttrain.algorithms.logprobs import _HeadLogprobs
+from posttrain.algorithms.logprobs import _HeadLogprobs, head_scores
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 64, 4096])
@@ -102,3 +102,51 @@ def test_head_logprobs_pass_gradcheck_and_skip_frozen_inputs():
     out.sum().backward()
     assert hidden.grad is not None and head.weight.grad is None
 
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 128])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_head_scores_equal_the_head_log_softmax_and_entropy(chunk_size, temperature, entropy_grad):
+    """The fused LM-head log-probs + entropy (probabilities kept, reused in place for backward) against
+    head(hidden) then log_softmax and the entropy, in float64: values, and gradients w.r.t. the hidden
+    states, the weight and the bias, under an arbitrary weighting of both outputs (the entropy's
+    gradient only with `entropy_grad`; else it is detached)."""
+    generator = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(8, 29).double()
+    with torch.no_grad():
+        head.weight.copy_(3 * torch.randn(29, 8, generator=generator))
+    hidden = torch.randn(7, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 29, (7,), generator=generator)
+    up_logprobs, up_entropy = torch.randn(7, generator=generator), torch.randn(7, generator=generator)
+    logprobs, entropy = head_scores(hidden, head, targets, temperature, entropy_grad=entropy_grad, chunk_size=chunk_size)
+    assert entropy.requires_grad == entropy_grad and logprobs.dtype == torch.float64
+    loss = (logprobs * up_logprobs).sum() + ((entropy * up_entropy).sum() if entropy_grad else 0)
+    grads = torch.autograd.grad(loss, [hidden, *head.parameters()])
+    log_p = torch.log_softmax(head(hidden) / temperature, -1)
+    naive_entropy = -(log_p.exp() * log_p).sum(-1)
+    naive_loss = (log_p.gather(-1, targets[:, None]).squeeze(-1) * up_logprobs).sum()
+    naive_loss = naive_loss + ((naive_entropy * up_entropy).sum() if entropy_grad else 0)
+    naive_grads = torch.autograd.grad(naive_loss, [hidden, *head.parameters()])
+    assert torch.allclose(logprobs, log_p.gather(-1, targets[:, None]).squeeze(-1), atol=1e-12)
+    assert torch.allclose(entropy, naive_entropy, atol=1e-12)
+    for got, expected in zip(grads, naive_grads, strict=True):
+        assert torch.allclose(got, expected, atol=1e-10)
+
+
+def test_head_scores_without_grad_are_the_training_bits_and_keep_nothing():
+    """A no-grad pass (old / reference log-probs) gives the same bits as the training forward of the
+    same rows (so mu = 1's first ratio is exactly 1), without entropies when not asked for; a second
+    backward through one graph is refused by autograd (the saved probabilities were turned into the
+    gradient in place)."""
+    generator = torch.Generator().manual_seed(6)
+    head = torch.nn.Linear(16, 301, bias=False)
+    hidden = torch.randn(40, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 301, (40,), generator=generator)
+    trained, _ = head_scores(hidden, head, targets, 0.9, chunk_size=16)
+    with torch.no_grad():
+        plain, none = head_scores(hidden, head, targets, 0.9, chunk_size=16, entropy=False)
+    assert torch.equal(trained.detach(), plain) and none is None
+    trained.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        trained.sum().backward()

@@ -231,3 +231,115 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 10
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return _Entropy.apply(logits, temperature, chunk_size)
+
+
+def _float_type(tensor: torch.Tensor) -> torch.dtype:
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+def _head_pass(hidden, weight, bias, targets, temperature, chunk_size, probs=None, entropy=True):
+    """The forward of `head_scores`, chunk by chunk: (K,) log-probs, (K,) entropies (None when not
+    `entropy` and no `probs`) and the matmuls' dtype; fills `probs` (K, V) when given. The one loop
+    both the training forward and a no-grad forward of the same rows run, so their log-probs agree
+    to the bit."""
+    dtype, kind = _float_type(hidden), hidden.device.type
+    compute = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.promote_types(hidden.dtype, weight.dtype)
+    logprobs = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+    entropies = torch.empty_like(logprobs) if entropy or probs is not None else None
+    with torch.autocast(kind, enabled=False):
+        w, b = weight.to(compute), None if bias is None else bias.to(compute)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            z = F.linear(hidden[rows].to(compute), w, b).to(dtype)  # (chunk, V)
+            if temperature != 1.0:
+                z = z.div_(temperature)
+            log_p = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # in place: z is this chunk's own
+            logprobs[rows] = log_p.gather(-1, targets[rows, None]).squeeze(-1)
+            if entropies is not None:
+                p = torch.exp(log_p) if probs is None else torch.exp(log_p, out=probs[rows])
+                entropies[rows] = -(p * log_p).sum(-1)
+    return logprobs, entropies, compute
+
+
+class _HeadScores(torch.autograd.Function):
+    """Log-probs of the target tokens AND the entropy at each position of softmax(head(hidden) / tau),
+    in one pass over chunks of positions: the logits exist one chunk at a time; what backward keeps is
+    the (K, V) probabilities (float32), turned in place into the logits' gradient (one multiply and a
+    scatter; so a graph through it can be backpropagated once: autograd refuses a second backward,
+    the saved probabilities having been modified in place), with no recomputed LM head. The
+    entropy's gradient is taken only when asked for (`entropy_grad`), else the entropy is returned
+    detached (a metric).
+
+    With z = logits / tau, p = softmax(z): d log p_target / dz = onehot - p, dH/dz = -p (log p + H);
+    d/dlogits = d/dz / tau. Matmuls run in the dtype they would outside this function (the autocast
+    dtype under bf16-mixed, as `_HeadLogprobs`), the softmax in float32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, entropy_grad, chunk_size):
+        probs = torch.empty(hidden.shape[0], weight.shape[0], dtype=_float_type(hidden), device=hidden.device)
+        logprobs, entropy, compute = _head_pass(hidden, weight, bias, targets, temperature, chunk_size, probs)
+        ctx.save_for_backward(hidden, weight, bias, targets, probs, entropy)
+        ctx.temperature, ctx.entropy_grad, ctx.compute = temperature, entropy_grad, compute
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, targets, probs, entropy = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        compute, tau = ctx.compute, ctx.temperature
+        w = weight.to(compute)
+        grad_hidden = grad_weight = grad_bias = None
+        g = torch.zeros_like(entropy) if grad_logprobs is None else grad_logprobs.to(probs.dtype) / tau  # (K,)
+        entropy_term = None
+        if ctx.entropy_grad and grad_entropy is not None:  # p (log p + H) dH, with p log p -> 0 where p underflowed to 0
+            entropy_term = (torch.special.xlogy(probs, probs) + probs * entropy[:, None]) * (grad_entropy.to(probs.dtype) / tau)[:, None]
+        grad_z = probs.mul_(-g[:, None])  # (K, V): the logits' gradient, in the probabilities' own memory
+        grad_z.scatter_add_(-1, targets[:, None], g[:, None])
+        if entropy_term is not None:
+            grad_z -= entropy_term
+        grad_z = grad_z.to(compute)
+        if need_hidden:
+            grad_hidden = (grad_z @ w).to(hidden.dtype)
+        if need_weight:
+            grad_weight = (grad_z.T @ hidden.to(compute)).to(weight.dtype)
+        if need_bias:
+            grad_bias = grad_z.sum(0).to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def head_scores(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, temperature: float = 1.0,
+                entropy_grad: bool = False, chunk_size: int = 128, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` and the entropy of softmax(head(hidden) / temperature) at each position,
+    without any (K, V) logits kept: equal to ``token_logprobs(head(hidden), targets, temperature)`` and
+    ``token_entropy(head(hidden), temperature)`` (``entropy(...)`` with ``entropy_grad``), in one pass
+    over the vocabulary instead of four or five, and a backward that reuses the forward's probabilities
+    rather than a log-softmax's backward and a scatter into zeros of the logits' size (the policy-gradient
+    update's head; `head_logprobs` is the same for the log-probs alone, recomputing the head in backward).
+
+    Args:
+        hidden: (K, H) final hidden states at the positions that predict ``targets``.
+        head: the model's output embedding, a plain ``nn.Linear`` (V, H) (bias optional).
+        targets: (K,) long token ids.
+        temperature: > 0, the sampling temperature.
+        entropy_grad: give the entropy its gradient (an entropy bonus); else it is detached.
+        chunk_size: positions per chunk of the forward and backward.
+        entropy: False skips the entropies (None) where no gradient is taken (a no-grad forward's log-probs).
+
+    Returns:
+        (K,) log-probs, differentiable w.r.t. ``hidden`` and the head's weight and bias, and (K,) entropies;
+        float32 (float64 for float64 inputs). Backward keeps (K, V) float32 probabilities: the memory of
+        the logits it replaces, without their log-softmax's and gradient's copies. Where no gradient
+        is needed (no grad mode, or nothing requires grad) nothing is kept, and the log-probs are the
+        same bits the training forward of the same rows gives.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if hidden.shape[:-1] != targets.shape or hidden.dim() != 2:
+        raise ValueError(f"hidden {tuple(hidden.shape)} must be (K, H) with targets (K,), got {tuple(targets.shape)}")
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, head.weight, head.bias))
+    if not needs_grad:
+        logprobs, entropies, _ = _head_pass(hidden, head.weight, head.bias, targets, temperature, chunk_size, entropy=entropy)
+        return logprobs, entropies
+    return _HeadScores.apply(hidden, head.weight, head.bias, targets, temperature, entropy_grad, chunk_size)

@@ -27,19 +27,17 @@ from typing import Any
 
 import torch
 
-from posttrain.algorithms import aggregate, clipped_value_loss, exact_kl, kl_estimate, masked_mean, sampler_mismatch, token_logprobs
+from posttrain.algorithms import aggregate, clipped_value_loss, exact_kl, kl_estimate, masked_mean, sampler_mismatch
 from posttrain.algorithms import effective_sample_size, importance_weights, truncated_importance_weights
 from posttrain.algorithms.distill import reverse_kl_per_token, teacher_token_rewards
 from posttrain.algorithms.estimators import ADVANTAGE_ESTIMATORS, StepRewards
-from posttrain.algorithms.logprobs import entropy as entropy_with_grad
-from posttrain.algorithms.logprobs import token_entropy
 from posttrain.algorithms.surrogates import SURROGATES
 from posttrain.data.scored_batch import ScoredBatch
 from posttrain.distributed import World, gradient_sync, rank_micro_batches
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement
 from posttrain.losses.policy_gradient_config import OffPolicy, OffPolicyObjective, off_policy_objective, precomputes_old
-from posttrain.models.forward import LogitTap, completion_values, rank_logprobs
+from posttrain.models.forward import CompletionScores, LogitTap, completion_values, rank_logprobs
 from posttrain.optim import Trainable, clip_groups_and_step
 
 SUMMED = ("loss", "value_loss", "clip/value", "ratio", "kl", "entropy", "tokens", "tis/weight", "tis/capped",
@@ -51,7 +49,7 @@ beside the surrogate's own fractions (`Surrogate.fractions`: clip/low, clip/high
 @dataclass
 class PolicyModels:
     """What the step moves and reads: the policy's `Trainable` (its trainer a `TrainingForward`
-    over `policy_logits`, or over `policy_and_critic` with the optimizer's groups [policy, critic]),
+    over `policy_scores`, or over `policy_and_critic` with the optimizer's groups [policy, critic]),
     the policy model itself (its no-grad forwards: old log-probs, the exact KL), the frozen reference
     (None: no KL), the critic (None: no values) and the placement (device, precision) of the no-grad
     forwards."""
@@ -300,7 +298,7 @@ def _update(models: PolicyModels, batch: UpdateBatch, settings: UpdateSettings, 
                 if epoch == 0 and weight:  # every row is in exactly one micro-batch of an epoch
                     first_logprobs[rows] = result.logprobs.detach()
                     if batch.exact_kl is not None and batch.old_logprobs is None:  # no old forward: this one is before the update
-                        batch.exact_kl.policy.take(rows, result.logits)
+                        batch.exact_kl.policy.take(rows, result.scores.logits_at)
             grad_norms.append(_optimizer_step(models.policy, settings.critic_only))
     # An estimator that measures the KL on the rollout (`prepare`) reports that one, not the update's.
     kl_in_update = batch.ref_logprobs is not None and ADVANTAGE_ESTIMATORS[settings.loss.advantage].kl_metric == "update"
@@ -330,19 +328,17 @@ class _Micro:
 @dataclass
 class _MicroLoss:
     """A micro-batch's forward: its loss, the zero term that keeps every parameter in the graph
-    (with a critic DDP waits for all of them), its (n, T) log-probs and (n, T, V) logits, the
-    surrogate's per-token statistics, its detached float64 sums over the counted tokens, the
-    largest importance weight of the decoupled objective (-inf: none) and, under an entropy bonus,
-    the (n, T) entropies it used (detached; None: the metric computes its own)."""
+    (with a critic DDP waits for all of them), its (n, T) log-probs, the forward's `CompletionScores`
+    (entropies, logits at chosen positions), the surrogate's per-token statistics, its detached float64
+    sums over the counted tokens and the largest importance weight of the decoupled objective (-inf: none)."""
 
     loss: torch.Tensor
     anchor: Any
     logprobs: torch.Tensor
-    logits: torch.Tensor
+    scores: CompletionScores
     stats: dict[str, torch.Tensor]
     sums: dict[str, torch.Tensor]
     weight_max: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
 
 
 def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], micro: _Micro, settings: UpdateSettings) -> _MicroLoss:
@@ -352,8 +348,9 @@ def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], mi
     mini-batch's normalisers, plus the critic's value loss."""
     loss_cfg, critic_cfg, rows, mask = settings.loss, settings.critic, micro.rows, micro.mask
     P, T = batch.rollout.prompt_ids.shape[1], batch.rollout.completion_ids.shape[1]
-    logits, values = trainer(inputs, rows, P, T, detach_hidden=settings.critic_only)
-    logprobs = token_logprobs(logits, batch.rollout.completion_ids[rows], settings.temperature)
+    scores = trainer(inputs, rows, P, T, batch.rollout.completion_ids[rows], settings.temperature,
+                     entropy_grad=loss_cfg.entropy.coef > 0, score_mask=batch.rollout.mask[rows], detach_hidden=settings.critic_only)
+    logprobs, values = scores.logprobs, scores.values
     old = batch.old_logprobs[rows] if batch.old_logprobs is not None else logprobs.detach()  # the proximal policy's
     behaviour = batch.rollout.sampler_logprobs[rows]
     objective, surrogate = settings.objective, SURROGATES[loss_cfg.surrogate]
@@ -375,10 +372,8 @@ def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], mi
         if loss_cfg.kl.placement == "loss":
             per_token = per_token + loss_cfg.kl.beta * kl
         sums["kl"] = (kl.detach() * mask).sum().double()
-    entropy = None
     if loss_cfg.entropy.coef > 0:  # the bonus: - coef x H_t on the policy's own tokens, with its gradient
-        entropy = entropy_with_grad(logits, settings.temperature)
-        per_token = per_token - loss_cfg.entropy.coef * entropy
+        per_token = per_token - loss_cfg.entropy.coef * scores.entropy
     normalisers = (micro.global_tokens, micro.global_sequences)
     loss = aggregate(per_token, mask, loss_cfg.aggregation, *normalisers, max_length=settings.max_length)
     if values is not None:
@@ -387,8 +382,8 @@ def _micro_loss(trainer, batch: UpdateBatch, inputs: dict[str, torch.Tensor], mi
         loss = critic_cfg.value_coef * value_loss if settings.critic_only else critic_cfg.value_coef * value_loss + loss
         sums["value_loss"] = value_loss.detach().double()
         sums["clip/value"] = (value_clipped.float() * mask).sum().double()
-    anchor = 0.0 * logits.sum() if values is not None else 0.0
-    return _MicroLoss(loss, anchor, logprobs, logits, stats, sums, weight_max, None if entropy is None else entropy.detach())
+    anchor = 0.0 * logprobs.sum() if values is not None else 0.0
+    return _MicroLoss(loss, anchor, logprobs, scores, stats, sums, weight_max)
 
 
 def _staleness_weighted(per_token: torch.Tensor, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
@@ -414,8 +409,7 @@ def _add_token_stats(sums: dict, extremes: torch.Tensor, result: _MicroLoss, mic
     stats, mask = result.stats, micro.mask
     for name, key in (*SURROGATES[settings.loss.surrogate].fractions, ("ratio", "ratio")):
         sums[name] += (stats[key].float() * mask).sum().double()
-    entropy = result.entropy if result.entropy is not None else token_entropy(result.logits, settings.temperature)
-    sums["entropy"] += (entropy * mask).sum().double()
+    sums["entropy"] += (result.scores.entropy.detach() * mask).sum().double()
     ratios = stats["ratio"].double()
     low = ratios.masked_fill(~mask, float("inf")).min()
     high = ratios.masked_fill(~mask, float("-inf")).max()

@@ -7,6 +7,10 @@ What is computed is only what the loss needs:
 * `completion_logits`: the logits that score the completion tokens of rollout rows, each distinct
   prompt once (`shared_prefix_logits`, below); `completion_logprobs` / `rank_logprobs` turn them
   into (N, T) log-probs at a temperature (no grad), `completion_values` gives a critic's (N, T) values;
+* `policy_scores`: what the policy-gradient update trains through: the decoder's last hidden states at
+  the completion positions (shared prefix as below), then the fused LM head (`algorithms.head_scores`)
+  on the real completion tokens only: their log-probs and entropies in one pass, no (n, T, V) logits.
+  `completion_logprobs` takes a policy's no-grad log-probs through the same pass, to the bit;
 * `response_sums`: the LM head only where a response token is predicted (SFT's and DPO's per-row forward).
 
 The shared prefix. The G rows of a GRPO group carry the same left-padded prompt (often most of each
@@ -39,6 +43,8 @@ import torch
 from transformers import DynamicCache
 
 from posttrain.algorithms import head_logprobs, response_logprobs, sequence_logprobs, token_logprobs
+from posttrain.algorithms.logprobs import entropy as entropy_with_grad
+from posttrain.algorithms.logprobs import head_scores, token_entropy
 from posttrain.data import position_ids_from_attention_mask
 from posttrain.distributed import World, full_weights
 from posttrain.hardware import Placement, cpu_placement
@@ -191,11 +197,90 @@ def completion_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width
     return output, output.logits[:, prompt_width - 1 : prompt_width - 1 + T]
 
 
-def policy_logits(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, shared_prefix: bool = True,
-                  detach_hidden: bool = False) -> tuple[torch.Tensor, None]:
-    """The (n, T, V) `completion_logits` of some rows and no values: what a policy without a critic
-    trains through (the same signature as `policy_and_critic`; `detach_hidden` has nothing to detach)."""
-    return completion_logits(model, inputs, rows, prompt_width, T, shared_prefix=shared_prefix)[1], None
+@dataclass
+class CompletionScores:
+    """What the policy-gradient loss reads of one training forward over n rollout rows: the (n, T)
+    log-probs of the sampled tokens (with gradient), the (n, T) entropies of the sampling distribution
+    (with gradient only when asked for: an entropy bonus; else a metric), the critic's (n, T) values
+    (None without one) and `logits_at(rows, columns)`: the (k, V) full logits at k positions (rows
+    numbered 0..n-1), detached, recomputed from the kept hidden states where the logits were never
+    materialised (e.g. the exact KL's positions). Positions outside the forward's `score_mask` hold 0."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    logits_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    values: torch.Tensor | None = None
+
+
+def plain_head(model) -> torch.nn.Linear | None:
+    """The model's LM head when its logits are exactly `head(last hidden state)`: a plain `nn.Linear`
+    (not LoRA-wrapped), no logit soft-capping or scaling; else None (the caller takes the logits)."""
+    config = getattr(_transformers_model(model), "config", None)
+    if any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head if type(head) is torch.nn.Linear else None
+
+
+def completion_hidden(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, shared_prefix: bool = True) -> torch.Tensor:
+    """(n, T, H) final hidden states at the positions whose logits score completion tokens 0..T-1
+    (what `completion_logits` puts through the LM head): each distinct prompt once when
+    `shared_prefix` and the model allows, else one plain decoder call."""
+    hidden = shared_prefix_logits(model, inputs, rows, prompt_width, T, hidden_states=True) if shared_prefix else None
+    if hidden is None:
+        hidden = _decoder(model)(input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
+                                 position_ids=inputs["position_ids"][rows]).last_hidden_state[:, prompt_width - 1 : prompt_width - 1 + T]
+    return hidden
+
+
+def scores_from_hidden(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                       entropy_grad: bool = False, score_mask: torch.Tensor | None = None, entropy: bool = True) -> CompletionScores:
+    """`CompletionScores` of (n, T, H) hidden states through a plain LM head, the fused `head_scores`
+    on the `score_mask` (n, T) positions only (all when None): no (n, T, V) logits exist. `entropy`
+    False (no gradient taken) leaves the entropies out (None)."""
+    n, T, H = hidden.shape
+    if score_mask is None:
+        score_mask = torch.ones(n, T, dtype=torch.bool, device=hidden.device)
+    rows, columns = score_mask.nonzero(as_tuple=True)
+    picked, entropy_picked = head_scores(hidden[rows, columns], head, targets[rows, columns], temperature, entropy_grad, entropy=entropy)
+    logprobs = picked.new_zeros(n, T).index_put((rows, columns), picked)
+    entropy = None if entropy_picked is None else entropy_picked.new_zeros(n, T).index_put((rows, columns), entropy_picked)
+    kind = hidden.device.type
+    autocast = {"dtype": torch.get_autocast_dtype(kind), "enabled": torch.is_autocast_enabled(kind)}
+
+    def logits_at(at_rows: torch.Tensor, at_columns: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast(kind, **autocast):  # the precision the forward ran at
+            return head(hidden[at_rows, at_columns])
+
+    return CompletionScores(logprobs, entropy, logits_at)
+
+
+def scores_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False,
+                       entropy: bool = True) -> CompletionScores:
+    """`CompletionScores` of (n, T, V) logits (a head that is not a plain linear map, or a sharded model)."""
+    if entropy_grad:
+        entropy = entropy_with_grad(logits, temperature)
+    else:
+        entropy = token_entropy(logits, temperature) if entropy else None
+    return CompletionScores(token_logprobs(logits, targets, temperature), entropy, lambda rows, columns: logits[rows, columns].detach())
+
+
+def policy_scores(model, inputs: dict[str, torch.Tensor], rows, prompt_width: int, T: int, targets: torch.Tensor,
+                  temperature: float, entropy_grad: bool = False, score_mask: torch.Tensor | None = None,
+                  shared_prefix: bool = True, full_forward: bool = False, detach_hidden: bool = False,
+                  entropy: bool = True) -> CompletionScores:
+    """The `CompletionScores` (no values) of some rows of a rollout's `forward_inputs()` that a policy
+    without a critic trains through: the decoder over each distinct prompt once (`shared_prefix`),
+    then the fused LM head (`scores_from_hidden`) on the `score_mask` positions; the (n, T, V) logits
+    instead when the head is not plain (`plain_head`) or `full_forward` (an FSDP2-sharded model, whose
+    head must run as a module). `targets` (n, T) are the sampled tokens; `detach_hidden` (the critic's
+    option) has nothing to detach here; `entropy` False (a no-grad forward) skips the entropies."""
+    head = None if full_forward else plain_head(model)
+    if head is None:
+        logits = completion_logits(model, inputs, rows, prompt_width, T, shared_prefix=shared_prefix)[1]
+        return scores_from_logits(logits, targets, temperature, entropy_grad, entropy)
+    hidden = completion_hidden(model, inputs, rows, prompt_width, T, shared_prefix)
+    return scores_from_hidden(head, hidden, targets, temperature, entropy_grad, score_mask, entropy)
 
 
 @dataclass
@@ -208,16 +293,18 @@ class LogitTap:
     columns: torch.Tensor
     logits: torch.Tensor | None = None
 
-    def take(self, rows: torch.Tensor, logits: torch.Tensor) -> None:
-        """Keep the tapped positions among `rows` ((n,) long, the rollout rows of `logits`), from
-        their (n, T, V) logits; positions of other rows are left as they are."""
+    def take(self, rows: torch.Tensor, logits_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Keep the tapped positions among `rows` ((n,) long, the rollout rows a forward scored), from
+        `logits_at(local rows (m,), columns (m,))` -> (m, V) logits (local rows numbered 0..n-1, as
+        `CompletionScores.logits_at`); positions of other rows are left as they are."""
         match = self.rows[:, None] == rows[None, :]  # (k, n)
         inside = match.any(1)
         if not bool(inside.any()):
             return
+        logits = logits_at(match[inside].float().argmax(1), self.columns[inside]).detach()
         if self.logits is None:
             self.logits = logits.new_zeros(len(self.rows), logits.shape[-1])
-        self.logits[inside] = logits[match[inside].float().argmax(1), self.columns[inside]].detach().to(self.logits.dtype)
+        self.logits[inside] = logits.to(self.logits.dtype)
 
     def local(self, rows: torch.Tensor) -> LogitTap:
         """The same positions numbered within the sub-rollout `rollout.select(rows)` ((n,) long,
@@ -229,15 +316,17 @@ class LogitTap:
 def completion_logprobs(model, rollout, inputs: dict[str, torch.Tensor], temperature: float, micro_batch_size: int,
                         tap: LogitTap | None = None) -> torch.Tensor:
     """(N, T) log-probs of a rollout's sampled tokens under `model` at `temperature` (float32, 0 at
-    padding), no grad, micro-batched; `tap` keeps the logits of its positions on the way."""
+    padding), no grad, micro-batched: `policy_scores` without entropies, so a policy's are the bits its
+    training forward of the same rows gives; `tap` keeps the logits of its positions on the way."""
     prompt_width, (N, T) = rollout.prompt_ids.shape[1], rollout.completion_ids.shape
     pieces = []
     for start in range(0, N, micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        _, logits = completion_logits(model, inputs, rows, prompt_width, T)
+        scores = policy_scores(model, inputs, rows, prompt_width, T, rollout.completion_ids[rows], temperature,
+                               score_mask=rollout.mask[rows], entropy=False)
         if tap is not None:
-            tap.take(torch.arange(start, min(N, start + micro_batch_size), device=logits.device), logits)
-        pieces.append(token_logprobs(logits, rollout.completion_ids[rows], temperature))
+            tap.take(torch.arange(start, min(N, start + micro_batch_size), device=scores.logprobs.device), scores.logits_at)
+        pieces.append(scores.logprobs)
     return torch.cat(pieces).masked_fill(~rollout.mask, 0.0)
 
 
@@ -274,20 +363,29 @@ def completion_values(critic, inputs: dict[str, torch.Tensor], P: int, T: int, m
     return torch.cat(pieces)
 
 
-def policy_and_critic(models: torch.nn.ModuleDict, inputs: dict[str, torch.Tensor], rows, P: int, T: int,
-                      share_backbone: bool = False, detach_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (n, T, V) logits and (n, T) values of some rows in one pass: the values from the policy's
-    last hidden states through the value head when the critic shares its backbone (hidden states
-    detached when `detach_hidden`: the backbone then gets no value gradient), else from the
-    critic's own forward. `models` holds "policy" and "critic"."""
+def policy_and_critic(models: torch.nn.ModuleDict, inputs: dict[str, torch.Tensor], rows, P: int, T: int, targets: torch.Tensor,
+                      temperature: float, entropy_grad: bool = False, score_mask: torch.Tensor | None = None,
+                      share_backbone: bool = False, detach_hidden: bool = False, full_forward: bool = False) -> CompletionScores:
+    """The policy's `CompletionScores` of some rows with the critic's (n, T) values, in one pass: the
+    values from the policy's last hidden states through the value head when the critic shares its
+    backbone (hidden states detached when `detach_hidden`: the backbone then gets no value gradient),
+    else from the critic's own forward. `models` holds "policy" and "critic"; the other arguments are
+    `policy_scores`'s (one plain forward: no shared prefix)."""
     policy, critic = models["policy"], models["critic"]
-    output = policy(input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
-                    position_ids=inputs["position_ids"][rows], output_hidden_states=share_backbone)
-    logits = output.logits[:, P - 1 : P - 1 + T]
+    head = None if full_forward else plain_head(policy)
+    if head is None:
+        output = policy(input_ids=inputs["input_ids"][rows], attention_mask=inputs["attention_mask"][rows],
+                        position_ids=inputs["position_ids"][rows], output_hidden_states=share_backbone)
+        scores = scores_from_logits(output.logits[:, P - 1 : P - 1 + T], targets, temperature, entropy_grad)
+        hidden = output.hidden_states[-1][:, P - 1 : P - 1 + T] if share_backbone else None
+    else:
+        hidden = completion_hidden(policy, inputs, rows, P, T, shared_prefix=False)
+        scores = scores_from_hidden(head, hidden, targets, temperature, entropy_grad, score_mask)
     if share_backbone:
-        hidden = output.hidden_states[-1][:, P - 1 : P - 1 + T]
-        return logits, critic.values_from_hidden(hidden.detach() if detach_hidden else hidden)
-    return logits, completion_values(critic, inputs, P, T, len(rows), rows=rows, grad=True)
+        scores.values = critic.values_from_hidden(hidden.detach() if detach_hidden else hidden)
+    else:
+        scores.values = completion_values(critic, inputs, P, T, len(rows), rows=rows, grad=True)
+    return scores
 
 
 def batch_response_sums(model, batch, rows, full_forward: bool = False) -> torch.Tensor:
@@ -303,7 +401,7 @@ class TrainingForward(torch.nn.Module):
     calls across ranks) see one call however many model calls it makes. It holds the model (a
     module, or a `ModuleDict` of several) and no parameters of its own; FSDP2 shards the model.
 
-        TrainingForward(policy, policy_logits, shared_prefix=True)(inputs, rows, P, T)  # (n, T, V) logits, None
+        TrainingForward(policy, policy_scores, shared_prefix=True)(inputs, rows, P, T, targets, temperature)  # CompletionScores
     """
 
     def __init__(self, model: torch.nn.Module, function: Callable[..., Any], placement: Placement | None = None, **options: Any):

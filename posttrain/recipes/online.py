@@ -58,7 +58,7 @@ from posttrain.evaluation.alarms import DivergenceAlarm
 from posttrain.evaluation.signal import SignalLost, StepSignal, TrainingSignal
 from posttrain.evaluation.stats import least_squares_slope
 from posttrain.models import make_critic, make_reference
-from posttrain.models.forward import TrainingForward, policy_and_critic, policy_logits
+from posttrain.models.forward import TrainingForward, policy_and_critic, policy_scores
 from posttrain.models.loading import load_policy
 from posttrain.losses.policy_gradient import PolicyModels, UpdateSettings, loss_rows, prepare
 from posttrain.losses.policy_gradient import step as loss_step
@@ -185,14 +185,16 @@ def build_trainer(config: Config, policy, critic, world: World, placement: Place
     schedule over every update of the run (max_steps x epochs x mini-batches). Returns (trainer,
     optimizer, scheduler)."""
     total = config.max_steps * config.update.epochs * config.update.mini_batches
+    # FSDP2 pairs every model call across ranks, so it skips the shared-prefix forward, whose number of
+    # model calls depends on the rows, and the fused LM head, which reads the head's weight outside its module.
+    sharded = world.active and world.strategy == "fsdp2"
     if critic is None:
-        # FSDP2 pairs every model call across ranks, so it skips the shared-prefix forward, whose
-        # number of model calls depends on the rows.
-        trainer = wrap(TrainingForward(policy, policy_logits, placement, shared_prefix=not (world.active and world.strategy == "fsdp2")), world, placement)
+        trainer = wrap(TrainingForward(policy, policy_scores, placement, shared_prefix=not sharded, full_forward=sharded), world, placement)
         optimizer, scheduler = make_optimizer(trainer.parameters(), config.optim, total)
         return trainer, optimizer, scheduler
     models = torch.nn.ModuleDict({"policy": policy, "critic": critic})
-    trainer = wrap(TrainingForward(models, policy_and_critic, placement, share_backbone=config.critic.share_backbone), world, placement)
+    trainer = wrap(TrainingForward(models, policy_and_critic, placement, share_backbone=config.critic.share_backbone, full_forward=sharded),
+                   world, placement)
     # Two parameter groups, one schedule; a shared-backbone critic contributes only its value head.
     optimizer, scheduler = make_optimizer([
         {"params": [p for p in policy.parameters() if p.requires_grad], "lr": config.optim.lr},
