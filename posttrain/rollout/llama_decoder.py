@@ -322,16 +322,14 @@ class LlamaDecoder:
         columns = torch.arange(W + M, device=device)
         causal = columns[None, :] <= (W + torch.arange(M, device=device))[:, None]  # (M, W + M)
         allowed = (causal & (self.key_bias[:, None, :W + M] == 0)) | (columns[None, :] == W + torch.arange(M, device=device)[:, None])
-        allowed = allowed.unsqueeze(1)  # (n, 1, M, W + M)
+        bias = torch.zeros(n, 1, 1, M, W + M, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
         x = F.embedding(new_ids, self.embed)  # (n, M, d)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._norm(x, layer.input_norm), cos, sin_signed)  # (n, M, *, D)
             keys[index, :, :, :, W:W + M] = k.permute(0, 2, 3, 1)
             values[index, :, :, W:W + M] = v.transpose(1, 2)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys[index, :, :, :, :W + M].transpose(-1, -2), values[index, :, :, :W + M],
-                attn_mask=allowed, scale=self.scaling, enable_gqa=self.heads != K)  # (n, H, M, D)
-            x = layer.o.plus(attn.transpose(1, 2).reshape(n * M, -1), x.reshape(n * M, -1)).view(n, M, -1)
+            attn = self._attend(q, keys[index, :, :, :, :W + M], values[index, :, :, :W + M], bias)  # (n * M, H * D)
+            x = layer.o.plus(attn, x.reshape(n * M, -1)).view(n, M, -1)
             x = self._mlp(layer, x.view(n * M, -1)).view(n, M, -1)
         self.sharing = kernels.Sharing(group_of, P) if sharing else kernels.Sharing.distinct(n)
         self.prefixes = {group: prefix for group, prefix in zip(group_of, prefixes) if sharing and prefix is not None}
@@ -367,6 +365,23 @@ class LlamaDecoder:
                 groups=self.sharing.groups, shared=self.sharing.shared,
                 H=self.heads, K=K, D=D, q=q.data_ptr(), scores=scores.data_ptr(),
                 scores_stride=scores.stride(1), out=out.data_ptr()))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Attention of M queries per row over c cache columns, for ``resume``. Not
+        ``scaled_dot_product_attention``: with a mask and keys stored (D, S) it takes the math path,
+        which copies the keys to (S, D) and checks the mask each layer; here the keys are multiplied
+        as stored, and the (rep) query heads of a kv head are batched against it, as in ``decode``.
+
+        q: (n, M, H, D); keys: (n, K, D, c); values: (n, K, c, D); bias: (n, 1, 1, M, c), 0 or -inf.
+        Returns (n * M, H * D), heads in order."""
+        n, M, H, D = q.shape
+        K = keys.shape[1]
+        rep = H // K
+        q = (q * self.scaling).view(n, M, K, rep, D).permute(0, 2, 3, 1, 4).reshape(n, K, rep * M, D)
+        scores = torch.matmul(q, keys).view(n, K, rep, M, -1).add_(bias)  # (n, K, rep, M, c)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype).view(n, K, rep * M, -1)
+        out = torch.matmul(probs, values).view(n, K, rep, M, D)  # (n, K, rep, M, D)
+        return out.permute(0, 3, 1, 2, 4).reshape(n * M, H * D)
 
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         """x + down(silu(gate(h)) * up(h)), h = norm(x). x: (n, d)."""
