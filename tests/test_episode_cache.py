@@ -199,9 +199,10 @@ def test_rows_that_share_a_prompt_share_it_again_after_resume(use_kernels):
     """Two prompts x G = 3 rows (`select` repeats each prompt's cache, as `generate` does): the rows end
     turn 1 at different steps; each group's prompt is exported once (one `SharedPrefix` object for the
     group, only the row's own columns per row), and after `resume` the group's rows share its columns
-    again (`kernels.Sharing`: 2 groups, the prompt in whole 16-column tiles). Every logit of the resumed
-    turn and of two more turns' worth of decodes, export and resume equals a fresh prefill of the
-    whole context and the same decodes; turn 3 finds the same prefix objects."""
+    again (`kernels.Sharing`: 2 groups, the prompt in whole 16-column tiles). Twice (turns 2 and 3):
+    resume ragged new tokens, decode two steps; every logit equals a fresh prefill of the whole context
+    and the same decodes, and the rows, ending the turn at different steps again, export the same
+    prefix objects."""
     from tests.test_rollout_decoders import build
 
     from posttrain.rollout import kernels
@@ -240,13 +241,14 @@ def test_rows_that_share_a_prompt_share_it_again_after_resume(use_kernels):
     assert prefixes[0] is prefixes[1] is prefixes[2] and prefixes[3] is prefixes[4] is prefixes[5]
     assert prefixes[0].keys.shape[-1] == 10 and prefixes[3].keys.shape[-1] == 3 and prefixes[0] is not prefixes[3]
     assert [cache.keys.shape[-1] for cache in caches] == [1, 4, 2, 3, 1, 2]  # own columns: the tokens fed after the prompt
-    for round in range(2):
+    for _ in range(2):
         new = [[40 + r] * (1 + r % 3) for r in range(6)]
         for r in range(6):
             contexts[r] += new[r]
         resumed = [decoder.resume(caches, *_left_pad(new, 0, 3), 4, max_rows=6)]
         assert decoder.sharing.groups == 2 and decoder.sharing.shared == 16
-        assert decoder.sharing.group_of[:3] == [decoder.sharing.group_of[0]] * 3 != decoder.sharing.group_of[3:]
+        group_of = decoder.sharing.group_of
+        assert len(set(group_of[:3])) == len(set(group_of[3:])) == 1 and group_of[0] != group_of[3]
         fresh = LlamaDecoder(model, use_kernels=use_kernels)
         width = max(map(len, contexts))
         expected = [fresh.prefill(*_left_pad(contexts, 0, width), width + 4, max_rows=6)]
