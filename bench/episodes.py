@@ -10,13 +10,17 @@
    replaced by a fixed call before the sampler parses it: the tokens, the tool run and the re-prefill
    are all real. Beside it, the floor: one `generate` call producing the same 2 x `--turn-tokens`
    generated tokens per row in a single turn. ratio = floor / episode (1.0: tool turns cost nothing),
-   for the continued episode.
+   for the continued episode. Twice: with the bench's short prompts (the chat template around
+   "i+2i=", ~23 tokens) and, as a run with `tools.describe auto` renders them
+   (`data.tokenize.render_prompt(tools=)`), with the python tool's schema in a system message
+   (~625 tokens: there the prompt is most of each row's context, and the G rows of a prompt share it).
 2. The python tool's calls/s (`rollout.tools.python_tool_rate`: a batch of `--calls` programs through
    the worker pool's sandbox slots) vs the unsandboxed way peers run a tool's code: a fresh
    `python -c` subprocess per call, `--workers` at a time.
 
 Usage: .venv/bin/python bench/episodes.py [--turn-tokens 32] [--calls 64] [--rounds 3]
-Ends with: RESULT episode_overhead: ... (the continued cache) and RESULT python_tool: ... (R > 1: ours is faster).
+Ends with: RESULT episode_overhead: ... (the continued cache, short prompts), RESULT episode_overhead_described:
+... (prompts with the tool's schema) and RESULT python_tool: ... (R > 1: ours is faster).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import time
 
 import torch
 
+from posttrain.data.tokenize import render_prompt
 from posttrain.models.tiny import build_tiny_model
 from posttrain.rollout import SamplingConfig, generate
 from posttrain.rollout.engine import Session
@@ -100,6 +105,21 @@ def subprocess_rate(calls: int, workers: int) -> float:
     return calls / (time.perf_counter() - started)
 
 
+def episode_overhead(name, model, tokenizer, prompts, args) -> None:
+    """Time the episode batch (KV cache continued, and re-prefilled) and the single-turn floor; print the RESULT line."""
+    turn = SamplingConfig(max_new_tokens=args.turn_tokens, min_new_tokens=args.turn_tokens, temperature=1.0)
+    whole = dataclasses.replace(turn, max_new_tokens=2 * args.turn_tokens, min_new_tokens=2 * args.turn_tokens)
+    episode, counts = episode_seconds(model, tokenizer, prompts, args.group_size, turn, args.rounds, continue_cache=True)
+    prefilled, _ = episode_seconds(model, tokenizer, prompts, args.group_size, turn, args.rounds, continue_cache=False)
+    floor = single_turn_seconds(model, tokenizer, prompts, args.group_size, whole, args.rounds)
+    rows = args.prompts * args.group_size
+    print(f"episode batch: {rows} rows, {counts['turns']} turns, {counts['calls']} python calls, {counts['generated']} generated "
+          f"+ {counts['observation_tokens']} observation tokens: best {episode:.3f} s (KV cache continued), "
+          f"{prefilled:.3f} s (turn 2 re-prefilled, ratio {floor / prefilled:.2f})")
+    print(f"single turn, the same {rows} x {2 * args.turn_tokens} generated tokens: best {floor:.3f} s")
+    print(f"RESULT {name}: ours={episode:.3f} peer={floor:.3f} unit=s ratio={floor / episode:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turn-tokens", type=int, default=32)
@@ -112,19 +132,12 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"{datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
     model, tokenizer = build_tiny_model()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{i}+{2 * i}="}], add_generation_prompt=True, tokenize=False)
-               for i in range(args.prompts)]
-    turn = SamplingConfig(max_new_tokens=args.turn_tokens, min_new_tokens=args.turn_tokens, temperature=1.0)
-    whole = dataclasses.replace(turn, max_new_tokens=2 * args.turn_tokens, min_new_tokens=2 * args.turn_tokens)
-    episode, counts = episode_seconds(model, tokenizer, prompts, args.group_size, turn, args.rounds, continue_cache=True)
-    prefilled, _ = episode_seconds(model, tokenizer, prompts, args.group_size, turn, args.rounds, continue_cache=False)
-    floor = single_turn_seconds(model, tokenizer, prompts, args.group_size, whole, args.rounds)
-    rows = args.prompts * args.group_size
-    print(f"episode batch: {rows} rows, {counts['turns']} turns, {counts['calls']} python calls, {counts['generated']} generated "
-          f"+ {counts['observation_tokens']} observation tokens: best {episode:.3f} s (KV cache continued), "
-          f"{prefilled:.3f} s (turn 2 re-prefilled, ratio {floor / prefilled:.2f})")
-    print(f"single turn, the same {rows} x {2 * args.turn_tokens} generated tokens: best {floor:.3f} s")
-    print(f"RESULT episode_overhead: ours={episode:.3f} peer={floor:.3f} unit=s ratio={floor / episode:.2f}")
+    schemas = resolve_tools(["python"]).schemas()
+    for name, tools in (("episode_overhead", None), ("episode_overhead_described", schemas)):
+        prompts = [render_prompt(tokenizer, f"{i}+{2 * i}=", tools=tools) for i in range(args.prompts)]
+        print(f"{name}: prompts of {min(len(tokenizer(p, add_special_tokens=False)['input_ids']) for p in prompts)}+ tokens"
+              f"{' (the python tool described)' if tools else ''}")
+        episode_overhead(name, model, tokenizer, prompts, args)
     ours = python_tool_rate(args.calls, code=CODE, workers=args.workers)
     peer = subprocess_rate(args.calls, args.workers)
     print(f"python tool, {args.calls} calls, {args.workers} workers: sandboxed {ours:.1f} calls/s, fresh unsandboxed subprocess {peer:.1f} calls/s")

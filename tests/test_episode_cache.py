@@ -192,3 +192,73 @@ def test_resumed_rows_read_the_logits_of_a_fresh_prefill(name, use_kernels):
         expected.append(fresh.decode(torch.tensor(token)))
     for got, want in zip(resumed, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch_ops", "kernels"])
+def test_rows_that_share_a_prompt_share_it_again_after_resume(use_kernels):
+    """Two prompts x G = 3 rows (`select` repeats each prompt's cache, as `generate` does): the rows end
+    turn 1 at different steps; each group's prompt is exported once (one `SharedPrefix` object for the
+    group, only the row's own columns per row), and after `resume` the group's rows share its columns
+    again (`kernels.Sharing`: 2 groups, the prompt in whole 16-column tiles). Twice (turns 2 and 3):
+    resume ragged new tokens, decode two steps; every logit equals a fresh prefill of the whole context
+    and the same decodes, and the rows, ending the turn at different steps again, export the same
+    prefix objects."""
+    from tests.test_rollout_decoders import build
+
+    from posttrain.rollout import kernels
+    from posttrain.rollout.engine import _left_pad
+    from posttrain.rollout.llama_decoder import LlamaDecoder
+
+    if use_kernels and kernels.load() is None:
+        pytest.skip("no C compiler for the rollout kernels")
+    model = build("llama-untied-gqa4")
+    prompts, G = [[5, 17, 33, 8, 9, 60, 4, 21, 22, 23], [70, 71, 72]], 3
+    generator = torch.Generator().manual_seed(0)
+    decoder = LlamaDecoder(model, use_kernels=use_kernels)
+    decoder.prefill(*_left_pad(prompts, 0, 10), 10 + 6, max_rows=6)
+    decoder.select(torch.arange(2).repeat_interleave(G))
+    contexts = [list(prompts[r // G]) for r in range(6)]
+
+    def turn(ends, steps):
+        """Decode until each row's end (steps fed: (rows, steps)), exporting every row as it ends."""
+        caches, rows = [None] * 6, list(range(6))
+        for step in range(steps.shape[1] + 1):
+            ended = [j for j, r in enumerate(rows) if ends[r] == step]
+            for j, cache in zip(ended, decoder.export(ended)):
+                caches[rows[j]] = cache
+            still = [j for j, r in enumerate(rows) if ends[r] > step]
+            if not still:
+                return caches
+            if len(still) < len(rows):
+                decoder.select(torch.tensor(still))
+                rows = [rows[j] for j in still]
+            decoder.decode(steps[rows, step])
+            for r in rows:
+                contexts[r].append(int(steps[r, step]))
+
+    caches = turn([1, 4, 2, 3, 1, 2], torch.randint(4, 101, (6, 4), generator=generator))
+    prefixes = [cache.prefix for cache in caches]
+    assert prefixes[0] is prefixes[1] is prefixes[2] and prefixes[3] is prefixes[4] is prefixes[5]
+    assert prefixes[0].keys.shape[-1] == 10 and prefixes[3].keys.shape[-1] == 3 and prefixes[0] is not prefixes[3]
+    assert [cache.keys.shape[-1] for cache in caches] == [1, 4, 2, 3, 1, 2]  # own columns: the tokens fed after the prompt
+    for _ in range(2):
+        new = [[40 + r] * (1 + r % 3) for r in range(6)]
+        for r in range(6):
+            contexts[r] += new[r]
+        resumed = [decoder.resume(caches, *_left_pad(new, 0, 3), 4, max_rows=6)]
+        assert decoder.sharing.groups == 2 and decoder.sharing.shared == 16
+        group_of = decoder.sharing.group_of
+        assert len(set(group_of[:3])) == len(set(group_of[3:])) == 1 and group_of[0] != group_of[3]
+        fresh = LlamaDecoder(model, use_kernels=use_kernels)
+        width = max(map(len, contexts))
+        expected = [fresh.prefill(*_left_pad(contexts, 0, width), width + 4, max_rows=6)]
+        for tokens in ([3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]):
+            resumed.append(decoder.decode(torch.tensor(tokens)))
+            expected.append(fresh.decode(torch.tensor(tokens)))
+        for got, want in zip(resumed, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=LOGPROB_TOLERANCE)
+        # The two decodes begin the next turn, which the rows end at different steps again.
+        for r in range(6):
+            contexts[r] += [3 + r, 9 + r]
+        caches = turn([1, 1, 2, 1, 2, 2], torch.randint(4, 101, (6, 2), generator=generator))
+        assert all(cache.prefix is prefix for cache, prefix in zip(caches, prefixes))

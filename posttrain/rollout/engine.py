@@ -344,7 +344,8 @@ class Session:
     rounding (the attention over a cache built in pieces sums in another order: tests/test_episode_cache.py).
 
     Each call keeps every row's cache as the row ends (on a stop or at max_new_tokens) and forgets what
-    the previous call kept: memory is one turn's caches, about the KV cache `generate` held anyway.
+    the previous call kept: memory is one turn's caches, at most the KV cache `generate` held anyway
+    (the prompt that a group's G rows share is kept once and resumed shared: `LlamaDecoder.export`).
     """
 
     def __init__(self):

@@ -23,7 +23,9 @@ Across calls (the turns of tool episodes, ``engine.Session``): ``export`` copies
 as it ends a turn, packed (its padding and holes dropped), and ``resume`` rebuilds a cache from such
 rows and runs only each row's new tokens on top, with per-row position ids and a masked hole where
 a row has fewer new tokens than the longest (tests/test_episode_cache.py: the logits of a fresh
-prefill of the whole context).
+prefill of the whole context). The prompt columns that G rows share (``kernels.Sharing``) are
+exported once per group (``SharedPrefix``) and resumed shared again, so a later turn's decode
+reads a prompt's keys and values once per group, as the first turn's does.
 
 It is checked against the model's own forward (logits) and against ``model.generate`` (greedy
 tokens) in tests/test_rollout_decoders.py. PEFT LoRA layers are supported by folding the active
@@ -75,17 +77,31 @@ def unsupported_reason(model: torch.nn.Module, capacity: int) -> str | None:
 
 
 @dataclass
+class SharedPrefix:
+    """Keys and values that the contexts of several exported rows begin with (the prompt the G rows
+    of a group were sampled from): copied out once per group, referenced by each row's ``RowCache``."""
+
+    keys: torch.Tensor
+    """(L, K, D, p), packed, stored transposed as in the decoder's cache."""
+    values: torch.Tensor
+    """(L, K, p, D)."""
+
+
+@dataclass
 class RowCache:
     """One row's keys and values after a turn (``LlamaDecoder.export``), for ``LlamaDecoder.resume``:
     the c tokens of its context before its last sampled token, packed (no padding, no holes: rope is
-    already in the keys, so a column's place in the cache does not matter, only its mask)."""
+    already in the keys, so a column's place in the cache does not matter, only its mask): the
+    ``prefix`` it shares with the other rows of its group, then its own columns."""
 
     keys: torch.Tensor
-    """(L, K, D, c), stored transposed as in the decoder's cache."""
+    """(L, K, D, c_own), the row's own columns after the prefix, stored transposed as in the decoder's cache."""
     values: torch.Tensor
-    """(L, K, c, D)."""
+    """(L, K, c_own, D)."""
     position: int
     """The position id of the next token the row reads (its last sampled token)."""
+    prefix: SharedPrefix | None = None
+    """The columns before ``keys``, the same object for every row of the group; None: no shared columns."""
 
 
 def _without_cpu_autocast(method):
@@ -137,6 +153,7 @@ class LlamaDecoder:
             raise ValueError("the rollout kernels cannot run here (see the log) or not for this model's dtype/device")
         self.kernels = usable if use_kernels is None else use_kernels
         self.sharing = None  # kernels.Sharing: rows with the same prompt columns
+        self.prefixes = {}  # group id in self.sharing -> SharedPrefix of its shared columns, once exported
         self.kernel_args = []  # per layer: kernels.AttentionArgs, rebuilt when the cache's rows change
         self.scratch = ()  # kernels' q (rows, H, D), scores (rows, H, S), attention output (rows, H * D)
 
@@ -208,7 +225,7 @@ class LlamaDecoder:
                 scale=self.scaling, enable_gqa=self.heads != K)  # (B, H, P, D)
             x = layer.o.plus(attn.transpose(1, 2).reshape(B * P, -1), x.reshape(B * P, -1)).view(B, P, -1)
             x = self._mlp(layer, x.view(B * P, -1)).view(B, P, -1)
-        self.sharing = kernels.Sharing.distinct(B)
+        self.sharing, self.prefixes = kernels.Sharing.distinct(B), {}
         if self.kernels:
             H, rows = self.heads, max(B, max_rows)
             self.scratch = (torch.empty(rows, H, D), torch.empty(rows, H, capacity), torch.empty(rows, H * D))
@@ -219,16 +236,24 @@ class LlamaDecoder:
     def export(self, rows: list[int]) -> list[RowCache]:
         """Copies of cache rows ``rows`` (indices into the current rows): the columns written so far
         that the row attends to (its left padding and holes dropped). Taken when a row ends a turn,
-        before ``select`` drops it."""
+        before ``select`` drops it. The shared columns ``[0, sharing.shared)`` are copied once per
+        group, when its first row ends, into the ``SharedPrefix`` that each of its rows refers to."""
         L, _, n, K, S, D = self.kv.shape
         keys, values = self.kv[:, 0].view(L, n, K, D, S), self.kv[:, 1]  # keys stored (D, S)
         index = torch.tensor(rows, dtype=torch.long, device=self.key_bias.device)
         real = (self.key_bias.index_select(0, index)[:, :self.column] == 0).cpu()  # (k, column): one synchronisation
         positions = self.positions.index_select(0, index).tolist()
+        shared = self.sharing.shared
         caches = []
         for row, columns, position in zip(rows, real, positions):
-            columns = columns.nonzero().squeeze(1).to(keys.device)
-            caches.append(RowCache(keys[:, row].index_select(-1, columns), values[:, row].index_select(-2, columns), position))
+            group = self.sharing.group_of[row]
+            if shared and group not in self.prefixes:
+                prefix = columns[:shared].nonzero().squeeze(1).to(keys.device)
+                self.prefixes[group] = SharedPrefix(keys[:, row].index_select(-1, prefix),
+                                                    values[:, row].index_select(-2, prefix)) if len(prefix) else None
+            own = (columns[shared:].nonzero().squeeze(1) + shared).to(keys.device)
+            caches.append(RowCache(keys[:, row].index_select(-1, own), values[:, row].index_select(-2, own), position,
+                                   self.prefixes.get(group) if shared else None))
         return caches
 
     @torch.inference_mode()
@@ -238,11 +263,14 @@ class LlamaDecoder:
         """Rebuild the cache from exported rows and run each row's new tokens on top (a prefill that
         starts from a cache): the next turn of an episode without re-reading its earlier turns.
 
-        Layout: the n packed caches right-aligned in columns ``[0, W)`` (W = the longest), then the
-        new tokens right-aligned in ``[W, W + M)``; the columns a shorter row leaves empty before its
-        new tokens are a hole (key bias -inf, dropped again by ``export``), and position ids run on
-        from each row's ``position``, so padding and holes shift nothing. A row without a cache
-        (None) is a plain left-padded prompt.
+        Layout: the rows' shared prefixes right-aligned in columns ``[0, P)`` (P: the longest, in
+        whole 16-column tiles when rows share one), their own packed columns right-aligned in
+        ``[P, W)``, then the new tokens right-aligned in ``[W, W + M)``; the columns a row leaves
+        empty are holes (key bias -inf, dropped again by ``export``), and position ids run on from
+        each row's ``position``, so padding and holes shift nothing. Rows whose caches refer to the
+        same ``SharedPrefix`` share columns ``[0, P)`` (``kernels.Sharing``): a decode step reads
+        them once for the group, as after ``prefill`` and ``select``. A row without a cache (None)
+        is a plain left-padded prompt.
 
         Args:
             caches: n ``RowCache`` or None. new_ids: (n, M) long, right-aligned. new_mask: (n, M)
@@ -255,20 +283,35 @@ class LlamaDecoder:
         n, M = new_ids.shape
         L, K, D = len(self.layers), self.kv_heads, self.head_dim
         device, dtype = self.embed.device, self.embed.dtype
-        widths = [0 if cache is None else cache.keys.shape[-1] for cache in caches]
-        W = max(widths)
+        prefixes = [None if cache is None else cache.prefix for cache in caches]
+        group_of, firsts = [], {}  # rows that refer to the same prefix object: one group, named by its first row
+        for row, prefix in enumerate(prefixes):
+            group_of.append(row if prefix is None else firsts.setdefault(id(prefix), row))
+        prefix_widths = torch.tensor([0 if prefix is None else prefix.keys.shape[-1] for prefix in prefixes], device=device)
+        own_widths = torch.tensor([0 if cache is None else cache.keys.shape[-1] for cache in caches], device=device)
+        P = int(prefix_widths.max())
+        sharing = len(firsts) < sum(prefix is not None for prefix in prefixes)
+        if sharing:  # the kernels read a group's shared columns from its first row in whole tiles of 16
+            P = -(-P // 16) * 16
+        W = P + int(own_widths.max())
         capacity = -(-(W + M + new_tokens) // 16) * 16  # the kernels read keys 16 columns at a time
         self.buffer = torch.empty(L, 2, max(n, max_rows), K, capacity, D, dtype=dtype, device=device)
         self.kv = self.buffer[:, :, :n]
         keys, values = self.kv[:, 0].view(L, n, K, D, capacity), self.kv[:, 1]
         self.key_bias = torch.zeros(n, capacity, dtype=dtype, device=device)
-        if W > 0:  # the kept columns right-aligned, zeros before them: masked, but still multiplied by 0
-            packed = [(cache.keys, cache.values) if cache is not None else (keys.new_zeros(L, K, D, 0), values.new_zeros(L, K, 0, D))
-                      for cache in caches]
-            keys[:, :, :, :, :W] = torch.stack([F.pad(k, (W - k.shape[-1], 0)) for k, _ in packed], 1)
-            values[:, :, :, :W] = torch.stack([F.pad(v, (0, 0, W - v.shape[-2], 0)) for _, v in packed], 1)
-            self.key_bias[:, :W].masked_fill_(torch.arange(W, device=device)[None, :] < W - torch.tensor(widths, device=device)[:, None],
-                                              float("-inf"))
+        if W > 0:  # holes are zeros: masked, but still multiplied by 0
+            keys[..., :W].zero_()
+            values[:, :, :, :W].zero_()
+            for row, (cache, prefix) in enumerate(zip(caches, prefixes)):
+                if prefix is not None:
+                    width = prefix.keys.shape[-1]
+                    keys[:, row, :, :, P - width:P], values[:, row, :, P - width:P] = prefix.keys, prefix.values
+                if cache is not None:
+                    width = cache.keys.shape[-1]
+                    keys[:, row, :, :, W - width:W], values[:, row, :, W - width:W] = cache.keys, cache.values
+            columns = torch.arange(W, device=device)[None, :]
+            holes = (columns < P - prefix_widths[:, None]) | ((columns >= P) & (columns < W - own_widths[:, None]))
+            self.key_bias[:, :W].masked_fill_(holes, float("-inf"))
         self.key_bias[:, W:W + M].masked_fill_(~new_mask, float("-inf"))
         starts = torch.tensor([0 if cache is None else cache.position for cache in caches], device=device)
         position_ids = starts[:, None] + (new_mask.long().cumsum(-1) - 1).clamp(min=0)  # (n, M)
@@ -279,18 +322,17 @@ class LlamaDecoder:
         columns = torch.arange(W + M, device=device)
         causal = columns[None, :] <= (W + torch.arange(M, device=device))[:, None]  # (M, W + M)
         allowed = (causal & (self.key_bias[:, None, :W + M] == 0)) | (columns[None, :] == W + torch.arange(M, device=device)[:, None])
-        allowed = allowed.unsqueeze(1)  # (n, 1, M, W + M)
+        bias = torch.zeros(n, 1, 1, M, W + M, dtype=dtype, device=device).masked_fill_(~allowed[:, None, None], float("-inf"))
         x = F.embedding(new_ids, self.embed)  # (n, M, d)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._norm(x, layer.input_norm), cos, sin_signed)  # (n, M, *, D)
             keys[index, :, :, :, W:W + M] = k.permute(0, 2, 3, 1)
             values[index, :, :, W:W + M] = v.transpose(1, 2)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys[index, :, :, :, :W + M].transpose(-1, -2), values[index, :, :, :W + M],
-                attn_mask=allowed, scale=self.scaling, enable_gqa=self.heads != K)  # (n, H, M, D)
-            x = layer.o.plus(attn.transpose(1, 2).reshape(n * M, -1), x.reshape(n * M, -1)).view(n, M, -1)
+            attn = self._attend(q, keys[index, :, :, :, :W + M], values[index, :, :, :W + M], bias)  # (n * M, H * D)
+            x = layer.o.plus(attn, x.reshape(n * M, -1)).view(n, M, -1)
             x = self._mlp(layer, x.view(n * M, -1)).view(n, M, -1)
-        self.sharing = kernels.Sharing.distinct(n)
+        self.sharing = kernels.Sharing(group_of, P) if sharing else kernels.Sharing.distinct(n)
+        self.prefixes = {group: prefix for group, prefix in zip(group_of, prefixes) if sharing and prefix is not None}
         if self.kernels:
             H, rows = self.heads, max(n, max_rows)
             self.scratch = (torch.empty(rows, H, D), torch.empty(rows, H, capacity), torch.empty(rows, H * D))
@@ -324,6 +366,23 @@ class LlamaDecoder:
                 H=self.heads, K=K, D=D, q=q.data_ptr(), scores=scores.data_ptr(),
                 scores_stride=scores.stride(1), out=out.data_ptr()))
 
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Attention of M queries per row over c cache columns, for ``resume``. Not
+        ``scaled_dot_product_attention``: with a mask and keys stored (D, S) it takes the math path,
+        which copies the keys to (S, D) and checks the mask each layer; here the keys are multiplied
+        as stored, and the (rep) query heads of a kv head are batched against it, as in ``decode``.
+
+        q: (n, M, H, D); keys: (n, K, D, c); values: (n, K, c, D); bias: (n, 1, 1, M, c), 0 or -inf.
+        Returns (n * M, H * D), heads in order."""
+        n, M, H, D = q.shape
+        K = keys.shape[1]
+        rep = H // K
+        q = (q * self.scaling).view(n, M, K, rep, D).permute(0, 2, 3, 1, 4).reshape(n, K, rep * M, D)
+        scores = torch.matmul(q, keys).view(n, K, rep, M, -1).add_(bias)  # (n, K, rep, M, c)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype).view(n, K, rep * M, -1)
+        out = torch.matmul(probs, values).view(n, K, rep, M, D)  # (n, K, rep, M, D)
+        return out.permute(0, 3, 1, 2, 4).reshape(n * M, H * D)
+
     def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         """x + down(silu(gate(h)) * up(h)), h = norm(x). x: (n, d)."""
         gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)
@@ -354,6 +413,8 @@ class LlamaDecoder:
         self.key_bias = self.key_bias.index_select(0, rows)
         self.positions = self.positions.index_select(0, rows)
         self.sharing = self.sharing.select(old, self.column)
+        if len(set(old)) < len(old):  # repeated rows: new groups, named by their old rows
+            self.prefixes = {}
         self._make_views()
 
     @torch.inference_mode()
