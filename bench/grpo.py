@@ -398,7 +398,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads in every process (0: torch's default, 2 here); see the module docstring")
     parser.add_argument("--sequential", action="store_true", help="one side after the other instead of interleaved steps")
-    parser.add_argument("--extra", action="store_true", help="also run ours with exact_kl_tokens=0 (no exact-KL metric, so no reference forward inside the update)")
+    parser.add_argument("--extra", action="store_true", help="also run ours with exact_kl_tokens=0 (no exact-KL metric; it runs no forward of its own since 90c75bd, so this measures only its (k, V) logits and KL)")
     parser.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
                         help="vllm: both sides generate with vLLM in their process (ours: rollout.engine vllm; TRL: use_vllm, "
                              "vllm_mode colocate); run with .venv-vllm/bin/python (make vllm-env)")

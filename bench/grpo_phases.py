@@ -2,7 +2,7 @@
 G = 8, 32 new tokens, k3 KL in the loss, the exact-KL metric), our side only, under torch.profiler.
 
 The recipe's set-up and sampling (`online.setup`, `online.sample`), then the loss link's `prepare`
-(timed: the no-grad reference forward) and `step` (profiled: the exact-KL metric, the policy's forward,
+(timed: the no-grad reference forward) and `step` (profiled: the exact-KL metric on kept logits, the policy's forward,
 the log-probs and entropy over the vocabulary, the surrogate, backward, clipping and AdamW). The
 operators are grouped by what they are (matmuls, the vocabulary-wide softmax family, attention,
 elementwise, the optimizer, copies and allocation) and summed as self CPU time, so the groups add up to
