@@ -15,7 +15,7 @@ import pytest
 from posttrain.config import build_config, parse_overrides
 from posttrain.evaluation.comparison_report import closing_lines
 from posttrain.evaluation.stats import paired_difference_ci
-from posttrain.recipes import compare, dpo_config, online_config, sft
+from posttrain.recipes import compare, compare_samples, dpo_config, online_config, sft
 from posttrain.recipes.demo import preset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def _flat(tree, prefix=""):
 
 def _config(row):
     settings = {"grpo": online_config.grpo_config, "ppo": online_config.ppo_config, "dpo": dpo_config.Config}[row.command]
-    family = (["--data.prompts_per_step", str(compare.PROMPTS_PER_STEP), "--data.group_size", str(compare.GROUP_SIZE)]
+    family = (["--data.prompts_per_step", str(compare_samples.PROMPTS_PER_STEP), "--data.group_size", str(compare_samples.GROUP_SIZE)]
               if row.online else ["--data.pairs", "pairs.jsonl"])
     config = build_config(settings, preset(compare.PRESET[row.command]), parse_overrides(["--model", "tiny", *family, *row.flags]))
     return _flat(dataclasses.asdict(config))
@@ -184,12 +184,13 @@ def test_sft_teacher_row_budget_arithmetic():
     """12 steps x 16 prompts x G = 8 = 1536 teacher samples, the distillation row's; SFT holds 8 out
     and takes 32 a step: (1536 - 8) // 32 = 47 steps; a file of 10 rows still trains 1 step."""
     config = compare.Config(steps=12, teacher="t")
-    assert compare.teacher_samples(12) == 12 * 16 * 8 == 1536
-    assert compare.sft_steps(1536) == 47 and compare.sft_steps(10) == 1
+    assert compare_samples.teacher_samples(12) == 12 * 16 * 8 == 1536
+    assert compare_samples.sft_steps(1536) == 47 and compare_samples.sft_steps(10) == 1
     assert compare.row_steps(ROWS["sft_teacher"], config, None) == 47 and compare.row_steps(ROWS["sft_teacher"], config, 300) == 9
     assert compare.row_steps(ROWS["distill"], config, 300) == 12
-    sampling = compare.sampling_arguments("teacher_sft", "/models/teacher", Path("teacher_sft.jsonl"), config,
-                                          build_config(sft.Config, preset("tiny-sft"), {}))
+    sft_config = build_config(sft.Config, preset("tiny-sft"), {})
+    sampling = compare_samples.sampling_arguments("teacher_sft", "/models/teacher", Path("teacher_sft.jsonl"), compare_samples.Sampling(
+        config.steps, config.eval_size, config.seed, sft_config.data.task, sft_config.data.task_options, sft_config.acceptance.max_new_tokens))
     assert sampling[:3] == ["pairs", "--model", "/models/teacher"]
     assert sampling[-5:] == ["--sft", "--keep", "all", "--max-rows", "1536"]
     assert sampling[sampling.index("--data.max_prompts") + 1] == "240" and sampling[sampling.index("--group_size") + 1] == "8"  # 192 prompts + a quarter: --max-rows sets the size
@@ -248,7 +249,7 @@ def test_teacher_rows_end_to_end(tmp_path):
     sampled = table["teacher_sft"]
     assert 0 < sampled["rows"] <= 128 and sampled["keep"] == "all"
     sft_row = table["rows"][1]
-    assert sft_row["base"] == "distill" and sft_row["steps"] == compare.sft_steps(sampled["rows"])
+    assert sft_row["base"] == "distill" and sft_row["steps"] == compare_samples.sft_steps(sampled["rows"])
     assert (out / "sft_teacher" / "checkpoints" / f"step-{sft_row['steps']:06d}" / "model").is_dir()
     log = (out / "logs" / "distill.log").read_text().splitlines()[0]
     assert f"--reward teacher:{teacher.resolve()}" in log

@@ -4,7 +4,7 @@ checker, in one table.
 
 0. Every input before any work: --output-dir, --start and --teacher (resolved and loaded), --pairs
    (read and validated whole, as each offline row reads it); a mistake is one line and writes
-   nothing (an earlier comparison in --output-dir stays).
+   nothing (an earlier comparison in --output-dir stays): compare_inputs.py.
 1. The start: the demo's SFT stage (`demo.train_sft`: rounds to partial competence), or `--start`.
 2. Its acceptance on the demo's held-out sets (`demo.heldout_sets`, `demo.acceptance`: greedy
    pass@1 by `integer`, written apart from the `exact` reward and labeller); the teacher's too, once,
@@ -14,10 +14,10 @@ checker, in one table.
    which trains on the unpaired rows of the same samples (`posttrain pairs --unpaired`, the same
    seed: every distinct scored answer, the groups pairing skips included). With a teacher row, the
    teacher sampled once into SFT rows (`posttrain pairs --sft --keep all`), as many samples as the
-   distillation row scores.
+   distillation row scores: compare_samples.py, with the budget every row shares.
 4. Each row (`ROWS`: the flags of docs/algorithms.md §3d) in its own process, `sys.executable -m
-   posttrain ...`, so that its wall time and peak RSS are its own and a failing row is one line of
-   the table, not the end of the comparison; then its acceptance on the same sets.
+   posttrain ...` (compare_process.py), so that its wall time and peak RSS are its own and a failing
+   row is one line of the table, not the end of the comparison; then its acceptance on the same sets.
 5. comparison.md, comparison.json and comparison.png (gain over the start per row, paired 95%
    intervals) in the output directory: the report, evaluation/comparison_report.py.
 
@@ -37,11 +37,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
-import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,30 +45,20 @@ from typing import Any
 import torch
 
 from posttrain.atomic import write_text_atomically
-from posttrain.data.preference import load_preference_file
-from posttrain.data.provenance import read_provenance
+from posttrain.data.examples import Task
 from posttrain.errors import UserError
 from posttrain.evaluation.acceptance import IN_DISTRIBUTION, independence
 from posttrain.evaluation.comparison_report import Measured, Outcome, cell, comparison, gain_text, markdown, paired_gain, plot
-from posttrain.models import load_model
-from posttrain.data.provenance import provenance_path
 from posttrain.recipes import demo, stages
+from posttrain.recipes.compare_inputs import Inputs, check_inputs, fresh_directory, start_model
+from posttrain.recipes.compare_process import run_child
+from posttrain.recipes.compare_samples import (GROUP_SIZE, PAIRS_PER_STEP, PROMPTS_PER_STEP, REWARD, SFT_BATCH_SIZE,
+                                               SFT_HELDOUT_ROWS, OfflineFiles, Sampling, offline_paths, sample_offline_files,
+                                               sft_steps, teacher_samples)
 from posttrain.rewards import get_verifier
-from posttrain.rewards.teacher import teacher_directory
 
 logger = logging.getLogger(__name__)
 
-PROMPTS_PER_STEP, GROUP_SIZE = 16, 8
-"""Every online row's budget per step (presets/tiny-grpo.yaml's; PPO's preset draws 32 x 2, set to this)."""
-PAIRS_PER_STEP = 16
-"""Every offline row's pairs per step (the demo's DPO stage, docs/algorithms.md §3d)."""
-REWARD = "exact"
-"""The online rows' reward and the pairs' labeller; the held-out checker is `integer` (demo.acceptance)."""
-SFT_BATCH_SIZE = 32
-"""The SFT row's rows per step (presets/tiny-sft.yaml's, given explicitly so the step arithmetic holds whatever the preset says)."""
-SFT_HELDOUT_ROWS = 8
-"""Rows of the teacher's file the SFT row holds out for its own held-out NLL (at least 1: `posttrain
-sft` needs a split); its acceptance is scored here on the shared sets like every row's."""
 TEACHER = "TEACHER"
 """The placeholder of the teacher's model directory in a row's flags (`teacher:TEACHER`), substituted at run time."""
 
@@ -220,67 +205,33 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
     rows = config.selected() if rows is None else rows
     started = time.perf_counter()
     # 0. Every input checked before any work; on a mistake nothing is written (an earlier comparison stays).
-    out = Path(config.output_dir).resolve()
-    check_output_dir(out, config.start, config.pairs, config.teacher)
-    given_start = check_start(config.start) if config.start else None
-    given_pairs = check_pairs(config.pairs) if config.pairs else None
-    teacher = check_teacher(config.teacher) if config.teacher else None
-    if config.rows is None and teacher is None:
+    inputs = check_inputs(config.output_dir, config.start, config.pairs, config.teacher)
+    if config.rows is None and inputs.teacher is None:
         logger.info("rows %s left out: they need --teacher DIR", ", ".join(row.name for row in ROWS if row.needs_teacher))
     torch.set_num_threads(config.threads)
-    _fresh_directory(out)
+    out = fresh_directory(inputs.output_dir)
 
     # 1. The start: the demo's SFT stage, or --start.
-    sft_settings = demo.Config(output_dir=str(out), seed=config.seed, eval_size=config.eval_size, sft_steps=config.sft_steps,
-                               sft_round=config.sft_round, sft_target=config.sft_target)
-    held_out_size = {"data": {"eval_size": config.eval_size}}
-    sft_config = demo.stage_config(demo.SFT, sft_settings, {}, held_out_size)
-    clock = time.perf_counter()
-    start = given_start or _start_model(demo.train_sft(sft_settings, held_out_size))
-    sft_seconds = time.perf_counter() - clock
-    data, budget = sft_config.data, sft_config.acceptance.max_new_tokens
+    start = _start(config, out, inputs.start)
 
-    # 2. The start's acceptance on the held-out sets every row shares.
-    sets = demo.heldout_sets(data.task, data.task_options, config.seed, config.eval_size)
-    start_sets = demo.acceptance(start, sets, budget, config.seed, out / "eval", "start")
-    logger.info("start %s: %s", start, cell(start_sets[IN_DISTRIBUTION]))
-    teacher_sets = demo.acceptance(teacher, sets, budget, config.seed, out / "eval", "teacher") if teacher else {}
-    if teacher:
-        logger.info("teacher %s: %s", teacher, cell(teacher_sets[IN_DISTRIBUTION]))
+    # 2. The start's acceptance on the held-out sets every row shares; the teacher's too, once.
+    held_out = _held_out(config, start, out)
+    start_sets = held_out.score(start.model, "start")
+    logger.info("start %s: %s", start.model, cell(start_sets[IN_DISTRIBUTION]))
+    teacher_sets = held_out.score(inputs.teacher, "teacher") if inputs.teacher else {}
+    if inputs.teacher:
+        logger.info("teacher %s: %s", inputs.teacher, cell(teacher_sets[IN_DISTRIBUTION]))
 
-    # 3. One pairs file from the start, as many sampled answers as each online row draws (or --pairs);
-    #    the unpaired rows of the same samples (same seed) when a row trains on them.
-    #    The teacher's samples as SFT rows, once, when a row trains on them (with --pairs too).
-    files = {"pairs": Path(config.pairs).resolve() if config.pairs else out / "pairs.jsonl", "teacher_sft": out / "teacher_sft.jsonl"}
-    files["unpaired"] = files["pairs"] if config.pairs else out / "unpaired.jsonl"
-    kinds = [kind for kind in dict.fromkeys(row.data for row in rows if not row.online) if not config.pairs or kind == "teacher_sft"]
-    provenance, errors = sample_offline_files(config, kinds, {"start": start, "teacher": teacher}, files, sft_config)
-    if config.pairs:
-        provenance["pairs"] = given_pairs
+    # 3. The offline rows' files: the pairs (or --pairs), the unpaired rows, the teacher's samples.
+    offline = _offline_files(rows, config, out, start, inputs)
 
     # 4. Each row in its own process, then its acceptance on the same problems.
-    outcomes = []
-    for index, row in enumerate(rows, 1):
-        steps = row_steps(row, config, provenance.get("teacher_sft", {}).get("rows"))
-        outcome = Outcome(describe(row, config, steps))
-        if not row.online and errors.get(row.data) is not None:
-            outcome.error = f"no {row.data} file (posttrain pairs: {errors[row.data]})"
-        else:
-            outcome.seconds, outcome.peak_rss_mib, outcome.error = _child(
-                row_command(row, start, str(files[row.data]), out / row.name, config, teacher or TEACHER, steps),
-                out / "logs" / f"{row.name}.log", config.threads)
-        if outcome.error is None:
-            try:
-                outcome.sets = demo.acceptance(stages.last_checkpoint(out / row.name, steps), sets, budget, config.seed, out / "eval", row.name)
-            except Exception as error:  # noqa: BLE001 - a model that cannot be scored is its row's failure, not the comparison's
-                outcome.error = f"acceptance: {type(error).__name__}: {error}".splitlines()[0]
-        outcomes.append(outcome)
-        logger.info("[%d/%d] %s: %s", index, len(rows), row.name, _progress(outcome, start_sets))
+    outcomes = _run_rows(rows, config, out, start.model, inputs.teacher, offline, held_out, start_sets)
 
     # 5. The table, its JSON and the plot.
-    measured = Measured(start, config.start is not None, start_sets, sft_seconds, provenance, config.pairs,
+    measured = Measured(start.model, config.start is not None, start_sets, start.seconds, offline.provenance, config.pairs,
                         independence(get_verifier(REWARD), get_verifier("integer")), time.perf_counter() - started,
-                        teacher, teacher_sets)
+                        inputs.teacher, teacher_sets)
     table = comparison(settings(config), CANNOT.format(steps=config.steps), measured, outcomes)
     write_text_atomically(out / "comparison.json", json.dumps(table, indent=1) + "\n")
     write_text_atomically(out / "comparison.md", markdown(table) + "\n")
@@ -288,55 +239,89 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
     return out
 
 
-def sample_offline_files(config: Config, kinds: list[str], models: dict[str, str | None], files: dict[str, Path],
-                         sft_config) -> tuple[dict, dict]:
-    """Sample the offline rows' files (`kinds`: pairs, unpaired from `models["start"]`; teacher_sft
-    from `models["teacher"]`), each with `posttrain pairs` in its own process (`sampling_arguments`);
-    returns (each file's sidecar, each file's one-line error or None)."""
-    out = Path(config.output_dir).resolve()
-    provenance, errors = {}, {}
-    for kind in kinds:
-        model = models["teacher" if kind == "teacher_sft" else "start"]
-        seconds, _, errors[kind] = _child(sampling_arguments(kind, model, files[kind], config, sft_config),
-                                          out / "logs" / f"{kind}.log", config.threads)
-        if errors[kind] is None:
-            provenance[kind] = json.loads(provenance_path(files[kind]).read_text())
-            logger.info("%s: %s rows from %s prompts (%.0f s)", kind, provenance[kind].get("pairs", provenance[kind].get("rows")),
-                        provenance[kind].get("prompts"), seconds)
+@dataclass(frozen=True)
+class Start:
+    """Step 1's start, and the SFT stage whose task and answer budget every row shares."""
+
+    model: str
+    """Its model directory: --start's, or the demo's SFT stage's newest checkpoint."""
+    seconds: float
+    """The SFT stage's wall time (about 0 with --start)."""
+    sft: Any
+    """That stage's config (`demo.stage_config`, with --start too): its data section and acceptance.max_new_tokens."""
+
+
+def _start(config: Config, out: Path, given: str | None) -> Start:
+    """The start: `given` (--start's model directory), else the demo's SFT stage trained in `out`
+    (`demo.train_sft`: rounds to partial competence)."""
+    sft_settings = demo.Config(output_dir=str(out), seed=config.seed, eval_size=config.eval_size, sft_steps=config.sft_steps,
+                               sft_round=config.sft_round, sft_target=config.sft_target)
+    held_out_size = {"data": {"eval_size": config.eval_size}}
+    sft_config = demo.stage_config(demo.SFT, sft_settings, {}, held_out_size)
+    clock = time.perf_counter()
+    model = given or start_model(demo.train_sft(sft_settings, held_out_size))
+    return Start(model, time.perf_counter() - clock, sft_config)
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out sets the start, the teacher and every row are scored on alike (`demo.acceptance`:
+    greedy pass@1 by `integer`), each model's eval files in `directory` under its name."""
+
+    sets: dict[str, Task]
+    max_new_tokens: int
+    seed: int
+    directory: Path
+
+    def score(self, model: str, name: str) -> dict[str, dict[str, Any]]:
+        return demo.acceptance(model, self.sets, self.max_new_tokens, self.seed, self.directory, name)
+
+
+def _held_out(config: Config, start: Start, out: Path) -> HeldOut:
+    """The demo's held-out sets (`demo.heldout_sets`) of the start's task, scored with its answer budget into out/eval."""
+    data = start.sft.data
+    return HeldOut(demo.heldout_sets(data.task, data.task_options, config.seed, config.eval_size),
+                   start.sft.acceptance.max_new_tokens, config.seed, out / "eval")
+
+
+def _offline_files(rows: tuple[Row, ...], config: Config, out: Path, start: Start, inputs: Inputs) -> OfflineFiles:
+    """The files the offline `rows` train on (their `data`), each sampled once (`sample_offline_files`):
+    the pairs and the unpaired rows from the start, as many sampled answers as each online row draws;
+    the teacher's samples as SFT rows, as many as the distillation row scores. With --pairs, that file
+    (its sidecar the pairs' provenance) serves as both of the start's, and only the teacher's are sampled."""
+    kinds = [kind for kind in dict.fromkeys(row.data for row in rows if not row.online) if not config.pairs or kind == "teacher_sft"]
+    sampling = Sampling(config.steps, config.eval_size, config.seed, start.sft.data.task, start.sft.data.task_options,
+                        start.sft.acceptance.max_new_tokens)
+    offline = sample_offline_files(kinds, {"start": start.model, "teacher": inputs.teacher}, offline_paths(out, config.pairs),
+                                   sampling, out / "logs", config.threads)
+    if config.pairs:
+        offline.provenance["pairs"] = inputs.pairs
+    return offline
+
+
+def _run_rows(rows: tuple[Row, ...], config: Config, out: Path, start: str, teacher: str | None, offline: OfflineFiles,
+              held_out: HeldOut, start_sets: dict) -> list[Outcome]:
+    """Each row in its own process (`row_command` from `start`, `run_child`), its run directory and log
+    in `out`, then its acceptance on `held_out`; a row whose file was not sampled, whose process failed or
+    whose model cannot be scored is its outcome's one-line error, and the next row runs."""
+    outcomes = []
+    for index, row in enumerate(rows, 1):
+        steps = row_steps(row, config, offline.provenance.get("teacher_sft", {}).get("rows"))
+        outcome = Outcome(describe(row, config, steps))
+        if not row.online and offline.errors.get(row.data) is not None:
+            outcome.error = f"no {row.data} file (posttrain pairs: {offline.errors[row.data]})"
         else:
-            logger.info("%s: failed: %s", kind, errors[kind])
-    return provenance, errors
-
-
-def sampling_arguments(kind: str, model: str, out_file: Path, config: Config, sft_config) -> list[str]:
-    """`posttrain pairs` arguments of one offline file: G samples of each of steps x prompts per step
-    training prompts (as many answers as each online row draws; the start's held-out split kept apart),
-    labelled by `REWARD`; `unpaired`: KTO's rows of the same samples; `teacher_sft`: the teacher's
-    samples as SFT rows, every one kept, exactly `teacher_samples` of them (as many as the
-    distillation row scores: a quarter more prompts are offered, and --max-rows stops the sampling there)."""
-    data = sft_config.data
-    kind_flags = {"pairs": [], "unpaired": ["--unpaired"],
-                  "teacher_sft": ["--sft", "--keep", "all", "--max-rows", str(teacher_samples(config.steps))]}[kind]
-    prompts = config.steps * PROMPTS_PER_STEP
-    if kind == "teacher_sft":  # a quarter more prompts than the rows need, so that --max-rows, not the prompts the held-out
-        prompts += prompts // 4  # split removes from the first ones (44 of 800 at seed 0), sets the file's size exactly
-    return ["pairs", "--model", model, "--out", str(out_file), "--group_size", str(GROUP_SIZE), "--verifier", REWARD,
-            "--data.task", data.task, "--data.task_options", json.dumps(data.task_options),
-            "--data.max_prompts", str(prompts), "--data.eval_size", str(config.eval_size),
-            "--sampling.max_new_tokens", str(sft_config.acceptance.max_new_tokens), "--seed", str(config.seed), *kind_flags]
-
-
-def teacher_samples(steps: int) -> int:
-    """The teacher's samples the SFT row gets: as many as the distillation row scores, steps x
-    prompts per step x G (12 steps: 12 x 16 x 8 = 1536)."""
-    return steps * PROMPTS_PER_STEP * GROUP_SIZE
-
-
-def sft_steps(rows: int) -> int:
-    """The SFT row's steps: one epoch over the teacher's rows less the `SFT_HELDOUT_ROWS` held out,
-    `SFT_BATCH_SIZE` a step, at least 1 (1536 rows: (1536 - 8) // 32 = 47 steps, on 47 x 32 = 1504
-    rows, its data.train_size: the 24 left over would not fill a step)."""
-    return max(1, (rows - SFT_HELDOUT_ROWS) // SFT_BATCH_SIZE)
+            outcome.seconds, outcome.peak_rss_mib, outcome.error = run_child(
+                row_command(row, start, str(offline.paths[row.data]), out / row.name, config, teacher or TEACHER, steps),
+                out / "logs" / f"{row.name}.log", config.threads)
+        if outcome.error is None:
+            try:
+                outcome.sets = held_out.score(stages.last_checkpoint(out / row.name, steps), row.name)
+            except Exception as error:  # noqa: BLE001 - a model that cannot be scored is its row's failure, not the comparison's
+                outcome.error = f"acceptance: {type(error).__name__}: {error}".splitlines()[0]
+        outcomes.append(outcome)
+        logger.info("[%d/%d] %s: %s", index, len(rows), row.name, _progress(outcome, start_sets))
+    return outcomes
 
 
 def row_steps(row: Row, config: Config, teacher_rows: int | None) -> int:
@@ -400,102 +385,6 @@ def links_changed(row: Row) -> str:
     versus = "" if base in ("grpo", "dpo") else f"vs {next(other.label for other in ROWS if other.name == base)}: "
     return versus + "; ".join(f"{link}: " + ", ".join(f"{part} ({how})" for name, part, how in row.changed if name == link) for link in links)
 
-
-def _child(arguments: list[str], log: Path, threads: int) -> tuple[float, float | None, str | None]:
-    """Run `python -m posttrain ARGUMENTS` with its output in `log`; returns (wall seconds, its peak
-    RSS in MiB, its one-line error or None). os.wait4 reads the child's own resource usage."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    clock = time.perf_counter()
-    with log.open("w") as stream:
-        stream.write("$ posttrain " + " ".join(arguments) + "\n")
-        stream.flush()
-        child = subprocess.Popen([sys.executable, "-m", "posttrain", *arguments], stdout=stream, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-    seconds = time.perf_counter() - clock
-    peak = usage.ru_maxrss / 1024  # KiB on Linux
-    return seconds, peak, None if child.returncode == 0 else _error_line(log, child.returncode)
-
-
-def _error_line(log: Path, code: int) -> str:
-    """A failed child's one line: its `posttrain: error:` line, else its last line (a traceback's exception)."""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("posttrain: ")]
-    line = errors[-1].removeprefix("posttrain: error: ").removeprefix("posttrain: ") if errors else (lines[-1] if len(lines) > 1 else "no output")
-    return f"{line} (exit {code}; {log.name})"
-
-
-def check_teacher(teacher: str) -> str:
-    """`--teacher`'s model directory (a run directory's `final/` export, else its newest checkpoint, or a
-    model directory), loaded once to prove it loads; a UserError line naming the flag otherwise."""
-    path = Path(teacher).expanduser()
-    if not path.is_dir():
-        raise UserError(f"--teacher {teacher}: no such directory (give a model directory, or a run directory with final/)")
-    final = teacher_directory(str(path))
-    model = str(Path(final).resolve()) if final != str(path) else _start_model(path, "--teacher")
-    try:
-        load_model(model)
-    except UserError as error:
-        raise UserError(f"--teacher {teacher}: {error}") from None
-    return model
-
-
-def check_start(start: str) -> str:
-    """`--start`'s model directory (`_start_model`), loaded once to prove it loads; a UserError line naming the flag otherwise."""
-    path = Path(start).expanduser()
-    if not path.is_dir():
-        raise UserError(f"--start {start}: no such directory (give an SFT run directory or a model directory)")
-    model = _start_model(path)
-    try:
-        load_model(model)
-    except UserError as error:
-        raise UserError(f"--start {start}: {error}") from None
-    return model
-
-
-def check_pairs(pairs_file: str) -> dict[str, Any]:
-    """`--pairs`: a file of preference pairs every offline row can read (read and validated whole, as each row's
-    `posttrain dpo` reads it); returns its provenance sidecar ({} without one). A UserError line naming the flag otherwise."""
-    path = Path(pairs_file).expanduser()
-    if not path.is_file():
-        raise UserError(f"--pairs {pairs_file}: no such file")
-    try:
-        load_preference_file(path, unpaired_advice="--pairs takes preference pairs (every offline row trains on them; KTO reads "
-                                                   "each pair as a desirable and an undesirable row): make them with posttrain pairs")
-        return read_provenance(path) or {}
-    except UserError as error:  # the reader's bad-row report in one line: its first bad row and the count (compare has no data.* flags)
-        lines = str(error).splitlines()
-        counts = re.search(r"\d+ rows read, \d+ bad", lines[0])
-        detail = f"{lines[1]} ({counts.group(0)}; each offline row reads the file as posttrain dpo does)" if counts and len(lines) > 1 else lines[0]
-        raise UserError(f"--pairs {pairs_file}: {detail}") from None
-
-
-def _start_model(path: Path, flag: str = "--start") -> str:
-    """The start's (or `flag`'s) model directory: `path` itself, or a run directory's newest checkpoint."""
-    if (path / "checkpoints").is_dir():
-        return stages.last_checkpoint(path, stages.newest_step(path))
-    if not (path / "config.json").is_file():
-        raise UserError(f"{flag} {path}: neither a model directory (config.json) nor a run directory (checkpoints/step-N/model)")
-    return str(path.resolve())
-
-
-def check_output_dir(out: Path, start: str | None, pairs: str | None, teacher: str | None = None) -> None:
-    """`out` may hold only an earlier comparison (comparison.json), which a new one replaces, and so may not hold
-    --start, --pairs or --teacher (the replacement would delete them): else one UserError line."""
-    for flag, given in (("--start", start), ("--pairs", pairs), ("--teacher", teacher)):
-        if given is not None and out in Path(given).resolve().parents:
-            raise UserError(f"{flag} {given} lies inside --output-dir {out}, which a new comparison replaces; choose another --output-dir")
-    if out.exists() and (not out.is_dir() or (not (out / "comparison.json").exists() and any(out.iterdir()))):
-        raise UserError(f"--output-dir {out}: holds something other than a finished comparison; choose another")
-
-
-def _fresh_directory(out: Path) -> Path:
-    """`out` (`check_output_dir` passed), created empty: an earlier comparison there is replaced."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    return out
 
 
 def _progress(outcome: Outcome, start_sets: dict) -> str:
