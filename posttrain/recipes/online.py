@@ -10,9 +10,11 @@ Each step: 1. sample, 2. score (`sample`: the data and reward links, refilling z
 when asked), 3. old / reference log-probs (and values), KL in the reward when placed there,
 advantages (the loss link's `losses.policy_gradient.prepare`), 4. update (mu epochs over
 mini-batches, old log-probs fixed: `losses.policy_gradient.step`), 5. log, evaluate, checkpoint
-(`run`). Steps 3-4 are `step(state, batch) -> metrics`: the loss link on the models and settings
-`loss_inputs(state)` builds, then the run's own part (the step count, the reference's refresh, the
-learning rates); bench/grpo.py times the loss link's prepare + step on the same inputs.
+(`run`; the checks around the loop, held-out acceptance with the divergence alarm, the training
+signal and a lost engine, are `online_checks.py`). Steps 3-4 are `step(state, batch) -> metrics`:
+the loss link on the models and settings `loss_inputs(state)` builds, then the run's own part (the
+step count, the reference's refresh, the learning rates); bench/grpo.py times the loss link's
+prepare + step on the same inputs.
 With `data.max_staleness` k >= 1 steps 1-2 sample, with the weights the step starts from, the
 batch of the step k ahead, and the step trains the oldest batch sampled (`next_batch`,
 `data/staleness.py`): simulated staleness, the same run every time, its pending batches checkpointed.
@@ -46,24 +48,16 @@ from posttrain.data.tasks import load_splits
 from posttrain.distributed import World, full_weights, wrap
 from posttrain.errors import UserError
 from posttrain.hardware import Placement, cpu_placement, resolve
-from posttrain.evaluation.acceptance import (
-    IN_DISTRIBUTION,
-    HeldOutSet,
-    heldout_checker,
-    evaluate_sets,
-    independence,
-    shifted_sets,
-)
-from posttrain.evaluation.alarms import DivergenceAlarm
-from posttrain.evaluation.signal import SignalLost, StepSignal, TrainingSignal
+from posttrain.evaluation.acceptance import IN_DISTRIBUTION, HeldOutSet, heldout_checker, independence, shifted_sets
 from posttrain.evaluation.stats import least_squares_slope
 from posttrain.models import make_critic, make_reference
 from posttrain.models.forward import TrainingForward, policy_and_critic, policy_scores
 from posttrain.models.loading import load_policy
-from posttrain.losses.policy_gradient import PolicyModels, UpdateSettings, loss_rows, prepare
+from posttrain.losses.policy_gradient import PolicyModels, UpdateSettings, prepare
 from posttrain.losses.policy_gradient import step as loss_step
 from posttrain.optim import Trainable, make_optimizer
 from posttrain.recipes.online_card import make_card, teacher_heldout
+from posttrain.recipes.online_checks import RunChecks, engine_lost, evaluate
 from posttrain.recipes.online_config import Config, sampling_engine
 from posttrain.rewards import Verifier, as_verifier
 from posttrain.rewards.defaults import default_reward
@@ -343,11 +337,8 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     state.pending.restore(saved.get(PENDING))  # mode (a): trained as they were; mode (b): sampled again
     state.reference_refreshed_at = saved.get("reference_refreshed_at", [])
     state.entropy_history = saved.get("entropy_history", [])
-    alarm = DivergenceAlarm(config.acceptance.alarm_window, config.acceptance.alarm_reward_rise, history=saved.get("alarm_history", []),
-                            rings=saved.get("alarm_rings", []), reward_spread=saved.get("alarm_reward_spread"))
-    signal = TrainingSignal(stop_after=config.acceptance.signal_stop_after, window=config.acceptance.signal_window,
-                            verify=None if reward is not None else config.reward if config.reward != "auto" else state.verifier.name,
-                            **saved.get("training_signal", {}))
+    checks = RunChecks.restore(config.acceptance, saved,
+                               verify=None if reward is not None else config.reward if config.reward != "auto" else state.verifier.name)
     card = make_card(config, state, reward, changes)
     regenerated = getattr(state.pending, "regenerated_on_resume", 0)
     if regenerated:  # mode (b): the batches in flight at the checkpoint, whose sampling weights are gone
@@ -356,8 +347,7 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
                              "dropped and are sampled again with the restored weights")
     if state.verifier.dense:  # the teacher's own held-out score, for reference beside the student's
         card["links"]["reward"]["teacher_heldout"] = teacher_heldout(config, state)
-    card["links"]["acceptance"]["divergence_alarm_threshold"] = alarm.describe()
-    card["training_signal"] = signal.card()
+    checks.describe(card)
 
     write_card = card_writer(run_dir, card, world)
 
@@ -365,7 +355,7 @@ def run(config: Config, resume: bool = False, reward: Any = None, resume_changed
     try:
         with closing(run_dir, card, write_card), StepLoop(recipe, run_dir, world, state.step, config.max_steps,
                                                      config.checkpoint_every, config.acceptance.eval_every, state.placement) as loop:
-            _train(state, RunParts(run_dir, card, write_card, alarm, signal, extra_models), loop)
+            _train(state, RunParts(run_dir, card, write_card, checks, extra_models), loop)
     finally:
         state.pending.close()  # the generation thread (mode (b)), then the engine's process or server connection
         close = getattr(engine_of(state.sampler), "close", None)
@@ -382,15 +372,14 @@ PENDING = "pending_batches"
 
 @dataclass
 class RunParts:
-    """What `run` opened around the loop: the run directory, the card and its writer, the
-    divergence alarm, the training-signal check, and the models checkpointed beside the policy
-    (critic, refreshed reference)."""
+    """What `run` opened around the loop: the run directory, the card and its writer, the run's
+    checks (divergence alarm and training-signal watch, `online_checks.RunChecks`), and the models
+    checkpointed beside the policy (critic, refreshed reference)."""
 
     directory: RunDirectory
     card: dict
     write_card: Callable[[], None]
-    alarm: DivergenceAlarm
-    signal: TrainingSignal
+    checks: RunChecks
     extra_models: dict
 
 
@@ -398,11 +387,10 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
     """`run`'s loop: step 0's evaluation, then sample, step, log, evaluate, checkpoint until max_steps
     or a stop signal (a checkpoint at that step, then `RunStopped`)."""
     config, world = state.config, state.world
-    run_dir, card, write_card, alarm, signal, extra_models = (parts.directory, parts.card, parts.write_card, parts.alarm,
-                                                              parts.signal, parts.extra_models)
+    run_dir, card, write_card, checks, extra_models = parts.directory, parts.card, parts.write_card, parts.checks, parts.extra_models
     if state.step == 0:
         with memory_guard(0, MEMORY_KNOBS, phase="evaluation"):
-            run_dir.log_metrics(0, evaluate(state, run_dir, alarm, None))
+            run_dir.log_metrics(0, evaluate(state, run_dir, checks.alarm, None))
     state.policy.train()
     if state.critic is not None:
         state.critic.train()
@@ -414,9 +402,9 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
     def save(done: int) -> None:
         save_training(
             run_dir, done, state.policy, state.tokenizer, state.optimizer, state.scheduler, extra_models=extra_models, world=world,
-            extra_state={"stream_position": state.pending.stream_position(state.stream), "alarm_history": alarm.history, "alarm_rings": alarm.rings,
-                         "alarm_reward_spread": alarm.reward_spread,
-                         "reference_refreshed_at": state.reference_refreshed_at, "training_signal": signal.state(),
+            extra_state={"stream_position": state.pending.stream_position(state.stream), "alarm_history": checks.alarm.history,
+                         "alarm_rings": checks.alarm.rings, "alarm_reward_spread": checks.alarm.reward_spread,
+                         "reference_refreshed_at": state.reference_refreshed_at, "training_signal": checks.signal.state(),
                          "entropy_history": state.entropy_history},
             extra_objects={PENDING: state.pending.state()} if config.data.max_staleness else None)
 
@@ -429,15 +417,13 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
             try:
                 batch = next_batch(state, timer)  # 1-2
             except EngineUnavailable as lost:
-                raise engine_lost(state, run_dir, save, lost) from lost
+                raise engine_lost(lost, config, state.step, run_dir, save) from lost
             metrics = step(state, batch, timer)  # 3-4
         done = state.step
         if hasattr(engine, "sync_seconds"):  # an engine with weights of its own (vLLM, worker): its syncs during the step
             metrics["rollout/sync_s"], synced = engine.sync_seconds - synced, engine.sync_seconds
         card["run"]["reference_refreshed_at"] = state.reference_refreshed_at
-        if not alarm.reward_spread and not alarm.history:  # the first scored step sets the alarm's scale
-            alarm.calibrate(batch.scores.rewards[batch.valid].tolist())
-            card["links"]["acceptance"]["divergence_alarm_threshold"] = alarm.describe()
+        checks.calibrate(batch, card)  # the first scored step sets the alarm's scale
         # 5. Log, evaluate, checkpoint.
         metrics.update(batch.metrics())
         metrics.update(state.pending.metrics(batch, done))
@@ -445,75 +431,12 @@ def _train(state: State, parts: RunParts, loop: StepLoop) -> None:
         run_dir.log_samples(done, batch.sample_rows(config.samples_per_step, with_version=config.data.max_staleness > 0))
         if loop.evaluates(done):
             with memory_guard(done, MEMORY_KNOBS, phase="evaluation"):
-                metrics.update(evaluate(state, run_dir, alarm, metrics["reward/mean"]))
-            card["alarms"] = list(alarm.rings) + signal.rings
+                metrics.update(evaluate(state, run_dir, checks.alarm, metrics["reward/mean"]))
+            card["alarms"] = checks.rings()
             write_card()
-        signal.observe(done, step_signal(batch, metrics, config))
-        card["training_signal"], card["alarms"] = signal.card(), list(alarm.rings) + signal.rings
+        checks.observe(done, batch, metrics, config, card)
         loop.end_step(done, metrics, save=lambda: save(done),
             after_log=plot if "heldout/pass@1" in metrics and world.main else None,
             reward="n/a" if metrics["reward/mean"] is None else f"{metrics['reward/mean']:.3f}",
             **({"reverse_kl": f"{metrics['distill/reverse_kl']:.4f}"} if metrics.get("distill/reverse_kl") is not None else {}))
-        try:
-            signal.stop(done, batch.failures, run_dir.path, write=world.main)
-        except SignalLost as lost:
-            card["notes"].append(str(lost))
-            write_card()
-            raise
-
-
-def engine_lost(state: State, run_dir: RunDirectory, save: Callable[[int], None], lost: EngineUnavailable) -> UserError:
-    """The engine (its server or worker process) stopped answering while sampling: checkpoint the
-    steps done (nothing of the failed step had changed the state) and say how to resume."""
-    done = state.step
-    if done > 0:
-        save(done)
-    resume = f"posttrain {ADVANTAGE_ESTIMATORS[state.config.loss.advantage].command} --resume {run_dir.path}"
-    kept = f"checkpoint step-{done} written" if done > 0 else "no step had finished"
-    when = f"while sampling ahead, {done} steps done" if state.config.data.max_staleness else f"while sampling step {done + 1}"
-    return UserError(f"{lost} ({when}; {kept}); to resume (a server once it is back): {resume}")
-
-
-def step_signal(batch: ScoredBatch, metrics: dict[str, Any], config: Config) -> StepSignal:
-    """What a step gave the loss (`evaluation.signal.StepSignal`): its rows, the unscorable ones and
-    their first reasons, the zero-variance group fraction, the estimator's units without reward
-    signal (groups, or the whole batch, over the rows that reached the loss) and the update's
-    gradient norm."""
-    estimator = ADVANTAGE_ESTIMATORS[config.loss.advantage]
-    counted = loss_rows(batch, config.loss.mask_truncated) & batch.rollout.mask.any(dim=1)
-    silent = estimator.silent_fraction(batch.scores.rewards, counted, config.data.group_size)
-    zero_variance = batch.stats.get("groups/zero_variance_fraction")
-    if batch.scores.dense and metrics.get("distill/reverse_kl"):
-        # A teacher that disagrees with the student rewards every token: the sequence rewards' variance is not the signal.
-        silent, zero_variance = 0.0, None
-    return StepSignal(rows=batch.rows_sampled, infra_errors=batch.stats["errors/infra"], data_errors=batch.stats["errors/data"],
-                      reasons=[f"{row['status']}: {row['reason']}" for row in batch.failures],
-                      zero_variance_fraction=zero_variance, grad_norm=metrics.get("grad_norm"),
-                      silent_fraction=float(silent), scope=estimator.signal_scope)
-
-
-def evaluate(state: State, run_dir: RunDirectory, alarm: DivergenceAlarm, train_reward: float | None) -> dict[str, Any]:
-    """Held-out acceptance on rank 0, written to eval/step-N.json, and the divergence alarm (the
-    other ranks wait; under FSDP2 every rank lends its shards)."""
-    config, policy, metrics = state.config, state.policy, {}
-    with full_weights(policy), state.placement.autocast():
-        if state.world.main:
-            was_training = policy.training
-            policy.eval()
-            result, metrics = evaluate_sets(
-                policy, state.tokenizer, state.held_out, state.checker, state.shifted, step=state.step, eval_dir=run_dir.eval_dir,
-                seed=config.seed, k=config.acceptance.k, temperature=config.sampling.temperature,
-                max_new_tokens=config.acceptance.max_new_tokens or config.sampling.max_new_tokens,
-                system_prompt=config.data.system_prompt, sampler=state.sampler)
-            policy.train(was_training)
-            if train_reward is not None and result["pass@1"] is not None:
-                # The alarm compares held-out accuracy with the mean training reward since the previous
-                # evaluation (read back from metrics.jsonl, so a resumed run computes the same).
-                rows = run_dir.read_metrics()
-                last_eval = max([row["step"] for row in rows if row.get("heldout/pass@1") is not None] + [0])
-                recent = [row["reward/mean"] for row in rows if row["step"] > last_eval and row.get("reward/mean") is not None]
-                message = alarm.observe(state.step, sum(recent + [train_reward]) / (len(recent) + 1), result["pass@1"])
-                if message:
-                    logger.warning(message)
-    state.world.barrier()
-    return metrics
+        checks.stop(done, batch, run_dir, world.main, card, write_card)
