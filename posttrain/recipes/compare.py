@@ -226,7 +226,7 @@ def run(config: Config, rows: tuple[Row, ...] | None = None) -> Path:
     offline = _offline_files(rows, config, out, start, inputs)
 
     # 4. Each row in its own process, then its acceptance on the same problems.
-    outcomes = _run_rows(rows, config, out, start.model, inputs.teacher, offline, held_out, start_sets)
+    outcomes = _run_rows(rows, config, RowInputs(out, start.model, inputs.teacher or TEACHER, offline), held_out, start_sets)
 
     # 5. The table, its JSON and the plot.
     measured = Measured(start.model, config.start is not None, start_sets, start.seconds, offline.provenance, config.pairs,
@@ -299,11 +299,22 @@ def _offline_files(rows: tuple[Row, ...], config: Config, out: Path, start: Star
     return offline
 
 
-def _run_rows(rows: tuple[Row, ...], config: Config, out: Path, start: str, teacher: str | None, offline: OfflineFiles,
-              held_out: HeldOut, start_sets: dict) -> list[Outcome]:
-    """Each row in its own process (`row_command` from `start`, `run_child`), its run directory and log
-    in `out`, then its acceptance on `held_out`; a row whose file was not sampled, whose process failed or
+@dataclass(frozen=True)
+class RowInputs:
+    """What every row's process starts from: the comparison's directory (each row's run directory and
+    log in it), the start model, the teacher (the rows that read one) and the offline rows' files."""
+
+    out: Path
+    start: str
+    teacher: str
+    offline: OfflineFiles
+
+
+def _run_rows(rows: tuple[Row, ...], config: Config, inputs: RowInputs, held_out: HeldOut, start_sets: dict) -> list[Outcome]:
+    """Each row in its own process (`row_command` from the start, `run_child`), its run directory and log
+    in `inputs.out`, then its acceptance on `held_out`; a row whose file was not sampled, whose process failed or
     whose model cannot be scored is its outcome's one-line error, and the next row runs."""
+    out, offline = inputs.out, inputs.offline
     outcomes = []
     for index, row in enumerate(rows, 1):
         steps = row_steps(row, config, offline.provenance.get("teacher_sft", {}).get("rows"))
@@ -312,7 +323,7 @@ def _run_rows(rows: tuple[Row, ...], config: Config, out: Path, start: str, teac
             outcome.error = f"no {row.data} file (posttrain pairs: {offline.errors[row.data]})"
         else:
             outcome.seconds, outcome.peak_rss_mib, outcome.error = run_child(
-                row_command(row, start, str(offline.paths[row.data]), out / row.name, config, teacher or TEACHER, steps),
+                row_command(row, inputs.start, str(offline.paths[row.data]), out / row.name, config, inputs.teacher, steps),
                 out / "logs" / f"{row.name}.log", config.threads)
         if outcome.error is None:
             try:
