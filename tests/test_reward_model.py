@@ -422,18 +422,24 @@ def test_common_prefix_lengths_by_hand():
         assert common_prefix_lengths(*padded(first, side), *padded(second, side)).tolist() == [3, 1, 0], side
 
 
-@pytest.mark.parametrize("padding_side", ["right", "left"])
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_pairs_sharing_response_tokens_equal_the_plain_forward(padding_side, attention):
+@pytest.mark.parametrize("padding_side,attention,checkpointing", [("right", "sdpa", False), ("left", "sdpa", False),
+                                                                    ("right", "eager", False), ("left", "eager", False),
+                                                                    ("right", "sdpa", True)])
+def test_pairs_sharing_response_tokens_equal_the_plain_forward(padding_side, attention, checkpointing):
     """Chosen and rejected answers that begin alike ("<answer>4" in both; "12" a prefix of "12, I
-    think"), and a pair sharing only its prompt: computed once a pair (SDPA: one packed row a pair,
-    `packed_pair_rewards`; eager attention: the shared KV cache), the rewards and every parameter's
-    gradient equal the plain (2n, L) forward's."""
+    think"), and a pair sharing only its prompt: computed once a pair (SDPA: the pairs packed in one
+    row, `packed_pair_rewards`, also with gradient checkpointing, whose recomputation in backward
+    looks the attention up again; eager attention: the shared KV cache), the rewards and every
+    parameter's gradient equal the plain (2n, L) forward's."""
     from posttrain.data import PreferencePair, tokenize_preference_pairs
+    from posttrain.models.loading import enable_gradient_checkpointing
     from posttrain.models.reward_model import batch_rewards, packed_pair_rewards
 
     policy, tokenizer = load_model("tiny")
     policy.config._attn_implementation = attention
+    if checkpointing:
+        enable_gradient_checkpointing(policy)
+        policy.train()
     tokenizer.padding_side = padding_side
     model = RewardModel.from_policy(policy, seed=2)
     pairs = [PreferencePair("a", "12+34=", "<answer>46</answer>", "<answer>47</answer> or so"),
@@ -442,7 +448,7 @@ def test_pairs_sharing_response_tokens_equal_the_plain_forward(padding_side, att
     batch = tokenize_preference_pairs(tokenizer, pairs)
     packed = packed_pair_rewards(model, batch.chosen.input_ids, batch.chosen.attention_mask, batch.rejected.input_ids,
                                  batch.rejected.attention_mask)
-    assert (packed is not None) == (attention == "sdpa"), "the packed rows run under SDPA only"
+    assert (packed is not None) == (attention == "sdpa"), "the packed row runs under SDPA only"
     results = []
     for shared in (True, False):
         model.zero_grad(set_to_none=True)

@@ -27,6 +27,7 @@ import torch
 from posttrain.data import position_ids_from_attention_mask
 from posttrain.errors import UserError
 from posttrain.models.adapters import is_lora
+from posttrain.models.packing import PackedLayout, use_packed_attention
 
 META_FILE = "reward_model.json"
 """The export's own facts beside config.json: pooling rule, EOS appended, chat template hash, the
@@ -147,21 +148,22 @@ def common_prefix_lengths(ids: torch.Tensor, attention_mask: torch.Tensor, other
 def packed_pair_rewards(model: RewardModel, chosen_ids: torch.Tensor, chosen_mask: torch.Tensor, rejected_ids: torch.Tensor,
                         rejected_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(n,) chosen and (n,) rejected rewards of n pairs ((n, L) ids and attention masks a side,
-    either padding side) in one decoder pass of n rows, each pair's common prefix
-    (`common_prefix_lengths`, c tokens) computed once. Row i is
+    either padding side) in one decoder pass, each pair's common prefix (`common_prefix_lengths`,
+    c tokens) computed once. Pair i is laid as
 
-        [common prefix (c) | chosen's own tokens | rejected's own tokens | padding]
+        [common prefix (c) | chosen's own tokens | rejected's own tokens]
 
-    with position ids as in the separate rows (the rejected tokens' count on from c) and a 4D
-    attention mask in which each token sees the prefix and the earlier tokens of its own answer,
-    never the other answer's. No KV cache: one pass, as many weight-gradient products as layers,
-    and padding only to the longest pair. Equal to `model(...)` on the 2n rows in value and
-    gradient (tested). None (the caller takes another path) unless the model is a Llama-type
-    decoder under SDPA attention (which reads a boolean 4D mask as is)."""
+    with position ids as in the separate rows (the rejected tokens' count on from c), and the n
+    pairs are packed one after another in a single row without padding (`models.packing`): every
+    matmul runs on real tokens only, and attention runs per pair under a mask in which each token
+    sees the prefix and the earlier tokens of its own answer, never the other answer's. No KV
+    cache: as many weight-gradient products as layers. Equal to `model(...)` on the 2n rows in
+    value and gradient (tested). None (the caller takes another path) unless the model is a
+    Llama-type decoder under SDPA attention (`models.packing.use_packed_attention`)."""
     from posttrain.models.forward import SUPPORTED_MODEL_TYPES  # here: forward.py imports the data package's batches
 
     config = model.config
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or getattr(config, "_attn_implementation", None) != "sdpa":
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or not use_packed_attention(model.decoder):
         return None
     n, width = chosen_ids.shape[0], max(chosen_ids.shape[1], rejected_ids.shape[1])
     chosen, chosen_lengths = _real_tokens_first(chosen_ids, chosen_mask, width)
@@ -170,18 +172,18 @@ def packed_pair_rewards(model: RewardModel, chosen_ids: torch.Tensor, chosen_mas
     chosen_end, end = chosen_lengths[:, None], (chosen_lengths + rejected_lengths)[:, None] - shared  # (n, 1)
     columns = torch.arange(int(end.max()), device=chosen_ids.device)[None, :]  # (1, W)
     source = columns - chosen_end + shared  # (n, W): the rejected row's column of a rejected token
-    segment = (columns >= shared).long() + (columns >= chosen_end).long() + (columns >= end).long()  # 0 prefix, 1 chosen, 2 rejected, 3 pad
+    segment = (columns >= shared).long() + (columns >= chosen_end).long() + (columns >= end).long()  # 0 prefix, 1 chosen, 2 rejected, 3 past the pair
     ids = torch.where(segment < 2, chosen.gather(1, columns.clamp(max=width - 1).expand(n, -1)),
-                      rejected.gather(1, source.clamp(0, width - 1)))
-    ids = torch.where(segment == 3, 0, ids)  # (n, W)
-    positions = torch.where(segment == 2, source, torch.where(segment == 3, 0, columns))  # (n, W)
+                      rejected.gather(1, source.clamp(0, width - 1)))  # (n, W); padding (segment 3) is dropped below
+    positions = torch.where(segment == 2, source, columns)  # (n, W)
     query, key = segment[:, :, None], segment[:, None, :]  # (n, W, 1), (n, 1, W)
     causal = columns[0][:, None] >= columns[0][None, :]  # (W, W)
-    diagonal = torch.eye(columns.shape[1], dtype=torch.bool, device=ids.device)  # a padding query sees itself: no empty softmax row
-    allowed = (causal & ((key == 0) | (key == query)) & (key != 3)) | diagonal  # (n, W, W)
-    hidden = model.decoder(input_ids=ids, attention_mask=allowed[:, None], position_ids=positions).last_hidden_state  # (n, W, H)
-    rows = torch.arange(n, device=hidden.device)
-    pooled = torch.cat([hidden[rows, chosen_lengths - 1], hidden[rows, end[:, 0] - 1]])  # (2n, H): each answer's EOS
+    layout = PackedLayout.of(end[:, 0], causal & ((key == 0) | (key == query)))  # (n, W, W): the prefix and its own answer
+    real = layout.scatter  # (R,) the pairs' real tokens, one after another
+    hidden = model.decoder(input_ids=ids.flatten()[real][None], attention_mask=layout.masks,
+                           position_ids=positions.flatten()[real][None], packed_layout=layout).last_hidden_state[0]  # (R, H)
+    starts = end[:, 0].cumsum(0) - end[:, 0]  # (n,)
+    pooled = hidden[torch.cat([starts + chosen_lengths - 1, starts + end[:, 0] - 1])]  # (2n, H): each answer's EOS
     rewards = model.score(pooled.to(model.score.weight.dtype)).squeeze(-1).float()
     return rewards[:n], rewards[n:]
 
