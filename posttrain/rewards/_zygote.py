@@ -87,6 +87,7 @@ PREIMPORT = (
     "typing", "math", "re", "collections", "itertools", "functools", "heapq", "bisect", "string",
     "random", "statistics", "fractions", "decimal", "datetime", "copy", "operator", "hashlib",
     "json", "io", "traceback", "array", "dataclasses", "enum", "time", "socket",
+    "resource",  # the child's own limits (`_drop_privileges_and_limit`)
 )
 CHILD_FDS = 5  # 0 stdin, 1 stdout, 2 stderr, 3 requests (judge -> child), 4 responses (child -> judge)
 
@@ -204,6 +205,8 @@ def _kill_uid_processes(config):
 
     if config.get("uid") is None:
         return  # unprivileged mode: the judge tears the whole container down instead
+    if not _uid_pids(config["uid"], zombies=False):
+        return  # none alive (the usual end: the sample's process exited and was reaped): none can fork
     helper = os.fork()
     if helper == 0:
         try:
