@@ -23,7 +23,7 @@ from posttrain.algorithms import KTO_CLASS_BALANCE_BAND, kto_class_balance, kto_
 from posttrain.data import PreferenceBatch
 from posttrain.distributed import World, gradient_sync, rank_micro_batches, unwrap
 from posttrain.models.forward import batch_response_sums
-from posttrain.models.pair_forward import pair_logprobs
+from posttrain.models.pair_forward import reference_sums
 
 PLOTTED = ("loss", "kl", "rewards/accuracy", "rewards/desirable", "rewards/undesirable", "logratio/desirable",
            "logratio/undesirable", "heldout/label_side_accuracy", "heldout/pass@1")
@@ -81,18 +81,13 @@ def step(models, batch: PreferenceBatch, settings, world: World | None = None) -
     forward = unwrap(trainer)
     M = batch.chosen.input_ids.shape[0]
     device = batch.chosen.input_ids.device
-    desirable, cached_reference, loss = batch.desirable.to(device), batch.reference, settings.loss
+    desirable, loss = batch.desirable.to(device), settings.loss
     micro = list(rank_micro_batches(torch.arange(M), world.block_owners(M), world, settings.micro_batch_size))
     # 1. The reference point over the whole batch, before any backward: no gradient, as in the paper and TRL.
     references, mismatched, total = [], [], torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for rows, weight, _ in micro:
-            if cached_reference is None:
-                with forward.placement.autocast():
-                    ref = pair_logprobs(models.reference, batch, rows, full_forward=forward.options.get("full_forward", False))
-                ref_own, ref_mismatched = ref.chosen, ref.rejected
-            else:
-                ref_own, ref_mismatched = cached_reference[rows, 0], cached_reference[rows, 1]
+            ref_own, ref_mismatched = reference_sums(models.reference, batch, rows, forward)
             ratio = trainer(batch, rows, "rejected").float() - ref_mismatched.float()
             references.append(ref_own)
             mismatched.append(ratio)

@@ -22,7 +22,7 @@ from posttrain.data import PreferenceBatch
 from posttrain.distributed import World, gradient_sync, rank_micro_batches, unwrap
 from posttrain.errors import UserError
 from posttrain.losses.objectives import PREFERENCE_OBJECTIVES, PreferenceObjective, objective
-from posttrain.models.pair_forward import PairLogprobs, pair_logprobs
+from posttrain.models.pair_forward import PairLogprobs, reference_sums
 from posttrain.optim import Optimization, Trainable
 
 REFERENCE_CACHE = "reference_logprobs.pt"
@@ -151,7 +151,7 @@ def pair_step(models: PreferenceModels, batch: PreferenceBatch, settings: Prefer
     its block of the pairs, all ranks running as many micro-batches (a short rank a zero-weight one).
     Returns the step's metrics over the whole batch, with "grad_norm" (pre-clipping)."""
     world = world or World()
-    loss, cached_reference = settings.loss, batch.reference
+    loss = settings.loss
     trainer = models.policy.trainer
     forward = unwrap(trainer)
     M = batch.chosen.input_ids.shape[0]  # pairs (P is the prompt width everywhere else)
@@ -159,13 +159,7 @@ def pair_step(models: PreferenceModels, batch: PreferenceBatch, settings: Prefer
     device = batch.chosen.input_ids.device
     parts, nll_total = [torch.zeros(7, 0, device=device)], torch.zeros(1, dtype=torch.float64, device=device)
     for rows, weight, last in rank_micro_batches(torch.arange(M), world.block_owners(M), world, settings.micro_batch_size):
-        if cached_reference is None:
-            # The same LM-head path as the policy's, so policy == reference gives rewards of exactly 0.
-            with forward.placement.autocast():  # the policy's precision
-                reference = pair_logprobs(models.reference, batch, rows, full_forward=forward.options.get("full_forward", False))
-            ref_chosen, ref_rejected = reference.chosen, reference.rejected
-        else:
-            ref_chosen, ref_rejected = cached_reference[rows, 0], cached_reference[rows, 1]
+        ref_chosen, ref_rejected = reference_sums(models.reference, batch, rows, forward)
         with gradient_sync(trainer, last):
             sums = trainer(batch, rows)
             losses, chosen_rewards, rejected_rewards = preference_losses(loss, sums, ref_chosen, ref_rejected)

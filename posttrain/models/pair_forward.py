@@ -103,6 +103,19 @@ def shared_prompt_sums(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     return sums, response_lengths
 
 
+def reference_sums(reference: ReferenceModel | None, batch: PreferenceBatch, rows, forward) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n,) chosen and (n,) rejected summed log-probs of the reference on `rows` of `batch`: the
+    batch's precomputed (M, 2) `reference` columns when it has them, else a forward of `reference`
+    under the policy's precision (`forward`: the policy's `TrainingForward`, for its placement and
+    options) through the same LM-head path as the policy's, so policy == reference gives rewards of
+    exactly 0."""
+    if batch.reference is not None:
+        return batch.reference[rows, 0], batch.reference[rows, 1]
+    with forward.placement.autocast():
+        sums = pair_logprobs(reference, batch, rows, full_forward=forward.options.get("full_forward", False))
+    return sums.chosen, sums.rejected
+
+
 @torch.no_grad()
 def reference_logprobs(model, batches: Iterable[PreferenceBatch]) -> torch.Tensor:
     """(M, 2) summed log-probs [chosen, rejected] of every pair of `batches`, in order, under
