@@ -6,13 +6,16 @@
    `python` tool (the bubblewrap sandbox: a real round trip per row), the result is appended as
    observation tokens, and turn 2 generates `--turn-tokens` more: through one `engine.Session`, each
    row's KV cache continued from turn 1 (turn 2 reads only the observation), and, beside it, with
-   `continue_cache` off (re-prefilling prompt + turn 1 + observation, as before the session). The random tiny model writes no tool call, so turn 1's TEXT (never its ids) is
-   replaced by a fixed call before the sampler parses it: the tokens, the tool run and the re-prefill
-   are all real. Beside it, the floor: one `generate` call producing the same 2 x `--turn-tokens`
-   generated tokens per row in a single turn. ratio = floor / episode (1.0: tool turns cost nothing),
-   for the continued episode. Twice: with the bench's short prompts (the chat template around
-   "i+2i=", ~23 tokens) and, as a run with `tools.describe auto` renders them
-   (`data.tokenize.render_prompt(tools=)`), with the python tool's schema in a system message
+   `continue_cache` off (re-prefilling prompt + turn 1 + observation, as before the session). The
+   random tiny model writes no tool call, so turn 1's TEXT (never its ids) is replaced by a fixed
+   call before the sampler parses it: the tokens, the tool run and the re-prefill are all real.
+   Beside it, the floor: one `generate` call producing the same 2 x `--turn-tokens` generated tokens
+   per row in a single turn. ratio = floor / episode (1.0: tool turns cost nothing), for the
+   continued episode; the bench also prints the bound the token counts set on it (the episode runs
+   each row's observation tokens through the model, the floor has none). Twice: with the bench's
+   short prompts (the chat template around "i+2i=", ~23 tokens) and, as a run with
+   `tools.describe auto` renders them (`data.tokenize.render_prompt(tools=)`), with the python
+   tool's schema in a system message
    (~625 tokens: there the prompt is most of each row's context, and the G rows of a prompt share it).
 2. The python tool's calls/s (`rollout.tools.python_tool_rate`: a batch of `--calls` programs through
    the worker pool's sandbox slots) vs the unsandboxed way peers run a tool's code: a fresh
@@ -113,6 +116,13 @@ def episode_overhead(name, model, tokenizer, prompts, args) -> None:
     prefilled, _ = episode_seconds(model, tokenizer, prompts, args.group_size, turn, args.rounds, continue_cache=False)
     floor = single_turn_seconds(model, tokenizer, prompts, args.group_size, whole, args.rounds)
     rows = args.prompts * args.group_size
+    # Token positions through the model (a group's G rows share their prompt's prefill; a row's last
+    # sampled token is never fed back): the floor's are a lower bound on what the episode can cost.
+    prompt_positions = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    floor_positions = prompt_positions + rows * (2 * args.turn_tokens - 1)
+    episode_positions = prompt_positions + counts["generated"] - rows + counts["observation_tokens"]
+    print(f"token positions through the model: episode {episode_positions}, single turn {floor_positions}; at the same cost "
+          f"a position (attention aside) the ratio is at most {floor_positions / episode_positions:.2f}")
     print(f"episode batch: {rows} rows, {counts['turns']} turns, {counts['calls']} python calls, {counts['generated']} generated "
           f"+ {counts['observation_tokens']} observation tokens: best {episode:.3f} s (KV cache continued), "
           f"{prefilled:.3f} s (turn 2 re-prefilled, ratio {floor / prefilled:.2f})")
