@@ -49,7 +49,7 @@ class PackedLayout:
         """The layout of n sequences of (n,) `lengths`, laid one after another in one row, under
         (n, W, W) bool `masks` (row i's keys seen by each query; columns >= lengths[i] are padding and
         may hold anything: they are hidden here, and each padding query sees itself only)."""
-        n, W = masks.shape[0], masks.shape[-1]
+        W = masks.shape[-1]
         columns = torch.arange(W, device=lengths.device)
         real = columns[None, :] < lengths[:, None]  # (n, W)
         starts = lengths.cumsum(0) - lengths  # (n,)
