@@ -34,7 +34,8 @@ import torch
 from posttrain.algorithms.reward_model import bradley_terry_loss
 from posttrain.config import build_config
 from posttrain.data.stream import data_order
-from posttrain.models.reward_model import batch_rewards, common_prefix_lengths, export, shared_prompt_rewards
+from posttrain.models.packing import common_prefix_lengths
+from posttrain.models.reward_model import batch_rewards, export, shared_prompt_rewards
 from posttrain.recipes import rm
 from posttrain.runs.skeleton import start
 

@@ -406,7 +406,7 @@ def test_common_prefix_lengths_by_hand():
     """Row pairs (padding 0, either side): [5, 5, 7, 8, 2] / [5, 5, 7, 9, 4, 2] share 5 5 7 -> 3;
     [5, 2] / [5, 2, 6, 2]: the first row is all prefix, capped at its length - 1 -> 1 (its EOS
     stays its own); [3, 2] / [4, 2] -> 0; the same rows left-padded give the same lengths."""
-    from posttrain.models.reward_model import common_prefix_lengths
+    from posttrain.models.packing import common_prefix_lengths
 
     first = [[5, 5, 7, 8, 2], [5, 2], [3, 2]]
     second = [[5, 5, 7, 9, 4, 2], [5, 2, 6, 2], [4, 2]]

@@ -19,6 +19,9 @@ sequence offsets; the attention function is looked up by name on every call, gra
 checkpointing's recomputation in backward included. So `use_packed_attention` sets the decoder's
 implementation to this module's once, for good: registered for attention and for mask creation,
 it is exactly `sdpa` for every call without a `packed_layout`.
+
+`PackedPairs` is the layout of preference pairs: each pair's common prefix once, then the chosen and
+the rejected answer, each seeing the prefix and itself (the reward model's `packed_pair_rewards`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,93 @@ class PackedLayout:
         seen = masks.bool() & real[:, None, :] & real[:, :, None]
         seen = seen | (~real[:, :, None] & torch.eye(W, dtype=torch.bool, device=masks.device))
         return cls(gather, scatter, seen[:, None])
+
+
+def real_tokens_first(ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, width) `ids` with each row's real tokens moved to columns 0 .. length - 1 (either padding
+    side in, zeros after), and the (n,) lengths."""
+    real = attention_mask.bool()
+    rows, columns = real.nonzero(as_tuple=True)
+    laid = ids.new_zeros(ids.shape[0], width)
+    laid[rows, real.long().cumsum(-1)[rows, columns] - 1] = ids[rows, columns]
+    return laid, real.sum(-1)
+
+
+def common_prefix_lengths(ids: torch.Tensor, attention_mask: torch.Tensor, other_ids: torch.Tensor,
+                          other_attention_mask: torch.Tensor) -> torch.Tensor:
+    """(n,) how many leading real tokens row i of (n, L) `ids` shares with row i of (n, L')
+    `other_ids` (either padding side), capped so that both rows keep at least one token of their
+    own: the pooled EOS is each row's own. A causal model's hidden states over that prefix are the
+    same in both rows, so a pair's chosen and rejected rows need it computed once.
+    Example: [q, q, a, b, EOS] and [q, q, a, c, d, EOS] -> 3; [q, EOS] and [q, EOS, x, EOS] -> 1."""
+    width = max(ids.shape[1], other_ids.shape[1])
+    (first, lengths), (second, other_lengths) = real_tokens_first(ids, attention_mask, width), \
+        real_tokens_first(other_ids, other_attention_mask, width)
+    both = torch.arange(width, device=ids.device) < torch.minimum(lengths, other_lengths)[:, None]  # (n, width)
+    shared = ((first == second) & both).long().cumprod(-1).sum(-1)
+    return torch.minimum(shared, torch.minimum(lengths, other_lengths) - 1).clamp(min=0)
+
+
+@dataclass
+class PackedPairs:
+    """n preference pairs (a chosen and a rejected row each) packed in one row of R positions. Pair
+    i is laid as
+
+        [common prefix (c_i tokens) | chosen's own tokens | rejected's own tokens]
+
+    the common prefix being the prompt and the answer tokens both rows begin with
+    (`common_prefix_lengths`), with position ids as in the separate rows (the rejected tokens'
+    count on from c_i) and a mask in which each token sees the prefix and the earlier tokens of its
+    own answer, never the other answer's. A row's column j (its real tokens counted from 0, either
+    padding side in) sits at `chosen_position(j)` / `rejected_position(j)` of the packed row."""
+
+    ids: torch.Tensor
+    """(R,) token ids."""
+    positions: torch.Tensor
+    """(R,) position ids."""
+    layout: PackedLayout
+    starts: torch.Tensor
+    """(n,) each pair's first packed position."""
+    shared: torch.Tensor
+    """(n,) c_i, the common prefix's length."""
+    chosen_lengths: torch.Tensor
+    """(n,) real tokens of each chosen row (its prefix included)."""
+    rejected_lengths: torch.Tensor
+    """(n,) real tokens of each rejected row (its prefix included)."""
+
+    @classmethod
+    def of(cls, chosen_ids: torch.Tensor, chosen_mask: torch.Tensor, rejected_ids: torch.Tensor,
+           rejected_mask: torch.Tensor) -> "PackedPairs":
+        """The packing of n pairs: (n, L) ids and attention masks a side (either padding side)."""
+        n, width = chosen_ids.shape[0], max(chosen_ids.shape[1], rejected_ids.shape[1])
+        chosen, chosen_lengths = real_tokens_first(chosen_ids, chosen_mask, width)
+        rejected, rejected_lengths = real_tokens_first(rejected_ids, rejected_mask, width)
+        shared = common_prefix_lengths(chosen_ids, chosen_mask, rejected_ids, rejected_mask)  # (n,)
+        chosen_end, end = chosen_lengths[:, None], (chosen_lengths + rejected_lengths - shared)[:, None]  # (n, 1)
+        columns = torch.arange(int(end.max()), device=chosen_ids.device)[None, :]  # (1, W)
+        source = columns - chosen_end + shared[:, None]  # (n, W): the rejected row's column of a rejected token
+        segment = (columns >= shared[:, None]).long() + (columns >= chosen_end).long() + (columns >= end).long()  # 0 prefix, 1 chosen, 2 rejected, 3 past the pair
+        ids = torch.where(segment < 2, chosen.gather(1, columns.clamp(max=width - 1).expand(n, -1)),
+                          rejected.gather(1, source.clamp(0, width - 1)))  # (n, W); past the pair is dropped below
+        positions = torch.where(segment == 2, source, columns)  # (n, W)
+        query, key = segment[:, :, None], segment[:, None, :]  # (n, W, 1), (n, 1, W)
+        causal = columns[0][:, None] >= columns[0][None, :]  # (W, W)
+        layout = PackedLayout.of(end[:, 0], causal & ((key == 0) | (key == query)))  # the prefix and its own answer
+        real = layout.scatter  # (R,)
+        return cls(ids.flatten()[real], positions.flatten()[real], layout, end[:, 0].cumsum(0) - end[:, 0], shared,
+                   chosen_lengths, rejected_lengths)
+
+    def chosen_position(self, columns: torch.Tensor) -> torch.Tensor:
+        """Packed positions of the chosen rows' `columns` ((n,) or (n, k), real tokens counted from 0)."""
+        return self._at(columns, columns)
+
+    def rejected_position(self, columns: torch.Tensor) -> torch.Tensor:
+        """Packed positions of the rejected rows' `columns`: the prefix's own, or after the chosen answer."""
+        shared, chosen = (self.shared, self.chosen_lengths) if columns.dim() == 1 else (self.shared[:, None], self.chosen_lengths[:, None])
+        return self._at(columns, torch.where(columns < shared, columns, columns - shared + chosen))
+
+    def _at(self, columns: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
+        return (self.starts if columns.dim() == 1 else self.starts[:, None]) + within
 
 
 def _padded(states: torch.Tensor, layout: PackedLayout) -> torch.Tensor:

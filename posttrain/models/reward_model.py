@@ -27,7 +27,7 @@ import torch
 from posttrain.data import position_ids_from_attention_mask
 from posttrain.errors import UserError
 from posttrain.models.adapters import is_lora
-from posttrain.models.packing import PackedLayout, use_packed_attention
+from posttrain.models.packing import PackedPairs, common_prefix_lengths, use_packed_attention
 
 META_FILE = "reward_model.json"
 """The export's own facts beside config.json: pooling rule, EOS appended, chat template hash, the
@@ -120,31 +120,6 @@ def batch_rewards(model: RewardModel, batch, rows=slice(None), shared_prompt: bo
     return rewards[:n], rewards[n:]
 
 
-def _real_tokens_first(ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, width) `ids` with each row's real tokens moved to columns 0 .. length - 1 (either padding
-    side in, zeros after), and the (n,) lengths."""
-    real = attention_mask.bool()
-    rows, columns = real.nonzero(as_tuple=True)
-    laid = ids.new_zeros(ids.shape[0], width)
-    laid[rows, real.long().cumsum(-1)[rows, columns] - 1] = ids[rows, columns]
-    return laid, real.sum(-1)
-
-
-def common_prefix_lengths(ids: torch.Tensor, attention_mask: torch.Tensor, other_ids: torch.Tensor,
-                          other_attention_mask: torch.Tensor) -> torch.Tensor:
-    """(n,) how many leading real tokens row i of (n, L) `ids` shares with row i of (n, L')
-    `other_ids` (either padding side), capped so that both rows keep at least one token of their
-    own: the pooled EOS is each row's own. A causal model's hidden states over that prefix are the
-    same in both rows, so a pair's chosen and rejected rows need it computed once.
-    Example: [q, q, a, b, EOS] and [q, q, a, c, d, EOS] -> 3; [q, EOS] and [q, EOS, x, EOS] -> 1."""
-    width = max(ids.shape[1], other_ids.shape[1])
-    (first, lengths), (second, other_lengths) = _real_tokens_first(ids, attention_mask, width), \
-        _real_tokens_first(other_ids, other_attention_mask, width)
-    both = torch.arange(width, device=ids.device) < torch.minimum(lengths, other_lengths)[:, None]  # (n, width)
-    shared = ((first == second) & both).long().cumprod(-1).sum(-1)
-    return torch.minimum(shared, torch.minimum(lengths, other_lengths) - 1).clamp(min=0)
-
-
 def packed_pair_rewards(model: RewardModel, chosen_ids: torch.Tensor, chosen_mask: torch.Tensor, rejected_ids: torch.Tensor,
                         rejected_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(n,) chosen and (n,) rejected rewards of n pairs ((n, L) ids and attention masks a side,
@@ -165,25 +140,11 @@ def packed_pair_rewards(model: RewardModel, chosen_ids: torch.Tensor, chosen_mas
     config = model.config
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or not use_packed_attention(model.decoder):
         return None
-    n, width = chosen_ids.shape[0], max(chosen_ids.shape[1], rejected_ids.shape[1])
-    chosen, chosen_lengths = _real_tokens_first(chosen_ids, chosen_mask, width)
-    rejected, rejected_lengths = _real_tokens_first(rejected_ids, rejected_mask, width)
-    shared = common_prefix_lengths(chosen_ids, chosen_mask, rejected_ids, rejected_mask)[:, None]  # (n, 1)
-    chosen_end, end = chosen_lengths[:, None], (chosen_lengths + rejected_lengths)[:, None] - shared  # (n, 1)
-    columns = torch.arange(int(end.max()), device=chosen_ids.device)[None, :]  # (1, W)
-    source = columns - chosen_end + shared  # (n, W): the rejected row's column of a rejected token
-    segment = (columns >= shared).long() + (columns >= chosen_end).long() + (columns >= end).long()  # 0 prefix, 1 chosen, 2 rejected, 3 past the pair
-    ids = torch.where(segment < 2, chosen.gather(1, columns.clamp(max=width - 1).expand(n, -1)),
-                      rejected.gather(1, source.clamp(0, width - 1)))  # (n, W); padding (segment 3) is dropped below
-    positions = torch.where(segment == 2, source, columns)  # (n, W)
-    query, key = segment[:, :, None], segment[:, None, :]  # (n, W, 1), (n, 1, W)
-    causal = columns[0][:, None] >= columns[0][None, :]  # (W, W)
-    layout = PackedLayout.of(end[:, 0], causal & ((key == 0) | (key == query)))  # (n, W, W): the prefix and its own answer
-    real = layout.scatter  # (R,) the pairs' real tokens, one after another
-    hidden = model.decoder(input_ids=ids.flatten()[real][None], attention_mask=layout.masks,
-                           position_ids=positions.flatten()[real][None], packed_layout=layout).last_hidden_state[0]  # (R, H)
-    starts = end[:, 0].cumsum(0) - end[:, 0]  # (n,)
-    pooled = hidden[torch.cat([starts + chosen_lengths - 1, starts + end[:, 0] - 1])]  # (2n, H): each answer's EOS
+    pairs = PackedPairs.of(chosen_ids, chosen_mask, rejected_ids, rejected_mask)
+    hidden = model.decoder(input_ids=pairs.ids[None], attention_mask=pairs.layout.masks, position_ids=pairs.positions[None],
+                           packed_layout=pairs.layout).last_hidden_state[0]  # (R, H)
+    n = pairs.starts.shape[0]
+    pooled = hidden[torch.cat([pairs.chosen_position(pairs.chosen_lengths - 1), pairs.rejected_position(pairs.rejected_lengths - 1)])]  # (2n, H): each answer's EOS
     rewards = model.score(pooled.to(model.score.weight.dtype)).squeeze(-1).float()
     return rewards[:n], rewards[n:]
 
