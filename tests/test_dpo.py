@@ -246,8 +246,9 @@ def shared_prompt_batch(tokenizer, padding_side: str) -> PreferenceBatch:
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_shared_prompt_forward_equals_the_concatenated_forward(padding_side, lora):
-    """Each pair's prompt computed once (KV cache shared by its chosen and rejected rows) gives the
-    per-row forward's sums, lengths and parameter gradients, for the policy and a live reference.
+    """Each pair's prompt computed once (KV cache shared by its chosen and rejected rows), and the
+    pairs packed in one row (each pair's common prefix once), give the per-row forward's sums,
+    lengths and parameter gradients, for the policy and a live reference.
     Sums of ~16 log-probs reach ~75, where one float32 ulp is 7.6e-6: hence rtol 1e-6 next to atol 1e-5."""
     torch.manual_seed(0)  # the LoRA A matrices
     model, tokenizer = load_model("tiny")
@@ -263,16 +264,19 @@ def test_shared_prompt_forward_equals_the_concatenated_forward(padding_side, lor
                                        for key in ("input_ids", "attention_mask", "mask"))
     weights = torch.linspace(-1.0, 2.0, input_ids.shape[0])  # a different gradient per row
     results = []
-    for forward in (model_forward.response_sums, pair_forward.shared_prompt_sums):
+    n = input_ids.shape[0] // 2
+    halves = [tensor[:n] for tensor in (input_ids, attention_mask, mask)] + [tensor[n:] for tensor in (input_ids, attention_mask, mask)]
+    for forward in (model_forward.response_sums, pair_forward.shared_prompt_sums, lambda model, *_: pair_forward.packed_pair_sums(model, *halves)):
         model.zero_grad(set_to_none=True)
         sums, lengths = forward(model, input_ids, attention_mask, mask)
         (sums * weights).sum().backward()
         results.append((sums.detach(), lengths, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
-    (plain, plain_lengths, plain_grads), (shared, shared_lengths, shared_grads) = results
-    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-6)
-    assert shared_lengths.tolist() == plain_lengths.tolist() == (mask.sum(-1)).tolist()
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    (plain, plain_lengths, plain_grads), *others = results
+    for shared, shared_lengths, shared_grads in others:  # the prompt through a KV cache; the pairs packed in one row
+        torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-6)
+        assert shared_lengths.tolist() == plain_lengths.tolist() == (mask.sum(-1)).tolist()
+        for name, grad in plain_grads.items():
+            torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     reference = make_reference(model)  # for LoRA the base model: the adapters go off in both calls
     shared, plain = pair_forward.pair_logprobs(reference, batch), pair_forward.pair_logprobs(reference, batch, full_forward=True)
     torch.testing.assert_close(shared.chosen, plain.chosen, atol=1e-5, rtol=1e-6)
@@ -280,14 +284,26 @@ def test_shared_prompt_forward_equals_the_concatenated_forward(padding_side, lor
 
 
 def test_shared_prompt_forward_embeds_each_prompt_once_and_falls_back(monkeypatch):
-    """5 pairs over 4 distinct prompts: 4 prompt rows of width P, then 10 response rows of width
-    T - 1; `full_forward` is one (10, L) call; an unsupported architecture takes the per-row path."""
+    """5 pairs over 4 distinct prompts: under SDPA one packed row of each pair's distinct tokens
+    (its common prefix once); under eager attention 4 prompt rows of width P, then 10 response
+    rows of width T - 1 (the shared KV cache); `full_forward` is one (10, L) call; an unsupported
+    architecture takes the per-row path. All give the same sums."""
+    from posttrain.models.packing import common_prefix_lengths
+
     model, tokenizer = load_model("tiny")
     batch = shared_prompt_batch(tokenizer, "right")
     shapes = []
     model.get_input_embeddings().register_forward_hook(lambda module, args, output: shapes.append(tuple(args[0].shape)))
+    chosen, rejected = batch.chosen, batch.rejected
+    distinct = int((chosen.attention_mask.sum() + rejected.attention_mask.sum()
+                    - common_prefix_lengths(chosen.input_ids, chosen.attention_mask, rejected.input_ids, rejected.attention_mask).sum()))
     with torch.no_grad():
+        packed = pair_forward.pair_logprobs(model, batch)
+        assert shapes == [(1, distinct)]
+        shapes.clear()
+        model.config._attn_implementation = "eager"
         shared = pair_forward.pair_logprobs(model, batch)
+        model.config._attn_implementation = "sdpa"
         P = int((batch.chosen.attention_mask.bool() & ~batch.chosen.mask).sum(-1).max())
         T = int(torch.cat([batch.chosen.mask, batch.rejected.mask]).sum(-1).max())
         assert shapes == [(4, P), (10, T - 1)]
@@ -297,7 +313,7 @@ def test_shared_prompt_forward_embeds_each_prompt_once_and_falls_back(monkeypatc
         monkeypatch.setattr(model_forward, "SUPPORTED_MODEL_TYPES", ())
         assert pair_forward.shared_prompt_sums(model, batch.chosen.input_ids, batch.chosen.attention_mask, batch.chosen.mask) is None
         fallback = pair_forward.pair_logprobs(model, batch)
-    for result in (full, fallback):
+    for result in (full, fallback, packed):
         torch.testing.assert_close(result.chosen, shared.chosen, atol=1e-5, rtol=1e-6)
         torch.testing.assert_close(result.rejected, shared.rejected, atol=1e-5, rtol=1e-6)
 

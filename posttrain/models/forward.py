@@ -157,9 +157,7 @@ def response_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     linear map (logit soft-capping or scaling) take the plain full forward.
     """
     position_ids = position_ids_from_attention_mask(attention_mask)
-    config = getattr(model, "config", None)
-    plain_head = not any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    if full_forward or not plain_head or model.get_output_embeddings() is None:
+    if full_forward or scaled_logits(model) or model.get_output_embeddings() is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits  # (N, L, V)
         logprobs, shifted_mask = response_logprobs(logits, input_ids, mask)
         return sequence_logprobs(logprobs, shifted_mask), shifted_mask.sum(-1)
@@ -212,11 +210,16 @@ class CompletionScores:
     values: torch.Tensor | None = None
 
 
+def scaled_logits(model) -> bool:
+    """True when the model's logits are more than its head's output (logit soft-capping or scaling)."""
+    config = getattr(_transformers_model(model), "config", None)
+    return any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+
+
 def plain_head(model) -> torch.nn.Linear | None:
     """The model's LM head when its logits are exactly `head(last hidden state)`: a plain `nn.Linear`
     (not LoRA-wrapped), no logit soft-capping or scaling; else None (the caller takes the logits)."""
-    config = getattr(_transformers_model(model), "config", None)
-    if any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+    if scaled_logits(model):
         return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return head if type(head) is torch.nn.Linear else None

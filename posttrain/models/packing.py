@@ -99,7 +99,7 @@ class PackedPairs:
     (`common_prefix_lengths`), with position ids as in the separate rows (the rejected tokens'
     count on from c_i) and a mask in which each token sees the prefix and the earlier tokens of its
     own answer, never the other answer's. A row's column j (its real tokens counted from 0, either
-    padding side in) sits at `chosen_position(j)` / `rejected_position(j)` of the packed row."""
+    padding side in) sits at `at(side, i, j)` of the packed row."""
 
     ids: torch.Tensor
     """(R,) token ids."""
@@ -137,17 +137,15 @@ class PackedPairs:
         return cls(ids.flatten()[real], positions.flatten()[real], layout, end[:, 0].cumsum(0) - end[:, 0], shared,
                    chosen_lengths, rejected_lengths)
 
-    def chosen_position(self, columns: torch.Tensor) -> torch.Tensor:
-        """Packed positions of the chosen rows' `columns` ((n,) or (n, k), real tokens counted from 0)."""
-        return self._at(columns, columns)
-
-    def rejected_position(self, columns: torch.Tensor) -> torch.Tensor:
-        """Packed positions of the rejected rows' `columns`: the prefix's own, or after the chosen answer."""
-        shared, chosen = (self.shared, self.chosen_lengths) if columns.dim() == 1 else (self.shared[:, None], self.chosen_lengths[:, None])
-        return self._at(columns, torch.where(columns < shared, columns, columns - shared + chosen))
-
-    def _at(self, columns: torch.Tensor, within: torch.Tensor) -> torch.Tensor:
-        return (self.starts if columns.dim() == 1 else self.starts[:, None]) + within
+    def at(self, side: int, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """(K,) packed positions of column `columns[k]` (real tokens counted from 0) of pair
+        `rows[k]`'s chosen row (`side` 0) or rejected row (1): a rejected token past the common
+        prefix sits after the chosen answer."""
+        within = columns
+        if side == 1:
+            shared = self.shared[rows]
+            within = torch.where(columns < shared, columns, columns - shared + self.chosen_lengths[rows])
+        return self.starts[rows] + within
 
 
 def _padded(states: torch.Tensor, layout: PackedLayout) -> torch.Tensor:

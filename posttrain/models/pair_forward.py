@@ -22,7 +22,8 @@ from posttrain.atomic import write_atomically
 from posttrain.distributed import World, full_weights
 from posttrain.errors import UserError
 from posttrain.models.adapters import ReferenceModel
-from posttrain.models.forward import response_head_logprobs, response_sums, shared_prefix_logits
+from posttrain.models.forward import response_head_logprobs, response_sums, scaled_logits, shared_prefix_logits
+from posttrain.models.packing import PackedPairs, real_tokens_first, use_packed_attention
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None), full
 
     Position ids count real tokens only, so left- and right-padded batches give the same sums.
     `model` may be a `ReferenceModel` (then no gradient is taken, adapters off for a LoRA base).
-    Each pair's prompt is computed once for both rows (`shared_prompt_sums`) where the model allows.
+    Each pair's common prefix is computed once for both rows where the model allows
+    (`shared_pair_sums`: the pairs packed in one row, else the prompt through a shared KV cache).
     `full_forward`: one plain `model(...)` call (FSDP2 needs the model's own forward to gather its
     root's shards) instead of the decoder + LM head on the response positions only.
     """
@@ -58,14 +60,62 @@ def pair_logprobs(model, batch: PreferenceBatch, rows: slice = slice(None), full
         with torch.no_grad(), (model.model.disable_adapter() if model.adapter_disabled else contextlib.nullcontext()):
             was_training = model.model.training
             model.model.eval()
-            result = None if full_forward else shared_prompt_sums(model.model, input_ids, attention_mask, mask)
+            result = None if full_forward else shared_pair_sums(model.model, input_ids, attention_mask, mask)
             sums, lengths = result or response_sums(model.model, input_ids, attention_mask, mask)
             model.model.train(was_training)
     else:
-        result = None if full_forward else shared_prompt_sums(model, input_ids, attention_mask, mask)
+        result = None if full_forward else shared_pair_sums(model, input_ids, attention_mask, mask)
         sums, lengths = result or response_sums(model, input_ids, attention_mask, mask, full_forward)
     n = input_ids.shape[0] // 2
     return PairLogprobs(sums[:n], sums[n:], lengths[:n], lengths[n:])
+
+
+def shared_pair_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`response_sums` of (2n, L) rows, n chosen then n rejected, with each pair's common prefix
+    computed once: `packed_pair_sums` where the model allows, else `shared_prompt_sums`; None when
+    neither applies (the caller runs `response_sums`)."""
+    n = input_ids.shape[0] // 2
+    packed = packed_pair_sums(model, input_ids[:n], attention_mask[:n], mask[:n], input_ids[n:], attention_mask[n:], mask[n:])
+    return packed if packed is not None else shared_prompt_sums(model, input_ids, attention_mask, mask)
+
+
+def packed_pair_sums(model, chosen_ids: torch.Tensor, chosen_attention: torch.Tensor, chosen_mask: torch.Tensor,
+                     rejected_ids: torch.Tensor, rejected_attention: torch.Tensor,
+                     rejected_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(2n,) summed response log-probs (chosen rows, then rejected) and (2n,) response lengths of n
+    pairs ((n, L) ids, attention masks and response masks a side, either padding side), in one
+    decoder pass over the pairs packed in one row without padding (`models.packing.PackedPairs`:
+    each pair's common prefix, the prompt and the answer tokens both begin with, once; every
+    matmul on real tokens; attention per pair). The LM head then runs on the positions that predict
+    a response token, as in `response_sums` (position j - 1 predicts token j; a response token in
+    the common prefix counts in both sums). Equal to `response_sums` in value and gradient (tested).
+    None for a model that is not a Llama-type decoder under SDPA with an unscaled LM head."""
+    from posttrain.models.forward import SUPPORTED_MODEL_TYPES  # read when called (the tests narrow it)
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    config = getattr(model, "config", None)
+    if (decoder is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or scaled_logits(model)
+            or model.get_output_embeddings() is None or not use_packed_attention(decoder)):
+        return None
+    pairs = PackedPairs.of(chosen_ids, chosen_attention, rejected_ids, rejected_attention)
+    hidden = decoder(input_ids=pairs.ids[None], attention_mask=pairs.layout.masks, position_ids=pairs.positions[None],
+                     packed_layout=pairs.layout).last_hidden_state[0]  # (R, H)
+    width = max(chosen_ids.shape[1], rejected_ids.shape[1])
+    predictors, targets, owners, lengths = [], [], [], []
+    for side, (ids, attention, mask) in enumerate(((chosen_ids, chosen_attention, chosen_mask),
+                                                    (rejected_ids, rejected_attention, rejected_mask))):
+        laid_ids, _ = real_tokens_first(ids, attention, width)  # (n, width)
+        laid_mask, _ = real_tokens_first(mask.long(), attention, width)
+        scored = laid_mask.bool()
+        scored[:, 0] = False  # nothing predicts a row's first token (as `response_sums`' shifted mask)
+        rows, columns = scored.nonzero(as_tuple=True)
+        predictors.append(pairs.at(side, rows, columns - 1))
+        targets.append(laid_ids[rows, columns])
+        owners.append(rows + side * ids.shape[0])
+        lengths.append(scored.sum(-1))
+    logprobs = response_head_logprobs(model, hidden[torch.cat(predictors)], torch.cat(targets))  # (K,)
+    sums = torch.zeros(2 * chosen_ids.shape[0], dtype=logprobs.dtype, device=logprobs.device).index_add(0, torch.cat(owners), logprobs)
+    return sums, torch.cat(lengths)
 
 
 def shared_prompt_sums(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -144,7 +144,8 @@ def packed_pair_rewards(model: RewardModel, chosen_ids: torch.Tensor, chosen_mas
     hidden = model.decoder(input_ids=pairs.ids[None], attention_mask=pairs.layout.masks, position_ids=pairs.positions[None],
                            packed_layout=pairs.layout).last_hidden_state[0]  # (R, H)
     n = pairs.starts.shape[0]
-    pooled = hidden[torch.cat([pairs.chosen_position(pairs.chosen_lengths - 1), pairs.rejected_position(pairs.rejected_lengths - 1)])]  # (2n, H): each answer's EOS
+    rows = torch.arange(n, device=hidden.device)
+    pooled = hidden[torch.cat([pairs.at(0, rows, pairs.chosen_lengths - 1), pairs.at(1, rows, pairs.rejected_lengths - 1)])]  # (2n, H): each answer's EOS
     rewards = model.score(pooled.to(model.score.weight.dtype)).squeeze(-1).float()
     return rewards[:n], rewards[n:]
 
