@@ -283,6 +283,33 @@ def test_shared_prompt_forward_equals_the_concatenated_forward(padding_side, lor
     torch.testing.assert_close(shared.rejected, plain.rejected, atol=1e-5, rtol=1e-6)
 
 
+def test_packed_pairs_under_gradient_checkpointing_equal_the_per_row_forward():
+    """With gradient checkpointing (each layer recomputed in backward, where transformers looks the
+    attention function up again) the packed pairs give the per-row forward's sums and gradients."""
+    from posttrain.models.loading import enable_gradient_checkpointing
+
+    model, tokenizer = load_model("tiny")
+    enable_gradient_checkpointing(model)
+    model.train()
+    batch = shared_prompt_batch(tokenizer, "left")
+    chosen, rejected = batch.chosen, batch.rejected
+    results = []
+    for packed in (True, False):
+        model.zero_grad(set_to_none=True)
+        if packed:
+            sums, _ = pair_forward.packed_pair_sums(model, chosen.input_ids, chosen.attention_mask, chosen.mask,
+                                                    rejected.input_ids, rejected.attention_mask, rejected.mask)
+        else:
+            sums, _ = model_forward.response_sums(model, *(torch.cat([getattr(chosen, key), getattr(rejected, key)])
+                                                           for key in ("input_ids", "attention_mask", "mask")))
+        (sums * torch.linspace(-1.0, 2.0, sums.shape[0])).sum().backward()
+        results.append((sums.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (packed_sums, packed_grads), (plain_sums, plain_grads) = results
+    torch.testing.assert_close(packed_sums, plain_sums, atol=1e-5, rtol=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_shared_prompt_forward_embeds_each_prompt_once_and_falls_back(monkeypatch):
     """5 pairs over 4 distinct prompts: under SDPA one packed row of each pair's distinct tokens
     (its common prefix once); under eager attention 4 prompt rows of width P, then 10 response
